@@ -1,0 +1,1 @@
+"""Judge: RULER and reward functions (see the judge issue)."""

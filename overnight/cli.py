@@ -1,0 +1,302 @@
+"""The `overnight` command line. Thin: each command parses options and calls a library.
+
+Parts are imported inside each command so that `overnight --help` is instant and the
+proxy process never imports torch. Options come from the command line, then
+`OVERNIGHT_*` environment variables, then the config file (`--config`, TOML, a table
+per command and top-level keys for all), then the defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tomllib
+from pathlib import Path
+
+import click
+
+from .config import DEFAULT_DATA_DIR
+from .errors import OvernightError
+
+
+def _load_config_file(ctx: click.Context, _param, value: str | None):
+    if value is None:
+        return None
+    try:
+        data = tomllib.loads(Path(value).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise click.BadParameter(f"cannot read config file {value}: {e}") from e
+    shared = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    commands = {k: v for k, v in data.items() if isinstance(v, dict)}
+    names = ctx.command.list_commands(ctx) if isinstance(ctx.command, click.Group) else []
+    ctx.default_map = {name: {**shared, **commands.get(name, {})} for name in names}
+    return value
+
+
+data_option = click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_DATA_DIR,
+    show_default=True,
+    envvar="OVERNIGHT_DATA",
+    help="Data directory: records, logs, adapters.",
+)
+
+
+@click.group(
+    context_settings={"auto_envvar_prefix": "OVERNIGHT", "help_option_names": ["-h", "--help"]}
+)
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    envvar="OVERNIGHT_CONFIG",
+    callback=_load_config_file,
+    is_eager=True,
+    expose_value=False,
+    help="TOML file of option defaults ([serve], [ls], ... tables; top-level keys for all).",
+)
+@click.version_option(package_name="overnight")
+def main() -> None:
+    """An OpenAI-compatible logging proxy in front of vLLM that trains offline.
+
+    \b
+    Example:
+      overnight serve --model Qwen/Qwen2.5-7B-Instruct --port 8000
+      OPENAI_BASE_URL=http://localhost:8000/v1 python my_agent.py
+      overnight ls
+    """
+
+
+def _fail(e: Exception) -> click.ClickException:
+    return click.ClickException(str(e))
+
+
+@main.command()
+@click.option("--model", help="Model to serve: vLLM is started as a child process.")
+@click.option("--upstream", help="URL of an OpenAI-compatible server already running.")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address the proxy listens on."
+)
+@click.option(
+    "--port", default=8000, show_default=True, type=int, help="Port the proxy listens on."
+)
+@data_option
+@click.option(
+    "--alias", default="policy", show_default=True, help="Model name that follows promotions."
+)
+@click.option("--api-key", "api_keys", multiple=True, help="Accepted client key (repeatable).")
+@click.option("--admin-token", default=None, help="Token for /admin/ (else loopback only).")
+@click.option("--upstream-api-key", default=None, help="Key the proxy sends upstream.")
+@click.option(
+    "--max-lora-rank", default=16, show_default=True, type=int, help="vLLM's --max-lora-rank."
+)
+@click.option("--max-loras", default=2, show_default=True, type=int, help="vLLM's --max-loras.")
+@click.option(
+    "--tool-call-parser",
+    default="hermes",
+    show_default=True,
+    help="vLLM's tool call parser ('' for none).",
+)
+@click.option(
+    "--vllm-arg",
+    "vllm_args",
+    multiple=True,
+    help="Extra argument for vLLM (repeatable), e.g. --vllm-arg=--dtype=float32.",
+)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+def serve(
+    model,
+    upstream,
+    host,
+    port,
+    data_dir,
+    alias,
+    api_keys,
+    admin_token,
+    upstream_api_key,
+    max_lora_rank,
+    max_loras,
+    tool_call_parser,
+    vllm_args,
+    log_level,
+):
+    """Serve the logging proxy (and vLLM with --model).
+
+    \b
+    Example:
+      overnight serve --model ./tiny-model --port 8000 --data ./overnight-data
+      overnight serve --upstream http://127.0.0.1:8001 --api-key sk-local
+    """
+    from .serve import serve_forever
+
+    if bool(model) == bool(upstream):
+        raise click.UsageError("give exactly one of --model (start vLLM) or --upstream URL")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        serve_forever(
+            model=model,
+            upstream=upstream,
+            host=host,
+            port=port,
+            data_dir=data_dir,
+            alias=alias,
+            api_keys=tuple(api_keys),
+            admin_token=admin_token,
+            upstream_api_key=upstream_api_key,
+            max_lora_rank=max_lora_rank,
+            max_loras=max_loras,
+            tool_call_parser=tool_call_parser or None,
+            vllm_args=tuple(vllm_args),
+        )
+    except OvernightError as e:
+        raise _fail(e) from e
+
+
+@main.command(name="ls")
+@data_option
+@click.option("--group", default=None, help="Only this rollout group.")
+@click.option("--limit", default=20, show_default=True, type=int, help="Most recent groups shown.")
+def ls_command(data_dir, group, limit):
+    """List rollout groups and their rollouts, newest first.
+
+    \b
+    Example:
+      overnight ls --limit 5
+    """
+    from . import display
+
+    with _db(data_dir) as con:
+        click.echo(display.list_groups(con, group=group, limit=limit))
+
+
+@main.command()
+@data_option
+@click.argument("rollout_id")
+def show(data_dir, rollout_id):
+    """Show one rollout's conversation, turn by turn.
+
+    \b
+    Example:
+      overnight show task-17.3
+    """
+    from . import display
+
+    with _db(data_dir) as con:
+        try:
+            click.echo(display.show_rollout(con, rollout_id))
+        except OvernightError as e:
+            raise _fail(e) from e
+
+
+@main.command()
+@data_option
+@click.argument("query")
+@click.option(
+    "--format",
+    "fmt",
+    default="table",
+    show_default=True,
+    type=click.Choice(["table", "csv", "json"]),
+    help="Output format.",
+)
+def sql(data_dir, query, fmt):
+    """Run a DuckDB query over the views completions, rollouts, groups, rewards, finishes.
+
+    \b
+    Example:
+      overnight sql "SELECT group_id, mean_reward FROM groups ORDER BY started_at DESC"
+    """
+    import duckdb
+
+    from . import display
+
+    with _db(data_dir) as con:
+        try:
+            click.echo(display.run_query(con, query, fmt))
+        except duckdb.Error as e:
+            raise _fail(e) from e
+
+
+@main.command()
+@data_option
+@click.option(
+    "--format",
+    "fmt",
+    default="jsonl",
+    show_default=True,
+    type=click.Choice(["jsonl", "parquet"]),
+    help="Output format.",
+)
+@click.option(
+    "--table",
+    default="completions",
+    show_default=True,
+    type=click.Choice(["completions", "rollouts", "groups", "rewards", "finishes"]),
+)
+@click.option(
+    "--out",
+    "out_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="File to write.",
+)
+def export(data_dir, fmt, table, out_path):
+    """Export a table or view to JSON lines or Parquet.
+
+    \b
+    Example:
+      overnight export --format jsonl --out completions.jsonl
+    """
+    from . import display
+
+    with _db(data_dir) as con:
+        n = display.export(con, table, fmt, out_path)
+    click.echo(f"wrote {n} row(s) of {table} to {out_path}")
+
+
+@main.command(name="tiny-model")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", default=0, show_default=True, type=int)
+def tiny_model(out_dir, seed):
+    """Build the tiny local chat model used by the demo and tests.
+
+    \b
+    Example:
+      overnight tiny-model ./tiny-model
+    """
+    from .tiny_model import build_tiny_model
+
+    click.echo(f"tiny model in {build_tiny_model(out_dir, seed=seed)}")
+
+
+class _db:
+    """Open the data directory read-only for one command; clear errors if it is not one."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+
+    def __enter__(self):
+        from .storage import SchemaVersionError, open_db
+
+        if not self.data_dir.is_dir():
+            raise click.ClickException(f"no data directory at {self.data_dir} (use --data)")
+        try:
+            self.con = open_db(self.data_dir)
+        except SchemaVersionError as e:
+            raise _fail(e) from e
+        return self.con
+
+    def __exit__(self, *exc):
+        self.con.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Configuration of each part: frozen dataclasses, each field documented once.
+
+Precedence is CLI > environment (`OVERNIGHT_*`) > config file > the defaults below;
+the CLI applies it (click's `auto_envvar_prefix` and `default_map`) and builds these.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+DEFAULT_DATA_DIR = Path("overnight-data")
+_ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    # Base URL of the OpenAI-compatible server the proxy fronts (vLLM), without /v1.
+    upstream: str
+    # Where records, logs and adapter state live; every command takes the same one.
+    data_dir: Path = DEFAULT_DATA_DIR
+    # The stable model name agents ask for; it follows promotions.
+    alias: str = "policy"
+    # Client keys accepted as `Authorization: Bearer KEY`; empty means no client auth.
+    api_keys: tuple[str, ...] = ()
+    # Token for /admin/; without one the admin API answers loopback clients only.
+    admin_token: str | None = None
+    # Key the proxy sends upstream; never the client's key.
+    upstream_api_key: str | None = None
+    # Large enough for long multi-turn agent contexts with tool outputs.
+    max_body_bytes: int = 32 * 1024 * 1024
+    # Connecting to a local vLLM is instant; 10 s covers a busy host.
+    connect_timeout: float = 10.0
+    # Longest silence between two upstream bytes. Long generations are fine (there is
+    # deliberately no total cap); a stalled upstream is not.
+    read_timeout: float = 600.0
+    # vLLM closes idle keep-alive connections after about 5 s; ours must close first
+    # or a reused connection fails with "Server disconnected".
+    keepalive_timeout: float = 4.0
+    # How long an old adapter may keep serving in-flight requests before it is unloaded.
+    drain_timeout: float = 600.0
+    # The name vLLM serves the base model under; None discovers it from /v1/models.
+    base_model: str | None = None
+    # Group commit window of the write-ahead log (see storage.writer).
+    commit_interval: float = 0.02
+    # Roll the log into Parquet after this many seconds (and at 64 MiB).
+    roll_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ConfigError(f"upstream must be an http(s) URL, got {self.upstream!r}")
+        object.__setattr__(self, "upstream", self.upstream.rstrip("/").removesuffix("/v1"))
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if not _ALIAS.fullmatch(self.alias):
+            raise ConfigError(
+                f"alias must be 1-64 characters of [A-Za-z0-9._-], got {self.alias!r}"
+            )
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be at least 1024")
+        for name in ("connect_timeout", "read_timeout", "keepalive_timeout", "drain_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.commit_interval < 0 or self.roll_seconds <= 0:
+            raise ConfigError("commit_interval must be >= 0 and roll_seconds > 0")
+        if any(not k for k in self.api_keys):
+            raise ConfigError("api keys must not be empty")

@@ -1,0 +1,156 @@
+"""Text views of a data directory for the CLI: `ls`, `show`, `sql`, `export`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import duckdb
+
+from .errors import OvernightError
+
+
+def _table(headers: list[str], rows: list[tuple]) -> str:
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if hasattr(value, "strftime"):
+        return value.strftime("%Y-%m-%d %H:%M:%S")
+    text = str(value)
+    return text if len(text) <= 48 else text[:45] + "..."
+
+
+def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -> str:
+    where = "WHERE group_id = ?" if group else ""
+    params = [group] if group else []
+    groups = con.execute(
+        f"SELECT group_id, rollouts, turns, tokens, mean_reward, finished, models_served, ended_at "
+        f"FROM groups {where} ORDER BY ended_at DESC LIMIT {int(limit)}",
+        params,
+    ).fetchall()
+    if not groups:
+        return "no records yet" if not group else f"no group {group!r}"
+    total = con.execute("SELECT count(*), sum(rollouts) FROM groups").fetchone()
+    out = [f"{total[0]} group(s), {total[1]} rollout(s); newest {len(groups)} shown", ""]
+    for g in groups:
+        out.append(
+            f"group {g[0]}: {g[1]} rollout(s), {g[2]} turn(s), {g[3]} tokens, "
+            f"mean reward {_cell(g[4])}, {g[5]} finished, served by {g[6]}"
+        )
+        rollouts = con.execute(
+            "SELECT rollout_id, turns, prompt_tokens, completion_tokens, reward, reward_source, "
+            "finished_at IS NOT NULL, models_served, errors FROM rollouts WHERE group_id = ? "
+            "ORDER BY started_at",
+            [g[0]],
+        ).fetchall()
+        table = _table(
+            [
+                "rollout",
+                "turns",
+                "prompt",
+                "completion",
+                "reward",
+                "source",
+                "finished",
+                "served by",
+                "errors",
+            ],
+            rollouts,
+        )
+        out.append("\n".join("  " + line for line in table.splitlines()))
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
+    turns = con.execute(
+        "SELECT turn_index, started_at, model_served, request, response, finish_reason, error, "
+        "len(completion_token_ids), latency_ms, group_id FROM completions WHERE rollout_id = ? "
+        "ORDER BY started_at, turn_index",
+        [rollout_id],
+    ).fetchall()
+    if not turns:
+        raise OvernightError(f"no rollout {rollout_id!r} (see `overnight ls`)", status=404)
+    reward = con.execute(
+        "SELECT reward, reward_source, finished_at FROM rollouts WHERE rollout_id = ?", [rollout_id]
+    ).fetchone()
+    out = [
+        f"rollout {rollout_id} in group {turns[0][9]}: {len(turns)} turn(s), "
+        f"reward {_cell(reward[0])} ({reward[1] or 'none'}), "
+        f"{'finished' if reward[2] else 'not finished'}"
+    ]
+    seen = 0
+    for turn, started, served, request, response, finish, error, n_tokens, latency, _ in turns:
+        out.append("")
+        out.append(
+            f"--- turn {turn} at {_cell(started)} served by {served}, "
+            f"{n_tokens or 0} tokens, {latency or 0:.0f} ms, finish {finish}"
+        )
+        messages = (json.loads(request) if request else {}).get("messages") or []
+        # Show only what is new since the last turn: the agent resends its history.
+        start = seen if len(messages) > seen else 0
+        for message in messages[start:]:
+            out.append(_message(message))
+        seen = len(messages) + 1
+        if response:
+            for choice in json.loads(response).get("choices", []):
+                out.append(
+                    _message(
+                        choice.get("message")
+                        or {"role": "assistant", "content": choice.get("text")}
+                    )
+                )
+        if error:
+            out.append(f"[error] {error}")
+    return "\n".join(out)
+
+
+def _message(message: dict) -> str:
+    role = message.get("role", "?")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts
+        content = " ".join(
+            p.get("text", f"<{p.get('type')}>") for p in content if isinstance(p, dict)
+        )
+    lines = [f"[{role}] {content}" if content else f"[{role}]"]
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        lines.append(f"  -> {fn.get('name')}({fn.get('arguments')})")
+    return "\n".join(lines)
+
+
+def run_query(con: duckdb.DuckDBPyConnection, query: str, fmt: str) -> str:
+    result = con.execute(query)
+    headers = [d[0] for d in result.description or []]
+    rows = result.fetchall()
+    if fmt == "json":
+        return "\n".join(json.dumps(dict(zip(headers, r, strict=True)), default=str) for r in rows)
+    if fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer)
+        writer.writerow(headers)
+        writer.writerows(rows)
+        return buffer.getvalue().rstrip("\n")
+    return _table(headers, rows) + f"\n({len(rows)} row(s))"
+
+
+def export(con: duckdb.DuckDBPyConnection, table: str, fmt: str, out: Path) -> int:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    option = "FORMAT parquet, COMPRESSION zstd" if fmt == "parquet" else "FORMAT json"
+    con.execute(f"COPY (SELECT * FROM {table}) TO '{_quote(out)}' ({option})")
+    return con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def _quote(path: Path) -> str:
+    return str(path).replace("'", "''")

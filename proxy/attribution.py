@@ -1,0 +1,85 @@
+"""Which rollout group and rollout a request belongs to (the wire conventions).
+
+First match wins: the `X-Rollout-Group`/`X-Rollout-Id` headers, then the URL prefix
+`/rollouts/{group}/{rollout}/v1/...`, then `metadata.rollout_group/rollout_id` in the
+body (removed before forwarding: vLLM has no use for it). A request with no ids is
+still logged: it is a rollout of its own, and the n choices of one request form a
+group of their own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from overnight.errors import OvernightError
+
+GROUP_HEADER = "X-Rollout-Group"
+ROLLOUT_HEADER = "X-Rollout-Id"
+LOG_HEADER = "X-Rollout-Log"
+METADATA_GROUP = "rollout_group"
+METADATA_ROLLOUT = "rollout_id"
+
+_VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class BadRolloutId(OvernightError):
+    status = 400
+    code = "invalid_rollout_id"
+
+
+@dataclass(frozen=True)
+class Attribution:
+    group_id: str | None
+    rollout_id: str | None
+    source: str  # header | url | metadata | none
+
+    def rows(self, request_id: str, n: int) -> list[tuple[str, str]]:
+        """(group_id, rollout_id) for each of n choices.
+
+        Without a rollout id a choice is a rollout of its own; with one and n > 1 the
+        choices branch into `{rollout}.{i}`. Without a group the request (or the
+        rollout) is its own group.
+        """
+        base = self.rollout_id or request_id
+        rollouts = [base] if n == 1 else [f"{base}.{i}" for i in range(n)]
+        group = self.group_id or self.rollout_id or request_id
+        return [(group, r) for r in rollouts]
+
+
+def validate_id(value: str, what: str) -> str:
+    if not isinstance(value, str) or not _VALID_ID.fullmatch(value):
+        raise BadRolloutId(
+            f"{what} must be 1-128 characters of letters, digits and '._:-'; got {value!r:.160}"
+        )
+    return value
+
+
+def attribute(headers, url_group: str | None, url_rollout: str | None, body: dict) -> Attribution:
+    """Find the ids; removes ours from `body['metadata']` whatever wins."""
+    meta_group = meta_rollout = None
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict) and (METADATA_GROUP in metadata or METADATA_ROLLOUT in metadata):
+        meta_group = metadata.pop(METADATA_GROUP, None)
+        meta_rollout = metadata.pop(METADATA_ROLLOUT, None)
+        if not metadata:
+            del body["metadata"]
+
+    candidates = [
+        ("header", headers.get(GROUP_HEADER), headers.get(ROLLOUT_HEADER)),
+        ("url", url_group, url_rollout),
+        ("metadata", meta_group, meta_rollout),
+    ]
+    for source, group, rollout in candidates:
+        if group is None and rollout is None:
+            continue
+        return Attribution(
+            group_id=None if group is None else validate_id(group, "rollout group"),
+            rollout_id=None if rollout is None else validate_id(rollout, "rollout id"),
+            source=source,
+        )
+    return Attribution(None, None, "none")
+
+
+def logging_enabled(headers) -> bool:
+    return headers.get(LOG_HEADER, "on").strip().lower() not in ("off", "0", "false", "no")

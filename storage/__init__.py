@@ -1,0 +1,17 @@
+"""Storage: the record schema, the durable writer and the DuckDB reader.
+
+The leaf of the dependency graph: it imports none of overnight's other parts.
+"""
+
+from .reader import open_db
+from .schema import SCHEMA_VERSION, SchemaVersionError
+from .writer import LogWriter, WriterConfig, recover
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "LogWriter",
+    "SchemaVersionError",
+    "WriterConfig",
+    "open_db",
+    "recover",
+]

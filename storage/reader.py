@@ -1,0 +1,111 @@
+"""DuckDB over a data directory: Parquet segments plus the live logs not yet compacted.
+
+Readers take no lock and open no shared database file: each `open_db` is an
+in-memory DuckDB whose views read the segments directly, so any number of readers
+run beside any number of writing proxies. Rows still in a log (the last few minutes)
+are parsed here and unioned in, so `overnight ls` sees a request the moment its
+fsync returned.
+
+Listing order matters: logs are listed first, segments second. A log compacted in
+between then shows up as a segment (its stem names it) and is not counted twice,
+and never goes missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from .schema import TABLES, check_versions
+from .segments import log_files, read_log, rows_to_table, segment_files
+
+# Views built on the three stored tables: what people and the trainer ask about.
+# Every completion row has a rollout and a group (the proxy fills in its own ids for
+# requests that carried none), so these are plain aggregations.
+DERIVED_VIEWS = {
+    # The latest reward posted for each rollout (an agent may correct itself).
+    "rollout_rewards": """
+        SELECT rollout_id, arg_max(reward, created_at) AS reward,
+               arg_max(source, created_at) AS reward_source, count(*) AS rewards_posted
+        FROM rewards GROUP BY rollout_id
+    """,
+    "rollouts": """
+        WITH turns AS (
+            SELECT
+                rollout_id,
+                any_value(group_id) AS group_id,
+                any_value(attribution) AS attribution,
+                count(*) AS turns,
+                sum(coalesce(prompt_tokens, 0)) AS prompt_tokens,
+                sum(coalesce(completion_tokens, 0)) AS completion_tokens,
+                min(started_at) AS started_at,
+                max(ended_at) AS ended_at,
+                string_agg(DISTINCT model_served, ',' ORDER BY model_served) AS models_served,
+                count(*) FILTER (WHERE error IS NOT NULL) AS errors
+            FROM completions
+            GROUP BY rollout_id
+        )
+        SELECT t.*, w.reward, w.reward_source, f.finished_at
+        FROM turns t
+        LEFT JOIN rollout_rewards w USING (rollout_id)
+        LEFT JOIN (SELECT rollout_id, max(finished_at) AS finished_at
+                   FROM finishes GROUP BY rollout_id) f USING (rollout_id)
+    """,
+    "groups": """
+        SELECT
+            group_id,
+            count(*) AS rollouts,
+            sum(turns) AS turns,
+            sum(prompt_tokens + completion_tokens) AS tokens,
+            avg(reward) AS mean_reward,
+            count(reward) AS rewarded,
+            count(finished_at) AS finished,
+            min(started_at) AS started_at,
+            max(ended_at) AS ended_at,
+            string_agg(DISTINCT models_served, ',' ORDER BY models_served) AS models_served
+        FROM rollouts
+        GROUP BY group_id
+    """,
+}
+
+
+def live_rows(data_dir: Path) -> dict[str, pa.Table]:
+    """Rows of the logs that have no segment yet, by table."""
+    rows: dict[str, list[dict]] = {name: [] for name in TABLES}
+    stems = set()
+    for path in log_files(data_dir):
+        try:
+            by_table, _ = read_log(path)
+        except FileNotFoundError:
+            continue  # compacted while we listed; its segment is listed below
+        stems.add(path.stem)
+        for table, table_rows in by_table.items():
+            if table in rows:
+                rows[table].extend((path.stem, r) for r in table_rows)
+    compacted = {p.stem for name in TABLES for p in segment_files(data_dir, name)}
+    return {
+        name: rows_to_table(name, [r for stem, r in pairs if stem not in compacted])
+        for name, pairs in rows.items()
+    }
+
+
+def open_db(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB with views `completions`, `rewards`, `finishes`,
+    `rollout_rewards`, `rollouts` and `groups` over `data_dir`."""
+    data_dir = Path(data_dir)
+    con = duckdb.connect(":memory:")
+    live = live_rows(data_dir)
+    for name in TABLES:
+        con.register(f"_live_{name}", live[name])
+        files = [str(p) for p in segment_files(data_dir, name)]
+        parts = [f"SELECT * FROM _live_{name}"]
+        if files:
+            parts.insert(0, f"SELECT * FROM read_parquet({files!r}, union_by_name = true)")
+        con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(parts))
+        versions = con.execute(f"SELECT DISTINCT schema_version FROM {name}").fetchall()
+        check_versions(name, [v for (v,) in versions])
+    for name, sql in DERIVED_VIEWS.items():
+        con.execute(f"CREATE VIEW {name} AS {sql}")
+    return con

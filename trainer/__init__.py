@@ -1,0 +1,1 @@
+"""Trainer: GRPO on LoRA from logged records (see the trainer issue)."""
