@@ -202,8 +202,8 @@ class AdapterRegistry:
                 )
             finally:
                 self._idle.pop(old.name, None)
-        if any(a.name == old.name for a in self.stack):
-            return  # served again (a rollback raced the drain)
+        if self.current is not None and self.current.name == old.name:
+            return  # serving again; cannot happen today (names are never reused), kept as a guard
         status, text = await self._post("/v1/unload_lora_adapter", {"lora_name": old.name})
         if status != 200:
             log.warning("vLLM did not unload %s (HTTP %d): %s", old.name, status, text[:300])

@@ -145,10 +145,16 @@ class LogWriter:
     # -- the writer thread -------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        # Wake up now and then even when idle, so a quiet log still rolls on time.
+        tick = min(self.config.roll_seconds, 1.0)
         stopping = False
         while not stopping:
-            item = self._queue.get()  # block until there is work
-            batch = [item]
+            try:
+                batch = [self._queue.get(timeout=tick)]
+            except queue.Empty:
+                if self._should_roll():
+                    self._seal()
+                continue
             while True:
                 try:
                     batch.append(self._queue.get_nowait())

@@ -1,0 +1,317 @@
+"""A fake of vLLM's OpenAI server, for fast proxy tests and overhead benchmarks.
+
+It answers in vLLM 0.32's shapes (the same keys, nulls where vLLM sends nulls,
+`prompt_token_ids`/`token_ids` with `return_token_ids`, logprobs, usage chunks) with
+deterministic tokens, instantly or after `delay`. It is not a model: tests that
+claim to exercise vLLM use the real one. A request can ask it to misbehave with the
+`X-Fake` header: `status-500`, `status-429`, `garbage` (200 with a body that is not
+JSON), `reset-after-N` (stream N chunks then drop the connection), `stall` (never
+answer), `no-done` (end the stream without [DONE]), `tool-call`.
+
+    python -m overnight.fake_upstream --port 8001 --delay 0.02 --tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+FINGERPRINT = "vllm-fake"
+RECEIVED = web.AppKey("received", list)
+SETTINGS = web.AppKey("settings", dict)
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _prompt_ids(body: dict) -> list[int]:
+    text = json.dumps(body.get("messages") or body.get("prompt"))
+    return [1 + (ord(c) % 97) for c in text[:64]]
+
+
+def _tokens(n: int, choice: int, tool_call: bool) -> list[tuple[int, str, float]]:
+    if tool_call:  # streamed as vLLM's hermes parser does: the name, then argument pieces
+        pieces = ["<tool_call>", '{"query": ', '"cats"}']
+        return [(900 + i, p, -0.05 * (i + 1)) for i, p in enumerate(pieces)]
+    return [
+        (100 + 7 * choice + i, f" w{choice}{i}", -0.01 * (i + 1) - 0.1 * choice) for i in range(n)
+    ]
+
+
+def _logprobs(chat: bool, tokens) -> dict:
+    if chat:
+        return {
+            "content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for _, t, lp in tokens
+            ]
+        }
+    return {
+        "text_offset": list(range(len(tokens))),
+        "token_logprobs": [lp for *_, lp in tokens],
+        "tokens": [t for _, t, _ in tokens],
+        "top_logprobs": [{t: lp} for _, t, lp in tokens],
+    }
+
+
+def _usage(prompt: list[int], completion: int) -> dict:
+    return {
+        "prompt_tokens": len(prompt),
+        "total_tokens": len(prompt) + completion,
+        "completion_tokens": completion,
+    }
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    request.app[RECEIVED].append(
+        {"path": request.path, "body": body, "headers": dict(request.headers)}
+    )
+    behaviour = request.headers.get("X-Fake", "")
+    settings = request.app[SETTINGS]
+    if behaviour == "stall":
+        await asyncio.sleep(3600)
+    if behaviour.startswith("status-"):
+        status = int(behaviour.split("-")[1])
+        return web.json_response(
+            {"error": {"message": f"fake {status}", "type": "fake", "code": status}}, status=status
+        )
+    if behaviour == "garbage":
+        return web.Response(text="<html>not json</html>", content_type="application/json")
+    if settings["delay"]:
+        await asyncio.sleep(settings["delay"])
+    chat = request.path.endswith("chat/completions")
+    n = int(body.get("n") or 1)
+    max_tokens = int(body.get("max_tokens") or settings["tokens"])
+    tool_call = behaviour == "tool-call"
+    prompt = _prompt_ids(body)
+    choices = [_tokens(max_tokens, i, tool_call) for i in range(n)]
+    if body.get("stream"):
+        return await _stream(request, body, chat, prompt, choices, behaviour)
+    return web.Response(
+        body=_dumps(_whole(body, chat, prompt, choices, tool_call)), content_type="application/json"
+    )
+
+
+def _whole(body: dict, chat: bool, prompt: list[int], choices: list, tool_call: bool) -> dict:
+    ids = bool(body.get("return_token_ids"))
+    want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+    out = []
+    for i, tokens in enumerate(choices):
+        text = "".join(t for _, t, _ in tokens)
+        choice: dict = {"index": i}
+        if chat:
+            message = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
+            }
+            if tool_call:
+                message["content"] = None
+                message["tool_calls"] = [
+                    {
+                        "id": f"chatcmpl-tool-{i}",
+                        "type": "function",
+                        "function": {"name": "lookup", "arguments": '{"query": "cats"}'},
+                    }
+                ]
+            choice["message"] = message
+        else:
+            choice["text"] = text
+        choice["logprobs"] = _logprobs(chat, tokens) if want_logprobs else None
+        choice["finish_reason"] = "tool_calls" if tool_call else "length"
+        choice["stop_reason"] = None
+        choice["token_ids"] = [t for t, _, _ in tokens] if ids else None
+        if not chat:
+            choice["prompt_logprobs"] = None
+            choice["prompt_token_ids"] = prompt if ids else None
+        out.append(choice)
+    response = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": out,
+        "service_tier": None,
+        "system_fingerprint": FINGERPRINT,
+        "usage": _usage(prompt, sum(len(c) for c in choices)),
+    }
+    if chat:
+        response["prompt_logprobs"] = None
+        response["prompt_token_ids"] = prompt if ids else None
+    return response
+
+
+async def _stream(request, body, chat, prompt, choices, behaviour) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    ids = bool(body.get("return_token_ids"))
+    want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+    usage = (body.get("stream_options") or {}).get("include_usage")
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+    head = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+    }
+    reset_after = int(behaviour.split("-")[2]) if behaviour.startswith("reset-after-") else None
+    events = []
+    if chat:
+        for i in range(len(choices)):
+            events.append(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    "prompt_token_ids": prompt if ids else None,
+                    "prompt_text": None,
+                }
+            )
+    longest = max(len(c) for c in choices)
+    for step in range(longest):
+        for i, tokens in enumerate(choices):
+            if step >= len(tokens):
+                continue
+            token_id, text, lp = tokens[step]
+            last = step == len(tokens) - 1
+            choice = {"index": i}
+            if chat and behaviour == "tool-call":
+                call = {"index": 0, "function": {"arguments": text}}
+                if step == 0:
+                    call = {
+                        "id": f"chatcmpl-tool-{i}",
+                        "type": "function",
+                        "index": 0,
+                        "function": {"name": "lookup"},
+                    }
+                choice["delta"] = {"tool_calls": [call]}
+            elif chat:
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = _logprobs(chat, [tokens[step]]) if want_logprobs else None
+            choice["finish_reason"] = (
+                ("tool_calls" if behaviour == "tool-call" else "length") if last else None
+            )
+            if last or not chat:
+                choice["stop_reason"] = None
+            if not chat:
+                choice["prompt_token_ids"] = prompt if ids and step == 0 else None
+            choice["token_ids"] = [token_id] if ids else None
+            event = {**head, "choices": [choice]}
+            if last and not usage:
+                event["system_fingerprint"] = FINGERPRINT
+            events.append(event)
+    if usage:
+        events.append(
+            {
+                **head,
+                "choices": [],
+                "usage": _usage(prompt, sum(len(c) for c in choices)),
+                "system_fingerprint": FINGERPRINT,
+            }
+        )
+    for sent, event in enumerate(events):
+        if reset_after is not None and sent >= reset_after:
+            request.transport.close()  # the connection drops mid-stream
+            return response
+        await response.write(b"data: " + _dumps(event) + b"\n\n")
+    if behaviour != "no-done":
+        await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def models(request: web.Request) -> web.Response:
+    data = [
+        {
+            "id": "fake-base",
+            "object": "model",
+            "owned_by": "vllm",
+            "root": "fake-base",
+            "parent": None,
+        }
+    ]
+    for name, path in request.app[SETTINGS]["loras"].items():
+        data.append(
+            {"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": "fake-base"}
+        )
+    return web.json_response({"object": "list", "data": data})
+
+
+async def load_lora(request: web.Request) -> web.Response:
+    body = await request.json()
+    request.app[RECEIVED].append(
+        {"path": request.path, "body": body, "headers": dict(request.headers)}
+    )
+    loras = request.app[SETTINGS]["loras"]
+    if body["lora_name"] in loras:
+        return web.json_response({"error": {"message": "already loaded", "code": 400}}, status=400)
+    loras[body["lora_name"]] = body["lora_path"]
+    return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+
+async def unload_lora(request: web.Request) -> web.Response:
+    body = await request.json()
+    request.app[RECEIVED].append(
+        {"path": request.path, "body": body, "headers": dict(request.headers)}
+    )
+    if request.app[SETTINGS]["loras"].pop(body["lora_name"], None) is None:
+        return web.json_response({"error": {"message": "not found", "code": 404}}, status=404)
+    return web.Response(text="Success")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response()
+
+
+def create_fake_upstream(delay: float = 0.0, tokens: int = 4) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[RECEIVED] = []
+    app[SETTINGS] = {"delay": delay, "tokens": tokens, "loras": {}}
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds before each answer")
+    parser.add_argument("--tokens", type=int, default=4, help="tokens per choice unless max_tokens")
+    args = parser.parse_args()
+    app = create_fake_upstream(args.delay, args.tokens)
+    # The benchmark reads the RECEIVED list never; keep memory flat under load.
+    app[RECEIVED] = _Discard()
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
+
+
+class _Discard(list):
+    def append(self, _item) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Small helpers shared by the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from overnight.storage import open_db
+
+
+def rows(data_dir: Path, query: str, params: list | None = None) -> list[dict]:
+    con = open_db(data_dir)
+    try:
+        result = con.execute(query, params or [])
+        names = [d[0] for d in result.description]
+        return [dict(zip(names, r, strict=True)) for r in result.fetchall()]
+    finally:
+        con.close()
+
+
+async def wait_for_rows(
+    data_dir: Path, n: int, table: str = "completions", timeout: float = 10.0
+) -> list[dict]:
+    """Rows of `table` once at least n are on disk (the log commits asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = rows(
+            data_dir,
+            f"SELECT * FROM {table} ORDER BY started_at, choice_index"
+            if table == "completions"
+            else f"SELECT * FROM {table}",
+        )
+        if len(found) >= n or time.monotonic() > deadline:
+            assert len(found) >= n, f"expected {n} {table} row(s), found {len(found)}"
+            return found
+        await asyncio.sleep(0.02)
+
+
+def sse_events(text: str) -> list[dict | str]:
+    """Parsed `data:` payloads of an SSE body; [DONE] stays a string."""
+    out: list[dict | str] = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def without_ids(obj):
+    """A response with the fields that differ per call (id, created) removed."""
+    if isinstance(obj, dict):
+        return {k: without_ids(v) for k, v in obj.items() if k not in ("id", "created")}
+    if isinstance(obj, list):
+        return [without_ids(v) for v in obj]
+    return obj

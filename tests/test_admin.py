@@ -1,0 +1,133 @@
+"""The alias, promotion, draining and rollback, against the fake vLLM's LoRA endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from .helpers import wait_for_rows
+
+CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def adapter_dir(tmp_path, name: str):
+    path = tmp_path / name
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    return str(path)
+
+
+def lora_calls(received) -> list[tuple[str, str]]:
+    return [
+        (r["path"].rsplit("/", 1)[-1], r["body"]["lora_name"])
+        for r in received
+        if "lora" in r["path"]
+    ]
+
+
+async def test_promote_switches_the_alias_and_records_the_adapter(make_proxy, received, tmp_path):
+    proxy = await make_proxy()
+    await proxy.post("/v1/chat/completions", json=CHAT)
+    r = await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a1")})
+    assert r.status == 200
+    state = await r.json()
+    assert state["promoted"] == "policy-v1" and state["current"]["version"] == 1
+    await proxy.post("/v1/chat/completions", json=CHAT)
+    # Other model names pass through unchanged.
+    await proxy.post("/v1/chat/completions", json={**CHAT, "model": "fake-base"})
+    found = await wait_for_rows(tmp_path / "data", 3)
+    assert [(f["model_served"], f["adapter_version"]) for f in found] == [
+        ("fake-base", None),
+        ("policy-v1", 1),
+        ("fake-base", None),
+    ]
+    assert [r["body"]["model"] for r in received if r["path"].endswith("completions")] == [
+        "fake-base",
+        "policy-v1",
+        "fake-base",
+    ]
+
+
+async def test_promotion_drains_the_old_adapter_before_unloading_it(
+    make_proxy, received, fake_settings, tmp_path
+):
+    proxy = await make_proxy()
+    await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a1")})
+    fake_settings["delay"] = 0.5  # a request in flight on policy-v1 during the swap
+    in_flight = asyncio.create_task(proxy.post("/v1/chat/completions", json=CHAT))
+    await asyncio.sleep(0.1)
+    r = await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a2")})
+    assert (await r.json())["in_flight"] == {"policy-v1": 1}
+    assert ("unload_lora_adapter", "policy-v1") not in lora_calls(received)  # still serving
+    response = await in_flight
+    assert response.status == 200
+    await asyncio.sleep(0.1)
+    assert lora_calls(received) == [
+        ("load_lora_adapter", "policy-v1"),
+        ("load_lora_adapter", "policy-v2"),
+        ("unload_lora_adapter", "policy-v1"),
+    ]
+    (row,) = await wait_for_rows(tmp_path / "data", 1)
+    assert row["model_served"] == "policy-v1"  # the adapter that really served it
+
+
+async def test_rollback_reloads_the_previous_adapter_under_a_new_name(
+    make_proxy, received, tmp_path
+):
+    proxy = await make_proxy()
+    r = await proxy.post("/admin/adapters/rollback")
+    assert r.status == 400 and "base model" in (await r.json())["error"]["message"]
+    a1 = adapter_dir(tmp_path, "a1")
+    await proxy.post("/admin/adapters/promote", json={"path": a1})
+    await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a2")})
+    state = await (await proxy.post("/admin/adapters/rollback")).json()
+    assert state["current"]["name"] == "policy-v3" and state["current"]["path"] == a1
+    assert state["current"]["reason"] == "rollback"
+    state = await (await proxy.post("/admin/adapters/rollback")).json()
+    assert state["current"] is None  # back to the base model
+    await asyncio.sleep(0.05)
+    r = await proxy.post("/v1/chat/completions", json=CHAT)
+    assert received[-1]["body"]["model"] == "fake-base"
+    assert r.status == 200
+
+
+async def test_bad_promotions_are_refused(make_proxy, tmp_path):
+    proxy = await make_proxy()
+    r = await proxy.post("/admin/adapters/promote", json={"path": str(tmp_path)})
+    assert r.status == 400 and "adapter_config.json" in (await r.json())["error"]["message"]
+    r = await proxy.post("/admin/adapters/promote", json={"path": "x", "force": True})
+    assert r.status == 400 and "unknown fields" in (await r.json())["error"]["message"]
+
+
+async def test_admin_token(make_proxy, tmp_path):
+    proxy = await make_proxy(admin_token="adm", api_keys=("sk",))
+    assert (await proxy.get("/admin/adapters")).status == 401
+    assert (
+        await proxy.get("/admin/adapters", headers={"Authorization": "Bearer sk"})
+    ).status == 401
+    r = await proxy.get("/admin/adapters", headers={"Authorization": "Bearer adm"})
+    assert r.status == 200 and (await r.json())["alias"] == "policy"
+
+
+async def test_promoted_adapter_survives_a_restart(make_proxy, fake_settings, received, tmp_path):
+    proxy = await make_proxy()
+    a1 = adapter_dir(tmp_path, "a1")
+    await proxy.post("/admin/adapters/promote", json={"path": a1})
+    await proxy.close()
+    fake_settings["loras"].clear()  # a restarted vLLM has no adapters
+    proxy = await make_proxy()
+    state = await (await proxy.get("/admin/adapters")).json()
+    assert state["current"]["name"] == "policy-v2" and state["current"]["reason"] == "restore"
+    assert state["current"]["path"] == a1 and "policy-v2" in fake_settings["loras"]
+
+
+@pytest.mark.parametrize("path", ["/admin/adapters", "/admin/stats"])
+async def test_admin_is_loopback_only_without_a_token(make_proxy, path):
+    from overnight.proxy.app import _is_loopback
+
+    proxy = await make_proxy()
+    assert (await proxy.get(path)).status == 200  # the test client is on loopback
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1")
+    assert not _is_loopback("10.1.2.3") and not _is_loopback(None)

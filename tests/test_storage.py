@@ -1,0 +1,174 @@
+"""The write-ahead log, its compaction to Parquet, recovery, and the DuckDB reader."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from overnight.storage import (
+    SCHEMA_VERSION,
+    LogWriter,
+    SchemaVersionError,
+    WriterConfig,
+    open_db,
+    recover,
+)
+from overnight.storage.segments import log_files, segment_files
+from overnight.storage.writer import try_lock
+
+from .helpers import rows
+
+
+def completion(i: int, rollout: str = "r", group: str = "g", **extra) -> dict:
+    now = time.time_ns() // 1000
+    return {
+        "record_id": f"rec{i}",
+        "request_id": f"req{i}",
+        "schema_version": SCHEMA_VERSION,
+        "started_at": now,
+        "ended_at": now + 10,
+        "group_id": group,
+        "rollout_id": rollout,
+        "turn_index": i,
+        "choice_index": 0,
+        "request": {"messages": [{"role": "user", "content": str(i)}]},
+        "prompt_token_ids": [1, 2],
+        "completion_token_ids": [3, 4, 5],
+        "completion_logprobs": [-0.5, -0.25, -0.125],
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        **extra,
+    }
+
+
+def test_rows_are_compacted_to_day_partitioned_parquet(tmp_path):
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
+    writer.start()
+    for i in range(5):
+        writer.append("completions", completion(i))
+    writer.append(
+        "rewards",
+        {
+            "reward_id": "w",
+            "schema_version": 1,
+            "rollout_id": "r",
+            "reward": 1.0,
+            "metrics": {"a": 1},
+            "source": "agent",
+            "created_at": time.time_ns() // 1000,
+        },
+    )
+    writer.close()
+    assert log_files(tmp_path) == []  # the log is trimmed once its segment is durable
+    (segment,) = segment_files(tmp_path, "completions")
+    assert segment.parent.name.startswith("date=20")
+    table = pq.read_table(segment)
+    assert table.num_rows == 5
+    assert table.schema.metadata[b"overnight.schema_version"] == str(SCHEMA_VERSION).encode()
+    found = rows(tmp_path, "SELECT * FROM completions ORDER BY turn_index")
+    assert [r["record_id"] for r in found] == [f"rec{i}" for i in range(5)]
+    assert found[0]["completion_logprobs"] == [-0.5, -0.25, -0.125]
+    assert json.loads(found[0]["request"]) == {"messages": [{"role": "user", "content": "0"}]}
+    (rollout,) = rows(tmp_path, "SELECT * FROM rollouts")
+    assert (rollout["turns"], rollout["reward"], rollout["completion_tokens"]) == (5, 1.0, 15)
+
+
+def test_readers_see_committed_rows_before_compaction(tmp_path):
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
+    writer.start()
+    seq = writer.append("completions", completion(0))
+    deadline = time.monotonic() + 5
+    while writer.committed < seq and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(rows(tmp_path, "SELECT * FROM completions")) == 1
+    writer.close()
+    assert len(rows(tmp_path, "SELECT * FROM completions")) == 1  # not counted twice
+
+
+def test_a_log_and_its_segment_side_by_side_count_once(tmp_path):
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0), writer_id="w1")
+    writer.start()
+    writer.append("completions", completion(0))
+    writer.close()
+    # Put the log back as if the reader listed it just before it was deleted.
+    (segment,) = segment_files(tmp_path, "completions")
+    log = tmp_path / "wal" / f"{segment.stem}.jsonl"
+    log.write_text(json.dumps({"t": "completions", "r": completion(0)}) + "\n")
+    assert len(rows(tmp_path, "SELECT * FROM completions")) == 1
+
+
+def test_torn_and_damaged_lines_are_skipped_on_recovery(tmp_path, caplog):
+    (tmp_path / "wal").mkdir()
+    log = tmp_path / "wal" / "dead-1-abc.000001.jsonl"
+    good = [json.dumps({"t": "completions", "r": completion(i)}) for i in range(3)]
+    log.write_text(
+        good[0] + "\n" + "{not json\n" + good[1] + "\n" + good[2] + "\n" + '{"t": "compl'
+    )
+    assert len(rows(tmp_path, "SELECT * FROM completions")) == 3  # readers tolerate it too
+    assert recover(tmp_path) == 3
+    assert log_files(tmp_path) == []
+    assert "skipped 2 damaged or torn line(s)" in caplog.text
+    assert len(rows(tmp_path, "SELECT * FROM completions")) == 3
+
+
+def test_a_log_held_by_a_live_writer_is_not_recovered(tmp_path):
+    live = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
+    live.start()
+    seq = live.append("completions", completion(0))
+    while live.committed < seq:
+        time.sleep(0.01)
+    assert recover(tmp_path) == 0  # the live process holds the lock
+    assert len(log_files(tmp_path)) == 1
+    (path,) = log_files(tmp_path)
+    assert try_lock(path) is None
+    live.close()
+    assert len(rows(tmp_path, "SELECT * FROM completions")) == 1
+
+
+def test_a_new_writer_recovers_orphans_on_start(tmp_path):
+    (tmp_path / "wal").mkdir()
+    orphan = tmp_path / "wal" / "dead-2-abc.000001.jsonl"
+    orphan.write_text(json.dumps({"t": "completions", "r": completion(7)}) + "\n")
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
+    writer.start()
+    writer.close()
+    assert log_files(tmp_path) == []
+    assert [r["record_id"] for r in rows(tmp_path, "SELECT * FROM completions")] == ["rec7"]
+
+
+def test_the_log_rolls_by_time(tmp_path):
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, roll_seconds=0.05))
+    writer.start()
+    writer.append("completions", completion(0))
+    time.sleep(0.2)
+    writer.append("completions", completion(1))
+    writer.close()
+    assert len(segment_files(tmp_path, "completions")) == 2
+
+
+async def test_wait_committed_returns_after_the_fsync(tmp_path):
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.05))
+    writer.start()
+    seq = writer.append("finishes", {"rollout_id": "r", "schema_version": 1, "finished_at": 0})
+    await writer.wait_committed(seq)
+    assert writer.committed >= seq
+    (path,) = log_files(tmp_path)
+    assert path.read_text().count("\n") == 1
+    writer.close()
+
+
+def test_newer_schema_versions_are_refused_clearly(tmp_path):
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
+    writer.start()
+    writer.append("completions", completion(0, schema_version=SCHEMA_VERSION + 1))
+    writer.close()
+    with pytest.raises(SchemaVersionError, match="upgrade overnight"):
+        open_db(tmp_path)
+
+
+def test_an_empty_data_directory_has_empty_views(tmp_path):
+    con = open_db(tmp_path)
+    for view in ("completions", "rewards", "finishes", "rollouts", "groups"):
+        assert con.execute(f"SELECT count(*) FROM {view}").fetchone() == (0,)

