@@ -20,17 +20,42 @@ from .errors import OvernightError
 
 
 def _load_config_file(ctx: click.Context, _param, value: str | None):
+    """Turn the TOML file into click's default_map: names as on the command line."""
     if value is None:
         return None
     try:
         data = tomllib.loads(Path(value).read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise click.BadParameter(f"cannot read config file {value}: {e}") from e
+    group: click.Group = ctx.command  # type: ignore[assignment]
     shared = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    commands = {k: v for k, v in data.items() if isinstance(v, dict)}
-    names = ctx.command.list_commands(ctx) if isinstance(ctx.command, click.Group) else []
-    ctx.default_map = {name: {**shared, **commands.get(name, {})} for name in names}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    unknown_tables = set(tables) - set(group.commands)
+    if unknown_tables:
+        raise click.BadParameter(f"{value}: no command named {sorted(unknown_tables)}")
+    flags = {name: _flags(command) for name, command in group.commands.items()}
+    unused = set(shared) - {flag for by_flag in flags.values() for flag in by_flag}
+    if unused:
+        raise click.BadParameter(f"{value}: no command has an option {sorted(unused)}")
+    default_map = {}
+    for name, by_flag in flags.items():
+        entries = {**{k: v for k, v in shared.items() if k in by_flag}, **tables.get(name, {})}
+        unknown = set(entries) - set(by_flag)
+        if unknown:
+            raise click.BadParameter(f"{value}: [{name}] has no option {sorted(unknown)}")
+        default_map[name] = {by_flag[k]: v for k, v in entries.items()}
+    ctx.default_map = default_map
     return value
+
+
+def _flags(command: click.Command) -> dict[str, str]:
+    """`--api-key` -> `api_key`: parameter name, as config files spell options."""
+    return {
+        opt.lstrip("-").replace("-", "_"): param.name
+        for param in command.params
+        for opt in param.opts
+        if opt.startswith("--")
+    }
 
 
 data_option = click.option(
@@ -89,6 +114,11 @@ def _fail(e: Exception) -> click.ClickException:
 @click.option("--admin-token", default=None, help="Token for /admin/ (else loopback only).")
 @click.option("--upstream-api-key", default=None, help="Key the proxy sends upstream.")
 @click.option(
+    "--served-model-name",
+    default=None,
+    help="Name vLLM serves the base model under (default: the --model value).",
+)
+@click.option(
     "--max-lora-rank", default=16, show_default=True, type=int, help="vLLM's --max-lora-rank."
 )
 @click.option("--max-loras", default=2, show_default=True, type=int, help="vLLM's --max-loras.")
@@ -120,6 +150,7 @@ def serve(
     api_keys,
     admin_token,
     upstream_api_key,
+    served_model_name,
     max_lora_rank,
     max_loras,
     tool_call_parser,
@@ -151,6 +182,7 @@ def serve(
             api_keys=tuple(api_keys),
             admin_token=admin_token,
             upstream_api_key=upstream_api_key,
+            served_model_name=served_model_name,
             max_lora_rank=max_lora_rank,
             max_loras=max_loras,
             tool_call_parser=tool_call_parser or None,

@@ -29,6 +29,7 @@ def serve_forever(
     api_keys: tuple[str, ...],
     admin_token: str | None,
     upstream_api_key: str | None,
+    served_model_name: str | None,
     max_lora_rank: int,
     max_loras: int,
     tool_call_parser: str | None,
@@ -45,6 +46,7 @@ def serve_forever(
             vllm = VLLMProcess(
                 VLLMConfig(
                     model=model,
+                    served_model_name=served_model_name,
                     max_lora_rank=max_lora_rank,
                     max_loras=max_loras,
                     tool_call_parser=tool_call_parser,

@@ -1,0 +1,62 @@
+"""The example agent, unchanged, through the proxy in front of the real vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from .helpers import rows, wait_for_rows
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+AGENT = Path(__file__).resolve().parent.parent / "examples" / "tool_agent.py"
+
+
+async def test_tool_agent_runs_through_the_proxy_and_is_grouped(vllm_server, make_proxy, tmp_path):
+    proxy = await make_proxy(upstream=vllm_server.url)
+    env = dict(os.environ, OPENAI_BASE_URL=str(proxy.make_url("/v1")), OPENAI_API_KEY="unused")
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(AGENT),
+        "--tasks",
+        "2",
+        "--group-size",
+        "3",
+        "--max-turns",
+        "3",
+        "--max-tokens",
+        "16",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(agent.communicate(), timeout=240)
+    assert agent.returncode == 0, output.decode()
+    assert "6 rollouts in 2 groups" in output.decode()
+    data = tmp_path / "data"
+    await wait_for_rows(data, 6, table="finishes")
+    groups = rows(data, "SELECT * FROM groups ORDER BY group_id")
+    assert [g["rollouts"] for g in groups] == [3, 3]
+    assert all(g["finished"] == 3 and g["rewarded"] == 3 for g in groups)
+    # Multi-turn: each later turn's prompt extends the earlier one (the agent resends
+    # its history), which is what the trainer will merge into one sequence.
+    turns = rows(
+        data,
+        "SELECT rollout_id, turn_index, prompt_token_ids, completion_token_ids "
+        "FROM completions ORDER BY rollout_id, turn_index",
+    )
+    by_rollout: dict[str, list[dict]] = {}
+    for t in turns:
+        by_rollout.setdefault(t["rollout_id"], []).append(t)
+    multi = [ts for ts in by_rollout.values() if len(ts) > 1]
+    assert multi, "expected at least one multi-turn rollout"
+    for ts in multi:
+        for before, after in zip(ts, ts[1:], strict=False):
+            assert (
+                after["prompt_token_ids"][: len(before["prompt_token_ids"])]
+                == before["prompt_token_ids"]
+            )
