@@ -6,7 +6,7 @@ deterministic tokens, instantly or after `delay`. It is not a model: tests that
 claim to exercise vLLM use the real one. A request can ask it to misbehave with the
 `X-Fake` header: `status-500`, `status-429`, `garbage` (200 with a body that is not
 JSON), `reset-after-N` (stream N chunks then drop the connection), `stall` (never
-answer), `no-done` (end the stream without [DONE]), `tool-call`.
+answer), `stall-after-N` (stream N chunks, then go silent), `slow-chunks-S` (S seconds between chunks), `no-done` (end the stream without [DONE]), `tool-call`.
 
     python -m overnight.fake_upstream --port 8001 --delay 0.02 --tokens 48
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import time
 import uuid
 
@@ -85,7 +86,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if behaviour == "garbage":
         return web.Response(text="<html>not json</html>", content_type="application/json")
     if settings["delay"]:
-        await asyncio.sleep(settings["delay"])
+        jitter = settings["jitter"]
+        await asyncio.sleep(settings["delay"] * (1 + jitter * (2 * random.random() - 1)))
     chat = request.path.endswith("chat/completions")
     n = int(body.get("n") or 1)
     max_tokens = int(body.get("max_tokens") or settings["tokens"])
@@ -166,6 +168,8 @@ async def _stream(request, body, chat, prompt, choices, behaviour) -> web.Stream
         "model": body.get("model"),
     }
     reset_after = int(behaviour.split("-")[2]) if behaviour.startswith("reset-after-") else None
+    stall_after = int(behaviour.split("-")[2]) if behaviour.startswith("stall-after-") else None
+    gap = float(behaviour.split("-")[2]) if behaviour.startswith("slow-chunks-") else 0.0
     events = []
     if chat:
         for i in range(len(choices)):
@@ -232,6 +236,10 @@ async def _stream(request, body, chat, prompt, choices, behaviour) -> web.Stream
         if reset_after is not None and sent >= reset_after:
             request.transport.close()  # the connection drops mid-stream
             return response
+        if stall_after is not None and sent >= stall_after:
+            await asyncio.sleep(3600)  # the connection stays open, silent
+        if gap:
+            await asyncio.sleep(gap)
         await response.write(b"data: " + _dumps(event) + b"\n\n")
     if behaviour != "no-done":
         await response.write(b"data: [DONE]\n\n")
@@ -282,10 +290,12 @@ async def health(request: web.Request) -> web.Response:
     return web.Response()
 
 
-def create_fake_upstream(delay: float = 0.0, tokens: int = 4) -> web.Application:
+def create_fake_upstream(
+    delay: float = 0.0, tokens: int = 4, jitter: float = 0.0
+) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[RECEIVED] = []
-    app[SETTINGS] = {"delay": delay, "tokens": tokens, "loras": {}}
+    app[SETTINGS] = {"delay": delay, "jitter": jitter, "tokens": tokens, "loras": {}}
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -300,9 +310,15 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds before each answer")
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="delay varies uniformly by this fraction (0.5: 10-30 ms for 20 ms)",
+    )
     parser.add_argument("--tokens", type=int, default=4, help="tokens per choice unless max_tokens")
     args = parser.parse_args()
-    app = create_fake_upstream(args.delay, args.tokens)
+    app = create_fake_upstream(args.delay, args.tokens, args.jitter)
     # The benchmark reads the RECEIVED list never; keep memory flat under load.
     app[RECEIVED] = _Discard()
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)

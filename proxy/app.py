@@ -15,9 +15,9 @@ import ipaddress
 import json
 import logging
 import time
-import uuid
 
 import aiohttp
+import orjson
 from aiohttp import web
 from overnight.storage import LogWriter, WriterConfig
 
@@ -27,7 +27,7 @@ from overnight.errors import OvernightError
 from .adapters import AdapterRegistry, Route
 from .attribution import attribute, logging_enabled
 from .capture import CHAT, TEXT, Accumulator, Additions, add_training_fields, hide_additions
-from .records import completion_rows, finish_row, parse_reward, reward_row
+from .records import completion_rows, finish_row, new_id, parse_reward, reward_row
 from .sse import SSEParser, encode_event
 
 log = logging.getLogger("overnight.proxy")
@@ -63,8 +63,11 @@ class UpstreamError(OvernightError):
 
 
 def json_dumps(obj) -> bytes:
-    # vLLM's own encoding: compact, UTF-8 as is.
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    # vLLM's own encoding: compact, UTF-8 as is. orjson is ~5x faster than json here.
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # integers over 64 bits and the like
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def error_response(exc: OvernightError) -> web.Response:
@@ -75,9 +78,13 @@ def error_response(exc: OvernightError) -> web.Response:
 
 
 @web.middleware
-async def openai_errors(request: web.Request, handler):
-    """Errors the proxy makes itself are OpenAI-shaped JSON."""
+async def guard(request: web.Request, handler):
+    """Authenticate, and turn every error the proxy makes into OpenAI-shaped JSON.
+
+    One middleware rather than two: each layer costs a coroutine per request.
+    """
     try:
+        _authenticate(request)
         return await handler(request)
     except OvernightError as e:
         return error_response(e)
@@ -85,14 +92,10 @@ async def openai_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}
-        message = (
-            e.text
-            if e.status != 413
-            else (
-                f"request body is larger than the limit of "
-                f"{request.app[CONFIG].max_body_bytes} bytes"
-            )
-        )
+        message = e.text
+        if e.status == 413:
+            limit = request.app[CONFIG].max_body_bytes
+            message = f"request body is larger than the limit of {limit} bytes"
         return error_response(
             OvernightError(message, status=e.status, code=code.get(e.status, "http_error"))
         )
@@ -103,8 +106,7 @@ def _bearer(request: web.Request) -> str | None:
     return auth[7:].strip() if auth[:7].lower() == "bearer " else None
 
 
-@web.middleware
-async def authenticate(request: web.Request, handler):
+def _authenticate(request: web.Request) -> None:
     config = request.app[CONFIG]
     path = request.path
     if path.startswith("/admin/"):
@@ -121,7 +123,6 @@ async def authenticate(request: web.Request, handler):
             )
     elif config.api_keys and path != "/health" and _bearer(request) not in config.api_keys:
         raise OvernightError("missing or incorrect API key", status=401, code="invalid_api_key")
-    return await handler(request)
 
 
 def _is_loopback(remote: str | None) -> bool:
@@ -168,7 +169,7 @@ class Capture:
     """What one request produced, filled in as the response goes by."""
 
     def __init__(self, endpoint: str, stream: bool, request_body: dict, route: Route):
-        self.request_id = uuid.uuid4().hex
+        self.request_id = new_id()
         self.endpoint = endpoint
         self.stream = stream
         self.request_body = request_body
@@ -192,7 +193,7 @@ class Capture:
 async def _read_json_object(request: web.Request) -> dict:
     raw = await request.read()
     try:
-        body = json.loads(raw)
+        body = orjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise OvernightError(
             f"request body is not valid JSON: {e}", status=400, code="invalid_json"
@@ -220,27 +221,70 @@ def _client_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
 
 async def _forward(request, endpoint, upstream_body, added: Additions, capture: Capture):
     app = request.app
-    url = f"{app[CONFIG].upstream}/v1/{'chat/completions' if endpoint == CHAT else 'completions'}"
+    config = app[CONFIG]
+    url = f"{config.upstream}/v1/{'chat/completions' if endpoint == CHAT else 'completions'}"
     headers = _upstream_headers(request)
     headers["Content-Type"] = "application/json"
     try:
-        upstream = await _post_with_retry(app[SESSION], url, json_dumps(upstream_body), headers)
+        async with asyncio.timeout(config.read_timeout):  # until the response headers
+            upstream = await _post_with_retry(app[SESSION], url, json_dumps(upstream_body), headers)
     except (aiohttp.ClientError, TimeoutError) as e:
         capture.status, capture.error = 502, f"upstream unreachable: {e!r}"
         capture.done()
         if isinstance(e, TimeoutError):
             capture.status = 504
             raise UpstreamError(
-                "upstream did not answer in time", status=504, code="upstream_timeout"
+                f"upstream sent nothing for {config.read_timeout:g} s",
+                status=504,
+                code="upstream_timeout",
             ) from e
-        raise UpstreamError(f"upstream {app[CONFIG].upstream} unreachable: {e}") from e
-    async with upstream:
-        capture.first_byte()
-        capture.status = upstream.status
-        content_type = upstream.headers.get("Content-Type", "")
-        if upstream.status == 200 and "text/event-stream" in content_type:
-            return await _relay_stream(request, upstream, added, capture)
-        return await _relay_whole(upstream, added, capture)
+        raise UpstreamError(f"upstream {config.upstream} unreachable: {e}") from e
+    watch = StallWatch(upstream, config.read_timeout)
+    try:
+        async with upstream:
+            capture.first_byte()
+            capture.status = upstream.status
+            content_type = upstream.headers.get("Content-Type", "")
+            if upstream.status == 200 and "text/event-stream" in content_type:
+                return await _relay_stream(request, upstream, added, capture, watch)
+            return await _relay_whole(upstream, added, capture, watch)
+    finally:
+        watch.cancel()
+
+
+class StallWatch:
+    """Closes an upstream response that sends nothing for `timeout` seconds.
+
+    aiohttp's own `sock_read` timeout re-arms a timer on every chunk, which cost 9% of
+    the proxy's throughput; here a chunk only notes the time, and the one timer is
+    re-armed when it fires early. Closing the response makes the pending read fail,
+    which the relays report like any broken upstream, naming the stall.
+    """
+
+    def __init__(self, upstream: aiohttp.ClientResponse, timeout: float):
+        self.loop = asyncio.get_running_loop()
+        self.upstream = upstream
+        self.timeout = timeout
+        self.last = self.loop.time()
+        self.stalled = False
+        self.handle = self.loop.call_at(self.last + timeout, self._check)
+
+    def touch(self) -> None:
+        self.last = self.loop.time()
+
+    def _check(self) -> None:
+        due = self.last + self.timeout
+        if self.loop.time() >= due:
+            self.stalled = True
+            self.upstream.close()
+        else:
+            self.handle = self.loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    def describe(self, e: BaseException) -> str:
+        return f"upstream sent nothing for {self.timeout:g} s" if self.stalled else repr(e)
 
 
 async def _post_with_retry(session, url, data, headers) -> aiohttp.ClientResponse:
@@ -252,12 +296,17 @@ async def _post_with_retry(session, url, data, headers) -> aiohttp.ClientRespons
         return await session.post(url, data=data, headers=headers)
 
 
-async def _relay_whole(upstream: aiohttp.ClientResponse, added: Additions, capture: Capture):
+async def _relay_whole(
+    upstream: aiohttp.ClientResponse, added: Additions, capture: Capture, watch: StallWatch
+):
     try:
         raw = await upstream.read()
     except (aiohttp.ClientError, TimeoutError) as e:
-        capture.error = f"upstream failed while sending its answer: {e!r}"
+        capture.error = f"upstream failed while sending its answer: {watch.describe(e)}"
         capture.done()
+        if watch.stalled:
+            capture.status = 504
+            raise UpstreamError(capture.error, status=504, code="upstream_timeout") from e
         raise UpstreamError(capture.error) from e
     capture.done()
     headers = _client_headers(upstream)
@@ -266,7 +315,7 @@ async def _relay_whole(upstream: aiohttp.ClientResponse, added: Additions, captu
         capture.error_body = raw.decode(errors="replace")[:4096]
         return web.Response(body=raw, status=upstream.status, headers=headers)
     try:
-        obj = json.loads(raw)
+        obj = orjson.loads(raw)
     except ValueError:
         capture.error = "upstream answered 200 with a body that is not JSON"
         capture.error_body = raw.decode(errors="replace")[:4096]
@@ -278,13 +327,14 @@ async def _relay_whole(upstream: aiohttp.ClientResponse, added: Additions, captu
 
 
 async def _relay_stream(
-    request, upstream: aiohttp.ClientResponse, added: Additions, capture: Capture
+    request, upstream: aiohttp.ClientResponse, added: Additions, capture: Capture, watch: StallWatch
 ):
     response = web.StreamResponse(status=200, headers=_client_headers(upstream))
     await response.prepare(request)
     relay = EventRelay(added, capture, request.app[STATS]["upstream"])
     try:
         async for chunk in upstream.content.iter_any():
+            watch.touch()
             out = relay.feed(chunk)
             if out:
                 await response.write(out)
@@ -293,8 +343,10 @@ async def _relay_stream(
     except (aiohttp.ClientError, TimeoutError) as e:
         # Upstream broke mid-stream: the client already has a 200, so tell it in-band
         # the way OpenAI does, and keep what was generated as a partial record.
-        capture.error = f"upstream stream broke: {e!r}"
-        err = UpstreamError(f"upstream closed the stream early: {e}", code="upstream_disconnected")
+        capture.error = f"upstream stream broke: {watch.describe(e)}"
+        err = UpstreamError(
+            f"upstream stream broke: {watch.describe(e)}", code="upstream_disconnected"
+        )
         await _write_quietly(response, relay.flush() + encode_event(json_dumps(err.body())))
     except (ConnectionResetError, asyncio.CancelledError) as e:
         capture.error = "client disconnected mid-stream"
@@ -340,7 +392,7 @@ class EventRelay:
         obj = None
         if data is not None and data != b"[DONE]":
             try:
-                obj = json.loads(data)
+                obj = orjson.loads(data)
             except ValueError:
                 obj = None
         if not isinstance(obj, dict):
@@ -376,26 +428,37 @@ async def _write_quietly(response: web.StreamResponse, data: bytes, eof: bool = 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
     app = request.app
-    tail = request.match_info["tail"]
-    url = f"{app[CONFIG].upstream}/v1/{tail}"
+    config = app[CONFIG]
+    url = f"{config.upstream}/v1/{request.match_info['tail']}"
     try:
-        upstream = await app[SESSION].request(
-            request.method,
-            url,
-            params=request.query,
-            headers=_upstream_headers(request),
-            data=request.content if request.body_exists else None,
-        )
-    except (aiohttp.ClientError, TimeoutError) as e:
-        raise UpstreamError(f"upstream {app[CONFIG].upstream} unreachable: {e}") from e
+        async with asyncio.timeout(config.read_timeout):
+            upstream = await app[SESSION].request(
+                request.method,
+                url,
+                params=request.query,
+                headers=_upstream_headers(request),
+                data=request.content if request.body_exists else None,
+            )
+    except TimeoutError as e:
+        raise UpstreamError(
+            f"upstream sent nothing for {config.read_timeout:g} s",
+            status=504,
+            code="upstream_timeout",
+        ) from e
+    except aiohttp.ClientError as e:
+        raise UpstreamError(f"upstream {config.upstream} unreachable: {e}") from e
+    watch = StallWatch(upstream, config.read_timeout)
     async with upstream:
         response = web.StreamResponse(status=upstream.status, headers=_client_headers(upstream))
         await response.prepare(request)
         try:
             async for chunk in upstream.content.iter_any():
+                watch.touch()
                 await response.write(chunk)
-        except (aiohttp.ClientError, TimeoutError, ConnectionResetError):
-            return response
+        except (aiohttp.ClientError, ConnectionResetError):
+            return response  # the client sees the body end early, as it would directly
+        finally:
+            watch.cancel()
         await _write_quietly(response, b"", eof=True)
         return response
 
@@ -474,11 +537,14 @@ async def admin_stats(request: web.Request) -> web.Response:
 async def _lifecycle(app: web.Application):
     config = app[CONFIG]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.keepalive_timeout)
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=config.connect_timeout, sock_read=config.read_timeout
+    # No total cap (long generations are fine) and no sock_read: StallWatch does that.
+    timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout)
+    session = aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,  # bytes pass to the client as the upstream encoded them
+        cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
     )
-    # auto_decompress off: bytes pass to the client as the upstream encoded them.
-    session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
     app[SESSION] = session
     writer = LogWriter(
         WriterConfig(
@@ -501,9 +567,7 @@ async def _lifecycle(app: web.Application):
 
 def create_app(config: ProxyConfig) -> web.Application:
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    app = web.Application(
-        client_max_size=config.max_body_bytes, middlewares=[openai_errors, authenticate]
-    )
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[guard])
     app[CONFIG] = config
     app[STATS] = {"requests": 0, "turns": _TurnCounter(), "upstream": {}}
     upstream_headers = (

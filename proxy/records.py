@@ -7,15 +7,25 @@ writer's thread, off the event loop.
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import time
-import uuid
 
 from overnight.storage import SCHEMA_VERSION
 
 from overnight.errors import OvernightError
 
 from .attribution import Attribution, validate_id
+
+# Ids: a random per-process prefix and a counter. Unique across processes (48 random
+# bits each) at a fraction of uuid4's cost, which reads the OS's entropy every call.
+_PREFIX = os.urandom(6).hex()
+_COUNTER = itertools.count()
+
+
+def new_id() -> str:
+    return f"{_PREFIX}{next(_COUNTER):010x}"
 
 
 def now_us() -> int:
@@ -41,7 +51,7 @@ def completion_rows(
         finish_reason = state.finish_reason if state else None
         rows.append(
             {
-                "record_id": uuid.uuid4().hex,
+                "record_id": new_id(),
                 "request_id": capture.request_id,
                 "schema_version": SCHEMA_VERSION,
                 "started_at": started,
@@ -113,7 +123,7 @@ def parse_reward(body: dict) -> tuple[float, dict]:
 
 def reward_row(rollout_id: str, reward: float, metrics: dict, proxy_id: str) -> dict:
     return {
-        "reward_id": uuid.uuid4().hex,
+        "reward_id": new_id(),
         "schema_version": SCHEMA_VERSION,
         "rollout_id": validate_id(rollout_id, "rollout id"),
         "reward": reward,

@@ -116,7 +116,6 @@ def compact_log(data_dir: Path, log_path: Path) -> int:
             written += len(day_rows)
     log_path.unlink()
     _fsync_dir(log_path.parent)
-    log.info("compacted %s: %d row(s)", log_path.name, written)
     return written
 
 
@@ -126,3 +125,11 @@ def segment_files(data_dir: Path, table: str) -> list[Path]:
 
 def log_files(data_dir: Path) -> list[Path]:
     return sorted((data_dir / LOG_DIR).glob(f"*{LOG_SUFFIX}"))
+
+
+if __name__ == "__main__":
+    # `python -m overnight.storage.segments DATA_DIR LOG`: what the writer runs in a child.
+    import sys
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    print("rows", compact_log(Path(sys.argv[1]), Path(sys.argv[2])))

@@ -117,6 +117,35 @@ async def test_upstream_reset_mid_stream_gives_an_error_event_and_a_partial_reco
     assert row["finish_reason"] is None
 
 
+async def test_upstream_silent_mid_stream_is_cut_off_and_recorded(make_proxy, tmp_path):
+    proxy = await make_proxy(read_timeout=0.3)
+    r = await proxy.post(
+        "/v1/chat/completions",
+        json={**CHAT, "stream": True, "max_tokens": 6},
+        headers={"X-Fake": "stall-after-3"},
+    )
+    events = sse_events(await r.text())
+    assert (
+        error_of(events[-1])["message"] == "upstream stream broke: upstream sent nothing for 0.3 s"
+    )
+    (row,) = await wait_for_rows(tmp_path / "data", 1)
+    assert row["partial"] is True and "sent nothing for 0.3 s" in row["error"]
+    assert row["completion_token_ids"] == [100, 101]
+
+
+async def test_a_slow_but_steady_stream_is_not_cut_off(make_proxy, tmp_path):
+    # Each chunk resets the silence clock: 8 chunks 0.1 s apart outlast read_timeout.
+    proxy = await make_proxy(read_timeout=0.3)
+    r = await proxy.post(
+        "/v1/chat/completions",
+        json={**CHAT, "stream": True, "max_tokens": 6},
+        headers={"X-Fake": "slow-chunks-0.1"},
+    )
+    assert sse_events(await r.text())[-1] == "[DONE]"
+    (row,) = await wait_for_rows(tmp_path / "data", 1)
+    assert row["error"] is None and row["latency_ms"] > 600
+
+
 async def test_stream_without_done_is_recorded_as_broken(make_proxy, tmp_path):
     proxy = await make_proxy()
     r = await proxy.post(
@@ -169,7 +198,7 @@ async def test_many_failures_leak_no_connection(make_proxy, fake):
     ("body", "message"),
     [
         ({"reward": "high"}, "finite number"),
-        ({"reward": float("nan")}, "finite number"),
+        ({"reward": float("nan")}, "not valid JSON"),  # NaN is not JSON
         ({"reward": True}, "finite number"),
         ({"reward": 1, "extra": 2}, "unknown field"),
         ({"reward": 1, "metrics": [1]}, "metrics"),

@@ -1,0 +1,340 @@
+"""Proxy overhead, side by side in one run: direct calls, overnight, LiteLLM's proxy.
+
+All three front the same in-process fake vLLM (overnight.fake_upstream: vLLM's
+response shapes, no model), so what differs is the proxy alone. Following the
+capture issue: the proxy under test is pinned to core 0; the load generator (wrk)
+and the fake upstream share core 1. overnight runs as `overnight serve --upstream`
+with logging on (every request is fsynced to its log and counted afterwards).
+LiteLLM's proxy runs from its own virtual environment, one worker, no callbacks,
+no database.
+
+    python bench/proxy_overhead.py                 # everything, about 4 minutes
+    python bench/proxy_overhead.py --skip-litellm  # without the reference
+
+The agent in the main scenarios is a plain client (it asks for neither token ids
+nor logprobs), so overnight adds them upstream and removes them again: its common,
+slower path. A second scenario has the client ask for both (forwarded verbatim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from overnight.proxy.launcher import free_port  # noqa: E402
+
+LITELLM_VERSION = "1.110.2"
+# Both proxies check a client key (LiteLLM refuses to start without a master key).
+API_KEY = "sk-bench-0123456789abcdef0123456789abcdef"
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful agent."},
+    {"role": "user", "content": "Which city is warmest today? Use the tools."},
+]
+
+
+@dataclass
+class Result:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+
+def pinned(core: int, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", str(core), *cmd] if shutil.which("taskset") else cmd
+
+
+def wait_up(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError as e:
+            if getattr(e, "code", None):  # answered, with an error status: it is up
+                return
+            time.sleep(0.2)
+    raise SystemExit(f"{url} did not come up in {timeout} s")
+
+
+def start(
+    cmd: list[str], health: str, env: dict | None = None, log: Path | None = None
+) -> subprocess.Popen:
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(
+        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    wait_up(health)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
+
+
+def _ms(text: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()
+    return float(value) * _UNITS[unit]
+
+
+def wrk(url: str, body: dict, connections: int, duration: float, workdir: Path) -> Result:
+    script = workdir / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = [[{json.dumps(body)}]]\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        'wrk.headers["X-Rollout-Group"] = "bench"\n'
+        f'wrk.headers["Authorization"] = "Bearer {API_KEY}"\n'
+    )
+    cmd = pinned(
+        1,
+        ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--latency", "-s", str(script), url],
+    )
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    p50 = _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1))
+    p99 = _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1))
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    socket = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    errors = (int(bad.group(1)) if bad else 0) + (sum(map(int, socket.groups())) if socket else 0)
+    return Result(rps, p50, p99, errors)
+
+
+def litellm_python(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"creating {venv} with litellm[proxy]=={LITELLM_VERSION} (once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", f"litellm[proxy]=={LITELLM_VERSION}"],
+            check=True,
+        )
+    return python
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
+    parser.add_argument(
+        "--tokens", type=int, default=12, help="tokens per response (12: ~1.5 KB with logprobs)"
+    )
+    parser.add_argument("--skip-litellm", action="store_true")
+    parser.add_argument("--litellm-venv", type=Path, default=ROOT / ".cache" / "bench-litellm")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if not shutil.which("wrk"):
+        raise SystemExit("wrk is needed: apt-get install wrk")
+
+    work = Path(tempfile.mkdtemp(prefix="overnight-bench-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        results = run_all(args, work, procs)
+    finally:
+        for p in reversed(procs):
+            stop(p)
+    report(results, args)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def run_all(args, work: Path, procs: list) -> dict:
+    py = sys.executable
+    port = {}
+
+    def serve(name: str, core: int, cmd: list[str], health: str = "/health", **kw) -> str:
+        port[name] = free_port()
+        cmd = [part.replace("{port}", str(port[name])) for part in cmd]
+        base = f"http://127.0.0.1:{port[name]}"
+        procs.append(start(pinned(core, cmd), base + health, **kw))
+        return base
+
+    fake = ["-m", "overnight.fake_upstream", "--port", "{port}", "--tokens"] + [str(args.tokens)]
+    up = {
+        "plain": serve("fake", 1, [py, *fake]),
+        "delay20": serve("fake20", 1, [py, *fake, "--delay", "0.02"]),
+        "jitter": serve("fake20j", 1, [py, *fake, "--delay", "0.02", "--jitter", "0.5"]),
+    }
+    ours, bare = {}, {}
+    for kind, upstream in up.items():
+        ours[kind] = serve(
+            f"ours-{kind}",
+            0,
+            [
+                py,
+                "-m",
+                "overnight.cli",
+                "serve",
+                "--upstream",
+                upstream,
+                "--port",
+                "{port}",
+                "--data",
+                str(work / kind),
+                "--api-key",
+                API_KEY,
+                "--log-level",
+                "WARNING",
+            ],
+        )
+        bare[kind] = serve(
+            f"bare-{kind}",
+            0,
+            [
+                py,
+                str(ROOT / "bench" / "bare_forwarder.py"),
+                "--port",
+                "{port}",
+                "--upstream",
+                upstream,
+            ],
+        )
+    targets = {"direct": up["plain"], "overnight": ours["plain"], "bare-aiohttp": bare["plain"]}
+    if not args.skip_litellm:
+        config = work / "litellm.yaml"
+        config.write_text(
+            "model_list:\n  - model_name: policy\n    litellm_params:\n"
+            f"      model: openai/fake-base\n      api_base: {up['plain']}/v1\n      api_key: unused\n"
+            f"general_settings:\n  master_key: {API_KEY}\n"
+        )
+        litellm = litellm_python(args.litellm_venv).parent / "litellm"
+        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
+        targets["litellm"] = serve(
+            "litellm",
+            0,
+            [str(litellm), "--config", str(config), "--port", "{port}", "--num_workers", "1"],
+            health="/health/liveliness",
+            env=env,
+            log=work / "litellm.log",
+        )
+
+    plain = {"model": "policy", "messages": MESSAGES, "max_tokens": args.tokens}
+    asking = {**plain, "logprobs": True, "return_token_ids": True}
+    request = urllib.request.Request(
+        up["plain"] + "/v1/chat/completions",
+        data=json.dumps(asking).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    size = len(urllib.request.urlopen(request).read())
+    print(f"upstream response with token ids and logprobs: {size} bytes", flush=True)
+    results: dict = {"response_bytes": size, "duration_s": args.duration}
+
+    def measure(key: str, target_url: str, body: dict, connections: int) -> None:
+        wrk(target_url + "/v1/chat/completions", body, connections, 2, work)  # warm up
+        r = wrk(target_url + "/v1/chat/completions", body, connections, args.duration, work)
+        results[key] = r.__dict__
+        print(
+            f"{key:<40} {r.rps:>9.0f} req/s  p50 {r.p50_ms:7.3f} ms  p99 {r.p99_ms:7.3f} ms"
+            f"  errors {r.errors}",
+            flush=True,
+        )
+
+    for stream in (False, True):
+        body = {**plain, "stream": stream}
+        kind = "sse" if stream else "json"
+        for name, target in targets.items():
+            if stream and name == "bare-aiohttp":
+                continue  # it buffers whole answers; not an SSE reference
+            measure(f"{kind}/c1/{name}", target, body, 1)
+            measure(f"{kind}/c16/{name}", target, body, 16)
+    for kind in ("delay20", "jitter"):
+        measure(f"json/c16/direct/{kind}", up[kind], plain, 16)
+        measure(f"json/c16/overnight/{kind}", ours[kind], plain, 16)
+        measure(f"json/c16/bare-aiohttp/{kind}", bare[kind], plain, 16)
+    for name in ("direct", "overnight"):
+        measure(f"json-asking/c1/{name}", targets[name], asking, 1)
+        measure(f"json-asking/c16/{name}", targets[name], asking, 16)
+
+    time.sleep(0.5)  # the last group commit
+    with urllib.request.urlopen(ours["plain"] + "/admin/stats") as r:
+        results["overnight_stats"] = json.loads(r.read())
+    return results
+
+
+def report(results: dict, args) -> None:
+    r = results
+    rows = []
+
+    def check(name: str, value: float, op: str, limit: float) -> None:
+        ok = value <= limit if op == "<=" else value >= limit
+        rows.append((name, f"{value:.3f}", f"{op} {limit}", "PASS" if ok else "FAIL"))
+
+    def info(name: str, value: float) -> None:
+        rows.append((name, f"{value:.3f}", "", "info"))
+
+    for kind in ("json", "sse"):
+        added = r[f"{kind}/c1/overnight"]["p50_ms"] - r[f"{kind}/c1/direct"]["p50_ms"]
+        check(f"{kind}: added p50 latency at c1 (ms)", added, "<=", 0.5)
+        check(f"{kind}: requests/s at c16, no delay", r[f"{kind}/c16/overnight"]["rps"], ">=", 2000)
+        if f"{kind}/c1/litellm" in r:
+            lit_added = r[f"{kind}/c1/litellm"]["p50_ms"] - r[f"{kind}/c1/direct"]["p50_ms"]
+            check(
+                f"{kind}: throughput vs LiteLLM at c16 (x)",
+                r[f"{kind}/c16/overnight"]["rps"] / r[f"{kind}/c16/litellm"]["rps"],
+                ">=",
+                15,
+            )
+            check(f"{kind}: added latency / LiteLLM's at c1", added / lit_added, "<=", 0.05)
+    info(
+        "json: bare aiohttp forwarder, added p50 at c1 (ms)",
+        r["json/c1/bare-aiohttp"]["p50_ms"] - r["json/c1/direct"]["p50_ms"],
+    )
+    info(
+        "json: overnight / bare aiohttp forwarder, req/s at c16",
+        r["json/c16/overnight"]["rps"] / r["json/c16/bare-aiohttp"]["rps"],
+    )
+    check(
+        "json: vs direct at c16, 20 ms upstream",
+        r["json/c16/overnight/delay20"]["rps"] / r["json/c16/direct/delay20"]["rps"],
+        ">=",
+        0.95,
+    )
+    info(
+        "json: bare aiohttp vs direct at c16, 20 ms upstream",
+        r["json/c16/bare-aiohttp/delay20"]["rps"] / r["json/c16/direct/delay20"]["rps"],
+    )
+    info(
+        "json: vs direct at c16, 10-30 ms upstream",
+        r["json/c16/overnight/jitter"]["rps"] / r["json/c16/direct/jitter"]["rps"],
+    )
+    stats = r["overnight_stats"]
+    rows.append(
+        (
+            "overnight rows committed / requests",
+            f"{stats['rows_committed']}/{stats['requests']}",
+            "= all",
+            "PASS" if stats["rows_committed"] == stats["requests"] else "FAIL",
+        )
+    )
+    errors = sum(v["errors"] for v in r.values() if isinstance(v, dict) and "errors" in v)
+    rows.append(
+        ("failed requests in all runs", str(errors), "= 0", "PASS" if errors == 0 else "FAIL")
+    )
+    print(f"\n{'target':<56}{'measured':<14}{'limit':<12}")
+    for name, value, limit, verdict in rows:
+        print(f"{name:<56}{value:<14}{limit:<12}{verdict}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"results": r, "targets": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
