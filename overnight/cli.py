@@ -110,9 +110,25 @@ def _fail(e: Exception) -> click.ClickException:
 @click.option(
     "--alias", default="policy", show_default=True, help="Model name that follows promotions."
 )
-@click.option("--api-key", "api_keys", multiple=True, help="Accepted client key (repeatable).")
-@click.option("--admin-token", default=None, help="Token for /admin/ (else loopback only).")
-@click.option("--upstream-api-key", default=None, help="Key the proxy sends upstream.")
+@click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    envvar="OVERNIGHT_API_KEYS",
+    help="Accepted client key (repeatable; env OVERNIGHT_API_KEYS, space-separated).",
+)
+@click.option(
+    "--admin-token",
+    default=None,
+    envvar="OVERNIGHT_ADMIN_TOKEN",
+    help="Token for /admin/ (else loopback only; env OVERNIGHT_ADMIN_TOKEN).",
+)
+@click.option(
+    "--upstream-api-key",
+    default=None,
+    envvar="OVERNIGHT_UPSTREAM_API_KEY",
+    help="Key the proxy sends upstream (env OVERNIGHT_UPSTREAM_API_KEY).",
+)
 @click.option(
     "--served-model-name",
     default=None,

@@ -172,3 +172,16 @@ def test_an_empty_data_directory_has_empty_views(tmp_path):
     con = open_db(tmp_path)
     for view in ("completions", "rewards", "finishes", "rollouts", "groups"):
         assert con.execute(f"SELECT count(*) FROM {view}").fetchone() == (0,)
+
+
+def test_several_writers_share_one_directory(tmp_path):
+    writers = [LogWriter(WriterConfig(tmp_path, commit_interval=0.0)) for _ in range(3)]
+    for w in writers:
+        w.start()
+    for i in range(30):
+        writers[i % 3].append("completions", completion(i, rollout=f"r{i % 3}"))
+    assert len({w.writer_id for w in writers}) == 3
+    for w in writers:
+        w.close()
+    assert len(segment_files(tmp_path, "completions")) == 3  # each process its own files
+    assert rows(tmp_path, "SELECT count(*) AS n FROM completions") == [{"n": 30}]
