@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from overnight.proxy.launcher import free_port  # noqa: E402
+from overnight.proxy.launcher import free_port, wait_healthy  # noqa: E402
 
 LITELLM_VERSION = "1.110.2"
 # Both proxies check a client key (LiteLLM refuses to start without a master key).
@@ -57,19 +57,6 @@ def pinned(core: int, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", str(core), *cmd] if shutil.which("taskset") else cmd
 
 
-def wait_up(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError as e:
-            if getattr(e, "code", None):  # answered, with an error status: it is up
-                return
-            time.sleep(0.2)
-    raise SystemExit(f"{url} did not come up in {timeout} s")
-
-
 def start(
     cmd: list[str], health: str, env: dict | None = None, log: Path | None = None
 ) -> subprocess.Popen:
@@ -77,7 +64,8 @@ def start(
     proc = subprocess.Popen(
         cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
-    wait_up(health)
+    if not wait_healthy(health, 120, proc):
+        raise SystemExit(f"{health} did not come up in 120 s")
     return proc
 
 

@@ -13,27 +13,15 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from overnight.proxy.launcher import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def say(message: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"overnight serve exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"overnight serve did not become healthy in {timeout:.0f} s")
 
 
 def main() -> None:
@@ -76,7 +64,8 @@ def main() -> None:
     )
     base = f"http://127.0.0.1:{args.port}"
     try:
-        wait_healthy(base, serve, timeout=900)
+        if not wait_healthy(base + "/health", 900, serve):
+            raise SystemExit("overnight serve did not become healthy in 900 s")
         say(f"proxy ready at {base}/v1 after {time.monotonic() - started:.0f} s")
 
         say(f"running the example agent: {args.tasks} tasks x {args.group_size} attempts")

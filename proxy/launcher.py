@@ -80,6 +80,33 @@ def vllm_command(config: VLLMConfig, port: int) -> list[str]:
     return cmd + list(config.extra_args)
 
 
+def wait_healthy(
+    url: str, timeout: float, process: subprocess.Popen | None = None, progress=None
+) -> bool:
+    """Poll `url` until it answers with any HTTP status; False when `timeout` passes.
+
+    Raises LaunchError at once if `process` exits meanwhile. `progress`, if given, is
+    called with a line every 15 s.
+    """
+    started = time.monotonic()
+    next_note = started + 15
+    while time.monotonic() < started + timeout:
+        if process is not None and process.poll() is not None:
+            raise LaunchError(f"exited with code {process.returncode} while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True  # it answered: it is up
+        except OSError:
+            pass
+        if progress is not None and time.monotonic() > next_note:
+            progress(f"waiting for {url} ({time.monotonic() - started:.0f} s)")
+            next_note += 15
+        time.sleep(0.2)
+    return False
+
+
 class VLLMProcess:
     def __init__(self, config: VLLMConfig):
         self.config = config
@@ -103,29 +130,18 @@ class VLLMProcess:
         )
 
     def wait_healthy(self, progress=None) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout
-        started = time.monotonic()
-        next_note = started + 15
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise LaunchError(
-                    f"vLLM exited with code {self.process.returncode} while starting"
-                    f"{self._log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if progress is not None and time.monotonic() > next_note:
-                progress(f"waiting for vLLM to start ({time.monotonic() - started:.0f} s)")
-                next_note += 15
-            time.sleep(0.5)
-        self.stop()
-        raise LaunchError(
-            f"vLLM did not become healthy in {self.config.startup_timeout:.0f} s{self._log_tail()}"
-        )
+        try:
+            up = wait_healthy(
+                self.url + "/health", self.config.startup_timeout, self.process, progress
+            )
+        except LaunchError as e:
+            raise LaunchError(f"vLLM: {e}{self._log_tail()}") from e
+        if not up:
+            self.stop()
+            raise LaunchError(
+                f"vLLM did not become healthy in {self.config.startup_timeout:.0f} s"
+                f"{self._log_tail()}"
+            )
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -16,7 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from overnight.proxy.launcher import free_port
+from overnight.proxy.launcher import free_port, wait_healthy
 from overnight.storage.segments import log_files, segment_files
 
 from .helpers import rows
@@ -27,14 +27,7 @@ CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"{url} did not come up")
+    assert wait_healthy(url, timeout), f"{url} did not come up"
 
 
 def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
