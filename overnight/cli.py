@@ -310,6 +310,109 @@ def export(data_dir, fmt, table, out_path):
     click.echo(f"wrote {n} row(s) of {table} to {out_path}")
 
 
+@main.command()
+@data_option
+@click.option(
+    "--judge-model", default=None, help="litellm model string of the judge, e.g. openai/o3."
+)
+@click.option("--judge-base-url", default=None, help="Base URL of a self-hosted judge (with /v1).")
+@click.option(
+    "--judge-api-key", default=None, envvar="OVERNIGHT_JUDGE_API_KEY", help="Key for the judge."
+)
+@click.option(
+    "--rubric",
+    "rubric_file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="File with the rubric (replaces the default).",
+)
+@click.option(
+    "--reward", default=None, help="Reward function, module:function or file.py:function."
+)
+@click.option("--combine", is_flag=True, help="With --reward and a judge: also store their mean.")
+@click.option("--rejudge", is_flag=True, help="Judge again groups this judge and rubric scored.")
+@click.option(
+    "--ignore-posted", is_flag=True, help="Judge groups whose rewards the agent posted, too."
+)
+@click.option(
+    "--settle",
+    default=600.0,
+    show_default=True,
+    type=float,
+    help="Seconds without a turn after which an unfinished rollout counts as finished.",
+)
+@click.option("--group", "groups", multiple=True, help="Only this group (repeatable).")
+@click.option("--max-groups", default=None, type=int, help="At most this many groups.")
+@click.option(
+    "--concurrency", default=8, show_default=True, type=int, help="Groups judged at once."
+)
+@click.option("--max-fixes", default=2, show_default=True, type=int, help="Corrective retries.")
+def judge(
+    data_dir,
+    judge_model,
+    judge_base_url,
+    judge_api_key,
+    rubric_file,
+    reward,
+    combine,
+    rejudge,
+    ignore_posted,
+    settle,
+    groups,
+    max_groups,
+    concurrency,
+    max_fixes,
+):
+    """Score finished groups with an LLM judge (RULER) and/or a reward function.
+
+    \b
+    Example:
+      overnight judge --judge-model openai/o3
+      overnight judge --judge-model openai/judge --judge-base-url http://127.0.0.1:8001/v1
+      overnight judge --reward examples/rewards.py:weather_reward
+    """
+    import asyncio
+
+    from .config import JudgeConfig
+    from .judge.rewards import RewardFunction
+    from .judge.run import run_judge
+
+    if not judge_model and not reward:
+        raise click.UsageError("give --judge-model, --reward, or both")
+    if not data_dir.is_dir():
+        raise click.ClickException(f"no data directory at {data_dir} (use --data)")
+    if combine and not (judge_model and reward):
+        raise click.UsageError("--combine needs both --judge-model and --reward")
+    try:
+        config = None
+        if judge_model:
+            config = JudgeConfig(
+                model=judge_model,
+                base_url=judge_base_url,
+                api_key=judge_api_key,
+                rubric=rubric_file.read_text() if rubric_file else "",
+                concurrency=concurrency,
+                max_fixes=max_fixes,
+            )
+        function = RewardFunction(reward) if reward else None
+        summary = asyncio.run(
+            run_judge(
+                data_dir,
+                config,
+                function,
+                combine=combine,
+                rejudge=rejudge,
+                use_posted=not ignore_posted,
+                settle_seconds=settle,
+                groups=list(groups) or None,
+                max_groups=max_groups,
+            )
+        )
+    except OvernightError as e:
+        raise _fail(e) from e
+    for line in summary.lines():
+        click.echo(line)
+
+
 @main.command(name="tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, type=int)

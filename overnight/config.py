@@ -67,3 +67,37 @@ class ProxyConfig:
             raise ConfigError("commit_interval must be >= 0 and roll_seconds > 0")
         if any(not k for k in self.api_keys):
             raise ConfigError("api keys must not be empty")
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    # Any litellm model string, e.g. "openai/o3" or "openai/my-judge" with base_url.
+    model: str
+    # For a self-hosted judge (another vLLM); None lets litellm use the provider's URL.
+    base_url: str | None = None
+    # Key for the judge; None lets litellm read the provider's usual variable.
+    api_key: str | None = None
+    # What "better" means; empty uses judge.ruler.DEFAULT_RUBRIC (goal first, then efficiency).
+    rubric: str = ""
+    # Corrective retries after an answer that does not parse or does not fit.
+    max_fixes: int = 2
+    # Retries of one call on rate limits, timeouts and 5xx, with backoff.
+    max_retries: int = 4
+    # Groups judged at once; judges rate-limit, and a local one has few slots.
+    concurrency: int = 8
+    # Seconds for one judge call; long groups make long prompts.
+    timeout: float = 120.0
+    # None keeps the judge's default (some reasoning models refuse other values).
+    temperature: float | None = None
+    # Tool outputs longer than this are shortened in the middle for the judge.
+    max_tool_chars: int = 2000
+    # Cap on the judge's answer; None leaves it to the judge (a reasoning model needs room).
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("a judge model is required (any litellm model string)")
+        if self.max_fixes < 0 or self.max_retries < 0 or self.concurrency < 1:
+            raise ConfigError("max_fixes and max_retries must be >= 0, concurrency >= 1")
+        if self.timeout <= 0 or self.max_tool_chars < 200:
+            raise ConfigError("timeout must be positive and max_tool_chars at least 200")

@@ -50,8 +50,8 @@ def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -
         )
         rollouts = con.execute(
             "SELECT rollout_id, turns, prompt_tokens, completion_tokens, reward, reward_source, "
-            "finished_at IS NOT NULL, models_served, errors FROM rollouts WHERE group_id = ? "
-            "ORDER BY started_at",
+            "judge_score, finished_at IS NOT NULL, models_served, errors FROM rollouts "
+            "WHERE group_id = ? ORDER BY started_at",
             [g[0]],
         ).fetchall()
         table = _table(
@@ -62,6 +62,7 @@ def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -
                 "completion",
                 "reward",
                 "source",
+                "judge",
                 "finished",
                 "served by",
                 "errors",
@@ -83,13 +84,17 @@ def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
     if not turns:
         raise OvernightError(f"no rollout {rollout_id!r} (see `overnight ls`)", status=404)
     reward = con.execute(
-        "SELECT reward, reward_source, finished_at FROM rollouts WHERE rollout_id = ?", [rollout_id]
+        "SELECT reward, reward_source, finished_at, judge_score, judge_explanation, judge_model "
+        "FROM rollouts WHERE rollout_id = ?",
+        [rollout_id],
     ).fetchone()
     out = [
         f"rollout {rollout_id} in group {turns[0][9]}: {len(turns)} turn(s), "
         f"reward {_cell(reward[0])} ({reward[1] or 'none'}), "
         f"{'finished' if reward[2] else 'not finished'}"
     ]
+    if reward[3] is not None:
+        out.append(f"judge {reward[5]}: {reward[3]:.3f}: {reward[4]}")
     seen = 0
     for turn, started, served, request, response, finish, error, n_tokens, latency, _ in turns:
         out.append("")

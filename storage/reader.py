@@ -31,6 +31,16 @@ DERIVED_VIEWS = {
                arg_max(source, created_at) AS reward_source, count(*) AS rewards_posted
         FROM rewards GROUP BY rollout_id
     """,
+    # The latest successful judge score of each rollout, with the judge's reasons.
+    "rollout_judgments": """
+        SELECT s.rollout_id,
+               arg_max(s.score, created_at) AS judge_score,
+               arg_max(s.explanation, created_at) AS judge_explanation,
+               arg_max(judge_model, created_at) AS judge_model
+        FROM (SELECT created_at, judge_model, unnest(scores) AS s FROM judgments
+              WHERE error IS NULL)
+        GROUP BY s.rollout_id
+    """,
     "rollouts": """
         WITH turns AS (
             SELECT
@@ -47,9 +57,11 @@ DERIVED_VIEWS = {
             FROM completions
             GROUP BY rollout_id
         )
-        SELECT t.*, w.reward, w.reward_source, f.finished_at
+        SELECT t.*, w.reward, w.reward_source, f.finished_at,
+               j.judge_score, j.judge_explanation, j.judge_model
         FROM turns t
         LEFT JOIN rollout_rewards w USING (rollout_id)
+        LEFT JOIN rollout_judgments j USING (rollout_id)
         LEFT JOIN (SELECT rollout_id, max(finished_at) AS finished_at
                    FROM finishes GROUP BY rollout_id) f USING (rollout_id)
     """,
@@ -92,8 +104,8 @@ def live_rows(data_dir: Path) -> dict[str, pa.Table]:
 
 
 def open_db(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with views `completions`, `rewards`, `finishes`,
-    `rollout_rewards`, `rollouts` and `groups` over `data_dir`."""
+    """An in-memory DuckDB with views `completions`, `rewards`, `finishes`, `judgments`,
+    `rollout_rewards`, `rollout_judgments`, `rollouts` and `groups` over `data_dir`."""
     data_dir = Path(data_dir)
     con = duckdb.connect(":memory:")
     live = live_rows(data_dir)

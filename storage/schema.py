@@ -58,8 +58,41 @@ REWARDS = pa.schema(
         ("rollout_id", pa.string()),
         ("reward", pa.float64()),
         ("metrics", pa.string()),  # JSON object
-        ("source", pa.string()),
+        ("source", pa.string()),  # agent | ruler | function | combined
         ("created_at", _TS),
+        ("proxy_id", pa.string()),  # the process that wrote it (a proxy or a judge run)
+        ("judgment_id", pa.string()),  # for rewards derived from a judgment
+    ]
+)
+
+# One row per group judged (or failed) by an LLM judge; re-judging adds rows.
+JUDGMENTS = pa.schema(
+    [
+        ("judgment_id", pa.string()),
+        ("schema_version", pa.int16()),
+        ("group_id", pa.string()),
+        ("judge_model", pa.string()),
+        ("rubric_hash", pa.string()),
+        ("prompt_hash", pa.string()),  # of exactly what was sent: the cache key
+        ("created_at", _TS),
+        (
+            "scores",
+            pa.list_(
+                pa.struct(
+                    [
+                        ("rollout_id", pa.string()),
+                        ("score", pa.float64()),
+                        ("explanation", pa.string()),
+                    ]
+                )
+            ),
+        ),
+        ("error", pa.string()),  # null when the group was scored
+        ("attempts", pa.int32()),  # calls made, retries and corrections included
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("cost_usd", pa.float64()),  # null when the judge has no known price
+        ("latency_ms", pa.float64()),
         ("proxy_id", pa.string()),
     ]
 )
@@ -78,6 +111,7 @@ TABLES: dict[str, pa.Schema] = {
     "completions": COMPLETIONS,
     "rewards": REWARDS,
     "finishes": FINISHES,
+    "judgments": JUDGMENTS,
 }
 
 # Columns written as JSON text that hold timestamps as ISO strings in the log.

@@ -29,7 +29,12 @@ LOG_SUFFIX = ".jsonl"
 # Large row groups keep DuckDB scans fast; a segment is rarely larger than this.
 ROW_GROUP_SIZE = 128 * 1024
 # The column whose day partitions each table.
-PARTITION_COLUMN = {"completions": "started_at", "rewards": "created_at", "finishes": "finished_at"}
+PARTITION_COLUMN = {
+    "completions": "started_at",
+    "rewards": "created_at",
+    "finishes": "finished_at",
+    "judgments": "created_at",
+}
 
 
 def read_log(path: Path) -> tuple[dict[str, list[dict]], int]:

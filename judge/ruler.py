@@ -1,0 +1,313 @@
+"""RULER: an LLM judge scores the trajectories of one group relative to each other.
+
+GRPO only needs scores that order the rollouts of a group, and judging side by side
+is easier than judging alone: the judge sees the shared context once, then every
+trajectory from where it diverges, and answers with one score in [0, 1] and a short
+explanation each. The answer is checked (one score per trajectory, ids that match,
+numbers in range); a bad answer is sent back with what was wrong, a bounded number of
+times. (RULER comes from OpenPipe ART; this is our own implementation.)
+
+`build_prompt` and `parse_scores` are pure; `judge_group` makes the litellm call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import time
+from dataclasses import dataclass, field
+
+from overnight.config import JudgeConfig
+
+from .trajectories import Group, distinct, shared_prefix, trim_tool_outputs
+
+DEFAULT_RUBRIC = """\
+- A trajectory that reaches the goal set by the system and user messages scores higher
+  than one that does not; one that makes progress scores higher than one that makes none.
+- Among those that reach it, prefer correct details, fewer wasted steps and tool calls,
+  and answers in the form that was asked for.
+- Use the whole range: the best trajectory here can score near 1 and the worst near 0;
+  differences in score should follow differences in quality. Equal work, equal score."""
+
+SYSTEM = """\
+You are a careful judge. Several attempts (trajectories) at the same task are shown
+side by side. Messages every attempt shares are given once as <context>; each
+<trajectory> continues from there. Score every trajectory from 0 to 1 against the
+rubric, relative to the others, and explain each score in one or two sentences.
+Answer with JSON only: {"scores": [{"trajectory_id": "1", "explanation": "...",
+"score": 0.5}, ...]}, one entry per trajectory."""
+
+RESPONSE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "ruler_scores",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {
+                "scores": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "trajectory_id": {"type": "string"},
+                            "explanation": {"type": "string"},
+                            "score": {"type": "number", "minimum": 0, "maximum": 1},
+                        },
+                        "required": ["trajectory_id", "explanation", "score"],
+                        "additionalProperties": False,
+                    },
+                }
+            },
+            "required": ["scores"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def rubric_hash(rubric: str) -> str:
+    return hashlib.sha256(rubric.encode()).hexdigest()[:16]
+
+
+# -- the prompt -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    messages: list[dict]  # what is sent to the judge
+    ids: list[str]  # trajectory ids in the prompt, "1".."N"
+    rollouts: dict[str, str]  # trajectory id -> the rollout it stands for
+    representative: dict[str, str]  # every rollout -> the judged rollout it duplicates
+    shortened: int  # tool outputs cut in the middle
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.messages, sort_keys=True).encode()).hexdigest()
+
+
+def render_message(message: dict) -> str:
+    role = message.get("role", "?")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: keep the text, name the rest
+        content = " ".join(
+            p.get("text") or f"<{p.get('type')}>" for p in content if isinstance(p, dict)
+        )
+    lines = []
+    if role == "tool":
+        lines.append(
+            f"[tool result {message.get('tool_call_id') or ''}] {content}".replace("  ", " ")
+        )
+    elif content:
+        lines.append(f"[{role}] {content}")
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        lines.append(f"[{role} calls {fn.get('name')}] {fn.get('arguments')} (id {call.get('id')})")
+    return "\n".join(lines) or f"[{role}]"
+
+
+def build_prompt(group: Group, rubric: str, max_tool_chars: int) -> Prompt:
+    unique, representative = distinct(group.trajectories)
+    prefix = shared_prefix(unique)
+    context = unique[0].messages[:prefix]
+    tools_alike = all(t.tools == unique[0].tools for t in unique)
+    parts = ["<context>", *map(render_message, context), "</context>"]
+    if tools_alike and unique[0].tools:
+        parts += ["<tools>", json.dumps(unique[0].tools, ensure_ascii=False), "</tools>"]
+    rollouts, shortened = {}, 0
+    for i, t in enumerate(unique, start=1):
+        messages, cut = trim_tool_outputs(t.messages[prefix:], max_tool_chars)
+        shortened += cut
+        parts.append(f'<trajectory id="{i}">')
+        if not tools_alike and t.tools:
+            parts.append("<tools>" + json.dumps(t.tools, ensure_ascii=False) + "</tools>")
+        parts += [*map(render_message, messages), "</trajectory>"]
+        rollouts[str(i)] = t.rollout_id
+    parts += ["<rubric>", rubric, "</rubric>"]
+    if shortened:
+        parts.append(
+            f"Note: {shortened} long tool output(s) were shortened in the middle; "
+            "the marker '[... N characters omitted ...]' shows where."
+        )
+    parts.append(f"Score all {len(unique)} trajectories, ids 1 to {len(unique)}.")
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "\n".join(parts)},
+    ]
+    return Prompt(messages, list(rollouts), rollouts, representative, shortened)
+
+
+# -- the answer -----------------------------------------------------------------------
+
+
+class BadAnswer(Exception):
+    """The judge's answer does not fit; the message says how, for the retry."""
+
+
+def parse_scores(text: str | None, ids: list[str]) -> dict[str, tuple[float, str]]:
+    """{trajectory id: (score, explanation)} or BadAnswer."""
+    if not text or not text.strip():
+        raise BadAnswer("the answer was empty")
+    text = re.sub(r"^\s*```(?:json)?\s*|\s*```\s*$", "", text.strip())
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise BadAnswer(f"the answer is not valid JSON ({e})") from None
+    scores = data.get("scores") if isinstance(data, dict) else None
+    if not isinstance(scores, list):
+        raise BadAnswer('the answer needs a "scores" list')
+    found: dict[str, tuple[float, str]] = {}
+    for entry in scores:
+        if not isinstance(entry, dict):
+            raise BadAnswer("each score must be an object")
+        tid = str(entry.get("trajectory_id", "")).strip()
+        score = entry.get("score")
+        if tid not in ids:
+            raise BadAnswer(f"unknown trajectory_id {tid!r}; the ids are {', '.join(ids)}")
+        if tid in found:
+            raise BadAnswer(f"trajectory {tid} was scored twice")
+        if (
+            isinstance(score, bool)
+            or not isinstance(score, int | float)
+            or not math.isfinite(score)
+        ):
+            raise BadAnswer(f"the score of trajectory {tid} is not a number")
+        if not 0 <= score <= 1:
+            raise BadAnswer(f"the score of trajectory {tid} is {score}, outside [0, 1]")
+        found[tid] = (float(score), str(entry.get("explanation", "")))
+    missing = [i for i in ids if i not in found]
+    if missing:
+        raise BadAnswer(f"trajectories {', '.join(missing)} have no score")
+    return found
+
+
+# -- the call -------------------------------------------------------------------------
+
+
+@dataclass
+class Judgment:
+    group_id: str
+    prompt_hash: str
+    scores: dict[str, tuple[float, str]] = field(default_factory=dict)  # rollout -> (score, why)
+    error: str | None = None
+    attempts: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float | None = None
+    latency_ms: float = 0.0
+
+
+async def judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None = None) -> Judgment:
+    """Score a group; never raises for the judge's failures (they are in `.error`)."""
+    import litellm  # slow to import; only the batch pays for it
+
+    prompt = prompt or build_prompt(group, config.rubric or DEFAULT_RUBRIC, config.max_tool_chars)
+    judgment = Judgment(group.group_id, prompt.hash)
+    messages = list(prompt.messages)
+    started = time.perf_counter()
+    try:
+        for _fix in range(config.max_fixes + 1):
+            response = await _complete(litellm, messages, config, judgment)
+            text = response.choices[0].message.content
+            try:
+                by_id = parse_scores(text, prompt.ids)
+            except BadAnswer as e:
+                judgment.error = f"unusable answer: {e}"
+                messages += [
+                    {"role": "assistant", "content": text or ""},
+                    {
+                        "role": "user",
+                        "content": f"That answer cannot be used: {e}. Answer again "
+                        f"with JSON only, one score for each of the "
+                        f"trajectories {', '.join(prompt.ids)}.",
+                    },
+                ]
+                continue
+            judgment.error = None
+            judgment.scores = {
+                rollout: by_id[_id_of(prompt, rep)]
+                for rollout, rep in prompt.representative.items()
+            }
+            break
+    except Exception as e:  # a broken judge fails its group, never the batch
+        judgment.error = f"{type(e).__name__}: {e}"[:2000]
+    judgment.latency_ms = (time.perf_counter() - started) * 1000
+    return judgment
+
+
+def _id_of(prompt: Prompt, rollout_id: str) -> str:
+    return next(i for i, r in prompt.rollouts.items() if r == rollout_id)
+
+
+TRANSIENT = (
+    "RateLimitError",
+    "APIConnectionError",
+    "InternalServerError",
+    "ServiceUnavailableError",
+    "Timeout",
+    "APITimeoutError",
+    "BadGatewayError",
+)
+
+
+async def _complete(litellm, messages: list[dict], config: JudgeConfig, judgment: Judgment):
+    """One judge call with retries on transient errors; counts tokens and cost."""
+    for attempt in range(config.max_retries + 1):
+        judgment.attempts += 1
+        try:
+            response = await litellm.acompletion(
+                model=config.model,
+                messages=messages,
+                response_format=RESPONSE_FORMAT,
+                api_base=config.base_url,
+                api_key=config.api_key,
+                timeout=config.timeout,
+                num_retries=0,
+                **_optional(temperature=config.temperature, max_tokens=config.max_tokens),
+            )
+        except Exception as e:
+            if type(e).__name__ not in TRANSIENT or attempt == config.max_retries:
+                raise
+            await asyncio.sleep(_retry_delay(e, attempt))
+            continue
+        usage = getattr(response, "usage", None)
+        judgment.prompt_tokens += getattr(usage, "prompt_tokens", 0) or 0
+        judgment.completion_tokens += getattr(usage, "completion_tokens", 0) or 0
+        cost = _cost(litellm, response)
+        if cost is not None:
+            judgment.cost_usd = (judgment.cost_usd or 0.0) + cost
+        return response
+    raise AssertionError("unreachable")
+
+
+def _optional(**kwargs) -> dict:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _retry_delay(e: Exception, attempt: int) -> float:
+    """Retry-After when the server sent one (a 429), else exponential backoff with jitter."""
+    headers = getattr(getattr(e, "response", None), "headers", None) or {}
+    retry_after = headers.get("retry-after") if hasattr(headers, "get") else None
+    try:
+        if retry_after is not None:
+            return min(float(retry_after), 60.0)
+    except ValueError:
+        pass
+    base = float(os.environ.get("OVERNIGHT_JUDGE_BACKOFF", "0.5"))
+    return base * 2**attempt * (0.5 + random.random())
+
+
+def _cost(litellm, response) -> float | None:
+    hidden = getattr(response, "_hidden_params", None) or {}
+    cost = hidden.get("response_cost")
+    if cost is None:
+        try:
+            cost = litellm.completion_cost(completion_response=response)
+        except Exception:  # a self-hosted judge has no price
+            return None
+    return float(cost) if cost is not None else None

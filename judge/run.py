@@ -1,0 +1,301 @@
+"""`overnight judge`: score the finished groups that have no score from this judge yet.
+
+Reads the data directory with DuckDB, judges groups concurrently (a bounded number at
+a time), and appends judgments and the rewards derived from them through the same
+durable log the proxy uses (its own files, compacted to Parquet at the end). One
+failing group is recorded as failed and never stops the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, open_db
+
+from overnight.config import JudgeConfig
+
+from .rewards import RewardFunction
+from .ruler import DEFAULT_RUBRIC, Judgment, build_prompt, judge_group, rubric_hash
+from .trajectories import Group, trajectory_from_turn
+
+# A rollout with no finish call counts as finished after this long without a turn.
+DEFAULT_SETTLE_SECONDS = 600.0
+
+
+@dataclass
+class Summary:
+    judged: int = 0
+    failed: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> groups
+    scored_by_function: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float | None = None
+    seconds: float = 0.0
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (group, why)
+
+    def lines(self) -> list[str]:
+        cost = (
+            "unknown (no price for this judge)"
+            if self.cost_usd is None
+            else f"${self.cost_usd:.4f}"
+        )
+        out = [
+            f"judged {self.judged} group(s), failed {self.failed}, skipped {sum(self.skipped.values())} "
+            f"in {self.seconds:.1f} s",
+            f"judge tokens: {self.prompt_tokens} prompt, {self.completion_tokens} completion; cost {cost}",
+        ]
+        if self.scored_by_function:
+            out.append(f"scored {self.scored_by_function} group(s) with the reward function")
+        out += [f"  skipped {n}: {reason}" for reason, n in self.skipped.most_common()]
+        out += [f"  failed {group}: {why}" for group, why in self.failures[:10]]
+        return out
+
+
+def finished_groups(con, settle_seconds: float, only: list[str] | None) -> list[str]:
+    """Groups whose every rollout was finished explicitly or has been idle long enough."""
+    rows = con.execute(
+        """
+        SELECT group_id FROM rollouts
+        GROUP BY group_id
+        HAVING bool_and(finished_at IS NOT NULL
+                        OR ended_at < now() - to_microseconds(CAST(? * 1e6 AS BIGINT)))
+        ORDER BY min(started_at)
+        """,
+        [settle_seconds],
+    ).fetchall()
+    groups = [g for (g,) in rows]
+    return [g for g in groups if g in set(only)] if only else groups
+
+
+def load_group(con, group_id: str) -> Group:
+    """The group's rollouts, each as the conversation of its last successful turn."""
+    rows = con.execute(
+        """
+        SELECT rollout_id, request, response FROM completions
+        WHERE group_id = ? AND logged AND error IS NULL
+        QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY started_at DESC, turn_index DESC) = 1
+        ORDER BY rollout_id
+        """,
+        [group_id],
+    ).fetchall()
+    trajectories = [
+        trajectory_from_turn(r, json.loads(q) if q else None, json.loads(a) if a else None)
+        for r, q, a in rows
+    ]
+    return Group(group_id, trajectories)
+
+
+def judged_before(con, judge_model: str, rubric: str) -> tuple[set[str], set[str]]:
+    """Groups and prompt hashes this judge and rubric already scored."""
+    rows = con.execute(
+        "SELECT group_id, prompt_hash FROM judgments WHERE judge_model = ? AND rubric_hash = ? "
+        "AND error IS NULL",
+        [judge_model, rubric_hash(rubric)],
+    ).fetchall()
+    return {g for g, _ in rows}, {h for _, h in rows}
+
+
+def posted_complete(con) -> set[str]:
+    """Groups in which every rollout has a reward the agent posted."""
+    rows = con.execute(
+        "SELECT r.group_id FROM rollouts r LEFT JOIN (SELECT DISTINCT rollout_id FROM rewards "
+        "WHERE source = 'agent') p USING (rollout_id) GROUP BY r.group_id "
+        "HAVING bool_and(p.rollout_id IS NOT NULL)"
+    ).fetchall()
+    return {g for (g,) in rows}
+
+
+async def run_judge(
+    data_dir: Path,
+    config: JudgeConfig | None,
+    reward: RewardFunction | None = None,
+    *,
+    combine: bool = False,
+    rejudge: bool = False,
+    use_posted: bool = True,
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+    groups: list[str] | None = None,
+    max_groups: int | None = None,
+    progress: bool = True,
+) -> Summary:
+    started = time.perf_counter()
+    summary = Summary()
+    rubric = (config.rubric if config else "") or DEFAULT_RUBRIC
+    con = open_db(data_dir)
+    try:
+        candidates = finished_groups(con, settle_seconds, groups)
+        done_groups, done_prompts = (
+            judged_before(con, config.model, rubric) if config else (set(), set())
+        )
+        posted = posted_complete(con) if use_posted else set()
+        work: list[Group] = []
+        for group_id in candidates:
+            if group_id in posted:
+                summary.skipped["every rollout has a reward the agent posted"] += 1
+            elif config and group_id in done_groups and not rejudge and not reward:
+                summary.skipped["already judged by this judge and rubric"] += 1
+            else:
+                group = load_group(con, group_id)
+                if len(group.trajectories) < 2:
+                    summary.skipped["one rollout: no relative signal"] += 1
+                else:
+                    work.append(group)
+    finally:
+        con.close()
+    if max_groups is not None:
+        work = work[:max_groups]
+
+    writer = LogWriter(WriterConfig(Path(data_dir)))
+    writer.start()
+    try:
+        limit = asyncio.Semaphore(config.concurrency if config else 8)
+        tasks = [
+            asyncio.create_task(
+                _score(
+                    g,
+                    config,
+                    reward,
+                    combine,
+                    rejudge,
+                    done_prompts,
+                    rubric,
+                    limit,
+                    writer,
+                    summary,
+                )
+            )
+            for g in work
+        ]
+        await _with_progress(tasks, progress)
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, writer.close)
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+async def _with_progress(tasks: list[asyncio.Task], show: bool) -> None:
+    if not tasks:
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=len(tasks), desc="judging groups", unit="group", disable=not show) as bar:
+        for finished in asyncio.as_completed(tasks):
+            await finished
+            bar.update(1)
+
+
+async def _score(
+    group: Group,
+    config,
+    reward,
+    combine,
+    rejudge,
+    done_prompts,
+    rubric,
+    limit,
+    writer: LogWriter,
+    summary: Summary,
+) -> None:
+    async with limit:
+        function_scores = None
+        if reward is not None:
+            try:
+                function_scores = await reward.score_group(group)
+            except Exception as e:  # the user's code fails this group, not the batch
+                summary.failed += 1
+                summary.failures.append((group.group_id, f"reward function: {e}"))
+                return
+            _write_rewards(writer, function_scores, "function", None, {"function": reward.name})
+            summary.scored_by_function += 1
+        if config is None:
+            return
+        prompt = build_prompt(group, rubric, config.max_tool_chars)
+        if prompt.hash in done_prompts and not rejudge:
+            summary.skipped["the same prompt was judged before (cache)"] += 1
+            return
+        judgment = await judge_group(group, config, prompt)
+    _account(summary, judgment)
+    judgment_id = _write_judgment(writer, judgment, config, rubric)
+    if judgment.error is None:
+        scores = {r: s for r, (s, _) in judgment.scores.items()}
+        _write_rewards(writer, scores, "ruler", judgment_id, {"judge_model": config.model})
+        if combine and function_scores is not None:
+            both = {r: (scores[r] + function_scores[r]) / 2 for r in scores}
+            _write_rewards(writer, both, "combined", judgment_id, {"of": ["ruler", "function"]})
+
+
+def _account(summary: Summary, j: Judgment) -> None:
+    if j.error is None:
+        summary.judged += 1
+    else:
+        summary.failed += 1
+        summary.failures.append((j.group_id, j.error))
+    summary.prompt_tokens += j.prompt_tokens
+    summary.completion_tokens += j.completion_tokens
+    if j.cost_usd is not None:
+        summary.cost_usd = (summary.cost_usd or 0.0) + j.cost_usd
+
+
+def _now_us() -> int:
+    return int(dt.datetime.now(dt.UTC).timestamp() * 1e6)
+
+
+def _new_id() -> str:
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def _write_judgment(writer: LogWriter, j: Judgment, config: JudgeConfig, rubric: str) -> str:
+    judgment_id = _new_id()
+    writer.append(
+        "judgments",
+        {
+            "judgment_id": judgment_id,
+            "schema_version": SCHEMA_VERSION,
+            "group_id": j.group_id,
+            "judge_model": config.model,
+            "rubric_hash": rubric_hash(rubric),
+            "prompt_hash": j.prompt_hash,
+            "created_at": _now_us(),
+            "scores": [
+                {"rollout_id": r, "score": s, "explanation": why}
+                for r, (s, why) in sorted(j.scores.items())
+            ],
+            "error": j.error,
+            "attempts": j.attempts,
+            "prompt_tokens": j.prompt_tokens,
+            "completion_tokens": j.completion_tokens,
+            "cost_usd": j.cost_usd,
+            "latency_ms": j.latency_ms,
+            "proxy_id": writer.writer_id,
+        },
+    )
+    return judgment_id
+
+
+def _write_rewards(
+    writer: LogWriter, scores: dict[str, float], source: str, judgment_id: str | None, metrics: dict
+) -> None:
+    for rollout_id, value in scores.items():
+        writer.append(
+            "rewards",
+            {
+                "reward_id": _new_id(),
+                "schema_version": SCHEMA_VERSION,
+                "rollout_id": rollout_id,
+                "reward": float(value),
+                "metrics": metrics,
+                "source": source,
+                "created_at": _now_us(),
+                "proxy_id": writer.writer_id,
+                "judgment_id": judgment_id,
+            },
+        )

@@ -1,0 +1,290 @@
+"""`overnight judge` end to end: real litellm over HTTP to a scripted judge server."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+from overnight.judge.rewards import RewardFunction
+from overnight.judge.run import run_judge
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
+
+from overnight.cli import main
+from overnight.config import JudgeConfig
+
+from .helpers import rows
+from .judge_server import SEEN, answer, create_judge_server, error, good
+
+SYSTEM = {"role": "system", "content": "Answer with the capital."}
+
+
+def write_groups(
+    data_dir, groups: dict[str, list[str]], finished: bool = True, posted: dict | None = None
+):
+    """Groups of one-turn rollouts: {group: [each rollout's answer]}."""
+    writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
+    writer.start()
+    now = time.time_ns() // 1000
+    for group_id, answers in groups.items():
+        for i, text in enumerate(answers):
+            rollout = f"{group_id}.r{i}"
+            request = {
+                "model": "policy",
+                "messages": [SYSTEM, {"role": "user", "content": f"Capital of {group_id}?"}],
+            }
+            response = {
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "stop",
+                    }
+                ]
+            }
+            writer.append(
+                "completions",
+                {
+                    "record_id": f"{rollout}.rec",
+                    "request_id": f"{rollout}.req",
+                    "schema_version": SCHEMA_VERSION,
+                    "started_at": now,
+                    "ended_at": now,
+                    "group_id": group_id,
+                    "rollout_id": rollout,
+                    "turn_index": 0,
+                    "choice_index": 0,
+                    "endpoint": "chat.completions",
+                    "request": request,
+                    "response": response,
+                    "logged": True,
+                    "http_status": 200,
+                },
+            )
+            if finished:
+                writer.append(
+                    "finishes", {"rollout_id": rollout, "schema_version": 1, "finished_at": now}
+                )
+            if posted and rollout in posted:
+                writer.append(
+                    "rewards",
+                    {
+                        "reward_id": f"{rollout}.w",
+                        "schema_version": 1,
+                        "rollout_id": rollout,
+                        "reward": posted[rollout],
+                        "source": "agent",
+                        "created_at": now,
+                    },
+                )
+    writer.close()
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch):
+    monkeypatch.setenv("OVERNIGHT_JUDGE_BACKOFF", "0.01")
+
+
+@pytest.fixture
+def judge(aiohttp_server):
+    async def start(*script):
+        return await aiohttp_server(create_judge_server(list(script)))
+
+    return start
+
+
+def config_for(server, **kw) -> JudgeConfig:
+    return JudgeConfig(
+        model="openai/judge-model",
+        base_url=str(server.make_url("/v1")),
+        api_key="sk-judge",
+        max_retries=2,
+        timeout=10,
+        **kw,
+    )
+
+
+async def test_good_answers_become_judgments_and_rewards(judge, tmp_path):
+    write_groups(tmp_path, {"france": ["Paris", "Lyon", "I don't know"]})
+    server = await judge(good(lambda i: [1.0, 0.3, 0.0][i - 1]))
+    summary = await run_judge(tmp_path, config_for(server), progress=False)
+    assert (summary.judged, summary.failed) == (1, 0)
+    assert (summary.prompt_tokens, summary.completion_tokens) == (100, 20)
+    (j,) = rows(tmp_path, "SELECT * FROM judgments")
+    assert j["error"] is None and j["judge_model"] == "openai/judge-model" and j["attempts"] == 1
+    assert [(s["rollout_id"], s["score"], s["explanation"]) for s in j["scores"]] == [
+        ("france.r0", 1.0, "reason 1"),
+        ("france.r1", 0.3, "reason 2"),
+        ("france.r2", 0.0, "reason 3"),
+    ]
+    rewards = rows(
+        tmp_path, "SELECT rollout_id, reward, source, judgment_id FROM rewards ORDER BY rollout_id"
+    )
+    assert [(r["rollout_id"], r["reward"], r["source"]) for r in rewards] == [
+        ("france.r0", 1.0, "ruler"),
+        ("france.r1", 0.3, "ruler"),
+        ("france.r2", 0.0, "ruler"),
+    ]
+    assert {r["judgment_id"] for r in rewards} == {j["judgment_id"]}
+    # What was sent: the structured-output request, over HTTP, with the judge's own key.
+    (sent,) = server.app[SEEN]
+    assert sent["response_format"]["type"] == "json_schema"
+    assert "Paris" in sent["messages"][1]["content"]
+
+
+async def test_a_malformed_answer_is_corrected_then_used(judge, tmp_path):
+    write_groups(tmp_path, {"peru": ["Lima", "Cusco"]})
+    server = await judge(answer("the first one is better"), good())
+    summary = await run_judge(tmp_path, config_for(server), progress=False)
+    assert summary.judged == 1
+    second = server.app[SEEN][1]["messages"]
+    assert second[-2] == {"role": "assistant", "content": "the first one is better"}
+    assert (
+        "not valid JSON" in second[-1]["content"] and "trajectories 1, 2" in second[-1]["content"]
+    )
+    (j,) = rows(tmp_path, "SELECT attempts, error FROM judgments")
+    assert j == {"attempts": 2, "error": None}
+
+
+async def test_a_judge_that_keeps_miscounting_fails_its_group_not_the_batch(judge, tmp_path):
+    write_groups(
+        tmp_path, {"chile": ["Santiago", "Valparaiso"], "spain": ["Madrid", "Seville", "Bilbao"]}
+    )
+    # Two scores for everyone: right for chile (2 rollouts), wrong for spain (3).
+    two = answer(
+        json.dumps(
+            {"scores": [{"trajectory_id": str(i), "explanation": "", "score": 0.5} for i in (1, 2)]}
+        )
+    )
+    server = await judge(two)
+    summary = await run_judge(tmp_path, config_for(server, max_fixes=1), progress=False)
+    assert (summary.judged, summary.failed) == (1, 1)
+    found = {j["group_id"]: j for j in rows(tmp_path, "SELECT * FROM judgments")}
+    assert found["chile"]["error"] is None
+    assert found["spain"]["error"] == "unusable answer: trajectories 3 have no score"
+    assert found["spain"]["attempts"] == 2 and found["spain"]["scores"] == []
+    assert {r["rollout_id"] for r in rows(tmp_path, "SELECT rollout_id FROM rewards")} == {
+        "chile.r0",
+        "chile.r1",
+    }
+
+
+async def test_rate_limits_are_honoured_and_retried(judge, tmp_path):
+    write_groups(tmp_path, {"italy": ["Rome", "Milan"]})
+    server = await judge(error(429, {"Retry-After": "0"}), error(429), good())
+    summary = await run_judge(tmp_path, config_for(server), progress=False)
+    assert summary.judged == 1
+    assert rows(tmp_path, "SELECT attempts FROM judgments") == [{"attempts": 3}]
+
+
+async def test_a_judge_that_keeps_failing_is_recorded(judge, tmp_path):
+    write_groups(tmp_path, {"japan": ["Tokyo", "Kyoto"]})
+    server = await judge(error(500))
+    summary = await run_judge(tmp_path, config_for(server), progress=False)
+    assert summary.failed == 1
+    (j,) = rows(tmp_path, "SELECT error, attempts FROM judgments")
+    assert j["attempts"] == 3 and "InternalServerError" in j["error"]
+    assert rows(tmp_path, "SELECT * FROM rewards") == []
+
+
+async def test_judged_groups_are_cached_and_rejudging_adds_rows(judge, tmp_path):
+    write_groups(tmp_path, {"egypt": ["Cairo", "Giza"]})
+    server = await judge(good())
+    await run_judge(tmp_path, config_for(server), progress=False)
+    again = await run_judge(tmp_path, config_for(server), progress=False)
+    assert again.judged == 0 and again.skipped["already judged by this judge and rubric"] == 1
+    assert len(server.app[SEEN]) == 1  # nothing sent the second time
+    other_rubric = await run_judge(
+        tmp_path, config_for(server, rubric="Shorter is better."), progress=False
+    )
+    assert other_rubric.judged == 1
+    forced = await run_judge(tmp_path, config_for(server), rejudge=True, progress=False)
+    assert forced.judged == 1
+    assert len(rows(tmp_path, "SELECT * FROM judgments")) == 3  # added, never overwritten
+
+
+async def test_what_is_not_judged_and_why(judge, tmp_path):
+    write_groups(tmp_path, {"solo": ["Alone"]})
+    write_groups(tmp_path, {"open": ["A", "B"]}, finished=False)  # just now, not finished
+    write_groups(tmp_path, {"posted": ["A", "B"]}, posted={"posted.r0": 1.0, "posted.r1": 0.0})
+    write_groups(tmp_path, {"twins": ["Same", "Same", "Same"]})
+    server = await judge(good())
+    summary = await run_judge(tmp_path, config_for(server), progress=False)
+    assert summary.skipped == {
+        "one rollout: no relative signal": 1,
+        "every rollout has a reward the agent posted": 1,
+    }
+    assert summary.judged == 1  # twins: judged once ...
+    assert "Score all 1 trajectories" in server.app[SEEN][0]["messages"][1]["content"]
+    (j,) = rows(tmp_path, "SELECT scores FROM judgments")
+    assert {s["rollout_id"] for s in j["scores"]} == {
+        "twins.r0",
+        "twins.r1",
+        "twins.r2",
+    }  # ... reused
+    idle = await run_judge(tmp_path, config_for(server), settle_seconds=0.0, progress=False)
+    assert idle.judged == 1  # "open" counts as finished once idle for the settle time
+
+
+def capital_reward(rollout: dict) -> float:
+    return 1.0 if rollout["messages"][-1]["content"] in {"Paris", "Lima"} else 0.0
+
+
+async def test_reward_function_alone_and_combined(judge, tmp_path):
+    write_groups(tmp_path, {"france": ["Paris", "Lyon"]})
+    fn = RewardFunction(f"{__name__}:capital_reward")
+    summary = await run_judge(tmp_path, None, fn, progress=False)
+    assert summary.scored_by_function == 1
+    server = await judge(good(lambda i: 0.5))
+    await run_judge(tmp_path, config_for(server), fn, combine=True, progress=False)
+    found = rows(
+        tmp_path,
+        "SELECT rollout_id, reward, source FROM rewards ORDER BY source, rollout_id, created_at",
+    )
+    assert [(r["source"], r["rollout_id"], r["reward"]) for r in found] == [
+        ("combined", "france.r0", 0.75),
+        ("combined", "france.r1", 0.25),
+        ("function", "france.r0", 1.0),
+        ("function", "france.r0", 1.0),
+        ("function", "france.r1", 0.0),
+        ("function", "france.r1", 0.0),
+        ("ruler", "france.r0", 0.5),
+        ("ruler", "france.r1", 0.5),
+    ]
+
+
+async def test_a_reward_function_that_breaks_fails_its_group(tmp_path):
+    write_groups(tmp_path, {"france": ["Paris", "Lyon"]})
+    summary = await run_judge(tmp_path, None, RewardFunction("json:dumps"), progress=False)
+    assert summary.failed == 1 and "expected a finite number" in summary.failures[0][1]
+
+
+def test_cli_judge_prints_a_summary(tmp_path):
+    write_groups(tmp_path, {"france": ["Paris", "Lyon"]})
+    reward_file = tmp_path / "my_rewards.py"
+    reward_file.write_text(
+        "def score(rollout):\n    return float(rollout['messages'][-1]['content'] == 'Paris')\n"
+    )
+    out = CliRunner().invoke(
+        main, ["judge", "--data", str(tmp_path), "--reward", f"{reward_file}:score"]
+    )
+    assert out.exit_code == 0, out.output
+    assert "judged 0 group(s), failed 0" in out.output and "with the reward function" in out.output
+    bad = CliRunner().invoke(main, ["judge", "--data", str(tmp_path), "--reward", "nope"])
+    assert bad.exit_code != 0 and "module:function" in bad.output
+    assert (
+        "give --judge-model, --reward"
+        in CliRunner().invoke(main, ["judge", "--data", str(tmp_path)]).output
+    )
+
+
+async def test_ls_and_show_carry_the_judges_scores(judge, tmp_path):
+    write_groups(tmp_path, {"france": ["Paris", "Lyon"]})
+    server = await judge(good(lambda i: [0.9, 0.2][i - 1]))
+    await run_judge(tmp_path, config_for(server), progress=False)
+    listing = CliRunner().invoke(main, ["ls", "--data", str(tmp_path)]).output
+    line = next(x for x in listing.splitlines() if x.strip().startswith("france.r0"))
+    assert "0.900" in line and "ruler" in line
+    shown = CliRunner().invoke(main, ["show", "france.r1", "--data", str(tmp_path)]).output
+    assert "judge openai/judge-model: 0.200: reason 2" in shown
