@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,9 @@ def load_function(spec: str):
             if loaded is None or not path.exists():
                 raise RewardFunctionError(f"no file {path}")
             module = importlib.util.module_from_spec(loaded)
+            # As `python file.py` would: the file's folder is importable (its helpers).
+            if str(path.parent) not in sys.path:
+                sys.path.insert(0, str(path.parent))
             loaded.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)

@@ -71,6 +71,14 @@ RESPONSE_FORMAT = {
 }
 
 
+def import_litellm():
+    """litellm, quiet: it takes ~3 s to import, so only the judge batch pays for it."""
+    import litellm
+
+    litellm.suppress_debug_info = True
+    return litellm
+
+
 def rubric_hash(rubric: str) -> str:
     return hashlib.sha256(rubric.encode()).hexdigest()[:16]
 
@@ -111,11 +119,15 @@ def render_message(message: dict) -> str:
     return "\n".join(lines) or f"[{role}]"
 
 
-def build_prompt(group: Group, rubric: str, max_tool_chars: int) -> Prompt:
+def build_prompt(
+    group: Group, rubric: str, max_tool_chars: int, share_prefix: bool = True
+) -> Prompt:
+    """The judge's messages. `share_prefix=False` sends every trajectory whole (and its
+    tools with it): only for measuring what the packing saves."""
     unique, representative = distinct(group.trajectories)
-    prefix = shared_prefix(unique)
+    prefix = shared_prefix(unique) if share_prefix else 0
     context = unique[0].messages[:prefix]
-    tools_alike = all(t.tools == unique[0].tools for t in unique)
+    tools_alike = share_prefix and all(t.tools == unique[0].tools for t in unique)
     parts = ["<context>", *map(render_message, context), "</context>"]
     if tools_alike and unique[0].tools:
         parts += ["<tools>", json.dumps(unique[0].tools, ensure_ascii=False), "</tools>"]
@@ -204,7 +216,7 @@ class Judgment:
 
 async def judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None = None) -> Judgment:
     """Score a group; never raises for the judge's failures (they are in `.error`)."""
-    import litellm  # slow to import; only the batch pays for it
+    litellm = import_litellm()
 
     prompt = prompt or build_prompt(group, config.rubric or DEFAULT_RUBRIC, config.max_tool_chars)
     judgment = Judgment(group.group_id, prompt.hash)
@@ -303,11 +315,7 @@ def _retry_delay(e: Exception, attempt: int) -> float:
 
 
 def _cost(litellm, response) -> float | None:
-    hidden = getattr(response, "_hidden_params", None) or {}
-    cost = hidden.get("response_cost")
-    if cost is None:
-        try:
-            cost = litellm.completion_cost(completion_response=response)
-        except Exception:  # a self-hosted judge has no price
-            return None
+    # litellm prices the call itself when it knows the model; a self-hosted judge has
+    # no price (asking completion_cost then only raises, and prints a provider list).
+    cost = (getattr(response, "_hidden_params", None) or {}).get("response_cost")
     return float(cost) if cost is not None else None

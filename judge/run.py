@@ -16,12 +16,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
 from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, open_db
 
 from overnight.config import JudgeConfig
 
 from .rewards import RewardFunction
-from .ruler import DEFAULT_RUBRIC, Judgment, build_prompt, judge_group, rubric_hash
+from .ruler import DEFAULT_RUBRIC, Judgment, build_prompt, import_litellm, judge_group, rubric_hash
 from .trajectories import Group, trajectory_from_turn
 
 # A rollout with no finish call counts as finished after this long without a turn.
@@ -71,25 +72,35 @@ def finished_groups(con, settle_seconds: float, only: list[str] | None) -> list[
         [settle_seconds],
     ).fetchall()
     groups = [g for (g,) in rows]
-    return [g for g in groups if g in set(only)] if only else groups
+    if only:
+        wanted = set(only)
+        groups = [g for g in groups if g in wanted]
+    return groups
 
 
-def load_group(con, group_id: str) -> Group:
-    """The group's rollouts, each as the conversation of its last successful turn."""
+def load_groups(con, group_ids: list[str]) -> list[Group]:
+    """The groups' rollouts, each as the conversation of its last successful turn."""
+    if not group_ids:
+        return []
+    con.register("_wanted", pa.table({"group_id": group_ids}))
     rows = con.execute(
         """
-        SELECT rollout_id, request, response FROM completions
-        WHERE group_id = ? AND logged AND error IS NULL
+        SELECT group_id, rollout_id, request, response FROM completions
+        WHERE group_id IN (SELECT group_id FROM _wanted) AND logged AND error IS NULL
         QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY started_at DESC, turn_index DESC) = 1
-        ORDER BY rollout_id
-        """,
-        [group_id],
+        ORDER BY group_id, rollout_id
+        """
     ).fetchall()
-    trajectories = [
-        trajectory_from_turn(r, json.loads(q) if q else None, json.loads(a) if a else None)
-        for r, q, a in rows
-    ]
-    return Group(group_id, trajectories)
+    by_group: dict[str, list] = {g: [] for g in group_ids}
+    for group_id, rollout, request, response in rows:
+        by_group[group_id].append(
+            trajectory_from_turn(
+                rollout,
+                json.loads(request) if request else None,
+                json.loads(response) if response else None,
+            )
+        )
+    return [Group(g, ts) for g, ts in by_group.items()]
 
 
 def judged_before(con, judge_model: str, rubric: str) -> tuple[set[str], set[str]]:
@@ -135,24 +146,29 @@ async def run_judge(
             judged_before(con, config.model, rubric) if config else (set(), set())
         )
         posted = posted_complete(con) if use_posted else set()
-        work: list[Group] = []
+        wanted: list[str] = []
         for group_id in candidates:
             if group_id in posted:
                 summary.skipped["every rollout has a reward the agent posted"] += 1
             elif config and group_id in done_groups and not rejudge and not reward:
                 summary.skipped["already judged by this judge and rubric"] += 1
             else:
-                group = load_group(con, group_id)
-                if len(group.trajectories) < 2:
-                    summary.skipped["one rollout: no relative signal"] += 1
-                else:
-                    work.append(group)
+                wanted.append(group_id)
+        work: list[Group] = []
+        for group in load_groups(con, wanted):
+            if len(group.trajectories) < 2:
+                summary.skipped["one rollout: no relative signal"] += 1
+            else:
+                work.append(group)
     finally:
         con.close()
     if max_groups is not None:
         work = work[:max_groups]
 
-    writer = LogWriter(WriterConfig(Path(data_dir)))
+    if config is not None and work:
+        import_litellm()  # once, before the clock of the first group starts
+    # A batch job has no event loop to protect: compact its few rows in-process.
+    writer = LogWriter(WriterConfig(Path(data_dir), compact_in_process=True))
     writer.start()
     try:
         limit = asyncio.Semaphore(config.concurrency if config else 8)

@@ -3,7 +3,8 @@
 It answers in vLLM 0.32's shapes (the same keys, nulls where vLLM sends nulls,
 `prompt_token_ids`/`token_ids` with `return_token_ids`, logprobs, usage chunks) with
 deterministic tokens, instantly or after `delay`. It is not a model: tests that
-claim to exercise vLLM use the real one. A request can ask it to misbehave with the
+claim to exercise vLLM use the real one. Asked to judge (a RULER request, with the
+`ruler_scores` response format) it answers with valid scores, for judge benchmarks. A request can ask it to misbehave with the
 `X-Fake` header: `status-500`, `status-429`, `garbage` (200 with a body that is not
 JSON), `reset-after-N` (stream N chunks then drop the connection), `stall` (never
 answer), `stall-after-N` (stream N chunks, then go silent), `slow-chunks-S` (S seconds between chunks), `no-done` (end the stream without [DONE]), `tool-call`.
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import time
 import uuid
 
@@ -89,6 +91,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         jitter = settings["jitter"]
         await asyncio.sleep(settings["delay"] * (1 + jitter * (2 * random.random() - 1)))
     chat = request.path.endswith("chat/completions")
+    if chat and _is_ruler(body):
+        return web.Response(body=_dumps(_ruler_answer(body)), content_type="application/json")
     n = int(body.get("n") or 1)
     max_tokens = int(body.get("max_tokens") or settings["tokens"])
     tool_call = behaviour == "tool-call"
@@ -99,6 +103,33 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return web.Response(
         body=_dumps(_whole(body, chat, prompt, choices, tool_call)), content_type="application/json"
     )
+
+
+def _is_ruler(body: dict) -> bool:
+    schema = (body.get("response_format") or {}).get("json_schema") or {}
+    return schema.get("name") == "ruler_scores"
+
+
+def _ruler_answer(body: dict) -> dict:
+    """A judge's valid answer to a RULER prompt: trajectory i of n scores i/n."""
+    n = int(re.search(r"Score all (\d+) trajectories", body["messages"][-1]["content"]).group(1))
+    scores = [
+        {"trajectory_id": str(i), "explanation": f"fake reason {i}", "score": i / n}
+        for i in range(1, n + 1)
+    ]
+    message = {"role": "assistant", "content": json.dumps({"scores": scores})}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+        "usage": {
+            "prompt_tokens": len(body["messages"][-1]["content"]) // 4,
+            "completion_tokens": 20 * n,
+            "total_tokens": len(body["messages"][-1]["content"]) // 4 + 20 * n,
+        },
+    }
 
 
 def _whole(body: dict, chat: bool, prompt: list[int], choices: list, tool_call: bool) -> dict:

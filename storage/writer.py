@@ -49,6 +49,9 @@ class WriterConfig:
     # big enough for large row groups, small enough that recovery after a crash is quick.
     roll_bytes: int = 64 * 1024 * 1024
     roll_seconds: float = 300.0
+    # Compact in this process instead of a child. Only for batch jobs: in a server it
+    # holds the GIL for seconds per 64 MiB log and stalls the event loop.
+    compact_in_process: bool = False
 
     def __post_init__(self) -> None:
         if self.commit_interval < 0 or self.roll_bytes <= 0 or self.roll_seconds <= 0:
@@ -223,6 +226,14 @@ class LogWriter:
             self._compact(locked)
 
     def _compact(self, locked: _LockedFile) -> None:
+        if self.config.compact_in_process:
+            try:
+                self.rows_compacted += compact_log(self.config.data_dir, locked.path)
+            except Exception:
+                log.exception("could not compact %s; it will be retried on restart", locked.path)
+            finally:
+                locked.close()
+            return
         # In a child process: parsing a big log and building Parquet holds the GIL for
         # seconds, which would stall the proxy's event loop. We keep the lock meanwhile.
         command = [sys.executable, "-m", "overnight.storage.segments"]

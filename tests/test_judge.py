@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -288,3 +289,14 @@ async def test_ls_and_show_carry_the_judges_scores(judge, tmp_path):
     assert "0.900" in line and "ruler" in line
     shown = CliRunner().invoke(main, ["show", "france.r1", "--data", str(tmp_path)]).output
     assert "judge openai/judge-model: 0.200: reason 2" in shown
+
+
+def test_the_example_reward_function():
+    fn = RewardFunction(
+        str(Path(__file__).resolve().parent.parent / "examples" / "rewards.py") + ":weather_reward"
+    )
+    user = {"role": "user", "content": "What is the temperature in Oslo right now?"}
+    right = {"messages": [user, {"role": "assistant", "content": "ANSWER: -3"}]}
+    wrong = {"messages": [user, {"role": "assistant", "content": "ANSWER: 19"}]}
+    silent = {"messages": [user, {"role": "assistant", "content": "-3"}]}
+    assert [fn.fn(r) for r in (right, wrong, silent)] == [1.0, 0.0, 0.0]

@@ -1,0 +1,23 @@
+"""Reward functions for the examples, for `overnight judge --reward examples/rewards.py:NAME`.
+
+A reward function gets one rollout, `{"rollout_id", "group_id", "messages", "tools"}`
+with the whole conversation in `messages`, and returns a number: higher is better.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tool_agent import CITIES  # examples/ is importable when this file is loaded by path
+
+
+def weather_reward(rollout: dict) -> float:
+    """1.0 when the last answer gives the asked city's temperature, else 0.0."""
+    question = next((m["content"] for m in rollout["messages"] if m.get("role") == "user"), "")
+    match = re.search(r"temperature in (\w+)", question or "")
+    if not match:
+        return 0.0
+    expected = str(CITIES[match.group(1).lower()]["temperature"])
+    last = rollout["messages"][-1].get("content") or ""
+    answer = last.split("ANSWER:", 1)[1].split() if "ANSWER:" in last else []
+    return 1.0 if expected in answer else 0.0
