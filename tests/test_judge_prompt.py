@@ -138,3 +138,23 @@ def test_bad_answers_say_what_is_wrong(text, why):
     with pytest.raises(BadAnswer, match=None) as e:
         parse_scores(text, ["1", "2"])
     assert why in str(e.value)
+
+
+def test_judging_never_reaches_the_internet_by_accident():
+    import subprocess
+    import sys
+
+    code = (
+        "import os, overnight.judge.ruler as r; r.import_litellm(); "
+        "assert os.environ['LITELLM_LOCAL_MODEL_COST_MAP'] == 'True'"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "LITELLM_LOCAL_MODEL_COST_MAP"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_a_group_of_one_still_builds_a_prompt():
+    # The batch skips such groups (no relative signal); the prompt itself stays sound.
+    prompt = build_prompt(
+        group_of([{"role": "assistant", "content": "Booked."}]), DEFAULT_RUBRIC, 2000
+    )
+    assert prompt.ids == ["1"] and "[assistant] Booked." in user_text(prompt).split("</context>")[1]

@@ -1,0 +1,102 @@
+"""Logged records become training samples: token sequences exactly as vLLM sampled them.
+
+No chat template is re-rendered. A rollout's turns are taken in order; a turn whose
+prompt starts with everything before it (the previous prompt plus the completion the
+model sampled) extends the same sequence, so a multi-turn conversation trains as one
+sequence; otherwise a new sequence starts (for example when the agent rewrote its
+history, or the template re-tokenised a reply differently from how it was sampled).
+Only sampled tokens are trained: the system prompt, user turns and tool outputs are
+context (masked out). Each trained token carries the logprob it was sampled with,
+which is the behaviour policy of the importance ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+
+class DataError(ValueError):
+    """A record that cannot be trained on as logged; the message says why."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # one per completion token, as vLLM sampled it
+
+    def __post_init__(self) -> None:
+        if not self.completion_ids:
+            raise DataError("a turn without completion tokens")
+        if len(self.logprobs) != len(self.completion_ids):
+            raise DataError(
+                f"{len(self.completion_ids)} completion tokens but {len(self.logprobs)} logprobs"
+            )
+
+
+@dataclass
+class Sample:
+    """One sequence to train on: the merged turns of (part of) a rollout."""
+
+    rollout_id: str
+    group_id: str
+    tokens: list[int] = field(default_factory=list)
+    trained: list[bool] = field(default_factory=list)  # True where the model sampled the token
+    behaviour_logprobs: list[float] = field(default_factory=list)  # 0.0 where not trained
+    turns: int = 0
+    advantage: float = 0.0
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(self.trained)
+
+    def extend(self, context: list[int], turn: Turn) -> None:
+        self.tokens += context + turn.completion_ids
+        self.trained += [False] * len(context) + [True] * len(turn.completion_ids)
+        self.behaviour_logprobs += [0.0] * len(context) + list(turn.logprobs)
+        self.turns += 1
+
+
+def merge_turns(rollout_id: str, group_id: str, turns: list[Turn]) -> list[Sample]:
+    """Samples for one rollout; `turns` in the order they were served."""
+    samples: list[Sample] = []
+    for turn in turns:
+        current = samples[-1] if samples else None
+        if current is not None and turn.prompt_ids[: len(current.tokens)] == current.tokens:
+            current.extend(turn.prompt_ids[len(current.tokens) :], turn)
+        else:
+            sample = Sample(rollout_id, group_id)
+            sample.extend(turn.prompt_ids, turn)
+            samples.append(sample)
+    return samples
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    advantages: dict[str, float]  # rollout -> advantage
+    mean: float
+    std: float
+
+
+def group_advantages(
+    rewards: dict[str, float], scale_by_std: bool = True, eps: float = 1e-6
+) -> GroupAdvantages | None:
+    """Reward minus the group's mean, divided by its standard deviation if asked.
+
+    None when the group carries no signal: fewer than two rollouts, or all rewards
+    equal (every advantage would be zero). The std is the sample standard deviation
+    (n - 1), as in GRPO's reference implementations.
+    """
+    if len(rewards) < 2:
+        return None
+    values = list(rewards.values())
+    if any(not math.isfinite(v) for v in values):
+        raise DataError(f"non-finite reward in {rewards}")
+    mean = statistics.fmean(values)
+    std = statistics.stdev(values)
+    if std < eps:
+        return None
+    scale = std + eps if scale_by_std else 1.0
+    return GroupAdvantages({r: (v - mean) / scale for r, v in rewards.items()}, mean, std)
