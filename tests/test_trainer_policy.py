@@ -1,0 +1,77 @@
+"""The policy's logprobs: packed like unpacked, and equal to what vLLM sampled with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from overnight.storage import open_db
+from overnight.trainer.data import Sample, Turn, merge_turns
+from overnight.trainer.policy import load_policy, pack, trained_logprobs
+from overnight.trainer.records import load_samples
+
+from .helpers import wait_for_rows
+
+pytestmark = pytest.mark.slow
+
+
+def sample(prompt: list[int], completion: list[int]) -> Sample:
+    (s,) = merge_turns("r", "g", [Turn(prompt, completion, [0.0] * len(completion))])
+    return s
+
+
+def test_packing_is_exact(tiny_model_dir):
+    model = load_policy(tiny_model_dir)
+    samples = [
+        sample([1, 5, 9, 30], [40, 41, 42]),
+        sample([2, 7], [50]),
+        sample([3, 3, 3, 3, 3], [60, 61]),
+    ]
+    with torch.no_grad():
+        packed = trained_logprobs(model, pack(samples))
+        alone = torch.cat([trained_logprobs(model, pack([s])) for s in samples])
+        # And against the plain full-logits forward of each sequence.
+        full = []
+        for s in samples:
+            logits = model(torch.tensor([s.tokens])).logits[0]
+            logp = torch.log_softmax(logits.float(), -1)
+            full += [logp[j - 1, s.tokens[j]].item() for j, t in enumerate(s.trained) if t]
+    assert packed.shape == (6,)
+    assert torch.allclose(packed, alone, atol=1e-5)
+    assert packed.tolist() == pytest.approx(full, abs=1e-5)
+
+
+@pytest.mark.vllm
+async def test_logprobs_match_what_vllm_sampled_with(
+    vllm_server, lora_adapter, tiny_model_dir, make_proxy, tmp_path
+):
+    proxy = await make_proxy(upstream=vllm_server.url)
+    body = {
+        "model": "policy",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 2,
+        "messages": [
+            {"role": "system", "content": "You answer."},
+            {"role": "user", "content": "Say hi"},
+        ],
+    }
+    r = await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Group": "base"})
+    assert r.status == 200
+    await proxy.post("/admin/adapters/promote", json={"path": str(lora_adapter)})
+    r = await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Group": "tuned"})
+    assert r.status == 200
+    await wait_for_rows(tmp_path / "data", 4)
+    con = open_db(tmp_path / "data")
+    gaps = {}
+    for group, adapter in (("base", None), ("tuned", lora_adapter)):
+        loaded = load_samples(con, [group])
+        assert len(loaded.samples) == 2 and not loaded.skipped
+        model = load_policy(tiny_model_dir, adapter)
+        batch = pack(loaded.samples)
+        with torch.no_grad():
+            ours = trained_logprobs(model, batch)
+        gaps[group] = (ours - batch["behaviour_logprobs"]).abs().max().item()
+    print(f"largest logprob gap vs vLLM: {gaps}")
+    # Measured here: 1.4e-6 (base) and 2.4e-6 (adapter) in float32.
+    assert gaps["base"] < 1e-4 and gaps["tuned"] < 1e-4, gaps
