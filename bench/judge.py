@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from overnight.judge.ruler import DEFAULT_RUBRIC, build_prompt, import_litellm  # noqa: E402
-from overnight.judge.run import finished_groups, load_groups, run_judge  # noqa: E402
+from overnight.judge.run import load_groups, run_judge  # noqa: E402
 from overnight.proxy.launcher import free_port, wait_healthy  # noqa: E402
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, open_db  # noqa: E402
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, finished_groups, open_db  # noqa: E402
 
 from overnight.config import JudgeConfig  # noqa: E402
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, open_db
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, finished_groups, open_db
 
 from overnight.config import JudgeConfig
 
@@ -57,25 +57,6 @@ class Summary:
         out += [f"  skipped {n}: {reason}" for reason, n in self.skipped.most_common()]
         out += [f"  failed {group}: {why}" for group, why in self.failures[:10]]
         return out
-
-
-def finished_groups(con, settle_seconds: float, only: list[str] | None) -> list[str]:
-    """Groups whose every rollout was finished explicitly or has been idle long enough."""
-    rows = con.execute(
-        """
-        SELECT group_id FROM rollouts
-        GROUP BY group_id
-        HAVING bool_and(finished_at IS NOT NULL
-                        OR ended_at < now() - to_microseconds(CAST(? * 1e6 AS BIGINT)))
-        ORDER BY min(started_at)
-        """,
-        [settle_seconds],
-    ).fetchall()
-    groups = [g for (g,) in rows]
-    if only:
-        wanted = set(only)
-        groups = [g for g in groups if g in wanted]
-    return groups
 
 
 def load_groups(con, group_ids: list[str]) -> list[Group]:

@@ -413,6 +413,170 @@ def judge(
         click.echo(line)
 
 
+proxy_option = click.option(
+    "--proxy",
+    "proxy_url",
+    default="http://127.0.0.1:8000",
+    show_default=True,
+    envvar="OVERNIGHT_PROXY",
+    help="The proxy whose adapter is trained and promoted.",
+)
+admin_token_option = click.option(
+    "--admin-token", default=None, envvar="OVERNIGHT_ADMIN_TOKEN", help="The proxy's admin token."
+)
+
+
+@main.command()
+@data_option
+@proxy_option
+@admin_token_option
+@click.option(
+    "--base-model", default=None, help="Base model path or name (default: ask the proxy)."
+)
+@click.option("--learning-rate", default=1e-5, show_default=True, type=float)
+@click.option("--epochs", default=1, show_default=True, type=int)
+@click.option(
+    "--lora-rank", default=16, show_default=True, type=int, help="Rank of a fresh adapter."
+)
+@click.option("--groups-per-step", default=8, show_default=True, type=int)
+@click.option("--micro-batch-tokens", default=8192, show_default=True, type=int)
+@click.option(
+    "--loss",
+    default="dapo",
+    show_default=True,
+    type=click.Choice(["grpo", "dr_grpo", "dapo"]),
+    help="How token losses are normalised (docs/grpo.md).",
+)
+@click.option("--kl-coef", default=0.0, show_default=True, type=float, help="KL to the base model.")
+@click.option("--min-group-size", default=2, show_default=True, type=int)
+@click.option("--max-groups", default=None, type=int, help="Train on at most this many groups.")
+@click.option(
+    "--since",
+    default=None,
+    type=click.DateTime(),
+    help="Only groups started at or after this time.",
+)
+@click.option(
+    "--settle",
+    default=600.0,
+    show_default=True,
+    type=float,
+    help="Seconds idle after which an unfinished rollout counts as finished.",
+)
+@click.option("--no-promote", is_flag=True, help="Save the adapter but keep serving the old one.")
+@click.option("--dry-run", is_flag=True, help="Show what would be trained, and stop.")
+def train(
+    data_dir,
+    proxy_url,
+    admin_token,
+    base_model,
+    learning_rate,
+    epochs,
+    lora_rank,
+    groups_per_step,
+    micro_batch_tokens,
+    loss,
+    kl_coef,
+    min_group_size,
+    max_groups,
+    since,
+    settle,
+    no_promote,
+    dry_run,
+):
+    """Train the served LoRA adapter with GRPO on logged, scored groups, and promote it.
+
+    \b
+    Example:
+      overnight train --dry-run
+      overnight train --learning-rate 1e-5 --epochs 1
+      crontab: 0 3 * * *  overnight train --data /var/lib/overnight >> train.log 2>&1
+    """
+    import datetime as dt
+
+    from .config import TrainConfig
+    from .trainer.train import train as run
+
+    if not data_dir.is_dir():
+        raise click.ClickException(f"no data directory at {data_dir} (use --data)")
+    try:
+        config = TrainConfig(
+            base_model=base_model,
+            learning_rate=learning_rate,
+            epochs=epochs,
+            lora_rank=lora_rank,
+            lora_alpha=2 * lora_rank,
+            groups_per_step=groups_per_step,
+            micro_batch_tokens=micro_batch_tokens,
+            loss=loss,
+            kl_coef=kl_coef,
+            min_group_size=min_group_size,
+        )
+        since_utc = since.replace(tzinfo=dt.UTC) if since else None
+        run(
+            data_dir,
+            config,
+            proxy_url=None if dry_run else proxy_url,
+            admin_token=admin_token,
+            promote=not no_promote,
+            dry_run=dry_run,
+            settle_seconds=settle,
+            since=since_utc,
+            max_groups=max_groups,
+            say=click.echo,
+        )
+    except OvernightError as e:
+        raise _fail(e) from e
+
+
+@main.command()
+@data_option
+@click.option("--limit", default=20, show_default=True, type=int)
+def runs(data_dir, limit):
+    """List training runs, newest first.
+
+    \b
+    Example:
+      overnight runs --limit 5
+    """
+    from . import display
+
+    with _db(data_dir) as con:
+        click.echo(
+            display.run_query(
+                con,
+                (
+                    "SELECT run_id, status, len(groups) AS groups, rollouts, steps, trained_tokens, "
+                    "round(reward_mean, 3) AS reward_mean, promoted_as, started_at FROM training_runs "
+                    f"ORDER BY started_at DESC LIMIT {int(limit)}"
+                ),
+                "table",
+            )
+        )
+
+
+@main.command()
+@proxy_option
+@admin_token_option
+def rollback(proxy_url, admin_token):
+    """Serve the previous adapter again (or the base model).
+
+    \b
+    Example:
+      overnight rollback --proxy http://127.0.0.1:8000
+    """
+    from .trainer.train import admin_call
+
+    try:
+        state = admin_call(proxy_url, "/admin/adapters/rollback", admin_token, {})
+    except OvernightError as e:
+        raise _fail(e) from e
+    current = state.get("current")
+    click.echo(
+        f"the alias {state['alias']} now serves {current['name'] if current else 'the base model'}"
+    )
+
+
 @main.command(name="tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, type=int)

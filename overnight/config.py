@@ -101,3 +101,70 @@ class JudgeConfig:
             raise ConfigError("max_fixes and max_retries must be >= 0, concurrency >= 1")
         if self.timeout <= 0 or self.max_tool_chars < 200:
             raise ConfigError("timeout must be positive and max_tool_chars at least 200")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Defaults suit a real model on a GPU; docs give the tiny-CPU-model preset."""
+
+    # Base model as vLLM serves it (a path or hub name); None asks vLLM's /v1/models.
+    base_model: str | None = None
+    # LoRA's usual range for 7B-class models; the tiny model wants ~1e-3 (see docs).
+    learning_rate: float = 1e-5
+    # Passes over the night's data; the clipped ratio keeps later passes honest.
+    epochs: int = 1
+    # Rank and alpha of a fresh adapter (an existing adapter keeps its own).
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    # All attention and MLP projections: what vLLM's LoRA kernels serve.
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    # Groups per optimizer step; each step normalises over its own groups.
+    groups_per_step: int = 8
+    # Tokens per forward pass (micro-batch); gradients accumulate across them.
+    micro_batch_tokens: int = 8192
+    # Gradient norm clip: one odd group must not wreck the adapter.
+    max_grad_norm: float = 1.0
+    # Groups smaller than this carry too little relative signal to train on.
+    min_group_size: int = 2
+    # Divide advantages by the group's reward std (GRPO) or not (Dr. GRPO).
+    scale_by_std: bool = True
+    # Loss: see trainer/loss.py and docs/grpo.md.
+    loss: str = "dapo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = 3.0
+    ratio_level: str = "token"
+    kl_coef: float = 0.0
+    max_tokens: int = 1024
+    # Which reward to train on when a rollout has several, first found wins.
+    reward_sources: tuple[str, ...] = ("agent", "combined", "function", "ruler")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:
+            raise ConfigError("learning_rate must be positive, epochs and lora_rank at least 1")
+        if self.groups_per_step < 1 or self.micro_batch_tokens < 16 or self.min_group_size < 2:
+            raise ConfigError("groups_per_step >= 1, micro_batch_tokens >= 16, min_group_size >= 2")
+        if self.max_grad_norm <= 0:
+            raise ConfigError("max_grad_norm must be positive")
+
+    def loss_config(self):
+        from overnight.trainer.loss import LossConfig
+
+        return LossConfig(
+            variant=self.loss,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            level=self.ratio_level,
+            kl_coef=self.kl_coef,
+            max_tokens=self.max_tokens,
+        )

@@ -65,6 +65,7 @@ class AdapterRegistry:
         self.headers = session_headers
         self.drain_timeout = drain_timeout
         self.base_model = base_model
+        self.base_model_path: str | None = None
         self.stack: list[Adapter] = []  # promotions; the top serves the alias
         self.history: list[Adapter] = []  # every adapter ever loaded, oldest first
         self.in_flight: Counter[str] = Counter()
@@ -137,9 +138,13 @@ class AdapterRegistry:
     async def restore(self) -> None:
         """After a (re)start: learn the base model and reload the current adapter."""
         served = await self._served_models()
-        if self.base_model is None:
-            bases = [m["id"] for m in served if not m.get("parent")]
-            self.base_model = bases[0] if bases else None
+        bases = [m for m in served if not m.get("parent")]
+        if self.base_model is None and bases:
+            self.base_model = bases[0]["id"]
+        # Where vLLM loaded the base from: what a trainer must load too.
+        self.base_model_path = next(
+            (m.get("root") for m in bases if m["id"] == self.base_model), None
+        )
         current = self.current
         if current is not None and current.name not in {m["id"] for m in served}:
             async with self._lock:
@@ -151,6 +156,7 @@ class AdapterRegistry:
         return {
             "alias": self.alias,
             "base_model": self.base_model,
+            "base_model_path": self.base_model_path,
             "current": asdict(current) if current else None,
             "stack": [a.name for a in self.stack],
             "adapters": [asdict(a) for a in self.history],

@@ -3,7 +3,7 @@
 The leaf of the dependency graph: it imports none of overnight's other parts.
 """
 
-from .reader import open_db
+from .reader import finished_groups, open_db
 from .schema import SCHEMA_VERSION, SchemaVersionError
 from .writer import LogWriter, WriterConfig, recover
 
@@ -12,6 +12,7 @@ __all__ = [
     "LogWriter",
     "SchemaVersionError",
     "WriterConfig",
+    "finished_groups",
     "open_db",
     "recover",
 ]

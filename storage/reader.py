@@ -121,3 +121,22 @@ def open_db(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
     for name, sql in DERIVED_VIEWS.items():
         con.execute(f"CREATE VIEW {name} AS {sql}")
     return con
+
+
+def finished_groups(con, settle_seconds: float, only: list[str] | None) -> list[str]:
+    """Groups whose every rollout was finished explicitly or has been idle long enough."""
+    rows = con.execute(
+        """
+        SELECT group_id FROM rollouts
+        GROUP BY group_id
+        HAVING bool_and(finished_at IS NOT NULL
+                        OR ended_at < now() - to_microseconds(CAST(? * 1e6 AS BIGINT)))
+        ORDER BY min(started_at)
+        """,
+        [settle_seconds],
+    ).fetchall()
+    groups = [g for (g,) in rows]
+    if only:
+        wanted = set(only)
+        groups = [g for g in groups if g in wanted]
+    return groups

@@ -107,11 +107,37 @@ FINISHES = pa.schema(
     ]
 )
 
+# One row per `overnight train` run: what it trained on, what it made, how it went.
+TRAINING_RUNS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("schema_version", pa.int16()),
+        ("started_at", _TS),
+        ("ended_at", _TS),
+        ("status", pa.string()),  # trained | failed
+        ("base_model", pa.string()),
+        ("start_adapter", pa.string()),  # the adapter training started from; null: fresh
+        ("adapter_path", pa.string()),  # where the new adapter was saved
+        ("promoted_as", pa.string()),  # the name vLLM serves it under; null if not promoted
+        ("groups", pa.list_(pa.string())),
+        ("rollouts", pa.int32()),
+        ("trained_tokens", pa.int64()),
+        ("steps", pa.int32()),
+        ("reward_mean", pa.float64()),
+        ("max_logprob_gap", pa.float64()),  # |policy - logged| before the first update
+        ("config", pa.string()),  # JSON
+        ("metrics", pa.string()),  # JSON: per step and per group statistics
+        ("error", pa.string()),
+        ("proxy_id", pa.string()),
+    ]
+)
+
 TABLES: dict[str, pa.Schema] = {
     "completions": COMPLETIONS,
     "rewards": REWARDS,
     "finishes": FINISHES,
     "judgments": JUDGMENTS,
+    "training_runs": TRAINING_RUNS,
 }
 
 # Columns written as JSON text that hold timestamps as ISO strings in the log.

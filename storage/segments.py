@@ -34,6 +34,7 @@ PARTITION_COLUMN = {
     "rewards": "created_at",
     "finishes": "finished_at",
     "judgments": "created_at",
+    "training_runs": "started_at",
 }
 
 
@@ -60,7 +61,7 @@ def read_log(path: Path) -> tuple[dict[str, list[dict]], int]:
 
 
 # Columns that hold JSON text; the proxy logs them as nested JSON (encoded once).
-JSON_COLUMNS = ("request", "response", "metrics")
+JSON_COLUMNS = ("request", "response", "metrics", "config")
 
 
 def rows_to_table(table: str, rows: list[dict]) -> pa.Table:

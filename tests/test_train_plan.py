@@ -1,0 +1,100 @@
+"""What a training run selects, and why it leaves groups out (no model needed)."""
+
+from __future__ import annotations
+
+import time
+
+from click.testing import CliRunner
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
+from overnight.trainer.train import plan_run
+
+from overnight.cli import main
+from overnight.config import TrainConfig
+
+
+def write(
+    data_dir, groups: dict[str, list[float | None]], token_ids: bool = True, source: str = "agent"
+):
+    """One-turn rollouts with token ids; rewards as given (None: no reward)."""
+    writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
+    writer.start()
+    now = time.time_ns() // 1000
+    for group, rewards in groups.items():
+        for i, reward in enumerate(rewards):
+            rollout = f"{group}.{i}"
+            writer.append(
+                "completions",
+                {
+                    "record_id": rollout,
+                    "request_id": rollout,
+                    "schema_version": SCHEMA_VERSION,
+                    "started_at": now,
+                    "ended_at": now,
+                    "group_id": group,
+                    "rollout_id": rollout,
+                    "turn_index": 0,
+                    "logged": True,
+                    "prompt_token_ids": [1, 2, 3] if token_ids else None,
+                    "completion_token_ids": [10 + i, 11] if token_ids else None,
+                    "completion_logprobs": [-0.5, -0.25] if token_ids else None,
+                },
+            )
+            writer.append(
+                "finishes", {"rollout_id": rollout, "schema_version": 1, "finished_at": now}
+            )
+            if reward is not None:
+                writer.append(
+                    "rewards",
+                    {
+                        "reward_id": f"{rollout}.{source}",
+                        "schema_version": 1,
+                        "rollout_id": rollout,
+                        "reward": reward,
+                        "source": source,
+                        "created_at": now,
+                    },
+                )
+    writer.close()
+
+
+def test_the_plan_takes_scored_varied_groups_and_says_why_not_others(tmp_path):
+    write(
+        tmp_path,
+        {"good": [1.0, 0.0, 0.5], "flat": [1.0, 1.0], "unscored": [1.0, None], "alone": [1.0]},
+    )
+    write(tmp_path, {"no-ids": [1.0, 0.0]}, token_ids=False)
+    plan = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    assert plan.groups == ["good"]
+    assert [round(s.advantage, 3) for s in plan.samples] == [1.0, -1.0, 0.0]
+    assert (
+        plan.samples[0].tokens == [1, 2, 3, 10, 11]
+        and plan.samples[0].trained == [False] * 3 + [True] * 2
+    )
+    assert plan.skipped == {
+        "all rewards equal: no signal": 1,
+        "a rollout has no reward (run overnight judge, or post rewards)": 1,
+        "fewer than 2 trainable rollouts": 2,  # "alone", and "no-ids" whose turns are skipped
+        "turns skipped: no token ids logged": 2,
+    }
+
+
+def test_reward_sources_in_order_of_preference(tmp_path):
+    write(tmp_path, {"g": [1.0, 0.0]}, source="ruler")
+    write(tmp_path, {"g": [0.0, 1.0]}, source="agent")
+    agent_first = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    assert agent_first.rewards == {"g.0": 0.0, "g.1": 1.0}
+    ruler_first = plan_run(
+        tmp_path, TrainConfig(reward_sources=("ruler", "agent")), settle_seconds=600
+    )
+    assert ruler_first.rewards == {"g.0": 1.0, "g.1": 0.0}
+
+
+def test_dry_run_and_runs_from_the_command_line(tmp_path):
+    write(tmp_path, {"good": [1.0, 0.0]})
+    out = CliRunner().invoke(main, ["train", "--data", str(tmp_path), "--dry-run"])
+    assert out.exit_code == 0, out.output
+    assert "1 group(s), 2 sequence(s), 4 trained tokens" in out.output
+    listing = CliRunner().invoke(main, ["runs", "--data", str(tmp_path)])
+    assert listing.exit_code == 0 and "(0 row(s))" in listing.output
+    down = CliRunner().invoke(main, ["rollback", "--proxy", "http://127.0.0.1:9"])
+    assert down.exit_code != 0 and "cannot reach the proxy" in down.output

@@ -1,0 +1,405 @@
+"""`overnight train`: one nightly GRPO run over the groups no earlier run trained on.
+
+  select finished, scored, untrained groups -> samples exactly as sampled, advantages
+  -> start from the adapter the proxy serves (or a fresh LoRA) -> GRPO steps with
+  micro-batches and gradient accumulation -> save the adapter -> promote it through
+  the proxy's admin API -> record the run.
+
+Progress goes to `say` (a line per stage and per step, with rates).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, finished_groups, open_db
+
+from overnight.config import TrainConfig
+from overnight.errors import OvernightError
+
+from .data import Sample, group_advantages
+from .records import load_samples
+
+
+class TrainError(OvernightError):
+    code = "train_error"
+
+
+@dataclass
+class Plan:
+    groups: list[str] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    rewards: dict[str, float] = field(default_factory=dict)  # rollout -> reward
+    group_stats: dict[str, dict] = field(default_factory=dict)
+    skipped: Counter = field(default_factory=Counter)  # reason -> groups
+
+    def lines(self) -> list[str]:
+        out = [
+            f"{len(self.groups)} group(s), {len(self.samples)} sequence(s), "
+            f"{sum(s.trained_tokens for s in self.samples)} trained tokens"
+        ]
+        out += [f"  skipped {n} group(s): {reason}" for reason, n in self.skipped.most_common()]
+        return out
+
+
+# -- selecting and scoring -------------------------------------------------------------
+
+
+def chosen_rewards(con, sources: tuple[str, ...]) -> dict[str, float]:
+    """Each rollout's reward from the first source in `sources` that has one (latest wins)."""
+    rows = con.execute(
+        "SELECT rollout_id, source, arg_max(reward, created_at) FROM rewards GROUP BY rollout_id, source"
+    ).fetchall()
+    rank = {s: i for i, s in enumerate(sources)}
+    best: dict[str, tuple[int, float]] = {}
+    for rollout, source, reward in rows:
+        if source in rank and (rollout not in best or rank[source] < best[rollout][0]):
+            best[rollout] = (rank[source], reward)
+    return {r: v for r, (_, v) in best.items()}
+
+
+def trained_groups(con) -> set[str]:
+    rows = con.execute(
+        "SELECT DISTINCT unnest(groups) FROM training_runs WHERE status = 'trained'"
+    ).fetchall()
+    return {g for (g,) in rows}
+
+
+def plan_run(
+    data_dir: Path,
+    config: TrainConfig,
+    settle_seconds: float,
+    since: dt.datetime | None = None,
+    max_groups: int | None = None,
+) -> Plan:
+    plan = Plan()
+    con = open_db(data_dir)
+    try:
+        done = trained_groups(con)
+        candidates = [g for g in finished_groups(con, settle_seconds, None) if g not in done]
+        if since is not None:
+            recent = {
+                g
+                for (g,) in con.execute(
+                    "SELECT group_id FROM groups WHERE started_at >= ?", [since]
+                ).fetchall()
+            }
+            candidates = [g for g in candidates if g in recent]
+        rewards = chosen_rewards(con, config.reward_sources)
+        loaded = load_samples(con, candidates)
+    finally:
+        con.close()
+    for reason, n in loaded.skipped.items():
+        plan.skipped[f"turns skipped: {reason}"] += n
+    by_group: dict[str, list[Sample]] = {}
+    for s in loaded.samples:
+        by_group.setdefault(s.group_id, []).append(s)
+    for group_id in candidates:
+        samples = by_group.get(group_id, [])
+        rollouts = {s.rollout_id for s in samples}
+        if len(rollouts) < config.min_group_size:
+            plan.skipped[f"fewer than {config.min_group_size} trainable rollouts"] += 1
+            continue
+        if any(r not in rewards for r in rollouts):
+            plan.skipped["a rollout has no reward (run overnight judge, or post rewards)"] += 1
+            continue
+        adv = group_advantages({r: rewards[r] for r in rollouts}, config.scale_by_std)
+        if adv is None:
+            plan.skipped["all rewards equal: no signal"] += 1
+            continue
+        for s in samples:
+            s.advantage = adv.advantages[s.rollout_id]
+        plan.groups.append(group_id)
+        plan.samples += samples
+        plan.rewards.update({r: rewards[r] for r in rollouts})
+        plan.group_stats[group_id] = {"mean": adv.mean, "std": adv.std, "rollouts": len(rollouts)}
+        if max_groups is not None and len(plan.groups) >= max_groups:
+            break
+    return plan
+
+
+# -- the proxy and vLLM ---------------------------------------------------------------
+
+
+def admin_call(proxy_url: str, path: str, token: str | None, payload: dict | None = None) -> dict:
+    request = urllib.request.Request(
+        proxy_url.rstrip("/") + path,
+        method="POST" if payload is not None else "GET",
+        data=json.dumps(payload).encode() if payload is not None else None,
+        headers={
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {token}"} if token else {}),
+        },
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise TrainError(
+            f"the proxy answered {e.code} to {path}: {e.read().decode(errors='replace')[:500]}"
+        ) from e
+    except OSError as e:
+        raise TrainError(f"cannot reach the proxy at {proxy_url}: {e}") from e
+
+
+def serving_state(proxy_url: str | None, token: str | None) -> dict:
+    return admin_call(proxy_url, "/admin/adapters", token) if proxy_url else {}
+
+
+# -- training -------------------------------------------------------------------------
+
+
+def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
+    """Consecutive samples packed up to `budget` tokens (a longer one goes alone)."""
+    batches, current, size = [], [], 0
+    for s in samples:
+        if current and size + len(s.tokens) > budget:
+            batches.append(current)
+            current, size = [], 0
+        current.append(s)
+        size += len(s.tokens)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def fresh_adapter(model, config: TrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            target_modules=list(config.target_modules),
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+        ),
+    )
+
+
+def run_training(
+    plan: Plan,
+    config: TrainConfig,
+    base_model: str,
+    start_adapter: str | None,
+    out_dir: Path,
+    say=print,
+) -> dict:
+    """Train on the plan's samples; saves the adapter to `out_dir`; returns metrics."""
+    import torch
+
+    from .loss import policy_loss, token_weights
+    from .policy import load_policy, pack, trained_logprobs
+
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    model = load_policy(base_model, start_adapter, trainable=True)
+    if start_adapter is None:
+        model = fresh_adapter(model, config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    loss_config = config.loss_config()
+    groups = list(plan.groups)
+    steps: list[dict] = []
+    max_gap = 0.0
+    started = time.perf_counter()
+    total_steps = config.epochs * -(-len(groups) // config.groups_per_step)
+    for epoch in range(config.epochs):
+        rng.shuffle(groups)
+        for first in range(0, len(groups), config.groups_per_step):
+            step_groups = set(groups[first : first + config.groups_per_step])
+            samples = [s for s in plan.samples if s.group_id in step_groups]
+            per_sequence = token_weights([s.trained_tokens for s in samples], loss_config)
+            weight_of = {id(s): w for s, w in zip(samples, per_sequence, strict=True)}
+            optimizer.zero_grad(set_to_none=True)
+            step_loss, stats_list = 0.0, []
+            for batch_samples in micro_batches(samples, config.micro_batch_tokens):
+                batch = pack(batch_samples)
+                logp = trained_logprobs(model, batch)  # (N,)
+                if epoch == 0 and not steps:
+                    max_gap = max(
+                        max_gap, (logp.detach() - batch["behaviour_logprobs"]).abs().max().item()
+                    )
+                seq = batch["sequence_index"]
+                advantages = torch.tensor([s.advantage for s in batch_samples])[seq]
+                weights = torch.tensor([weight_of[id(s)] for s in batch_samples])[seq]
+                ref = None
+                if loss_config.kl_coef > 0:
+                    with torch.no_grad(), model.disable_adapter():
+                        ref = trained_logprobs(model, batch)
+                loss, stats = policy_loss(
+                    logp,
+                    batch["behaviour_logprobs"],
+                    advantages,
+                    weights,
+                    torch.ones_like(logp, dtype=torch.bool),
+                    loss_config,
+                    sequence_index=seq,
+                    ref_logp=ref,
+                )
+                loss.backward()
+                step_loss += loss.item()
+                stats_list.append(stats)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm).item()
+            optimizer.step()
+            record = _merge_stats(stats_list)
+            record.update(
+                step=len(steps) + 1,
+                epoch=epoch,
+                loss=step_loss,
+                grad_norm=grad_norm,
+                groups=len(step_groups),
+                sequences=len(samples),
+            )
+            steps.append(record)
+            rate = sum(s["tokens"] for s in steps) / (time.perf_counter() - started)
+            say(
+                f"step {len(steps)}/{total_steps}: loss {step_loss:+.4f}, clipped "
+                f"{record.get('clipped_fraction', 0):.3f}, ratio max {record.get('ratio_max', 1):.3f}, "
+                f"grad norm {grad_norm:.3f}, {rate:.0f} tokens/s"
+            )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return {"steps": steps, "max_logprob_gap": max_gap, "seconds": time.perf_counter() - started}
+
+
+def _merge_stats(stats: list[dict]) -> dict:
+    tokens = sum(s.get("tokens", 0) for s in stats)
+    if not tokens:
+        return {"tokens": 0}
+    out = {"tokens": tokens}
+    for key in (
+        "clipped_fraction",
+        "ratio_mean",
+        "behaviour_kl",
+        "dual_clipped_fraction",
+        "ref_kl",
+    ):
+        if key in stats[0]:
+            out[key] = sum(s[key] * s["tokens"] for s in stats) / tokens
+    out["ratio_max"] = max(s["ratio_max"] for s in stats)
+    out["ratio_min"] = min(s["ratio_min"] for s in stats)
+    return out
+
+
+# -- the whole night ------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    plan: Plan
+    adapter_path: Path | None = None
+    promoted_as: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+def train(
+    data_dir: Path,
+    config: TrainConfig,
+    *,
+    proxy_url: str | None = None,
+    admin_token: str | None = None,
+    promote: bool = True,
+    dry_run: bool = False,
+    settle_seconds: float = 600.0,
+    since: dt.datetime | None = None,
+    max_groups: int | None = None,
+    say=print,
+) -> RunResult:
+    data_dir = Path(data_dir)
+    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    started = time.time_ns() // 1000
+    say(f"run {run_id}: selecting finished groups no earlier run trained on")
+    plan = plan_run(data_dir, config, settle_seconds, since, max_groups)
+    for line in plan.lines():
+        say(line)
+    result = RunResult(run_id, plan)
+    if dry_run or not plan.groups:
+        if not plan.groups:
+            say("nothing to train on")
+        return result
+    state = serving_state(proxy_url, admin_token)
+    base_model = config.base_model or _base_from_state(state)
+    current = (state.get("current") or {}).get("path")
+    say(f"training on {base_model}, starting from {current or 'a fresh LoRA adapter'}")
+    adapter_dir = data_dir / "adapters" / run_id
+    error = None
+    try:
+        result.metrics = run_training(plan, config, base_model, current, adapter_dir, say)
+        result.adapter_path = adapter_dir
+        say(f"saved the adapter to {adapter_dir}")
+        if promote and proxy_url:
+            result.promoted_as = admin_call(
+                proxy_url, "/admin/adapters/promote", admin_token, {"path": str(adapter_dir)}
+            )["promoted"]
+            say(f"promoted: the proxy now serves it as {result.promoted_as}")
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        _record(data_dir, result, config, base_model, current, started, error)
+    return result
+
+
+def _base_from_state(state: dict) -> str:
+    base = state.get("base_model_path") or state.get("base_model")
+    if not base:
+        raise TrainError("which base model? give --base-model (or --proxy, whose vLLM knows it)")
+    return base
+
+
+def _record(
+    data_dir: Path,
+    result: RunResult,
+    config: TrainConfig,
+    base_model: str,
+    start_adapter: str | None,
+    started: int,
+    error: str | None,
+) -> None:
+    writer = LogWriter(WriterConfig(data_dir, compact_in_process=True))
+    writer.start()
+    plan, metrics = result.plan, result.metrics
+    rewards = list(plan.rewards.values())
+    writer.append(
+        "training_runs",
+        {
+            "run_id": result.run_id,
+            "schema_version": SCHEMA_VERSION,
+            "started_at": started,
+            "ended_at": time.time_ns() // 1000,
+            "status": "failed" if error else "trained",
+            "base_model": base_model,
+            "start_adapter": start_adapter,
+            "adapter_path": str(result.adapter_path) if result.adapter_path else None,
+            "promoted_as": result.promoted_as,
+            "groups": plan.groups,
+            "rollouts": len(plan.rewards),
+            "trained_tokens": sum(s.trained_tokens for s in plan.samples),
+            "steps": len(metrics.get("steps", [])),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "max_logprob_gap": metrics.get("max_logprob_gap"),
+            "config": json.dumps(asdict(config)),
+            "error": error,
+            "proxy_id": writer.writer_id,
+            "metrics": json.dumps(
+                {
+                    "steps": metrics.get("steps", []),
+                    "groups": plan.group_stats,
+                    "skipped": dict(plan.skipped),
+                    "seconds": metrics.get("seconds"),
+                }
+            ),
+        },
+    )
+    writer.close()
