@@ -463,6 +463,9 @@ admin_token_option = click.option(
     type=float,
     help="Seconds idle after which an unfinished rollout counts as finished.",
 )
+@click.option("--judge-model", default=None, help="Score unscored groups with this judge first.")
+@click.option("--judge-base-url", default=None, help="Base URL of a self-hosted judge (with /v1).")
+@click.option("--reward", default=None, help="Score unscored groups with this function first.")
 @click.option("--no-promote", is_flag=True, help="Save the adapter but keep serving the old one.")
 @click.option("--dry-run", is_flag=True, help="Show what would be trained, and stop.")
 def train(
@@ -481,6 +484,9 @@ def train(
     max_groups,
     since,
     settle,
+    judge_model,
+    judge_base_url,
+    reward,
     no_promote,
     dry_run,
 ):
@@ -499,6 +505,26 @@ def train(
 
     if not data_dir.is_dir():
         raise click.ClickException(f"no data directory at {data_dir} (use --data)")
+    if (judge_model or reward) and not dry_run:
+        # Score first, with the judge's own batch (the trainer never calls the judge).
+        import asyncio
+
+        from .config import JudgeConfig
+        from .judge.rewards import RewardFunction
+        from .judge.run import run_judge
+
+        try:
+            judge_config = (
+                JudgeConfig(model=judge_model, base_url=judge_base_url) if judge_model else None
+            )
+            function = RewardFunction(reward) if reward else None
+            summary = asyncio.run(
+                run_judge(data_dir, judge_config, function, settle_seconds=settle)
+            )
+        except OvernightError as e:
+            raise _fail(e) from e
+        for line in summary.lines():
+            click.echo(line)
     try:
         config = TrainConfig(
             base_model=base_model,
@@ -516,7 +542,7 @@ def train(
         run(
             data_dir,
             config,
-            proxy_url=None if dry_run else proxy_url,
+            proxy_url=None if dry_run or not proxy_url else proxy_url,
             admin_token=admin_token,
             promote=not no_promote,
             dry_run=dry_run,

@@ -98,3 +98,37 @@ def test_dry_run_and_runs_from_the_command_line(tmp_path):
     assert listing.exit_code == 0 and "(0 row(s))" in listing.output
     down = CliRunner().invoke(main, ["rollback", "--proxy", "http://127.0.0.1:9"])
     assert down.exit_code != 0 and "cannot reach the proxy" in down.output
+
+
+def test_train_scores_with_a_reward_function_then_trains_without_a_proxy(tmp_path, tiny_model_dir):
+    import pytest
+
+    pytest.importorskip("peft")
+    write(tmp_path, {"g1": [None, None, None], "g2": [None, None]})
+    reward = tmp_path / "reward.py"
+    reward.write_text("def by_rollout(rollout):\n    return float(rollout['rollout_id'][-1])\n")
+    out = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--data",
+            str(tmp_path),
+            "--reward",
+            f"{reward}:by_rollout",
+            "--base-model",
+            str(tiny_model_dir),
+            "--proxy",
+            "",
+            "--lora-rank",
+            "4",
+            "--learning-rate",
+            "1e-3",
+        ],
+    )
+    assert out.exit_code == 0, out.output
+    assert "scored 2 group(s) with the reward function" in out.output
+    assert "starting from a fresh LoRA adapter" in out.output and "step 1/1: loss" in out.output
+    from .helpers import rows
+
+    (run,) = rows(tmp_path, "SELECT status, promoted_as, rollouts, adapter_path FROM training_runs")
+    assert run["status"] == "trained" and run["promoted_as"] is None and run["rollouts"] == 5

@@ -36,6 +36,8 @@ def test_turns_that_cannot_be_trained_say_why():
         Turn([1], [10, 11], [-0.1])
     with pytest.raises(DataError, match="without completion"):
         Turn([1], [], [])
+    with pytest.raises(DataError, match="not finite"):
+        Turn([1], [10], [float("-inf")])
 
 
 def test_group_advantages_by_hand():

@@ -34,6 +34,9 @@ class Turn:
             raise DataError(
                 f"{len(self.completion_ids)} completion tokens but {len(self.logprobs)} logprobs"
             )
+        if not all(math.isfinite(lp) for lp in self.logprobs):
+            # An infinite behaviour logprob makes an infinite ratio; such a turn is unusable.
+            raise DataError("a logged logprob is not finite")
 
 
 @dataclass
