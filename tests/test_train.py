@@ -82,3 +82,5 @@ async def test_train_promotes_an_adapter_and_continues_from_it(
     assert latest["start_adapter"] == str(first.adapter_path)
     assert latest["max_logprob_gap"] < 1e-4  # the saved adapter is exactly what vLLM served
     await wait_for_rows(data, 16)
+    report = (data / "reports" / "training.html").read_text()
+    assert report.count("<svg") == 3 and second.run_id in report and "policy-v2" in report

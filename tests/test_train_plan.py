@@ -132,3 +132,11 @@ def test_train_scores_with_a_reward_function_then_trains_without_a_proxy(tmp_pat
 
     (run,) = rows(tmp_path, "SELECT status, promoted_as, rollouts, adapter_path FROM training_runs")
     assert run["status"] == "trained" and run["promoted_as"] is None and run["rollouts"] == 5
+
+
+def test_report_charts_handle_no_data_and_data():
+    from overnight.trainer.report import line_chart
+
+    assert "no data yet" in line_chart("Loss", {"loss": []}, "step")
+    svg = line_chart("Loss", {"loss": [(1, 0.5), (2, 0.25)], "clip": [(1, 0.1), (2, 0.1)]}, "step")
+    assert svg.count("<polyline") == 2 and svg.count("<circle") == 4 and "0.5" in svg

@@ -27,6 +27,7 @@ from overnight.errors import OvernightError
 
 from .data import Sample, group_advantages
 from .records import load_samples
+from .report import write_report
 
 
 class TrainError(OvernightError):
@@ -348,6 +349,7 @@ def train(
         raise
     finally:
         _record(data_dir, result, config, base_model, current, started, error)
+        say(f"report: {write_report(data_dir)}")
     return result
 
 
