@@ -19,15 +19,19 @@ def sample(prompt: list[int], completion: list[int]) -> Sample:
     return s
 
 
-def test_packing_is_exact(tiny_model_dir):
+@pytest.mark.parametrize("row_tokens", [0, 64])  # a row per long sample / everything in one row
+def test_packing_is_exact(tiny_model_dir, row_tokens):
     model = load_policy(tiny_model_dir)
     samples = [
         sample([1, 5, 9, 30], [40, 41, 42]),
         sample([2, 7], [50]),
         sample([3, 3, 3, 3, 3], [60, 61]),
     ]
+    batch = pack(samples, row_tokens)
+    assert batch["input_ids"].shape == ((3, 7) if row_tokens == 0 else (1, 17))
+    assert batch["sequence_index"].tolist() == [0, 0, 0, 1, 2, 2]  # sample order, whatever the rows
     with torch.no_grad():
-        packed = trained_logprobs(model, pack(samples))
+        packed = trained_logprobs(model, batch)
         alone = torch.cat([trained_logprobs(model, pack([s])) for s in samples])
         # And against the plain full-logits forward of each sequence.
         full = []
