@@ -21,3 +21,9 @@ def weather_reward(rollout: dict) -> float:
     last = rollout["messages"][-1].get("content") or ""
     answer = last.split("ANSWER:", 1)[1].split() if "ANSWER:" in last else []
     return 1.0 if expected in answer else 0.0
+
+
+def numbers_only(rollout: dict) -> float:
+    """The share of words in the last reply that are whole numbers (examples/number_agent.py)."""
+    words = (rollout["messages"][-1].get("content") or "").split()
+    return sum(w.isdigit() for w in words) / len(words) if words else 0.0

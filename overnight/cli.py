@@ -468,7 +468,15 @@ admin_token_option = click.option(
 @click.option("--reward", default=None, help="Score unscored groups with this function first.")
 @click.option("--no-promote", is_flag=True, help="Save the adapter but keep serving the old one.")
 @click.option("--dry-run", is_flag=True, help="Show what would be trained, and stop.")
+@click.option(
+    "--preset",
+    type=click.Choice(["tiny-cpu"]),
+    default=None,
+    help="Defaults for the tiny local model on a CPU (options given explicitly still win).",
+)
+@click.pass_context
 def train(
+    ctx,
     data_dir,
     proxy_url,
     admin_token,
@@ -489,6 +497,7 @@ def train(
     reward,
     no_promote,
     dry_run,
+    preset,
 ):
     """Train the served LoRA adapter with GRPO on logged, scored groups, and promote it.
 
@@ -525,6 +534,20 @@ def train(
             raise _fail(e) from e
         for line in summary.lines():
             click.echo(line)
+    if preset == "tiny-cpu":
+        from .config import TINY_CPU_PRESET
+
+        given = {
+            "learning_rate": learning_rate,
+            "epochs": epochs,
+            "lora_rank": lora_rank,
+            "groups_per_step": groups_per_step,
+        }
+        for name in given:
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT:
+                given[name] = TINY_CPU_PRESET[name]
+        learning_rate, epochs = given["learning_rate"], given["epochs"]
+        lora_rank, groups_per_step = given["lora_rank"], given["groups_per_step"]
     try:
         config = TrainConfig(
             base_model=base_model,

@@ -168,3 +168,15 @@ class TrainConfig:
             kl_coef=self.kl_coef,
             max_tokens=self.max_tokens,
         )
+
+
+# The tiny local model (tests, the demo) on a CPU: its random weights need far bigger
+# steps than a real model (measured: a numbers-only reward went 0.56 -> 0.84 in three
+# nights of 64 rollouts at 6e-2; at 2e-2 it took eight).
+TINY_CPU_PRESET = {
+    "learning_rate": 6e-2,
+    "epochs": 4,
+    "lora_rank": 8,
+    "lora_alpha": 16,
+    "groups_per_step": 8,
+}
