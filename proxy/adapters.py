@@ -18,6 +18,7 @@ import datetime as dt
 import json
 import logging
 import os
+import secrets
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -175,7 +176,10 @@ class AdapterRegistry:
 
     async def _load(self, path: str, reason: str) -> Adapter:
         version = self._next_version()
-        name = f"{self.alias}-v{version}"
+        # A random tail: vLLM serves stale weights for a name it loaded before, even after
+        # an unload (seen when a new proxy reused "policy-v1" against a running vLLM), and
+        # a proxy cannot know every name a vLLM it did not start has seen.
+        name = f"{self.alias}-v{version}-{secrets.token_hex(3)}"
         status, text = await self._post(
             "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -55,3 +56,8 @@ def without_ids(obj):
     if isinstance(obj, list):
         return [without_ids(v) for v in obj]
     return obj
+
+
+def version_of(name: str | None) -> str | None:
+    """`policy-v3-9f2c1a` -> `policy-v3`: adapter names end in a random tail."""
+    return re.sub(r"-[0-9a-f]{6}$", "", name) if name else name

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from .helpers import wait_for_rows
+from .helpers import version_of, wait_for_rows
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
@@ -21,7 +21,7 @@ def adapter_dir(tmp_path, name: str):
 
 def lora_calls(received) -> list[tuple[str, str]]:
     return [
-        (r["path"].rsplit("/", 1)[-1], r["body"]["lora_name"])
+        (r["path"].rsplit("/", 1)[-1], version_of(r["body"]["lora_name"]))
         for r in received
         if "lora" in r["path"]
     ]
@@ -33,17 +33,19 @@ async def test_promote_switches_the_alias_and_records_the_adapter(make_proxy, re
     r = await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a1")})
     assert r.status == 200
     state = await r.json()
-    assert state["promoted"] == "policy-v1" and state["current"]["version"] == 1
+    assert version_of(state["promoted"]) == "policy-v1" and state["current"]["version"] == 1
     await proxy.post("/v1/chat/completions", json=CHAT)
     # Other model names pass through unchanged.
     await proxy.post("/v1/chat/completions", json={**CHAT, "model": "fake-base"})
     found = await wait_for_rows(tmp_path / "data", 3)
-    assert [(f["model_served"], f["adapter_version"]) for f in found] == [
+    assert [(version_of(f["model_served"]), f["adapter_version"]) for f in found] == [
         ("fake-base", None),
         ("policy-v1", 1),
         ("fake-base", None),
     ]
-    assert [r["body"]["model"] for r in received if r["path"].endswith("completions")] == [
+    assert [
+        version_of(r["body"]["model"]) for r in received if r["path"].endswith("completions")
+    ] == [
         "fake-base",
         "policy-v1",
         "fake-base",
@@ -59,7 +61,7 @@ async def test_promotion_drains_the_old_adapter_before_unloading_it(
     in_flight = asyncio.create_task(proxy.post("/v1/chat/completions", json=CHAT))
     await asyncio.sleep(0.1)
     r = await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a2")})
-    assert (await r.json())["in_flight"] == {"policy-v1": 1}
+    assert {version_of(k): v for k, v in (await r.json())["in_flight"].items()} == {"policy-v1": 1}
     assert ("unload_lora_adapter", "policy-v1") not in lora_calls(received)  # still serving
     response = await in_flight
     assert response.status == 200
@@ -70,7 +72,7 @@ async def test_promotion_drains_the_old_adapter_before_unloading_it(
         ("unload_lora_adapter", "policy-v1"),
     ]
     (row,) = await wait_for_rows(tmp_path / "data", 1)
-    assert row["model_served"] == "policy-v1"  # the adapter that really served it
+    assert version_of(row["model_served"]) == "policy-v1"  # the adapter that really served it
 
 
 async def test_rollback_reloads_the_previous_adapter_under_a_new_name(
@@ -83,7 +85,7 @@ async def test_rollback_reloads_the_previous_adapter_under_a_new_name(
     await proxy.post("/admin/adapters/promote", json={"path": a1})
     await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a2")})
     state = await (await proxy.post("/admin/adapters/rollback")).json()
-    assert state["current"]["name"] == "policy-v3" and state["current"]["path"] == a1
+    assert version_of(state["current"]["name"]) == "policy-v3" and state["current"]["path"] == a1
     assert state["current"]["reason"] == "rollback"
     state = await (await proxy.post("/admin/adapters/rollback")).json()
     assert state["current"] is None  # back to the base model
@@ -119,8 +121,11 @@ async def test_promoted_adapter_survives_a_restart(make_proxy, fake_settings, re
     fake_settings["loras"].clear()  # a restarted vLLM has no adapters
     proxy = await make_proxy()
     state = await (await proxy.get("/admin/adapters")).json()
-    assert state["current"]["name"] == "policy-v2" and state["current"]["reason"] == "restore"
-    assert state["current"]["path"] == a1 and "policy-v2" in fake_settings["loras"]
+    assert (
+        version_of(state["current"]["name"]) == "policy-v2"
+        and state["current"]["reason"] == "restore"
+    )
+    assert state["current"]["path"] == a1 and "policy-v2" in map(version_of, fake_settings["loras"])
 
 
 @pytest.mark.parametrize("path", ["/admin/adapters", "/admin/stats"])

@@ -24,7 +24,7 @@ from overnight.trainer.train import train
 
 from overnight.config import TINY_CPU_PRESET, TrainConfig
 
-from .helpers import rows
+from .helpers import rows, version_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -71,12 +71,12 @@ async def test_nightly_training_lifts_the_reward(vllm_server, make_proxy, tmp_pa
         )
         assert len(day) == 64
         means.append(statistics.fmean(d["reward"] for d in day))
-        served.append({d["model_served"] for d in day})
+        served.append({version_of(d["model_served"]) for d in day})
         if night < NIGHTS:
             result = await asyncio.to_thread(
                 train, data, config, proxy_url=url, say=lambda _line: None
             )
-            assert result.promoted_as == f"policy-v{night + 1}"
+            assert version_of(result.promoted_as) == f"policy-v{night + 1}"
     print(f"mean reward by night: {[round(m, 3) for m in means]}")
     assert served == [{"tiny"}] + [{f"policy-v{n}"} for n in range(1, NIGHTS + 1)]
     assert means[-1] >= means[0] + MARGIN, means
