@@ -140,3 +140,61 @@ def test_report_charts_handle_no_data_and_data():
     assert "no data yet" in line_chart("Loss", {"loss": []}, "step")
     svg = line_chart("Loss", {"loss": [(1, 0.5), (2, 0.25)], "clip": [(1, 0.1), (2, 0.1)]}, "step")
     assert svg.count("<polyline") == 2 and svg.count("<circle") == 4 and "0.5" in svg
+
+
+def test_an_interrupted_run_resumes_and_ends_where_an_uninterrupted_one_does(
+    tmp_path, tiny_model_dir
+):
+    import pytest
+    from overnight.trainer.train import train
+    from safetensors.torch import load_file
+
+    from .helpers import rows
+
+    groups = {f"g{i}": [1.0, 0.0, 0.5] for i in range(4)}
+    write(tmp_path / "a", groups)
+    write(tmp_path / "b", groups)
+    config = TrainConfig(
+        base_model=str(tiny_model_dir),
+        learning_rate=1e-2,
+        lora_rank=4,
+        lora_alpha=8,
+        groups_per_step=1,
+        epochs=2,
+    )  # 8 steps
+    whole = train(tmp_path / "a", config, say=lambda _line: None)
+
+    class Killed(Exception):
+        pass
+
+    def killed_after_step_3(line: str) -> None:
+        if line.startswith("step 3/"):
+            raise Killed  # as if the machine went down right after step 3's checkpoint
+
+    with pytest.raises(Killed):
+        train(tmp_path / "b", config, say=killed_after_step_3)
+    lines: list[str] = []
+    resumed = train(tmp_path / "b", config, say=lines.append)
+    assert any("resuming an interrupted run on its 4 group(s)" in line for line in lines)
+    assert any(line.startswith("resuming after step 3") for line in lines)
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == [
+        f"step {k}/8" for k in range(4, 9)
+    ]
+    assert resumed.run_id != whole.run_id and [s["step"] for s in resumed.metrics["steps"]] == list(
+        range(1, 9)
+    )
+    a = load_file(whole.adapter_path / "adapter_model.safetensors")
+    b = load_file(resumed.adapter_path / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+    statuses = [
+        r["status"]
+        for r in rows(tmp_path / "b", "SELECT status FROM training_runs ORDER BY ended_at")
+    ]
+    assert statuses == ["failed", "trained"]
+    assert "nothing to train on" in " ".join(_lines_of(train, tmp_path / "b", config))
+
+
+def _lines_of(train, data_dir, config) -> list[str]:
+    lines: list[str] = []
+    train(data_dir, config, say=lines.append)
+    return lines

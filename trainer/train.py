@@ -80,12 +80,15 @@ def plan_run(
     settle_seconds: float,
     since: dt.datetime | None = None,
     max_groups: int | None = None,
+    only: list[str] | None = None,
 ) -> Plan:
     plan = Plan()
     con = open_db(data_dir)
     try:
         done = trained_groups(con)
         candidates = [g for g in finished_groups(con, settle_seconds, None) if g not in done]
+        if only is not None:  # a resumed run trains on exactly the groups it began with
+            candidates = [g for g in only if g not in done]
         if since is not None:
             recent = {
                 g
@@ -194,8 +197,14 @@ def run_training(
     start_adapter: str | None,
     out_dir: Path,
     say=print,
+    checkpoint: Path | None = None,
 ) -> dict:
-    """Train on the plan's samples; saves the adapter to `out_dir`; returns metrics."""
+    """Train on the plan's samples; saves the adapter to `out_dir`; returns metrics.
+
+    With `checkpoint`, the adapter and optimizer are saved there after every step, and
+    a checkpoint found there is resumed: the steps it covers are skipped (the shuffles
+    replay from the seed, so the remaining steps see the data they would have seen).
+    """
     import torch
 
     from .loss import policy_loss, token_weights
@@ -203,20 +212,32 @@ def run_training(
 
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
-    model = load_policy(base_model, start_adapter, trainable=True)
-    if start_adapter is None:
-        model = fresh_adapter(model, config)
+    state = _load_checkpoint(checkpoint)
+    if state is not None:
+        model = load_policy(base_model, checkpoint / "adapter", trainable=True)
+        say(f"resuming after step {len(state['steps'])} from {checkpoint}")
+    else:
+        model = load_policy(base_model, start_adapter, trainable=True)
+        if start_adapter is None:
+            model = fresh_adapter(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
     loss_config = config.loss_config()
     groups = list(plan.groups)
-    steps: list[dict] = []
-    max_gap = 0.0
+    steps: list[dict] = list(state["steps"]) if state else []
+    done_steps = len(steps)
+    max_gap = state["max_gap"] if state else 0.0
+    step_number = 0
     started = time.perf_counter()
     total_steps = config.epochs * -(-len(groups) // config.groups_per_step)
     for epoch in range(config.epochs):
         rng.shuffle(groups)
         for first in range(0, len(groups), config.groups_per_step):
+            step_number += 1
+            if step_number <= done_steps:
+                continue  # done before the interruption
             step_groups = set(groups[first : first + config.groups_per_step])
             samples = [s for s in plan.samples if s.group_id in step_groups]
             per_sequence = token_weights([s.trained_tokens for s in samples], loss_config)
@@ -262,6 +283,8 @@ def run_training(
                 sequences=len(samples),
             )
             steps.append(record)
+            if checkpoint is not None:
+                _save_checkpoint(checkpoint, model, optimizer, steps, max_gap)
             rate = sum(s["tokens"] for s in steps) / (time.perf_counter() - started)
             say(
                 f"step {len(steps)}/{total_steps}: loss {step_loss:+.4f}, clipped "
@@ -271,6 +294,30 @@ def run_training(
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     return {"steps": steps, "max_logprob_gap": max_gap, "seconds": time.perf_counter() - started}
+
+
+def _save_checkpoint(path: Path, model, optimizer, steps: list[dict], max_gap: float) -> None:
+    """Adapter and optimizer after a step, replaced atomically (a crash leaves the old one)."""
+    import shutil
+
+    import torch
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "adapter")
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "steps": steps, "max_gap": max_gap}, tmp / "state.pt"
+    )
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def _load_checkpoint(path: Path | None) -> dict | None:
+    if path is None or not (path / "state.pt").exists():
+        return None
+    import torch
+
+    return torch.load(path / "state.pt", weights_only=False)
 
 
 def _merge_stats(stats: list[dict]) -> dict:
@@ -304,6 +351,15 @@ class RunResult:
     metrics: dict = field(default_factory=dict)
 
 
+def unfinished_run(data_dir: Path) -> Path | None:
+    """The newest run directory that began training and never finished, if any."""
+    runs = sorted((Path(data_dir) / "runs").glob("*/run.json"))
+    for run in reversed(runs):
+        if not (run.parent / "finished").exists():
+            return run.parent
+    return None
+
+
 def train(
     data_dir: Path,
     config: TrainConfig,
@@ -317,11 +373,19 @@ def train(
     max_groups: int | None = None,
     say=print,
 ) -> RunResult:
+    """One night. A run that was interrupted is resumed first, on the same groups."""
     data_dir = Path(data_dir)
-    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    resumed = None if dry_run else unfinished_run(data_dir)
+    if resumed is not None:
+        saved = json.loads((resumed / "run.json").read_text())
+        run_id, only = resumed.name, saved["groups"]
+        say(f"run {run_id}: resuming an interrupted run on its {len(only)} group(s)")
+    else:
+        run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        only = None
+        say(f"run {run_id}: selecting finished groups no earlier run trained on")
     started = time.time_ns() // 1000
-    say(f"run {run_id}: selecting finished groups no earlier run trained on")
-    plan = plan_run(data_dir, config, settle_seconds, since, max_groups)
+    plan = plan_run(data_dir, config, settle_seconds, since, max_groups, only=only)
     for line in plan.lines():
         say(line)
     result = RunResult(run_id, plan)
@@ -331,12 +395,17 @@ def train(
         return result
     state = serving_state(proxy_url, admin_token)
     base_model = config.base_model or _base_from_state(state)
-    current = (state.get("current") or {}).get("path")
+    current = saved["start_adapter"] if resumed else (state.get("current") or {}).get("path")
     say(f"training on {base_model}, starting from {current or 'a fresh LoRA adapter'}")
+    run_dir = data_dir / "runs" / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.json").write_text(json.dumps({"groups": plan.groups, "start_adapter": current}))
     adapter_dir = data_dir / "adapters" / run_id
     error = None
     try:
-        result.metrics = run_training(plan, config, base_model, current, adapter_dir, say)
+        result.metrics = run_training(
+            plan, config, base_model, current, adapter_dir, say, checkpoint=run_dir / "checkpoint"
+        )
         result.adapter_path = adapter_dir
         say(f"saved the adapter to {adapter_dir}")
         if promote and proxy_url:
@@ -344,6 +413,7 @@ def train(
                 proxy_url, "/admin/adapters/promote", admin_token, {"path": str(adapter_dir)}
             )["promoted"]
             say(f"promoted: the proxy now serves it as {result.promoted_as}")
+        (run_dir / "finished").touch()
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
         raise
