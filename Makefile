@@ -31,3 +31,6 @@ lint:
 
 bench: $(STAMP)
 	$(PYTHON) bench/proxy_overhead.py
+	$(PYTHON) bench/judge.py
+	$(PYTHON) bench/grpo_step.py
+	$(PYTHON) bench/adapter_swap.py
