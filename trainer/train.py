@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import random
 import time
 import urllib.request
@@ -212,6 +213,7 @@ def run_training(
 
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
+    rank, world = distributed()
     state = _load_checkpoint(checkpoint)
     if state is not None:
         model = load_policy(base_model, checkpoint / "adapter", trainable=True)
@@ -244,7 +246,8 @@ def run_training(
             weight_of = {id(s): w for s, w in zip(samples, per_sequence, strict=True)}
             optimizer.zero_grad(set_to_none=True)
             step_loss, stats_list = 0.0, []
-            for batch_samples in micro_batches(samples, config.micro_batch_tokens):
+            # Data parallel: each process takes every world-th micro-batch of the step.
+            for batch_samples in micro_batches(samples, config.micro_batch_tokens)[rank::world]:
                 batch = pack(batch_samples)
                 logp = trained_logprobs(model, batch)  # (N,)
                 if epoch == 0 and not steps:
@@ -271,6 +274,8 @@ def run_training(
                 loss.backward()
                 step_loss += loss.item()
                 stats_list.append(stats)
+            if world > 1:
+                step_loss, stats_list, max_gap = _all_reduce(params, step_loss, stats_list, max_gap)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm).item()
             optimizer.step()
             record = _merge_stats(stats_list)
@@ -283,7 +288,7 @@ def run_training(
                 sequences=len(samples),
             )
             steps.append(record)
-            if checkpoint is not None:
+            if checkpoint is not None and rank == 0:
                 _save_checkpoint(checkpoint, model, optimizer, steps, max_gap)
             rate = sum(s["tokens"] for s in steps) / (time.perf_counter() - started)
             say(
@@ -291,9 +296,43 @@ def run_training(
                 f"{record.get('clipped_fraction', 0):.3f}, ratio max {record.get('ratio_max', 1):.3f}, "
                 f"grad norm {grad_norm:.3f}, {rate:.0f} tokens/s"
             )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir)
     return {"steps": steps, "max_logprob_gap": max_gap, "seconds": time.perf_counter() - started}
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size): under torchrun, join the process group (gloo on CPU, nccl on GPU)."""
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _all_reduce(params, step_loss: float, stats: list[dict], max_gap: float):
+    """Sum gradients and losses over the processes, so every process steps identically.
+
+    Token weights are normalised over the whole step, so the summed gradient is the
+    full step's gradient exactly as one process would compute it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:  # a process with no micro-batch in this step
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+    numbers = torch.tensor([step_loss, max_gap], dtype=torch.float64)
+    dist.all_reduce(numbers[:1])
+    dist.all_reduce(numbers[1:], op=dist.ReduceOp.MAX)
+    gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, stats)
+    return numbers[0].item(), [s for part in gathered for s in part], numbers[1].item()
 
 
 def _save_checkpoint(path: Path, model, optimizer, steps: list[dict], max_gap: float) -> None:
@@ -373,16 +412,26 @@ def train(
     max_groups: int | None = None,
     say=print,
 ) -> RunResult:
-    """One night. A run that was interrupted is resumed first, on the same groups."""
+    """One night. A run that was interrupted is resumed first, on the same groups.
+
+    Under torchrun every process runs this; process 0 decides what to train on and
+    does everything with side effects (files, the run record, the promotion).
+    """
     data_dir = Path(data_dir)
+    rank, _world = (0, 1) if dry_run else distributed()
+    if rank != 0:
+        say = _silent
     resumed = None if dry_run else unfinished_run(data_dir)
+    saved = json.loads((resumed / "run.json").read_text()) if resumed is not None else {}
     if resumed is not None:
-        saved = json.loads((resumed / "run.json").read_text())
         run_id, only = resumed.name, saved["groups"]
-        say(f"run {run_id}: resuming an interrupted run on its {len(only)} group(s)")
     else:
         run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         only = None
+    run_id, only, saved = _agree((run_id, only, saved))
+    if only is not None:
+        say(f"run {run_id}: resuming an interrupted run on its {len(only)} group(s)")
+    else:
         say(f"run {run_id}: selecting finished groups no earlier run trained on")
     started = time.time_ns() // 1000
     plan = plan_run(data_dir, config, settle_seconds, since, max_groups, only=only)
@@ -395,17 +444,24 @@ def train(
         return result
     state = serving_state(proxy_url, admin_token)
     base_model = config.base_model or _base_from_state(state)
-    current = saved["start_adapter"] if resumed else (state.get("current") or {}).get("path")
+    current = (
+        saved["start_adapter"] if only is not None else (state.get("current") or {}).get("path")
+    )
     say(f"training on {base_model}, starting from {current or 'a fresh LoRA adapter'}")
     run_dir = data_dir / "runs" / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "run.json").write_text(json.dumps({"groups": plan.groups, "start_adapter": current}))
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "run.json").write_text(
+            json.dumps({"groups": plan.groups, "start_adapter": current})
+        )
     adapter_dir = data_dir / "adapters" / run_id
     error = None
     try:
         result.metrics = run_training(
             plan, config, base_model, current, adapter_dir, say, checkpoint=run_dir / "checkpoint"
         )
+        if rank != 0:
+            return result
         result.adapter_path = adapter_dir
         say(f"saved the adapter to {adapter_dir}")
         if promote and proxy_url:
@@ -418,9 +474,25 @@ def train(
         error = f"{type(e).__name__}: {e}"
         raise
     finally:
-        _record(data_dir, result, config, base_model, current, started, error)
-        say(f"report: {write_report(data_dir)}")
+        if rank == 0:
+            _record(data_dir, result, config, base_model, current, started, error)
+            say(f"report: {write_report(data_dir)}")
     return result
+
+
+def _silent(_line: str) -> None:
+    pass
+
+
+def _agree(value):
+    """Process 0's `value` on every process (as is, without torchrun)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _base_from_state(state: dict) -> str:
