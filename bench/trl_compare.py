@@ -1,0 +1,194 @@
+"""Our GRPO loss step vs TRL's GRPOTrainer loss, on the same tensors and adapter.
+
+Same workload as bench/grpo_step.py (8 prompts x 8 completions, 64-token prompts,
+log-normal completion lengths up to 251, LoRA r8 on the tiny model, beta 0). Each
+side runs in its own process (TRL from its own environment, `.cache/bench-trl`,
+made once: a venv over this one's packages plus trl 1.16), so the peak-memory
+measurement (resident memory sampled every 2 ms, above its level before the first
+step) is not shared. Time is the median of the repeats of `loss + backward`.
+
+    python bench/trl_compare.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRL_VENV = ROOT / ".cache" / "bench-trl"
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def measure(step, repeats: int) -> dict:
+    """Median time, and the peak resident memory above the level before the first step.
+
+    ru_maxrss would include the model's loading; a thread samples RSS every 2 ms instead.
+    """
+    baseline = rss_mb()
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mb())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    step()  # warm-up (its memory counts: a first step is a step)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    done.set()
+    sampler.join()
+    return {"seconds": statistics.median(times), "peak_mb_above_start": peak[0] - baseline}
+
+
+def run_ours(model_dir: Path, repeats: int) -> dict:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from grpo_step import grpo_step, workload
+    from overnight.trainer.policy import load_policy
+    from overnight.trainer.train import fresh_adapter
+
+    from overnight.config import TrainConfig
+
+    config = TrainConfig(
+        lora_rank=8, lora_alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")
+    )
+    model = fresh_adapter(load_policy(model_dir, trainable=True), config)
+    samples = workload(model.config.vocab_size)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        grpo_step(model, samples, config)
+
+    return measure(step, repeats)
+
+
+def run_trl(model_dir: Path, repeats: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT))
+    from grpo_step import workload
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = GRPOConfig(
+        output_dir=str(ROOT / ".cache" / "trl-out"),
+        beta=0.0,
+        per_device_train_batch_size=64,
+        num_generations=8,
+        report_to=[],
+        use_cpu=True,
+        loss_type="dapo",
+        logging_steps=1000,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "x"}] * 64),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            task_type="CAUSAL_LM",
+        ),
+    )
+    samples = workload(trainer.model.config.vocab_size)
+    prompt_len = 64
+    longest = max(len(s.tokens) - prompt_len for s in samples)
+    completion = torch.zeros(len(samples), longest, dtype=torch.long)
+    completion_mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    old_logps = torch.zeros(len(samples), longest)
+    for i, s in enumerate(samples):
+        n = len(s.tokens) - prompt_len
+        completion[i, :n] = torch.tensor(s.tokens[prompt_len:])
+        completion_mask[i, :n] = 1
+        old_logps[i, :n] = torch.tensor(s.behaviour_logprobs[prompt_len:])
+    inputs = {
+        "prompt_ids": torch.tensor([s.tokens[:prompt_len] for s in samples]),
+        "prompt_mask": torch.ones(len(samples), prompt_len, dtype=torch.long),
+        "completion_ids": completion,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([s.advantage for s in samples]),
+        "old_per_token_logps": old_logps,
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop we bypass
+
+    def step():
+        trainer.model.zero_grad(set_to_none=True)
+        trainer._compute_loss(trainer.model, inputs).backward()
+
+    return measure(step, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model-dir", type=Path, default=ROOT / ".cache" / "tiny-model")
+    parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        result = (run_ours if args.side == "ours" else run_trl)(args.model_dir, args.repeats)
+        print(json.dumps(result))
+        return
+    if not (TRL_VENV / "bin" / "python").exists():
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--system-site-packages", str(TRL_VENV)], check=True
+        )
+        subprocess.run([str(TRL_VENV / "bin" / "pip"), "install", "-q", "trl==1.16.0"], check=True)
+    results = {}
+    for side, python in (("ours", sys.executable), ("trl", str(TRL_VENV / "bin" / "python"))):
+        out = subprocess.run(
+            [
+                python,
+                __file__,
+                "--side",
+                side,
+                "--repeats",
+                str(args.repeats),
+                "--model-dir",
+                str(args.model_dir),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode != 0:
+            raise SystemExit(f"{side} failed:\n{out.stderr[-3000:]}")
+        results[side] = json.loads(out.stdout.strip().splitlines()[-1])
+    ours, trl = results["ours"], results["trl"]
+    print(f"ours: {ours['seconds'] * 1000:8.1f} ms, peak +{ours['peak_mb_above_start']:7.1f} MB")
+    print(f"TRL:  {trl['seconds'] * 1000:8.1f} ms, peak +{trl['peak_mb_above_start']:7.1f} MB")
+    speed = trl["seconds"] / ours["seconds"]
+    memory = ours["peak_mb_above_start"] / max(trl["peak_mb_above_start"], 1e-9)
+    print(f"speed-up vs TRL: {speed:.2f}x   target >= 1.5: {'PASS' if speed >= 1.5 else 'FAIL'}")
+    print(
+        f"peak memory vs TRL: {memory:.2f}x   target <= 0.7: {'PASS' if memory <= 0.7 else 'FAIL'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
