@@ -198,3 +198,76 @@ def _lines_of(train, data_dir, config) -> list[str]:
     lines: list[str] = []
     train(data_dir, config, say=lines.append)
     return lines
+
+
+def test_records_without_token_ids_are_retokenised_less_exactly(tmp_path, tiny_model_dir):
+    from overnight.trainer.train import train
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
+    writer.start()
+    now = time.time_ns() // 1000
+    messages = [{"role": "system", "content": "Count."}, {"role": "user", "content": "Go"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_len = len(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    for i, (text, reward) in enumerate([("1 2 3", 1.0), ("one two", 0.0), ("3 4", 0.5)]):
+        rollout = f"g.{i}"
+        response = {
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ]
+        }
+        # A non-vLLM upstream: no token ids, but its own usage counts.
+        writer.append(
+            "completions",
+            {
+                "record_id": rollout,
+                "request_id": rollout,
+                "schema_version": SCHEMA_VERSION,
+                "started_at": now,
+                "ended_at": now,
+                "group_id": "g",
+                "rollout_id": rollout,
+                "turn_index": 0,
+                "logged": True,
+                "endpoint": "chat.completions",
+                "request": {"messages": messages},
+                "response": response,
+                "prompt_tokens": prompt_len,
+                "completion_tokens": len(tokenizer(text).input_ids) + (1 if i else 2),
+            },
+        )
+        writer.append("finishes", {"rollout_id": rollout, "schema_version": 1, "finished_at": now})
+        writer.append(
+            "rewards",
+            {
+                "reward_id": rollout,
+                "schema_version": 1,
+                "rollout_id": rollout,
+                "reward": reward,
+                "source": "agent",
+                "created_at": now,
+            },
+        )
+    writer.close()
+    plan = plan_run(tmp_path, TrainConfig(), settle_seconds=600, tokenizer=tokenizer)
+    assert plan.groups == ["g"] and plan.retokenised == 3
+    assert all(not s.exact for s in plan.samples)
+    assert (
+        plan.samples[0].tokens[-1] == tokenizer.eos_token_id
+    )  # finish_reason stop: the EOS was sampled
+    assert plan.token_count_gaps == [-1, 0, 0]  # the first one's upstream counted one token more
+    assert "3 turn(s) had no token ids and were re-tokenised" in " ".join(plan.lines())
+    without = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    assert without.groups == [] and without.skipped["turns skipped: no token ids logged"] == 3
+    result = train(
+        tmp_path,
+        TrainConfig(base_model=str(tiny_model_dir), lora_rank=4, lora_alpha=8),
+        say=lambda _line: None,
+    )
+    assert result.metrics["max_logprob_gap"] < 1e-5  # the starting policy is the behaviour policy

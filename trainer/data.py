@@ -25,11 +25,14 @@ class DataError(ValueError):
 class Turn:
     prompt_ids: list[int]
     completion_ids: list[int]
-    logprobs: list[float]  # one per completion token, as vLLM sampled it
+    # One per completion token, as vLLM sampled it; None when unknown (re-tokenised).
+    logprobs: list[float] | None
 
     def __post_init__(self) -> None:
         if not self.completion_ids:
             raise DataError("a turn without completion tokens")
+        if self.logprobs is None:
+            return
         if len(self.logprobs) != len(self.completion_ids):
             raise DataError(
                 f"{len(self.completion_ids)} completion tokens but {len(self.logprobs)} logprobs"
@@ -50,6 +53,7 @@ class Sample:
     behaviour_logprobs: list[float] = field(default_factory=list)  # 0.0 where not trained
     turns: int = 0
     advantage: float = 0.0
+    exact: bool = True  # False when a turn was re-tokenised: behaviour logprobs unknown
 
     @property
     def trained_tokens(self) -> int:
@@ -58,7 +62,10 @@ class Sample:
     def extend(self, context: list[int], turn: Turn) -> None:
         self.tokens += context + turn.completion_ids
         self.trained += [False] * len(context) + [True] * len(turn.completion_ids)
-        self.behaviour_logprobs += [0.0] * len(context) + list(turn.logprobs)
+        if turn.logprobs is None:
+            self.exact = False
+        sampled = turn.logprobs if turn.logprobs is not None else [0.0] * len(turn.completion_ids)
+        self.behaviour_logprobs += [0.0] * len(context) + list(sampled)
         self.turns += 1
 
 

@@ -14,29 +14,43 @@ from .data import DataError, Sample, Turn, merge_turns
 class Loaded:
     samples: list[Sample] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # reason -> turns
+    retokenised: int = 0  # turns rebuilt from text (less exact)
+    # Re-tokenised length minus the upstream's own count, where it reported usage.
+    token_count_gaps: list[int] = field(default_factory=list)
 
 
-def load_samples(con, group_ids: list[str]) -> Loaded:
-    """Samples of every rollout in `group_ids`, built from the logged token ids."""
+def load_samples(con, group_ids: list[str], tokenizer=None) -> Loaded:
+    """Samples of every rollout in `group_ids`, built from the logged token ids.
+
+    Turns logged without token ids (an upstream that is not vLLM) are re-tokenised
+    from their text with `tokenizer`'s chat template when one is given. That path is
+    less exact: the template may not reproduce what the server tokenised, and the
+    sampling logprobs are unknown (training then treats the starting policy as the
+    behaviour policy). How many turns took it, and how far their token counts are
+    from the upstream's own usage counts, is reported.
+    """
     out = Loaded()
     if not group_ids:
         return out
     con.register("_train_groups", pa.table({"group_id": group_ids}))
     rows = con.execute(
         """
-        SELECT group_id, rollout_id, prompt_token_ids, completion_token_ids, completion_logprobs, error
+        SELECT group_id, rollout_id, prompt_token_ids, completion_token_ids, completion_logprobs, error,
+               request, response, prompt_tokens, completion_tokens, endpoint
         FROM completions WHERE group_id IN (SELECT group_id FROM _train_groups)
         ORDER BY group_id, rollout_id, started_at, turn_index
         """
     ).fetchall()
     turns: dict[tuple[str, str], list[Turn]] = defaultdict(list)
-    for group_id, rollout_id, prompt, completion, logprobs, error in rows:
+    for group_id, rollout_id, prompt, completion, logprobs, error, *text in rows:
         if error is not None:
             out.skipped["the turn failed or was cut off"] += 1
         elif not prompt or not completion:
-            # Logged from an upstream that returns no token ids (not vLLM), or with
-            # logging off: re-tokenising from text is not implemented yet.
-            out.skipped["no token ids logged"] += 1
+            turn = _retokenise(tokenizer, *text, out) if tokenizer is not None else None
+            if turn is None:
+                out.skipped["no token ids logged"] += 1
+            else:
+                turns[(group_id, rollout_id)].append(turn)
         else:
             try:
                 turns[(group_id, rollout_id)].append(Turn(prompt, completion, logprobs or []))
@@ -45,3 +59,35 @@ def load_samples(con, group_ids: list[str]) -> Loaded:
     for (group_id, rollout_id), rollout_turns in turns.items():
         out.samples += merge_turns(rollout_id, group_id, rollout_turns)
     return out
+
+
+def _retokenise(
+    tokenizer, request, response, prompt_tokens, completion_tokens, endpoint, out: Loaded
+):
+    """A Turn rebuilt from the logged text, or None when that cannot be done faithfully."""
+    import json
+
+    if endpoint != "chat.completions" or not request or not response:
+        return None  # not logged (X-Rollout-Log: off), or a text completion
+    request, response = json.loads(request), json.loads(response)
+    message = (response.get("choices") or [{}])[0].get("message") or {}
+    if message.get("tool_calls") or not message.get("content"):
+        return None  # the template's rendering of a call is not the model's own tokens
+    prompt = tokenizer.apply_chat_template(
+        request["messages"],
+        tools=request.get("tools") or None,
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    completion = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+    if (response.get("choices") or [{}])[0].get(
+        "finish_reason"
+    ) == "stop" and tokenizer.eos_token_id is not None:
+        completion = completion + [tokenizer.eos_token_id]
+    if prompt_tokens is not None and completion_tokens is not None:
+        out.token_count_gaps.append(
+            len(prompt) + len(completion) - prompt_tokens - completion_tokens
+        )
+    out.retokenised += 1
+    return Turn(prompt, completion, None)

@@ -42,6 +42,8 @@ class Plan:
     rewards: dict[str, float] = field(default_factory=dict)  # rollout -> reward
     group_stats: dict[str, dict] = field(default_factory=dict)
     skipped: Counter = field(default_factory=Counter)  # reason -> groups
+    retokenised: int = 0
+    token_count_gaps: list[int] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = [
@@ -49,6 +51,14 @@ class Plan:
             f"{sum(s.trained_tokens for s in self.samples)} trained tokens"
         ]
         out += [f"  skipped {n} group(s): {reason}" for reason, n in self.skipped.most_common()]
+        if self.retokenised:
+            gaps = self.token_count_gaps
+            worst = max((abs(g) for g in gaps), default=0)
+            out.append(
+                f"  {self.retokenised} turn(s) had no token ids and were re-tokenised from text (less "
+                f"exact; starting policy used as behaviour): token counts differ from the upstream's "
+                f"in {sum(g != 0 for g in gaps)} of {len(gaps)}, by up to {worst}"
+            )
         return out
 
 
@@ -82,6 +92,7 @@ def plan_run(
     since: dt.datetime | None = None,
     max_groups: int | None = None,
     only: list[str] | None = None,
+    tokenizer=None,
 ) -> Plan:
     plan = Plan()
     con = open_db(data_dir)
@@ -99,11 +110,12 @@ def plan_run(
             }
             candidates = [g for g in candidates if g in recent]
         rewards = chosen_rewards(con, config.reward_sources)
-        loaded = load_samples(con, candidates)
+        loaded = load_samples(con, candidates, tokenizer)
     finally:
         con.close()
     for reason, n in loaded.skipped.items():
         plan.skipped[f"turns skipped: {reason}"] += n
+    plan.retokenised, plan.token_count_gaps = loaded.retokenised, loaded.token_count_gaps
     by_group: dict[str, list[Sample]] = {}
     for s in loaded.samples:
         by_group.setdefault(s.group_id, []).append(s)
@@ -227,6 +239,9 @@ def run_training(
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     loss_config = config.loss_config()
+    _fill_unknown_behaviour(
+        model, [s for s in plan.samples if not s.exact], config.micro_batch_tokens
+    )
     groups = list(plan.groups)
     steps: list[dict] = list(state["steps"]) if state else []
     done_steps = len(steps)
@@ -300,6 +315,23 @@ def run_training(
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir)
     return {"steps": steps, "max_logprob_gap": max_gap, "seconds": time.perf_counter() - started}
+
+
+def _fill_unknown_behaviour(model, samples: list[Sample], budget: int) -> None:
+    """Re-tokenised samples have no sampling logprobs: take the starting policy's."""
+    import torch
+
+    from .policy import pack, trained_logprobs
+
+    for batch_samples in micro_batches(samples, budget):
+        batch = pack(batch_samples)
+        with torch.no_grad():
+            logp = trained_logprobs(model, batch).tolist()
+        for s in batch_samples:
+            positions = [j for j, t in enumerate(s.trained) if t]
+            for j, value in zip(positions, logp[: len(positions)], strict=True):
+                s.behaviour_logprobs[j] = value
+            logp = logp[len(positions) :]
 
 
 def distributed() -> tuple[int, int]:
@@ -434,7 +466,17 @@ def train(
     else:
         say(f"run {run_id}: selecting finished groups no earlier run trained on")
     started = time.time_ns() // 1000
-    plan = plan_run(data_dir, config, settle_seconds, since, max_groups, only=only)
+    state = serving_state(proxy_url, admin_token)
+    base_model = config.base_model or (_base_from_state(state) if not dry_run else None)
+    plan = plan_run(
+        data_dir,
+        config,
+        settle_seconds,
+        since,
+        max_groups,
+        only=only,
+        tokenizer=_tokenizer(base_model),
+    )
     for line in plan.lines():
         say(line)
     result = RunResult(run_id, plan)
@@ -442,8 +484,6 @@ def train(
         if not plan.groups:
             say("nothing to train on")
         return result
-    state = serving_state(proxy_url, admin_token)
-    base_model = config.base_model or _base_from_state(state)
     current = (
         saved["start_adapter"] if only is not None else (state.get("current") or {}).get("path")
     )
@@ -478,6 +518,18 @@ def train(
             _record(data_dir, result, config, base_model, current, started, error)
             say(f"report: {write_report(data_dir)}")
     return result
+
+
+def _tokenizer(base_model: str | None):
+    """The base model's tokenizer, for records without token ids; None if unavailable."""
+    if base_model is None:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(base_model)
+    except (OSError, ValueError):
+        return None
 
 
 def _silent(_line: str) -> None:
