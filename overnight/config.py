@@ -147,6 +147,9 @@ class TrainConfig:
     # Which reward to train on when a rollout has several, first found wins.
     reward_sources: tuple[str, ...] = ("agent", "combined", "function", "ruler")
     seed: int = 0
+    # auto: bfloat16 where the GPU has it (half the memory, tensor cores), else float32
+    # (the CPU, and where logprobs must match vLLM's float32 to 1e-6).
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:
@@ -155,6 +158,16 @@ class TrainConfig:
             raise ConfigError("groups_per_step >= 1, micro_batch_tokens >= 16, min_group_size >= 2")
         if self.max_grad_norm <= 0:
             raise ConfigError("max_grad_norm must be positive")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+            return torch.bfloat16 if bf16 else torch.float32
+        return getattr(torch, self.dtype)
 
     def loss_config(self):
         from overnight.trainer.loss import LossConfig

@@ -228,10 +228,12 @@ def run_training(
     rank, world = distributed()
     state = _load_checkpoint(checkpoint)
     if state is not None:
-        model = load_policy(base_model, checkpoint / "adapter", trainable=True)
+        model = load_policy(
+            base_model, checkpoint / "adapter", trainable=True, dtype=config.torch_dtype()
+        )
         say(f"resuming after step {len(state['steps'])} from {checkpoint}")
     else:
-        model = load_policy(base_model, start_adapter, trainable=True)
+        model = load_policy(base_model, start_adapter, trainable=True, dtype=config.torch_dtype())
         if start_adapter is None:
             model = fresh_adapter(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
