@@ -1,12 +1,12 @@
 """Proxy overhead, side by side in one run: direct calls, overnight, LiteLLM's proxy.
 
-All three front the same in-process fake vLLM (overnight.fake_upstream: vLLM's
+All three front the same fake vLLM, in its own process (overnight.fake_upstream: vLLM's
 response shapes, no model), so what differs is the proxy alone. Following the
 capture issue: the proxy under test is pinned to core 0; the load generator (wrk)
 and the fake upstream share core 1. overnight runs as `overnight serve --upstream`
 with logging on (every request is fsynced to its log and counted afterwards).
-LiteLLM's proxy runs from its own virtual environment, one worker, no callbacks,
-no database.
+LiteLLM's proxy runs from its own virtual environment (.cache/bench-litellm, made on
+first use), one worker, no callbacks, no database.
 
     python bench/proxy_overhead.py                 # everything, about 4 minutes
     python bench/proxy_overhead.py --skip-litellm  # without the reference
@@ -108,13 +108,62 @@ def wrk(url: str, body: dict, connections: int, duration: float, workdir: Path) 
     return Result(rps, p50, p99, errors)
 
 
+# `litellm[proxy]` pins a `litellm-proxy` package the registry does not have; the proxy
+# code ships inside `litellm`, so its extra's other requirements are installed by name.
+LITELLM_PROXY_DEPS = [
+    "gunicorn",
+    "uvicorn",
+    "uvloop",
+    "fastapi",
+    "starlette",
+    "backoff",
+    "pyyaml",
+    "rq",
+    "orjson",
+    "apscheduler",
+    "fastapi-sso",
+    "pyjwt",
+    "python-multipart",
+    "cryptography",
+    "pynacl",
+    "websockets",
+    "boto3",
+    "mcp>=2.3.0,<3",
+    "pydantic>=2.12",
+    "litellm-proxy-extras",
+    "litellm-enterprise",
+    "restrictedpython",
+    "rich<14",
+    "inquirerpy",
+    "tomlkit",
+    "semver",
+    "expression",
+    "backports-zstd",
+    "polars",
+    "soundfile",
+    "azure-identity",
+    "azure-storage-blob",
+]
+
+
 def litellm_python(venv: Path) -> Path:
     python = venv / "bin" / "python"
-    if not python.exists():
-        print(f"creating {venv} with litellm[proxy]=={LITELLM_VERSION} (once)", flush=True)
+    if not (venv / "bin" / "litellm").exists():
+        print(
+            f"creating {venv} with litellm=={LITELLM_VERSION} and its proxy's needs (once)",
+            flush=True,
+        )
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", f"litellm[proxy]=={LITELLM_VERSION}"],
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                f"litellm=={LITELLM_VERSION}",
+                *LITELLM_PROXY_DEPS,
+            ],
             check=True,
         )
     return python
