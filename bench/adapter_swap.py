@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +27,10 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from overnight.proxy.launcher import free_port, wait_healthy  # noqa: E402
+from overnight.proxy.launcher import free_port  # noqa: E402
 from overnight.storage import open_db  # noqa: E402
+
+from overnight.tiny_model import build_tiny_model, serve_tiny  # noqa: E402
 
 BODY = {
     "model": "policy",
@@ -155,38 +155,11 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=ROOT / ".cache" / "tiny-model")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="overnight-swap-"))
-    subprocess.run(
-        [sys.executable, "-m", "overnight.cli", "tiny-model", str(args.model_dir)], check=True
-    )
+    build_tiny_model(args.model_dir)
     adapters = make_adapters(args.model_dir, work, 2)
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "overnight.cli",
-            "serve",
-            "--model",
-            str(args.model_dir),
-            "--port",
-            str(port),
-            "--data",
-            str(work / "data"),
-            "--served-model-name",
-            "tiny",
-            "--max-lora-rank",
-            "8",
-            "--vllm-arg=--dtype=float32",
-            "--vllm-arg=--max-model-len=2048",
-            "--log-level",
-            "WARNING",
-        ],
-        env=env,
-    )
+    serve = serve_tiny(args.model_dir, work / "data", port)
     try:
-        if not wait_healthy(f"http://127.0.0.1:{port}/health", 900, serve):
-            raise SystemExit("overnight serve did not start")
         url = f"http://127.0.0.1:{port}"
         result = asyncio.run(
             load(url, args.clients, args.seconds, args.seconds, adapters, args.every)

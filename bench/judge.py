@@ -33,41 +33,14 @@ from overnight.proxy.launcher import free_port, wait_healthy  # noqa: E402
 from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, finished_groups, open_db  # noqa: E402
 
 from overnight.config import JudgeConfig  # noqa: E402
+from overnight.tiny_model import serve_tiny  # noqa: E402
 
 
 def log_agent_groups(data: Path, model_dir: Path, tasks: int, group_size: int) -> None:
     """Serve the tiny model behind the proxy and run the example agent through it."""
-    subprocess.run(
-        [sys.executable, "-m", "overnight.cli", "tiny-model", str(model_dir)], check=True
-    )
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "overnight.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            "--data",
-            str(data),
-            "--served-model-name",
-            "tiny",
-            "--max-lora-rank",
-            "8",
-            "--vllm-arg=--dtype=float32",
-            "--vllm-arg=--max-model-len=4096",
-            "--log-level",
-            "WARNING",
-        ],
-        env=env,
-    )
+    serve = serve_tiny(model_dir, data, port)
     try:
-        if not wait_healthy(f"http://127.0.0.1:{port}/health", 900, serve):
-            raise SystemExit("overnight serve did not start")
         agent_env = dict(
             os.environ, OPENAI_BASE_URL=f"http://127.0.0.1:{port}/v1", OPENAI_API_KEY="unused"
         )

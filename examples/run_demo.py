@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from overnight.proxy.launcher import wait_healthy
+from overnight.tiny_model import serve_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -60,39 +60,13 @@ def main() -> None:
     started = time.monotonic()
     say(f"building the tiny model in {args.model_dir} (reused when present)")
     overnight("tiny-model", args.model_dir)
-
     say("starting vLLM (CPU) and the proxy; vLLM's log goes to the data directory")
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "overnight.cli",
-            "serve",
-            "--model",
-            args.model_dir,
-            "--port",
-            str(args.port),
-            "--data",
-            args.data,
-            "--vllm-arg=--dtype=float32",
-            "--vllm-arg=--max-model-len=4096",
-            "--max-lora-rank",
-            "8",
-            "--served-model-name",
-            "tiny",
-            "--log-level",
-            "WARNING",
-        ],
-        env=env,
-    )
+    serve = serve_tiny(args.model_dir, args.data, args.port)
     base = f"http://127.0.0.1:{args.port}"
+    say(f"proxy ready at {base}/v1 after {time.monotonic() - started:.0f} s")
     agent_env = dict(os.environ, OPENAI_BASE_URL=base + "/v1", OPENAI_API_KEY="unused")
     results = []
     try:
-        if not wait_healthy(base + "/health", 900, serve):
-            raise SystemExit("overnight serve did not become healthy in 900 s")
-        say(f"proxy ready at {base}/v1 after {time.monotonic() - started:.0f} s")
         for day in range(args.days):
             t_day = time.monotonic()
             tag = f"{int(time.time())}d{day}"

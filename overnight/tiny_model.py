@@ -256,3 +256,46 @@ def build_tiny_model(
     tokenizer.save_pretrained(out)
     marker.write_text(json.dumps(recipe))
     return out
+
+
+def serve_tiny(model_dir: str | Path, data_dir: str | Path, port: int, log_level: str = "WARNING"):
+    """`overnight serve --model` for the tiny model (vLLM on CPU), started and healthy.
+
+    Returns the Popen; stop it with SIGTERM (it commits its log and stops vLLM). Used by
+    the demo and the benchmarks, which all need the same float32, small-context server.
+    """
+    import os
+    import subprocess
+    import sys
+
+    from overnight.proxy.launcher import LaunchError, wait_healthy
+
+    build_tiny_model(model_dir)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "overnight.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--data",
+            str(data_dir),
+            "--served-model-name",
+            "tiny",
+            "--max-lora-rank",
+            "8",
+            "--vllm-arg=--dtype=float32",
+            "--vllm-arg=--max-model-len=4096",
+            "--log-level",
+            log_level,
+        ],
+        env=env,
+    )
+    if not wait_healthy(f"http://127.0.0.1:{port}/health", 900, serve):
+        serve.terminate()
+        raise LaunchError("overnight serve (tiny model) did not become healthy in 900 s")
+    return serve
