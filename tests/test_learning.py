@@ -69,16 +69,19 @@ async def test_nightly_training_lifts_the_reward(vllm_server, make_proxy, tmp_pa
             f"SELECT r.reward, c.model_served FROM rewards r JOIN completions c USING (rollout_id) "
             f"WHERE c.group_id LIKE 'numbers-{tag}-%'",
         )
-        assert len(day) == 64
+        assert len(day) == 64, (night, len(day), means)
         means.append(statistics.fmean(d["reward"] for d in day))
         served.append({version_of(d["model_served"]) for d in day})
         if night < NIGHTS:
             result = await asyncio.to_thread(
                 train, data, config, proxy_url=url, say=lambda _line: None
             )
-            assert version_of(result.promoted_as) == f"policy-v{night + 1}"
+            assert version_of(result.promoted_as) == f"policy-v{night + 1}", (
+                result.promoted_as,
+                means,
+            )
     print(f"mean reward by night: {[round(m, 3) for m in means]}")
-    assert served == [{"tiny"}] + [{f"policy-v{n}"} for n in range(1, NIGHTS + 1)]
+    assert served == [{"tiny"}] + [{f"policy-v{n}"} for n in range(1, NIGHTS + 1)], (served, means)
     # The last two days together: one night can dip. Measured in full-suite runs (base, then
     # each day): 0.60 0.46 0.84 0.91 0.90; 0.59 0.79 0.61 0.65 0.71 0.85; alone: 0.60 ... 0.90.
     assert statistics.fmean(means[-2:]) >= means[0] + MARGIN, means
