@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from overnight.trainer.data import Sample, Turn, merge_turns  # noqa: E402
 from overnight.trainer.loss import policy_loss, token_weights  # noqa: E402
-from overnight.trainer.policy import load_policy, pack, trained_logprobs  # noqa: E402
-from overnight.trainer.train import fresh_adapter  # noqa: E402
+from overnight.trainer.policy import load_policy, pack  # noqa: E402
+from overnight.trainer.train import fresh_adapter, micro_batch_loss  # noqa: E402
 
 from overnight.config import TrainConfig  # noqa: E402
 from overnight.tiny_model import build_tiny_model  # noqa: E402
@@ -49,21 +49,10 @@ def workload(vocab: int, seed: int = 0) -> list[Sample]:
 
 
 def grpo_step(model, samples, config) -> None:
+    """The trainer's own micro-batch loss, the whole batch as one micro-batch."""
     loss_config = config.loss_config()
-    batch = pack(samples)
-    seq = batch["sequence_index"]
-    per_sequence = token_weights([s.trained_tokens for s in samples], loss_config)
-    logp = trained_logprobs(model, batch)
-    advantages = torch.tensor([s.advantage for s in samples])[seq]
-    weights = torch.tensor(per_sequence)[seq]
-    loss, _ = policy_loss(
-        logp,
-        batch["behaviour_logprobs"],
-        advantages,
-        weights,
-        torch.ones_like(logp, dtype=torch.bool),
-        loss_config,
-    )
+    weights = token_weights([s.trained_tokens for s in samples], loss_config)
+    loss, _, _ = micro_batch_loss(model, samples, weights, loss_config)
     loss.backward()
 
 

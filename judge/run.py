@@ -153,23 +153,10 @@ async def run_judge(
     writer.start()
     try:
         limit = asyncio.Semaphore(config.concurrency if config else 8)
-        tasks = [
-            asyncio.create_task(
-                _score(
-                    g,
-                    config,
-                    reward,
-                    combine,
-                    rejudge,
-                    done_prompts,
-                    rubric,
-                    limit,
-                    writer,
-                    summary,
-                )
-            )
-            for g in work
-        ]
+        scoring = _Scoring(
+            config, reward, combine, rejudge, done_prompts, rubric, limit, writer, summary
+        )
+        tasks = [asyncio.create_task(scoring.score(g)) for g in work]
         await _with_progress(tasks, progress)
     finally:
         await asyncio.get_running_loop().run_in_executor(None, writer.close)
@@ -188,44 +175,53 @@ async def _with_progress(tasks: list[asyncio.Task], show: bool) -> None:
             bar.update(1)
 
 
-async def _score(
-    group: Group,
-    config,
-    reward,
-    combine,
-    rejudge,
-    done_prompts,
-    rubric,
-    limit,
-    writer: LogWriter,
-    summary: Summary,
-) -> None:
-    async with limit:
-        function_scores = None
-        if reward is not None:
-            try:
-                function_scores = await reward.score_group(group)
-            except Exception as e:  # the user's code fails this group, not the batch
-                summary.failed += 1
-                summary.failures.append((group.group_id, f"reward function: {e}"))
+@dataclass
+class _Scoring:
+    """What every group of one `run_judge` batch is scored with, and where it goes."""
+
+    config: JudgeConfig | None
+    reward: RewardFunction | None
+    combine: bool
+    rejudge: bool
+    done_prompts: set[str]
+    rubric: str
+    limit: asyncio.Semaphore
+    writer: LogWriter
+    summary: Summary
+
+    async def score(self, group: Group) -> None:
+        async with self.limit:
+            function_scores = None
+            if self.reward is not None:
+                try:
+                    function_scores = await self.reward.score_group(group)
+                except Exception as e:  # the user's code fails this group, not the batch
+                    self.summary.failed += 1
+                    self.summary.failures.append((group.group_id, f"reward function: {e}"))
+                    return
+                _write_rewards(
+                    self.writer, function_scores, "function", None, {"function": self.reward.name}
+                )
+                self.summary.scored_by_function += 1
+            if self.config is None:
                 return
-            _write_rewards(writer, function_scores, "function", None, {"function": reward.name})
-            summary.scored_by_function += 1
-        if config is None:
-            return
-        prompt = build_prompt(group, rubric, config.max_tool_chars)
-        if prompt.hash in done_prompts and not rejudge:
-            summary.skipped["the same prompt was judged before (cache)"] += 1
-            return
-        judgment = await judge_group(group, config, prompt)
-    _account(summary, judgment)
-    judgment_id = _write_judgment(writer, judgment, config, rubric)
-    if judgment.error is None:
-        scores = {r: s for r, (s, _) in judgment.scores.items()}
-        _write_rewards(writer, scores, "ruler", judgment_id, {"judge_model": config.model})
-        if combine and function_scores is not None:
-            both = {r: (scores[r] + function_scores[r]) / 2 for r in scores}
-            _write_rewards(writer, both, "combined", judgment_id, {"of": ["ruler", "function"]})
+            prompt = build_prompt(group, self.rubric, self.config.max_tool_chars)
+            if prompt.hash in self.done_prompts and not self.rejudge:
+                self.summary.skipped["the same prompt was judged before (cache)"] += 1
+                return
+            judgment = await judge_group(group, self.config, prompt)
+        _account(self.summary, judgment)
+        judgment_id = _write_judgment(self.writer, judgment, self.config, self.rubric)
+        if judgment.error is None:
+            scores = {r: s for r, (s, _) in judgment.scores.items()}
+            _write_rewards(
+                self.writer, scores, "ruler", judgment_id, {"judge_model": self.config.model}
+            )
+            if self.combine and function_scores is not None:
+                both = {r: (scores[r] + function_scores[r]) / 2 for r in scores}
+                _write_rewards(
+                    self.writer, both, "combined", judgment_id, {"of": ["ruler", "function"]}
+                )
 
 
 def _account(summary: Summary, j: Judgment) -> None:

@@ -522,7 +522,7 @@ async def admin_stats(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "requests": stats["requests"],
-            "rows_appended": writer._appended,
+            "rows_appended": writer.appended,
             "rows_committed": writer.rows_committed,
             "rows_compacted": writer.rows_compacted,
             "write_errors": writer.errors,

@@ -83,24 +83,29 @@ DERIVED_VIEWS = {
 }
 
 
-def live_rows(data_dir: Path) -> dict[str, pa.Table]:
-    """Rows of the logs that have no segment yet, by table."""
-    rows: dict[str, list[dict]] = {name: [] for name in TABLES}
-    stems = set()
+def snapshot(data_dir: Path) -> tuple[dict[str, pa.Table], dict[str, list[Path]]]:
+    """Rows of the logs that have no segment yet, and the segments, by table.
+
+    One listing of the segments serves both: listing them again later could find a
+    segment compacted in between from a log whose rows are already live, and count
+    those rows twice.
+    """
+    rows: dict[str, list[tuple[str, dict]]] = {name: [] for name in TABLES}
     for path in log_files(data_dir):
         try:
             by_table, _ = read_log(path)
         except FileNotFoundError:
             continue  # compacted while we listed; its segment is listed below
-        stems.add(path.stem)
         for table, table_rows in by_table.items():
             if table in rows:
                 rows[table].extend((path.stem, r) for r in table_rows)
-    compacted = {p.stem for name in TABLES for p in segment_files(data_dir, name)}
-    return {
+    segments = {name: segment_files(data_dir, name) for name in TABLES}
+    compacted = {p.stem for paths in segments.values() for p in paths}
+    live = {
         name: rows_to_table(name, [r for stem, r in pairs if stem not in compacted])
         for name, pairs in rows.items()
     }
+    return live, segments
 
 
 def open_db(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
@@ -108,10 +113,10 @@ def open_db(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
     `rollout_rewards`, `rollout_judgments`, `rollouts` and `groups` over `data_dir`."""
     data_dir = Path(data_dir)
     con = duckdb.connect(":memory:")
-    live = live_rows(data_dir)
+    live, segments = snapshot(data_dir)
     for name in TABLES:
         con.register(f"_live_{name}", live[name])
-        files = [str(p) for p in segment_files(data_dir, name)]
+        files = [str(p) for p in segments[name]]
         parts = [f"SELECT * FROM _live_{name}"]
         if files:
             parts.insert(0, f"SELECT * FROM read_parquet({files!r}, union_by_name = true)")

@@ -143,6 +143,10 @@ class LogWriter:
     def committed(self) -> int:
         return self._committed
 
+    @property
+    def appended(self) -> int:
+        return self._appended
+
     def close(self) -> None:
         """Commit everything queued, seal the log and compact it; blocks until done."""
         self._stop.set()

@@ -188,6 +188,37 @@ def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
     return batches
 
 
+def micro_batch_loss(model, samples: list[Sample], weights: list[float], loss_config):
+    """One packed micro-batch: (loss to backpropagate, statistics, largest |logp - logged|).
+
+    `weights` is each sample's per-token weight, normalised over the whole step.
+    """
+    import torch
+
+    from .loss import policy_loss
+    from .policy import pack, trained_logprobs
+
+    batch = pack(samples)
+    logp = trained_logprobs(model, batch)  # (N,)
+    seq = batch["sequence_index"]
+    ref = None
+    if loss_config.kl_coef > 0:
+        with torch.no_grad(), model.disable_adapter():
+            ref = trained_logprobs(model, batch)
+    loss, stats = policy_loss(
+        logp,
+        batch["behaviour_logprobs"],
+        torch.tensor([s.advantage for s in samples])[seq],
+        torch.tensor(weights)[seq],
+        torch.ones_like(logp, dtype=torch.bool),  # pack() keeps trained tokens only
+        loss_config,
+        sequence_index=seq,
+        ref_logp=ref,
+    )
+    gap = (logp.detach() - batch["behaviour_logprobs"]).abs().max().item()
+    return loss, stats, gap
+
+
 def fresh_adapter(model, config: TrainConfig):
     from peft import LoraConfig, get_peft_model
 
@@ -220,8 +251,8 @@ def run_training(
     """
     import torch
 
-    from .loss import policy_loss, token_weights
-    from .policy import load_policy, pack, trained_logprobs
+    from .loss import token_weights
+    from .policy import load_policy
 
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
@@ -265,29 +296,10 @@ def run_training(
             step_loss, stats_list = 0.0, []
             # Data parallel: each process takes every world-th micro-batch of the step.
             for batch_samples in micro_batches(samples, config.micro_batch_tokens)[rank::world]:
-                batch = pack(batch_samples)
-                logp = trained_logprobs(model, batch)  # (N,)
+                weights = [weight_of[id(s)] for s in batch_samples]
+                loss, stats, gap = micro_batch_loss(model, batch_samples, weights, loss_config)
                 if epoch == 0 and not steps:
-                    max_gap = max(
-                        max_gap, (logp.detach() - batch["behaviour_logprobs"]).abs().max().item()
-                    )
-                seq = batch["sequence_index"]
-                advantages = torch.tensor([s.advantage for s in batch_samples])[seq]
-                weights = torch.tensor([weight_of[id(s)] for s in batch_samples])[seq]
-                ref = None
-                if loss_config.kl_coef > 0:
-                    with torch.no_grad(), model.disable_adapter():
-                        ref = trained_logprobs(model, batch)
-                loss, stats = policy_loss(
-                    logp,
-                    batch["behaviour_logprobs"],
-                    advantages,
-                    weights,
-                    torch.ones_like(logp, dtype=torch.bool),
-                    loss_config,
-                    sequence_index=seq,
-                    ref_logp=ref,
-                )
+                    max_gap = max(max_gap, gap)
                 loss.backward()
                 step_loss += loss.item()
                 stats_list.append(stats)
@@ -307,7 +319,8 @@ def run_training(
             steps.append(record)
             if checkpoint is not None and rank == 0:
                 _save_checkpoint(checkpoint, model, optimizer, steps, max_gap)
-            rate = sum(s["tokens"] for s in steps) / (time.perf_counter() - started)
+            # Tokens this process trained (a resumed run's earlier steps took no time here).
+            rate = sum(s["tokens"] for s in steps[done_steps:]) / (time.perf_counter() - started)
             say(
                 f"step {len(steps)}/{total_steps}: loss {step_loss:+.4f}, clipped "
                 f"{record.get('clipped_fraction', 0):.3f}, ratio max {record.get('ratio_max', 1):.3f}, "
