@@ -5,6 +5,9 @@
 - padded: the same GRPO step with each sequence padded to the longest in its batch,
   full logits at every position (what a padding trainer does).
 
+Our step runs twice: with each group's prompt once per row (`share_prompts`, the
+trainer's default) and with every rollout carrying its own copy.
+
 Workload (the one the architecture notes measured TRL on): 8 prompts x 8 completions,
 64-token prompts, completion lengths log-normal up to 251, LoRA r8 on the tiny model.
 
@@ -48,19 +51,24 @@ def workload(vocab: int, seed: int = 0) -> list[Sample]:
     return samples
 
 
-def grpo_step(model, samples, config) -> None:
+def grpo_step(model, samples, config, share_prompts: bool = False) -> None:
     """The trainer's own micro-batch loss, the whole batch as one micro-batch."""
     loss_config = config.loss_config()
     weights = token_weights([s.trained_tokens for s in samples], loss_config)
-    loss, _, _ = micro_batch_loss(model, samples, weights, loss_config)
+    loss, _, _ = micro_batch_loss(model, samples, weights, loss_config, share_prompts)
     loss.backward()
+
+
+def shared_step(model, samples, config) -> None:
+    grpo_step(model, samples, config, share_prompts=True)
 
 
 def plain_step(model, samples, config) -> None:
     batch = pack(samples)
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    logits = out.logits[:, :-1].float()  # (B, L-1, V): every position of every row
     torch.nn.functional.cross_entropy(
-        out.logits[0, :-1].float(), batch["input_ids"][0, 1:]
+        logits.reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1)
     ).backward()
 
 
@@ -123,12 +131,17 @@ def main() -> None:
         f"{len(samples)} sequences, {tokens} tokens packed, {trained} trained, "
         f"{len(samples) * longest} when padded to {longest}; torch threads {torch.get_num_threads()}"
     )
+    shared_tokens = pack(samples, share_prompts=True)["input_ids"].numel()
+    print(f"with prompts shared: {shared_tokens} tokens in rows (padding included)")
     ours = timed(grpo_step, model, samples, config, args.repeats)
+    shared = timed(shared_step, model, samples, config, args.repeats)
     plain = timed(plain_step, model, samples, config, args.repeats)
     padded = timed(padded_step, model, samples, config, args.repeats)
     print(f"GRPO step, packed:            {ours * 1000:8.1f} ms")
+    print(f"GRPO step, prompts shared:    {shared * 1000:8.1f} ms")
     print(f"plain forward+backward:       {plain * 1000:8.1f} ms")
     print(f"GRPO step, padded:            {padded * 1000:8.1f} ms")
+    print(f"shared / packed GRPO: {shared / ours:.3f}")
     print(
         f"packed GRPO / plain:  {ours / plain:.3f}   target <= 1.15: {'PASS' if ours / plain <= 1.15 else 'FAIL'}"
     )

@@ -60,7 +60,7 @@ def measure(step, repeats: int) -> dict:
 
 def run_ours(model_dir: Path, repeats: int) -> dict:
     sys.path.insert(0, str(ROOT / "bench"))
-    from grpo_step import grpo_step, workload
+    from grpo_step import shared_step, workload
     from overnight.trainer.policy import load_policy
     from overnight.trainer.train import fresh_adapter
 
@@ -74,7 +74,7 @@ def run_ours(model_dir: Path, repeats: int) -> dict:
 
     def step():
         model.zero_grad(set_to_none=True)
-        grpo_step(model, samples, config)
+        shared_step(model, samples, config)  # the trainer's default: prompts shared
 
     return measure(step, repeats)
 

@@ -439,7 +439,24 @@ admin_token_option = click.option(
     "--lora-rank", default=16, show_default=True, type=int, help="Rank of a fresh adapter."
 )
 @click.option("--groups-per-step", default=8, show_default=True, type=int)
-@click.option("--micro-batch-tokens", default=8192, show_default=True, type=int)
+@click.option(
+    "--micro-batch-tokens",
+    default=8192,
+    show_default=True,
+    type=int,
+    help="Tokens per forward pass; gradients accumulate across passes.",
+)
+@click.option(
+    "--share-prompts/--no-share-prompts",
+    default=True,
+    show_default=True,
+    help="Run a group's shared prompt once per row instead of once per rollout.",
+)
+@click.option(
+    "--fsdp",
+    is_flag=True,
+    help="Under torchrun: shard the model per layer (FSDP) instead of copying it.",
+)
 @click.option(
     "--loss",
     default="dapo",
@@ -486,6 +503,8 @@ def train(
     lora_rank,
     groups_per_step,
     micro_batch_tokens,
+    share_prompts,
+    fsdp,
     loss,
     kl_coef,
     min_group_size,
@@ -557,6 +576,8 @@ def train(
             lora_alpha=2 * lora_rank,
             groups_per_step=groups_per_step,
             micro_batch_tokens=micro_batch_tokens,
+            share_prompts=share_prompts,
+            fsdp=fsdp,
             loss=loss,
             kl_coef=kl_coef,
             min_group_size=min_group_size,

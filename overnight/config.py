@@ -150,6 +150,12 @@ class TrainConfig:
     # auto: bfloat16 where the GPU has it (half the memory, tensor cores), else float32
     # (the CPU, and where logprobs must match vLLM's float32 to 1e-6).
     dtype: str = "auto"
+    # The rollouts of a group share their prompt: run it once per row, not once per
+    # rollout (needs an attention kernel that takes a mask: sdpa or eager).
+    share_prompts: bool = True
+    # Under torchrun/accelerate with several processes: shard each decoder layer (FSDP)
+    # instead of a whole model per process. `accelerate launch --use_fsdp` turns it on.
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:

@@ -14,8 +14,8 @@ from .helpers import wait_for_rows
 pytestmark = pytest.mark.slow
 
 
-def sample(prompt: list[int], completion: list[int]) -> Sample:
-    (s,) = merge_turns("r", "g", [Turn(prompt, completion, [0.0] * len(completion))])
+def sample(prompt: list[int], completion: list[int], group: str = "g") -> Sample:
+    (s,) = merge_turns("r", group, [Turn(prompt, completion, [0.0] * len(completion))])
     return s
 
 
@@ -42,6 +42,49 @@ def test_packing_is_exact(tiny_model_dir, row_tokens):
     assert packed.shape == (6,)
     assert torch.allclose(packed, alone, atol=1e-5)
     assert packed.tolist() == pytest.approx(full, abs=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompts_give_each_rollout_its_own_logprobs(tiny_model_dir, attention):
+    model = load_policy(tiny_model_dir)
+    model.config._attn_implementation = attention
+    prompt = list(range(10, 30))  # 20 tokens every rollout of group "a" starts with
+    samples = [
+        # All three sampled 50 first: a trained token inside the shared part, trained
+        # once per rollout (with each one's own advantage), computed once.
+        sample(prompt, [50, 41, 42]),
+        sample(prompt, [50, 51]),
+        sample(prompt + [50], [52, 53, 54]),
+        sample(prompt[:5], [60, 61], group="b"),  # alone in its group: nothing to share
+        sample([7] * 12, [70], group="c"),
+        sample([7] * 12, [71, 72], group="c"),
+    ]
+    samples[2].trained[len(prompt)] = True  # sampled in an earlier turn
+    samples[2].behaviour_logprobs[len(prompt)] = -1.0
+    shared = pack(samples, row_tokens=64, share_prompts=True)
+    plain = pack(samples, row_tokens=64)
+    assert "attention_mask" in shared and "attention_mask" not in plain
+    # Group a: 21 shared tokens (its prompt plus the common 50) once instead of three times.
+    assert shared["input_ids"][0, :21].tolist() == prompt + [50]
+    assert shared["input_ids"].numel() < plain["input_ids"].numel()
+    assert shared["sequence_index"].tolist() == plain["sequence_index"].tolist()
+    with torch.no_grad():
+        ours = trained_logprobs(model, shared)
+        reference = trained_logprobs(model, plain)
+    assert ours.shape == reference.shape == (14,)
+    assert torch.allclose(ours, reference, atol=1e-5), (ours - reference).abs().max()
+
+
+def test_shared_prompts_keep_rows_no_longer_than_the_longest_rollout():
+    prompt = list(range(3, 23))
+    samples = [sample(prompt, list(range(100, 100 + n))) for n in (30, 10, 10, 5)]
+    batch = pack(samples, share_prompts=True)
+    # The longest rollout is 50 tokens: it fills a row by itself; the other three share
+    # one copy of the prompt in the second row (20 + 10 + 10 + 5). Unshared: 4 rows.
+    assert batch["input_ids"].shape == (2, 50)
+    assert batch["input_ids"][1, :20].tolist() == prompt
+    assert pack(samples)["input_ids"].shape == (4, 50)
+    assert batch["trained_index"].numel() == 55
 
 
 @pytest.mark.vllm

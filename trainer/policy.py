@@ -2,19 +2,31 @@
 
 Sequences are packed end to end into rows, with position ids restarting at each
 sequence; transformers (5.x) turns such position ids into a block-diagonal causal
-mask, so no token attends across sequences, and only row ends are padded. The vocabulary
-projection is applied only where a sampled token is predicted: context positions
-(system, user, tool output) never materialise their logits, which for a real
-vocabulary are most of the memory of a step.
+mask, so no token attends across sequences, and only row ends are padded.
+
+The rollouts of a group share their prompt. With `share_prompts`, a row holds that
+prompt once, followed by each rollout's remaining tokens; position ids continue from
+the prompt's end in every branch, and an explicit mask lets each branch see the prompt
+and itself only, so every logprob is the one the sequence would get alone. Such a
+mask needs an attention kernel that takes one (sdpa, eager); with flash attention,
+prompts are repeated instead.
+
+The vocabulary projection is applied only where a sampled token is predicted: context
+positions (system, user, tool output) never materialise their logits, which for a
+real vocabulary are most of the memory of a step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .data import Sample
+
+# A shared prompt shorter than this is repeated: the mask costs more than it saves.
+MIN_SHARED_PROMPT = 8
 
 
 def load_policy(
@@ -40,63 +52,167 @@ def _parts(model):
     return inner.model, inner.get_output_embeddings()
 
 
-def pack(samples: list[Sample], row_tokens: int = 0) -> dict[str, torch.Tensor]:
+def takes_custom_mask(model) -> bool:
+    """Whether the model's attention kernel accepts an arbitrary (B, 1, L, L) mask."""
+    return getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
+
+
+@dataclass
+class _Unit:
+    """What is placed in a row together: a prompt (maybe empty) and branches after it."""
+
+    prefix: int  # tokens of the first member that every member shares
+    members: list[int]  # sample indices
+
+    def size(self, samples: list[Sample]) -> int:
+        return self.prefix + sum(len(samples[i].tokens) - self.prefix for i in self.members)
+
+
+def _common_prefix(sequences: list[list[int]]) -> int:
+    shortest = min(len(s) for s in sequences)
+    for n in range(shortest):
+        if any(s[n] != sequences[0][n] for s in sequences[1:]):
+            return n
+    return shortest
+
+
+def _units(samples: list[Sample], capacity: int, share_prompts: bool) -> list[_Unit]:
+    """Each sample alone, or (sharing) the samples of a group under their common prompt.
+
+    A group's branches are split into as many units as keep each within `capacity`
+    (the longest sample), so rows stay as short as without sharing: attention costs
+    the square of a row's length.
+    """
+    if not share_prompts:
+        return [_Unit(0, [i]) for i in range(len(samples))]
+    by_group: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_group.setdefault(s.group_id, []).append(i)
+    units = []
+    for members in by_group.values():
+        # Every branch keeps at least one token after the prompt (the one it predicts).
+        prefix = min(
+            _common_prefix([samples[i].tokens for i in members]),
+            min(len(samples[i].tokens) for i in members) - 1,
+        )
+        if len(members) < 2 or prefix < MIN_SHARED_PROMPT:
+            units += [_Unit(0, [i]) for i in members]
+            continue
+        parts: list[list[int]] = [[]]
+        for i in members:
+            size = prefix + sum(len(samples[m].tokens) - prefix for m in parts[-1] + [i])
+            if parts[-1] and size > capacity:
+                parts.append([])
+            parts[-1].append(i)
+        units += [_Unit(prefix, part) if len(part) > 1 else _Unit(0, part) for part in parts]
+    return units
+
+
+def pack(
+    samples: list[Sample], row_tokens: int = 0, share_prompts: bool = False
+) -> dict[str, torch.Tensor]:
     """Samples packed into rows of `row_tokens` (at least the longest sample): (B, L).
 
     Attention on the CPU (and in any kernel without variable-length support) costs the
     square of a row's length, so one long row of everything would cost far more than
     padding; rows about as long as the longest sequence keep both attention and padding
-    small. Rows are filled first-fit, longest sample first; padding goes at row ends,
-    as a block of its own that nothing attends to and nothing is trained on.
+    small. Units are placed first-fit, largest first; padding goes at row ends, as a
+    block of its own that nothing attends to and nothing is trained on.
     """
-    longest = max(len(s.tokens) for s in samples)
-    capacity = max(row_tokens, longest)
-    rows: list[list[int]] = []  # sample indices per row
+    capacity = max(row_tokens, max(len(s.tokens) for s in samples))
+    units = _units(samples, capacity, share_prompts)
+    rows: list[list[_Unit]] = []
     room: list[int] = []
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens)):
-        n = len(samples[i].tokens)
+    for unit in sorted(units, key=lambda u: -u.size(samples)):
+        n = unit.size(samples)
         slot = next((r for r, free in enumerate(room) if free >= n), None)
         if slot is None:
             rows.append([])
-            room.append(capacity)
+            room.append(max(capacity, n))
             slot = len(rows) - 1
-        rows[slot].append(i)
+        rows[slot].append(unit)
         room[slot] -= n
-    width = max(capacity - free for free in room)
+    width = max(sum(u.size(samples) for u in row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     positions = torch.zeros(len(rows), width, dtype=torch.long)
-    entries = []  # (sample, token position, flat index, behaviour logprob)
-    for r, members in enumerate(rows):
+    # Who may attend to whom, for the explicit mask: each token's block, and the block
+    # of the prompt it hangs off (-1: none).
+    block = torch.zeros(len(rows), width, dtype=torch.long)
+    parent = torch.full((len(rows), width), -1, dtype=torch.long)
+    blocks = 0
+    entries = []  # (sample, token position, flat index, flat index of its predictor, logprob)
+    for r, row in enumerate(rows):
         col = 0
-        for i in members:
-            s = samples[i]
-            n = len(s.tokens)
-            assert not s.trained[0], "a sequence cannot start with a trained token (it is prompt)"
-            ids[r, col : col + n] = torch.tensor(s.tokens)
-            positions[r, col : col + n] = torch.arange(n)
-            for j, (t, lp) in enumerate(zip(s.trained, s.behaviour_logprobs, strict=True)):
-                if t:
-                    entries.append((i, j, r * width + col + j, lp))
-            col += n
+        for unit in row:
+            base = r * width
+            prompt_block = -1
+            if unit.prefix:
+                first = samples[unit.members[0]]
+                ids[r, col : col + unit.prefix] = torch.tensor(first.tokens[: unit.prefix])
+                positions[r, col : col + unit.prefix] = torch.arange(unit.prefix)
+                block[r, col : col + unit.prefix] = prompt_block = blocks
+                blocks += 1
+            prompt_col = col
+            col += unit.prefix
+            for i in unit.members:
+                s = samples[i]
+                assert not s.trained[0], (
+                    "a sequence cannot start with a trained token (it is prompt)"
+                )
+                branch = s.tokens[unit.prefix :]
+                n = len(branch)
+                ids[r, col : col + n] = torch.tensor(branch)
+                positions[r, col : col + n] = torch.arange(unit.prefix, unit.prefix + n)
+                block[r, col : col + n] = blocks
+                parent[r, col : col + n] = prompt_block
+                blocks += 1
+                for j, (t, lp) in enumerate(zip(s.trained, s.behaviour_logprobs, strict=True)):
+                    if not t:
+                        continue
+                    if j < unit.prefix:  # a sampled token every member shares
+                        flat = base + prompt_col + j
+                        entries.append((i, j, flat, flat - 1, lp))
+                    else:
+                        flat = base + col + j - unit.prefix
+                        # A branch's first token is predicted from the prompt's last.
+                        before = flat - 1 if j > unit.prefix else base + prompt_col + j - 1
+                        entries.append((i, j, flat, before, lp))
+                col += n
         positions[r, col:] = torch.arange(width - col)  # padding: its own block
+        block[r, col:] = blocks
+        blocks += 1
     entries.sort()  # trained tokens in sample order, whatever row they landed in
-    return {
+    batch = {
         "input_ids": ids,  # (B, L)
         "position_ids": positions,  # (B, L)
         "trained_index": torch.tensor([e[2] for e in entries], dtype=torch.long),  # (N,) flat rows
-        "behaviour_logprobs": torch.tensor([e[3] for e in entries]),  # (N,)
+        "predictor_index": torch.tensor([e[3] for e in entries], dtype=torch.long),  # (N,)
+        "behaviour_logprobs": torch.tensor([e[4] for e in entries]),  # (N,)
         "sequence_index": torch.tensor([e[0] for e in entries], dtype=torch.long),  # (N,) sample
     }
+    if any(u.prefix for u in units):
+        causal = torch.ones(width, width, dtype=torch.bool).tril()  # (L, L)
+        same = block[:, :, None] == block[:, None, :]  # (B, L, L): query, key
+        into_prompt = parent[:, :, None] == block[:, None, :]
+        batch["attention_mask"] = ((same & causal) | into_prompt)[:, None]  # (B, 1, L, L)
+    return batch
 
 
 def trained_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Logprob under `model` of each trained token of a packed batch: (N,)."""
     decoder, head = _parts(model)
+    mask = batch.get("attention_mask")
+    if mask is not None and model.config._attn_implementation == "eager":
+        # eager adds the mask to the scores; sdpa takes booleans.
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
     hidden = decoder(
-        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        attention_mask=mask,
+        use_cache=False,
     ).last_hidden_state  # (B, L, H)
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (B * L, H)
-    index = batch["trained_index"]  # (N,) into the flattened rows
-    logits = head(hidden[index - 1]).float()  # (N, V): the position before predicts the token
-    targets = batch["input_ids"].reshape(-1)[index]  # (N,)
+    logits = head(hidden[batch["predictor_index"]]).float()  # (N, V)
+    targets = batch["input_ids"].reshape(-1)[batch["trained_index"]]  # (N,)
     return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import random
 import time
 import urllib.request
@@ -27,6 +26,7 @@ from overnight.config import TrainConfig
 from overnight.errors import OvernightError
 
 from .data import Sample, group_advantages
+from .parallel import Parallel
 from .records import load_samples
 from .report import write_report
 
@@ -188,7 +188,9 @@ def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
     return batches
 
 
-def micro_batch_loss(model, samples: list[Sample], weights: list[float], loss_config):
+def micro_batch_loss(
+    model, samples: list[Sample], weights: list[float], loss_config, share_prompts=True
+):
     """One packed micro-batch: (loss to backpropagate, statistics, largest |logp - logged|).
 
     `weights` is each sample's per-token weight, normalised over the whole step.
@@ -196,9 +198,11 @@ def micro_batch_loss(model, samples: list[Sample], weights: list[float], loss_co
     import torch
 
     from .loss import policy_loss
-    from .policy import pack, trained_logprobs
+    from .policy import pack, takes_custom_mask, trained_logprobs
 
-    batch = pack(samples)
+    device = next(model.parameters()).device
+    batch = pack(samples, share_prompts=share_prompts and takes_custom_mask(model))
+    batch = {k: v.to(device) for k, v in batch.items()}
     logp = trained_logprobs(model, batch)  # (N,)
     seq = batch["sequence_index"]
     ref = None
@@ -208,14 +212,14 @@ def micro_batch_loss(model, samples: list[Sample], weights: list[float], loss_co
     loss, stats = policy_loss(
         logp,
         batch["behaviour_logprobs"],
-        torch.tensor([s.advantage for s in samples])[seq],
-        torch.tensor(weights)[seq],
+        torch.tensor([s.advantage for s in samples], device=device)[seq],
+        torch.tensor(weights, device=device)[seq],
         torch.ones_like(logp, dtype=torch.bool),  # pack() keeps trained tokens only
         loss_config,
         sequence_index=seq,
         ref_logp=ref,
     )
-    gap = (logp.detach() - batch["behaviour_logprobs"]).abs().max().item()
+    gap = (logp.detach().float() - batch["behaviour_logprobs"]).abs().max().item()
     return loss, stats, gap
 
 
@@ -256,9 +260,14 @@ def run_training(
 
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
-    rank, world = distributed()
+    parallel = Parallel.start(fsdp=config.fsdp)
     state = _load_checkpoint(checkpoint)
     if state is not None:
+        if state.get("fsdp", False) != parallel.fsdp:
+            raise TrainError(
+                f"the checkpoint in {checkpoint} was written {'with' if state['fsdp'] else 'without'}"
+                " FSDP: resume the same way (or delete it to start the run over)"
+            )
         model = load_policy(
             base_model, checkpoint / "adapter", trainable=True, dtype=config.torch_dtype()
         )
@@ -267,10 +276,16 @@ def run_training(
         model = load_policy(base_model, start_adapter, trainable=True, dtype=config.torch_dtype())
         if start_adapter is None:
             model = fresh_adapter(model, config)
+    model = parallel.prepare(model)
+    if parallel.world > 1:
+        say(
+            f"{parallel.world} processes, {'FSDP' if parallel.fsdp else 'data parallel'} "
+            f"on {parallel.device}"
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        parallel.load_optimizer_state(model, optimizer, state["optimizer"])
     loss_config = config.loss_config()
     _fill_unknown_behaviour(
         model, [s for s in plan.samples if not s.exact], config.micro_batch_tokens
@@ -294,18 +309,23 @@ def run_training(
             weight_of = {id(s): w for s, w in zip(samples, per_sequence, strict=True)}
             optimizer.zero_grad(set_to_none=True)
             step_loss, stats_list = 0.0, []
-            # Data parallel: each process takes every world-th micro-batch of the step.
-            for batch_samples in micro_batches(samples, config.micro_batch_tokens)[rank::world]:
-                weights = [weight_of[id(s)] for s in batch_samples]
-                loss, stats, gap = micro_batch_loss(model, batch_samples, weights, loss_config)
+            batches = micro_batches(samples, config.micro_batch_tokens)
+            for batch_samples, counts in parallel.micro_batch_share(batches):
+                weights = [weight_of[id(s)] if counts else 0.0 for s in batch_samples]
+                loss, stats, gap = micro_batch_loss(
+                    model, batch_samples, weights, loss_config, config.share_prompts
+                )
+                loss.backward()
+                if not counts:
+                    continue  # an FSDP process's stand-in pass: zero gradient, no statistics
                 if epoch == 0 and not steps:
                     max_gap = max(max_gap, gap)
-                loss.backward()
                 step_loss += loss.item()
                 stats_list.append(stats)
-            if world > 1:
-                step_loss, stats_list, max_gap = _all_reduce(params, step_loss, stats_list, max_gap)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm).item()
+            parallel.sum_gradients(params)
+            step_loss, stats_list, max_gap = parallel.gather_step(step_loss, stats_list, max_gap)
+            norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+            grad_norm = parallel.grad_norm(norm)
             optimizer.step()
             record = _merge_stats(stats_list)
             record.update(
@@ -317,8 +337,8 @@ def run_training(
                 sequences=len(samples),
             )
             steps.append(record)
-            if checkpoint is not None and rank == 0:
-                _save_checkpoint(checkpoint, model, optimizer, steps, max_gap)
+            if checkpoint is not None:
+                _save_checkpoint(checkpoint, parallel, model, optimizer, steps, max_gap)
             # Tokens this process trained (a resumed run's earlier steps took no time here).
             rate = sum(s["tokens"] for s in steps[done_steps:]) / (time.perf_counter() - started)
             say(
@@ -326,9 +346,7 @@ def run_training(
                 f"{record.get('clipped_fraction', 0):.3f}, ratio max {record.get('ratio_max', 1):.3f}, "
                 f"grad norm {grad_norm:.3f}, {rate:.0f} tokens/s"
             )
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir)
+    _save_adapter(out_dir, parallel, model)
     return {"steps": steps, "max_logprob_gap": max_gap, "seconds": time.perf_counter() - started}
 
 
@@ -338,8 +356,9 @@ def _fill_unknown_behaviour(model, samples: list[Sample], budget: int) -> None:
 
     from .policy import pack, trained_logprobs
 
+    device = next(model.parameters()).device
     for batch_samples in micro_batches(samples, budget):
-        batch = pack(batch_samples)
+        batch = {k: v.to(device) for k, v in pack(batch_samples).items()}
         with torch.no_grad():
             logp = trained_logprobs(model, batch).tolist()
         for s in batch_samples:
@@ -349,50 +368,30 @@ def _fill_unknown_behaviour(model, samples: list[Sample], budget: int) -> None:
             logp = logp[len(positions) :]
 
 
-def distributed() -> tuple[int, int]:
-    """(rank, world size): under torchrun, join the process group (gloo on CPU, nccl on GPU)."""
-    import torch
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), dist.get_world_size()
+def _save_adapter(path: Path, parallel: Parallel, model) -> None:
+    """The adapter as peft saves it, written by process 0 (every process gathers)."""
+    state = parallel.adapter_state(model)
+    if parallel.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(path, state_dict=state)
 
 
-def _all_reduce(params, step_loss: float, stats: list[dict], max_gap: float):
-    """Sum gradients and losses over the processes, so every process steps identically.
-
-    Token weights are normalised over the whole step, so the summed gradient is the
-    full step's gradient exactly as one process would compute it.
-    """
-    import torch
-    import torch.distributed as dist
-
-    for p in params:
-        if p.grad is None:  # a process with no micro-batch in this step
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-    numbers = torch.tensor([step_loss, max_gap], dtype=torch.float64)
-    dist.all_reduce(numbers[:1])
-    dist.all_reduce(numbers[1:], op=dist.ReduceOp.MAX)
-    gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, stats)
-    return numbers[0].item(), [s for part in gathered for s in part], numbers[1].item()
-
-
-def _save_checkpoint(path: Path, model, optimizer, steps: list[dict], max_gap: float) -> None:
+def _save_checkpoint(path: Path, parallel: Parallel, model, optimizer, steps, max_gap) -> None:
     """Adapter and optimizer after a step, replaced atomically (a crash leaves the old one)."""
     import shutil
 
     import torch
 
+    optimizer_state = parallel.optimizer_state(model, optimizer)  # every process gathers
     tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "adapter")
+    if parallel.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _save_adapter(tmp / "adapter", parallel, model)
+    if parallel.rank != 0:
+        return
     torch.save(
-        {"optimizer": optimizer.state_dict(), "steps": steps, "max_gap": max_gap}, tmp / "state.pt"
+        {"optimizer": optimizer_state, "steps": steps, "max_gap": max_gap, "fsdp": parallel.fsdp},
+        tmp / "state.pt",
     )
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
@@ -465,7 +464,8 @@ def train(
     does everything with side effects (files, the run record, the promotion).
     """
     data_dir = Path(data_dir)
-    rank, _world = (0, 1) if dry_run else distributed()
+    parallel = Parallel() if dry_run else Parallel.start(fsdp=config.fsdp)
+    rank = parallel.rank
     if rank != 0:
         say = _silent
     resumed = None if dry_run else unfinished_run(data_dir)
@@ -475,7 +475,7 @@ def train(
     else:
         run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         only = None
-    run_id, only, saved = _agree((run_id, only, saved))
+    run_id, only, saved = parallel.agree((run_id, only, saved))
     if only is not None:
         say(f"run {run_id}: resuming an interrupted run on its {len(only)} group(s)")
     else:
@@ -549,17 +549,6 @@ def _tokenizer(base_model: str | None):
 
 def _silent(_line: str) -> None:
     pass
-
-
-def _agree(value):
-    """Process 0's `value` on every process (as is, without torchrun)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _base_from_state(state: dict) -> str:
