@@ -346,6 +346,15 @@ def export(data_dir, fmt, table, out_path):
     "--concurrency", default=8, show_default=True, type=int, help="Groups judged at once."
 )
 @click.option("--max-fixes", default=2, show_default=True, type=int, help="Corrective retries.")
+@click.option(
+    "--max-tokens",
+    default=None,
+    type=int,
+    help="Cap on the judge's answer (default: the judge's own; reasoning models need room).",
+)
+@click.option(
+    "--temperature", default=None, type=float, help="The judge's temperature (default: its own)."
+)
 def judge(
     data_dir,
     judge_model,
@@ -361,6 +370,8 @@ def judge(
     max_groups,
     concurrency,
     max_fixes,
+    max_tokens,
+    temperature,
 ):
     """Score finished groups with an LLM judge (RULER) and/or a reward function.
 
@@ -392,6 +403,8 @@ def judge(
                 rubric=rubric_file.read_text() if rubric_file else "",
                 concurrency=concurrency,
                 max_fixes=max_fixes,
+                max_tokens=max_tokens,
+                temperature=temperature,
             )
         function = RewardFunction(reward) if reward else None
         summary = asyncio.run(

@@ -60,3 +60,67 @@ async def test_tool_agent_runs_through_the_proxy_and_is_grouped(vllm_server, mak
                 after["prompt_token_ids"][: len(before["prompt_token_ids"])]
                 == before["prompt_token_ids"]
             )
+
+
+SEARCH_AGENT = AGENT.with_name("search_agent.py")
+
+
+async def test_search_agent_through_the_proxy_then_ruler_judges_its_groups(
+    vllm_server, make_proxy, tmp_path
+):
+    """The RULER example: no reward code; the agent finishes its rollouts, and the judge
+    (here the tiny model on vLLM, through litellm, as a self-hosted judge) scores each
+    group. The tiny model is no judge: a group is either scored or its failure recorded."""
+    proxy = await make_proxy(upstream=vllm_server.url)
+    env = dict(os.environ, OPENAI_BASE_URL=str(proxy.make_url("/v1")), OPENAI_API_KEY="unused")
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(SEARCH_AGENT),
+        "--questions",
+        "2",
+        "--group-size",
+        "3",
+        "--max-turns",
+        "2",
+        "--max-tokens",
+        "24",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(agent.communicate(), timeout=240)
+    assert agent.returncode == 0, output.decode()
+    assert "6 rollouts in 2 groups" in output.decode()
+    data = tmp_path / "data"
+    await wait_for_rows(data, 6, table="finishes")
+    groups = rows(data, "SELECT group_id, rollouts, finished FROM groups ORDER BY group_id")
+    assert [(g["rollouts"], g["finished"]) for g in groups] == [(3, 3), (3, 3)]
+    # The handbook's system prompt and tools were sent, as an agent on OpenAI sends them.
+    (first,) = rows(data, "SELECT request FROM completions LIMIT 1")
+    assert "help desk of Acme Robotics" in first["request"] and '"search"' in first["request"]
+
+    judge = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "overnight.cli",
+        "judge",
+        "--data",
+        str(data),
+        "--judge-model",
+        "openai/tiny",
+        "--judge-base-url",
+        vllm_server.url + "/v1",
+        "--max-tokens",
+        "160",
+        "--max-fixes",
+        "1",
+        env=dict(os.environ, OVERNIGHT_JUDGE_API_KEY="unused", OVERNIGHT_JUDGE_BACKOFF="0.01"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(judge.communicate(), timeout=240)
+    assert judge.returncode == 0, output.decode()
+    judgments = rows(data, "SELECT group_id, scores, error FROM judgments ORDER BY group_id")
+    assert [j["group_id"] for j in judgments] == [g["group_id"] for g in groups]
+    for j in judgments:
+        assert (len(j["scores"]) == 3) if j["error"] is None else (j["scores"] == [])

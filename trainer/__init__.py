@@ -1,6 +1,7 @@
 """Trainer: GRPO on LoRA from logged records.
 
-So far: records -> token sequences and masks (`data`), advantages, and the GRPO loss
-with its normalisation variants (`loss`, math in docs/grpo.md). The training loop,
-adapter saving and promotion come next (see the trainer issue).
+records -> token sequences and masks (`data`, `records`), advantages, the GRPO loss
+with its normalisation variants (`loss`, math in docs/grpo.md), packed policy logprobs
+(`policy`), one or many processes (`parallel`), the nightly run with its checkpoints,
+saving and promotion (`train`), and the HTML report (`report`).
 """
