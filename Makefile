@@ -15,13 +15,22 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
+# Debian's Chromium, for the web view's browser test (the test fails without it under
+# `make test`, rather than skipping).
+BROWSER_STAMP := .cache/chromium.stamp
+$(BROWSER_STAMP):
+	mkdir -p .cache
+	command -v chromium >/dev/null || apt-get install -y -q chromium \
+		|| (apt-get update -q && apt-get install -y -q chromium)
+	touch $(BROWSER_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(PYTHON) examples/run_demo.py
 
-test: $(STAMP)
-	OVERNIGHT_REQUIRE_VLLM=1 $(PYTHON) -m pytest -q -ra
+test: $(STAMP) $(BROWSER_STAMP)
+	OVERNIGHT_REQUIRE_VLLM=1 OVERNIGHT_REQUIRE_BROWSER=1 $(PYTHON) -m pytest -q -ra
 
 test-fast: $(STAMP)
 	$(PYTHON) -m pytest -q -m "not slow and not vllm"

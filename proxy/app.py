@@ -24,6 +24,7 @@ from overnight.storage import LogWriter, WriterConfig
 from overnight.config import ProxyConfig
 from overnight.errors import OvernightError
 
+from . import ui
 from .adapters import AdapterRegistry, Route
 from .attribution import attribute, logging_enabled
 from .capture import CHAT, TEXT, Accumulator, Additions, add_training_fields, hide_additions
@@ -109,15 +110,18 @@ def _bearer(request: web.Request) -> str | None:
 def _authenticate(request: web.Request) -> None:
     config = request.app[CONFIG]
     path = request.path
-    if path.startswith("/admin/"):
+    if path.startswith(("/admin/", "/ui")):
+        # The web view is the admin API's, read-only: a browser brings the token once as
+        # ?token=, then as a cookie.
+        token = ui.token_from(request) if path.startswith("/ui") else _bearer(request)
         if config.admin_token is not None:
-            if _bearer(request) != config.admin_token:
+            if token != config.admin_token:
                 raise OvernightError(
                     "missing or wrong admin token", status=401, code="invalid_admin_token"
                 )
         elif not _is_loopback(request.remote):
             raise OvernightError(
-                "the admin API answers loopback clients only unless an admin token is set",
+                "the admin API and web view answer loopback clients only unless an admin token is set",
                 status=403,
                 code="admin_forbidden",
             )
@@ -592,6 +596,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     r.add_post("/admin/adapters/promote", admin_promote)
     r.add_post("/admin/adapters/rollback", admin_rollback)
     r.add_get("/admin/stats", admin_stats)
+    ui.add_routes(r)
     r.add_route("*", "/rollouts/{group}/{rollout}/v1/{tail:.*}", prefixed)
     r.add_route("*", "/v1/{tail:.*}", passthrough)
     return app

@@ -1,0 +1,443 @@
+"""The read-only web view at /ui: server-rendered pages over the data directory.
+
+    /ui                       groups, newest first, with filters (query parameters)
+    /ui/groups/{group}        a group's rollouts: reward, judge score and explanation
+    /ui/rollouts/{rollout}    one conversation turn by turn, tool calls included
+    /ui/adapters              adapter versions: the promotion stack, and when each served
+    /ui/runs                  training runs, with reward and loss curves
+
+Plain HTML and inline SVG, no script and nothing fetched: it works on a machine with
+no network, and a filter is a link that can be shared. Each page opens its own DuckDB
+over the Parquet segments and live logs (as `overnight ls` does), in a worker thread
+so the event loop keeps forwarding traffic. Access is the admin API's: the admin
+token (as a bearer token, or once as `?token=`, which sets a cookie), else loopback
+clients only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import html
+import json
+from pathlib import Path
+
+from aiohttp import web
+from overnight.storage import open_db
+
+from overnight.charts import training_charts
+from overnight.errors import OvernightError
+
+COOKIE = "overnight_ui"
+STYLE = """
+body{font:14px system-ui,sans-serif;margin:0;color:#111}
+header{background:#111;color:#fff;padding:.6em 1.5em}header a{color:#fff;margin-right:1.5em}
+main{padding:1em 1.5em;max-width:1300px}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:4px 8px;
+text-align:left;vertical-align:top}th{background:#f4f4f5}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+form.filters{display:flex;gap:.8em;flex-wrap:wrap;align-items:end;margin:.5em 0}
+form.filters label{display:flex;flex-direction:column;font-size:12px;color:#555}
+.turn{border:1px solid #e4e4e7;border-radius:6px;margin:.8em 0;padding:.5em .8em}
+.meta{color:#666;font-size:12px}.msg{white-space:pre-wrap;margin:.4em 0;padding:.4em .6em;
+border-left:3px solid #ccc}.system{border-color:#a1a1aa}.user{border-color:#2563eb}
+.assistant{border-color:#16a34a}.tool{border-color:#ea580c}.call{font-family:monospace;
+background:#fff7ed;padding:.2em .4em;margin:.2em 0}.error{color:#b91c1c}
+.explanation{background:#f4f4f5;padding:.5em .8em;border-radius:6px}
+figure{display:inline-block;margin:1em 1em 1em 0}
+"""
+
+
+def _e(value) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def _num(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _time(value) -> str:
+    if isinstance(value, dt.datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S")
+    return _e(value)
+
+
+def _page(request: web.Request, title: str, body: str) -> web.Response:
+    text = f"""<!doctype html><html><head><meta charset="utf-8"><title>{_e(title)} - overnight</title>
+<style>{STYLE}</style></head><body><header><strong>overnight</strong> &nbsp;
+<a href="/ui">groups</a><a href="/ui/adapters">adapters</a><a href="/ui/runs">training runs</a>
+</header><main><h1>{_e(title)}</h1>{body}</main></body></html>"""
+    response = web.Response(text=text, content_type="text/html")
+    token = request.query.get("token")
+    if token:  # `/ui?token=...` once: the cookie carries it from then on
+        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/ui")
+    return response
+
+
+def _table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td class="num">{cell}</td>' if i in numeric else f"<td>{cell}</td>"
+            for i, cell in enumerate(row)
+        )
+        + "</tr>"
+        for row in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+async def _query(request: web.Request, render):
+    """Run `render(con)` on a fresh DuckDB over the data directory, off the loop."""
+    from .app import CONFIG
+
+    data_dir: Path = request.app[CONFIG].data_dir
+
+    def work():
+        con = open_db(data_dir)
+        try:
+            return render(con)
+        finally:
+            con.close()
+
+    return await asyncio.to_thread(work)
+
+
+# -- groups ---------------------------------------------------------------------------
+
+STATUSES = {
+    "all": "TRUE",
+    "finished": "finished = rollouts",
+    "open": "finished < rollouts",
+    "scored": "rewarded > 0",
+    "unscored": "rewarded = 0",
+}
+
+
+def _float_param(request: web.Request, name: str) -> float | None:
+    raw = request.query.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise OvernightError(f"{name} must be a number, got {raw!r}", status=400) from None
+
+
+async def groups_page(request: web.Request) -> web.Response:
+    search = request.query.get("q", "").strip()
+    adapter = request.query.get("adapter", "").strip()
+    status = request.query.get("status", "all")
+    if status not in STATUSES:
+        raise OvernightError(f"status must be one of {', '.join(STATUSES)}", status=400)
+    low, high = _float_param(request, "min_reward"), _float_param(request, "max_reward")
+    try:
+        limit = min(max(int(request.query.get("limit", "100")), 1), 1000)
+    except ValueError:
+        raise OvernightError("limit must be a whole number", status=400) from None
+    where, args = [STATUSES[status]], []
+    if search:
+        where.append("contains(group_id, ?)")
+        args.append(search)
+    if adapter:
+        where.append("contains(models_served, ?)")
+        args.append(adapter)
+    if low is not None:
+        where.append("mean_reward >= ?")
+        args.append(low)
+    if high is not None:
+        where.append("mean_reward <= ?")
+        args.append(high)
+
+    def render(con):
+        total = con.execute("SELECT count(*) FROM groups").fetchone()[0]
+        rows = con.execute(
+            "SELECT group_id, rollouts, finished, rewarded, mean_reward, turns, tokens, "
+            f"models_served, started_at FROM groups WHERE {' AND '.join(where)} "
+            f"ORDER BY started_at DESC LIMIT {limit}",
+            args,
+        ).fetchall()
+        served = [
+            m for (m,) in con.execute("SELECT DISTINCT model_served FROM completions").fetchall()
+        ]
+        return total, rows, sorted(m for m in served if m)
+
+    total, rows, adapters = await _query(request, render)
+    options = "".join(
+        f'<option value="{_e(s)}"{" selected" if s == status else ""}>{_e(s)}</option>'
+        for s in STATUSES
+    )
+    adapter_options = '<option value="">any</option>' + "".join(
+        f'<option value="{_e(a)}"{" selected" if a == adapter else ""}>{_e(a)}</option>'
+        for a in adapters
+    )
+    form = f"""<form class="filters" method="get" action="/ui">
+<label>group id contains<input name="q" value="{_e(search)}"></label>
+<label>served by<select name="adapter">{adapter_options}</select></label>
+<label>status<select name="status">{options}</select></label>
+<label>mean reward from<input name="min_reward" size="5" value="{_e(request.query.get("min_reward", ""))}"></label>
+<label>to<input name="max_reward" size="5" value="{_e(request.query.get("max_reward", ""))}"></label>
+<label>at most<input name="limit" size="5" value="{limit}"></label>
+<button type="submit">filter</button> <a href="/ui">clear</a></form>"""
+    table = _table(
+        [
+            "group",
+            "rollouts",
+            "finished",
+            "scored",
+            "mean reward",
+            "turns",
+            "tokens",
+            "served by",
+            "started",
+        ],
+        [
+            [
+                f'<a href="/ui/groups/{_e(g)}">{_e(g)}</a>',
+                _num(n),
+                _num(fin),
+                _num(scored),
+                _num(reward),
+                _num(turns),
+                _num(tokens),
+                _e(served),
+                _time(started),
+            ]
+            for g, n, fin, scored, reward, turns, tokens, served, started in rows
+        ],
+        numeric={1, 2, 3, 4, 5, 6},
+    )
+    summary = f'<p class="meta" id="count">{len(rows)} of {total} group(s) shown</p>'
+    return _page(request, "Groups", form + summary + table)
+
+
+# -- one group, one rollout ---------------------------------------------------------
+
+
+async def group_page(request: web.Request) -> web.Response:
+    group = request.match_info["group"]
+
+    def render(con):
+        return con.execute(
+            "SELECT rollout_id, turns, prompt_tokens + completion_tokens, reward, reward_source, "
+            "judge_score, judge_explanation, finished_at, models_served, errors "
+            "FROM rollouts WHERE group_id = ? ORDER BY reward DESC NULLS LAST, rollout_id",
+            [group],
+        ).fetchall()
+
+    rows = await _query(request, render)
+    if not rows:
+        raise OvernightError(f"no group {group!r}", status=404, code="not_found")
+    table = _table(
+        [
+            "rollout",
+            "turns",
+            "tokens",
+            "reward",
+            "source",
+            "judge score",
+            "judge's explanation",
+            "finished",
+            "served by",
+            "errors",
+        ],
+        [
+            [
+                f'<a href="/ui/rollouts/{_e(r)}">{_e(r)}</a>',
+                _num(turns),
+                _num(tokens),
+                _num(reward),
+                _e(source or "-"),
+                _num(score),
+                _e(explanation or ""),
+                "yes" if finished else "no",
+                _e(served),
+                _num(errors),
+            ]
+            for r, turns, tokens, reward, source, score, explanation, finished, served, errors in rows
+        ],
+        numeric={1, 2, 3, 5, 9},
+    )
+    return _page(request, f"Group {group}", table)
+
+
+def _message_html(message: dict) -> str:
+    role = str(message.get("role", "?"))
+    content = message.get("content")
+    if isinstance(content, list):  # content parts
+        content = " ".join(
+            p.get("text", f"<{p.get('type')}>") for p in content if isinstance(p, dict)
+        )
+    parts = [f'<div class="msg {_e(role)}"><strong>{_e(role)}</strong> {_e(content or "")}']
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        parts.append(
+            f'<div class="call">&rarr; {_e(fn.get("name"))}({_e(fn.get("arguments"))})</div>'
+        )
+    return "".join(parts) + "</div>"
+
+
+async def rollout_page(request: web.Request) -> web.Response:
+    rollout = request.match_info["rollout"]
+
+    def render(con):
+        turns = con.execute(
+            "SELECT turn_index, started_at, model_served, request, response, finish_reason, "
+            "error, len(completion_token_ids), latency_ms, group_id FROM completions "
+            "WHERE rollout_id = ? ORDER BY started_at, turn_index",
+            [rollout],
+        ).fetchall()
+        summary = con.execute(
+            "SELECT reward, reward_source, finished_at, judge_score, judge_explanation, "
+            "judge_model FROM rollouts WHERE rollout_id = ?",
+            [rollout],
+        ).fetchone()
+        return turns, summary
+
+    turns, summary = await _query(request, render)
+    if not turns:
+        raise OvernightError(f"no rollout {rollout!r}", status=404, code="not_found")
+    reward, source, finished, score, explanation, judge = summary
+    group = turns[0][9]
+    head = [
+        f'<p>group <a href="/ui/groups/{_e(group)}">{_e(group)}</a> &middot; {len(turns)} turn(s)'
+        f' &middot; reward <strong id="reward">{_num(reward)}</strong> ({_e(source or "none")})'
+        f" &middot; {'finished' if finished else 'not finished'}</p>"
+    ]
+    if score is not None:
+        head.append(
+            f'<div class="explanation" id="judge"><strong>judge {_e(judge)}: {_num(score)}</strong>'
+            f"<br>{_e(explanation)}</div>"
+        )
+    body, seen = [], 0
+    for turn, started, served, req, resp, finish, error, n_tokens, latency, _ in turns:
+        messages = (json.loads(req) if req else {}).get("messages") or []
+        # Only what is new since the last turn: the agent resends its history.
+        start = seen if len(messages) > seen else 0
+        seen = len(messages) + 1
+        parts = [_message_html(m) for m in messages[start:]]
+        for choice in (json.loads(resp) if resp else {}).get("choices", []):
+            parts.append(
+                _message_html(
+                    choice.get("message") or {"role": "assistant", "content": choice.get("text")}
+                )
+            )
+        if error:
+            parts.append(f'<div class="error">error: {_e(error)}</div>')
+        body.append(
+            f'<section class="turn"><div class="meta">turn {turn} &middot; {_time(started)}'
+            f" &middot; served by {_e(served)} &middot; {n_tokens or 0} tokens &middot; "
+            f"{latency or 0:.0f} ms &middot; finish {_e(finish)}</div>{''.join(parts)}</section>"
+        )
+    return _page(request, f"Rollout {rollout}", "".join(head) + "".join(body))
+
+
+# -- adapters and runs ----------------------------------------------------------------
+
+
+async def adapters_page(request: web.Request) -> web.Response:
+    from .app import ADAPTERS
+
+    state = request.app[ADAPTERS].describe()
+
+    def render(con):
+        return con.execute(
+            "SELECT model_served, count(*), min(started_at), max(started_at), "
+            "avg(r.reward) FROM completions c LEFT JOIN rollout_rewards r USING (rollout_id) "
+            "GROUP BY model_served ORDER BY min(started_at)"
+        ).fetchall()
+
+    served = await _query(request, render)
+    current = state.get("current") or {}
+    stack = set(state.get("stack") or [])
+    history = _table(
+        ["version", "name", "how", "at", "path", "on the stack"],
+        [
+            [
+                _num(a["version"]),
+                _e(a["name"]),
+                _e(a["reason"]),
+                _e(a["promoted_at"]),
+                _e(a["path"]),
+                "yes" if a["name"] in stack else "",
+            ]
+            for a in reversed(state.get("adapters") or [])
+        ],
+        numeric={0},
+    )
+    usage = _table(
+        ["served by", "completions", "first", "last", "mean reward"],
+        [[_e(m), _num(n), _time(a), _time(b), _num(r)] for m, n, a, b, r in served],
+        numeric={1, 4},
+    )
+    body = (
+        f"<p>alias <strong>{_e(state.get('alias'))}</strong> now serves "
+        f'<strong id="current">{_e(current.get("name") or "the base model")}</strong>'
+        f" (base model {_e(state.get('base_model'))})</p>"
+        f"<h2>Promotions and rollbacks, newest first</h2>{history}"
+        f"<h2>When each served</h2>{usage}"
+    )
+    return _page(request, "Adapters", body)
+
+
+async def runs_page(request: web.Request) -> web.Response:
+    def render(con):
+        runs = con.execute(
+            "SELECT run_id, started_at, status, len(groups), rollouts, steps, trained_tokens, "
+            "reward_mean, promoted_as, max_logprob_gap, error FROM training_runs "
+            "ORDER BY started_at DESC"
+        ).fetchall()
+        return runs, training_charts(con)
+
+    runs, charts = await _query(request, render)
+    table = _table(
+        [
+            "run",
+            "started",
+            "status",
+            "groups",
+            "rollouts",
+            "steps",
+            "tokens",
+            "reward mean",
+            "promoted as",
+            "logprob gap",
+            "error",
+        ],
+        [
+            [
+                _e(r[0]),
+                _time(r[1]),
+                _e(r[2]),
+                *(_num(v) for v in r[3:8]),
+                _e(r[8] or "-"),
+                f"{r[9]:.1e}" if r[9] is not None else "-",
+                _e(r[10] or ""),
+            ]
+            for r in runs
+        ],
+        numeric={3, 4, 5, 6, 7, 9},
+    )
+    return _page(request, "Training runs", "".join(charts) + table)
+
+
+# -- access ---------------------------------------------------------------------------
+
+
+def token_from(request: web.Request) -> str | None:
+    """The admin token as a browser brings it: bearer header, query parameter, cookie."""
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.query.get("token") or request.cookies.get(COOKIE)
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    router.add_get("/ui", groups_page)
+    router.add_get("/ui/groups/{group}", group_page)
+    router.add_get("/ui/rollouts/{rollout}", rollout_page)
+    router.add_get("/ui/adapters", adapters_page)
+    router.add_get("/ui/runs", runs_page)
