@@ -27,7 +27,7 @@ $(BROWSER_STAMP):
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PYTHON) examples/run_demo.py
+	$(PYTHON) -m overnight.cli demo
 
 test: $(STAMP) $(BROWSER_STAMP)
 	OVERNIGHT_REQUIRE_VLLM=1 OVERNIGHT_REQUIRE_BROWSER=1 $(PYTHON) -m pytest -q -ra

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import re
 
-from tool_agent import CITIES  # examples/ is importable when this file is loaded by path
+try:  # installed: overnight.examples.rewards
+    from .tool_agent import CITIES
+except ImportError:  # loaded by path (examples/rewards.py:NAME): examples/ is on sys.path
+    from tool_agent import CITIES
 
 
 def weather_reward(rollout: dict) -> float:

@@ -163,12 +163,13 @@ async def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--no-finish", action="store_true", help="plain servers: do not post")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--run", default=uuid.uuid4().hex[:6], help="tag in the group ids")
     args = parser.parse_args()
 
     base_url = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
     api_key = os.environ.get("OPENAI_API_KEY", "unused")
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
-    run = uuid.uuid4().hex[:6]
+    run = args.run
     limit = asyncio.Semaphore(args.concurrency)
 
     async def attempt(question: str, group: str) -> dict:

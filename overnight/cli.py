@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import tomllib
 from pathlib import Path
 
 import click
 
-from .config import DEFAULT_DATA_DIR
+from .config import DEFAULT_DATA_DIR, JudgeConfig, ProxyConfig, TrainConfig
 from .errors import OvernightError
 
 
@@ -56,6 +57,11 @@ def _flags(command: click.Command) -> dict[str, str]:
         for opt in param.opts
         if opt.startswith("--")
     }
+
+
+def _default(config_class, name: str):
+    """A config field's default: the dataclass is the one place defaults live."""
+    return config_class.__dataclass_fields__[name].default
 
 
 data_option = click.option(
@@ -151,10 +157,60 @@ def _fail(e: Exception) -> click.ClickException:
     help="Extra argument for vLLM (repeatable), e.g. --vllm-arg=--dtype=float32.",
 )
 @click.option(
+    "--max-body-bytes",
+    default=_default(ProxyConfig, "max_body_bytes"),
+    show_default=True,
+    type=int,
+    help="Largest request body accepted (413 above it).",
+)
+@click.option(
+    "--connect-timeout",
+    default=_default(ProxyConfig, "connect_timeout"),
+    show_default=True,
+    type=float,
+    help="Seconds to connect to the upstream.",
+)
+@click.option(
+    "--read-timeout",
+    default=_default(ProxyConfig, "read_timeout"),
+    show_default=True,
+    type=float,
+    help="Longest silence between two upstream bytes (no cap on a whole generation).",
+)
+@click.option(
+    "--keepalive-timeout",
+    default=_default(ProxyConfig, "keepalive_timeout"),
+    show_default=True,
+    type=float,
+    help="Idle upstream connections are closed after this (below vLLM's 5 s).",
+)
+@click.option(
+    "--drain-timeout",
+    default=_default(ProxyConfig, "drain_timeout"),
+    show_default=True,
+    type=float,
+    help="How long a replaced adapter may finish requests in flight before unloading.",
+)
+@click.option(
+    "--commit-interval",
+    default=_default(ProxyConfig, "commit_interval"),
+    show_default=True,
+    type=float,
+    help="Group commit window of the write-ahead log, seconds (fsync at most this often).",
+)
+@click.option(
+    "--roll-seconds",
+    default=_default(ProxyConfig, "roll_seconds"),
+    show_default=True,
+    type=float,
+    help="Roll the write-ahead log into Parquet after this many seconds (or 64 MiB).",
+)
+@click.option(
     "--log-level",
     default="INFO",
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="Logging of the proxy (and of vLLM's start).",
 )
 def serve(
     model,
@@ -171,6 +227,13 @@ def serve(
     max_loras,
     tool_call_parser,
     vllm_args,
+    max_body_bytes,
+    connect_timeout,
+    read_timeout,
+    keepalive_timeout,
+    drain_timeout,
+    commit_interval,
+    roll_seconds,
     log_level,
 ):
     """Serve the logging proxy (and vLLM with --model).
@@ -203,6 +266,15 @@ def serve(
             max_loras=max_loras,
             tool_call_parser=tool_call_parser or None,
             vllm_args=tuple(vllm_args),
+            tuning={
+                "max_body_bytes": max_body_bytes,
+                "connect_timeout": connect_timeout,
+                "read_timeout": read_timeout,
+                "keepalive_timeout": keepalive_timeout,
+                "drain_timeout": drain_timeout,
+                "commit_interval": commit_interval,
+                "roll_seconds": roll_seconds,
+            },
         )
     except OvernightError as e:
         raise _fail(e) from e
@@ -355,6 +427,27 @@ def export(data_dir, fmt, table, out_path):
 @click.option(
     "--temperature", default=None, type=float, help="The judge's temperature (default: its own)."
 )
+@click.option(
+    "--max-retries",
+    default=_default(JudgeConfig, "max_retries"),
+    show_default=True,
+    type=int,
+    help="Retries of one call on rate limits, timeouts and 5xx (with backoff).",
+)
+@click.option(
+    "--timeout",
+    default=_default(JudgeConfig, "timeout"),
+    show_default=True,
+    type=float,
+    help="Seconds for one judge call.",
+)
+@click.option(
+    "--max-tool-chars",
+    default=_default(JudgeConfig, "max_tool_chars"),
+    show_default=True,
+    type=int,
+    help="Tool outputs longer than this are shortened in the middle for the judge.",
+)
 def judge(
     data_dir,
     judge_model,
@@ -372,6 +465,9 @@ def judge(
     max_fixes,
     max_tokens,
     temperature,
+    max_retries,
+    timeout,
+    max_tool_chars,
 ):
     """Score finished groups with an LLM judge (RULER) and/or a reward function.
 
@@ -405,6 +501,9 @@ def judge(
                 max_fixes=max_fixes,
                 max_tokens=max_tokens,
                 temperature=temperature,
+                max_retries=max_retries,
+                timeout=timeout,
+                max_tool_chars=max_tool_chars,
             )
         function = RewardFunction(reward) if reward else None
         summary = asyncio.run(
@@ -446,28 +545,76 @@ admin_token_option = click.option(
 @click.option(
     "--base-model", default=None, help="Base model path or name (default: ask the proxy)."
 )
-@click.option("--learning-rate", default=1e-5, show_default=True, type=float)
-@click.option("--epochs", default=1, show_default=True, type=int)
 @click.option(
-    "--lora-rank", default=16, show_default=True, type=int, help="Rank of a fresh adapter."
+    "--learning-rate",
+    default=_default(TrainConfig, "learning_rate"),
+    show_default=True,
+    type=float,
+    help="AdamW learning rate (the tiny CPU model wants 6e-2: --preset tiny-cpu).",
 )
-@click.option("--groups-per-step", default=8, show_default=True, type=int)
+@click.option(
+    "--epochs",
+    default=_default(TrainConfig, "epochs"),
+    show_default=True,
+    type=int,
+    help="Passes over the night's groups.",
+)
+@click.option(
+    "--lora-rank",
+    default=_default(TrainConfig, "lora_rank"),
+    show_default=True,
+    type=int,
+    help="Rank of a fresh adapter (an existing one keeps its own).",
+)
+@click.option(
+    "--lora-alpha",
+    default=None,
+    type=int,
+    help="Alpha of a fresh adapter (default: twice the rank).",
+)
+@click.option(
+    "--target-module",
+    "target_modules",
+    multiple=True,
+    help="Module a fresh adapter adapts (repeatable; default: every attention and MLP projection).",
+)
+@click.option(
+    "--groups-per-step",
+    default=_default(TrainConfig, "groups_per_step"),
+    show_default=True,
+    type=int,
+    help="Groups per optimizer step.",
+)
 @click.option(
     "--micro-batch-tokens",
-    default=8192,
+    default=_default(TrainConfig, "micro_batch_tokens"),
     show_default=True,
     type=int,
     help="Tokens per forward pass; gradients accumulate across passes.",
 )
 @click.option(
+    "--max-grad-norm",
+    default=_default(TrainConfig, "max_grad_norm"),
+    show_default=True,
+    type=float,
+    help="Gradient norm clip.",
+)
+@click.option(
+    "--scale-by-std/--no-scale-by-std",
+    default=_default(TrainConfig, "scale_by_std"),
+    show_default=True,
+    help="Divide advantages by the group's reward standard deviation.",
+)
+@click.option(
     "--share-prompts/--no-share-prompts",
-    default=True,
+    default=_default(TrainConfig, "share_prompts"),
     show_default=True,
     help="Run a group's shared prompt once per row instead of once per rollout.",
 )
 @click.option(
-    "--fsdp",
-    is_flag=True,
+    "--fsdp/--no-fsdp",
+    default=_default(TrainConfig, "fsdp"),
+    show_default=True,
     help="Under torchrun: shard the model per layer (FSDP) instead of copying it.",
 )
 @click.option(
@@ -477,8 +624,77 @@ admin_token_option = click.option(
     type=click.Choice(["grpo", "dr_grpo", "dapo"]),
     help="How token losses are normalised (docs/grpo.md).",
 )
-@click.option("--kl-coef", default=0.0, show_default=True, type=float, help="KL to the base model.")
-@click.option("--min-group-size", default=2, show_default=True, type=int)
+@click.option(
+    "--clip-low",
+    default=_default(TrainConfig, "clip_low"),
+    show_default=True,
+    type=float,
+    help="The ratio may fall to 1 - this before the clip stops the gradient.",
+)
+@click.option(
+    "--clip-high",
+    default=_default(TrainConfig, "clip_high"),
+    show_default=True,
+    type=float,
+    help="The ratio may rise to 1 + this (DAPO's clip-higher).",
+)
+@click.option(
+    "--dual-clip",
+    default=_default(TrainConfig, "dual_clip"),
+    show_default=True,
+    type=float,
+    help="Cap on the loss of negative-advantage tokens with huge ratios (0: off).",
+)
+@click.option(
+    "--ratio-level",
+    default=_default(TrainConfig, "ratio_level"),
+    show_default=True,
+    type=click.Choice(["token", "sequence"]),
+    help="Importance ratio per token, or one per sequence (GSPO-style).",
+)
+@click.option(
+    "--loss-max-tokens",
+    "max_tokens",
+    default=_default(TrainConfig, "max_tokens"),
+    show_default=True,
+    type=int,
+    help="dr_grpo's constant normaliser (tokens per sequence).",
+)
+@click.option(
+    "--kl-coef",
+    default=_default(TrainConfig, "kl_coef"),
+    show_default=True,
+    type=float,
+    help="Weight of a KL term to the base model (0: off, no reference pass).",
+)
+@click.option(
+    "--reward-source",
+    "reward_sources",
+    multiple=True,
+    help="Which reward to train on, in order of preference (repeatable; default: "
+    "agent, combined, function, ruler).",
+)
+@click.option(
+    "--seed",
+    default=_default(TrainConfig, "seed"),
+    show_default=True,
+    type=int,
+    help="Shuffles and init.",
+)
+@click.option(
+    "--dtype",
+    default=_default(TrainConfig, "dtype"),
+    show_default=True,
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    help="auto: bfloat16 on GPUs that have it, else float32.",
+)
+@click.option(
+    "--min-group-size",
+    default=_default(TrainConfig, "min_group_size"),
+    show_default=True,
+    type=int,
+    help="Smaller groups are skipped (too little relative signal).",
+)
 @click.option("--max-groups", default=None, type=int, help="Train on at most this many groups.")
 @click.option(
     "--since",
@@ -514,12 +730,24 @@ def train(
     learning_rate,
     epochs,
     lora_rank,
+    lora_alpha,
+    target_modules,
     groups_per_step,
     micro_batch_tokens,
+    max_grad_norm,
+    scale_by_std,
     share_prompts,
     fsdp,
     loss,
+    clip_low,
+    clip_high,
+    dual_clip,
+    ratio_level,
+    max_tokens,
     kl_coef,
+    reward_sources,
+    seed,
+    dtype,
     min_group_size,
     max_groups,
     since,
@@ -586,13 +814,24 @@ def train(
             learning_rate=learning_rate,
             epochs=epochs,
             lora_rank=lora_rank,
-            lora_alpha=2 * lora_rank,
+            lora_alpha=lora_alpha or 2 * lora_rank,
+            **({"target_modules": tuple(target_modules)} if target_modules else {}),
             groups_per_step=groups_per_step,
             micro_batch_tokens=micro_batch_tokens,
+            max_grad_norm=max_grad_norm,
+            scale_by_std=scale_by_std,
             share_prompts=share_prompts,
             fsdp=fsdp,
             loss=loss,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dual_clip=dual_clip or None,
+            ratio_level=ratio_level,
+            max_tokens=max_tokens,
             kl_coef=kl_coef,
+            **({"reward_sources": tuple(reward_sources)} if reward_sources else {}),
+            seed=seed,
+            dtype=dtype,
             min_group_size=min_group_size,
         )
         since_utc = since.replace(tzinfo=dt.UTC) if since else None
@@ -610,6 +849,62 @@ def train(
         )
     except OvernightError as e:
         raise _fail(e) from e
+
+
+@main.command()
+@data_option
+@click.option("--port", default=8000, show_default=True, type=int, help="The proxy's port.")
+@click.option(
+    "--model-dir",
+    default=".cache/tiny-model",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the tiny model is built (reused when present).",
+)
+@click.option(
+    "--days", default=4, show_default=True, type=int, help="Days of traffic (nights: one fewer)."
+)
+@click.option(
+    "--upstream",
+    default=None,
+    help="Use this running vLLM (serving the tiny model) instead of starting one.",
+)
+@click.option(
+    "--judge-model",
+    default=None,
+    help="Also RULER-judge the search agent's groups with this model.",
+)
+@click.option("--judge-base-url", default=None, help="Base URL of a self-hosted judge (with /v1).")
+def demo(data_dir, port, model_dir, days, upstream, judge_model, judge_base_url):
+    """Run the whole story on a tiny local model: traffic by day, GRPO by night.
+
+    Builds the tiny model, starts vLLM (CPU) and the proxy, runs the example agents
+    through it, and each night scores, trains and promotes; prints the mean reward
+    day by day and where the report is. A few minutes on 2 cores.
+
+    \b
+    Example:
+      overnight demo
+      overnight demo --days 3 --judge-model openai/gpt-4.1-mini
+    """
+    from .demo import run_demo
+
+    if days < 2:
+        raise click.UsageError("--days must be at least 2 (a night needs a day before and after)")
+
+    def say(message: str) -> None:
+        click.echo(f"[demo {time.strftime('%H:%M:%S')}] {message}")
+
+    run_demo(
+        str(data_dir),
+        port,
+        str(model_dir),
+        days=days,
+        upstream=upstream,
+        judge_model=judge_model,
+        judge_base_url=judge_base_url,
+        say=say,
+    )
 
 
 @main.command()

@@ -34,7 +34,9 @@ def serve_forever(
     max_loras: int,
     tool_call_parser: str | None,
     vllm_args: tuple[str, ...],
+    tuning: dict | None = None,
 ) -> None:
+    """`tuning`: the other ProxyConfig fields (timeouts, body limit, log commit)."""
     from overnight.proxy import create_app
     from overnight.proxy.launcher import VLLMConfig, VLLMProcess
 
@@ -65,6 +67,7 @@ def serve_forever(
             api_keys=api_keys,
             admin_token=admin_token,
             upstream_api_key=upstream_api_key,
+            **(tuning or {}),
         )
         signal.signal(signal.SIGTERM, previous)
         log.info("proxy on http://%s:%d/v1 -> %s, data in %s", host, port, upstream, data_dir)

@@ -160,7 +160,7 @@ async def test_group_and_rollout_pages_show_the_conversation_and_the_judge(ui):
     assert "2 turn(s)" in rollout and '<strong id="reward">0.900</strong> (ruler)' in rollout
     assert "judge openai/o3: 0.900" in rollout
     assert "You are the weather desk." in rollout and "How warm is it in Lima?" in rollout
-    assert '&rarr; lookup({&quot;query&quot;: &quot;cats&quot;})' in rollout  # the tool call
+    assert "&rarr; lookup({&quot;query&quot;: &quot;cats&quot;})" in rollout  # the tool call
     assert "{&quot;temp&quot;: 19}" in rollout  # the tool's answer, in turn 1
     assert rollout.count("You are the weather desk.") == 1  # history not repeated
 
@@ -168,7 +168,7 @@ async def test_group_and_rollout_pages_show_the_conversation_and_the_judge(ui):
 async def test_adapters_and_runs_pages(ui):
     adapters = await page(ui, "/ui/adapters")
     assert '<strong id="current">the base model</strong>' in adapters
-    assert "<td>fake-base</td><td class=\"num\">5</td>" in adapters  # every completion so far
+    assert '<td>fake-base</td><td class="num">5</td>' in adapters  # every completion so far
     runs = await page(ui, "/ui/runs")
     assert "20261129-030000-abc123" in runs and "policy-v1-0a1b2c" in runs
     assert runs.count("<svg") == 3  # reward per run, reward per adapter, the run's loss

@@ -1,0 +1,220 @@
+"""`overnight demo`: the whole story on embedded defaults, in a few minutes on 2 cores.
+
+  build the tiny model -> vLLM (CPU) and the proxy -> a "day" of traffic from the
+  example agents, unchanged (OpenAI SDK, rollout headers) -> the "night": score the
+  day's groups, `overnight train`, promote -> the next day runs on the new adapter.
+
+The verifiable agent (examples/number_agent.py: answer with numbers only) is scored
+by its reward function and is what visibly improves. The search agent
+(examples/search_agent.py) is RULER's use case: its groups are judged only when a judge
+model is given (`--judge-model`, any litellm model), and then trained on as well.
+Every step is a subprocess running the same command a user would type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+NUMBERS_REWARD = "overnight.examples.rewards:numbers_only"
+
+
+@dataclass
+class Day:
+    number: int
+    reward: float
+    served: str
+    traffic_s: float
+    scoring_s: float
+    training_s: float
+    judged: str = "-"
+
+
+def _overnight(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "overnight.cli", *args], text=True, capture_output=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"overnight {args[0]} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    return done.stdout
+
+
+def _agent(module: str, env: dict, *args: str) -> None:
+    subprocess.run(
+        [sys.executable, "-m", f"overnight.examples.{module}", *args],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def _sql(data: str, query: str) -> list[dict]:
+    out = _overnight("sql", query, "--data", data, "--format", "json")
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def _start_proxy(upstream: str, data: str, port: int):
+    from overnight.proxy.launcher import LaunchError, wait_healthy
+
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "overnight.cli", "serve", "--upstream", upstream]
+        + ["--port", str(port), "--data", data, "--log-level", "WARNING"]
+    )
+    if not wait_healthy(f"http://127.0.0.1:{port}/health", 120, serve):
+        serve.terminate()
+        raise LaunchError(f"the proxy in front of {upstream} did not become healthy")
+    return serve
+
+
+def run_demo(
+    data: str,
+    port: int,
+    model_dir: str,
+    days: int = 4,
+    upstream: str | None = None,
+    judge_model: str | None = None,
+    judge_base_url: str | None = None,
+    say=print,
+) -> list[Day]:
+    from overnight.tiny_model import serve_tiny
+
+    started = time.monotonic()
+    if upstream:
+        say(f"starting the proxy in front of {upstream}")
+        serve = _start_proxy(upstream, data, port)
+    else:
+        say(f"building the tiny model in {model_dir} (reused when present)")
+        _overnight("tiny-model", model_dir)
+        say("starting vLLM (CPU) and the proxy; vLLM's log goes to the data directory")
+        serve = serve_tiny(model_dir, data, port)
+    base = f"http://127.0.0.1:{port}"
+    say(f"proxy ready at {base}/v1 after {time.monotonic() - started:.0f} s")
+    env = dict(os.environ, OPENAI_BASE_URL=base + "/v1", OPENAI_API_KEY="unused")
+    results: list[Day] = []
+    try:
+        for day in range(1, days + 1):
+            tag = f"{uuid.uuid4().hex[:4]}d{day}"
+            say(f"day {day}: the example agents run through the proxy")
+            t0 = time.monotonic()
+            _agent(
+                "number_agent",
+                env,
+                "--tasks",
+                "8",
+                "--group-size",
+                "8",
+                "--top-k",
+                "50",
+                "--run",
+                tag,
+            )
+            _agent(
+                "search_agent",
+                env,
+                "--questions",
+                "2",
+                "--group-size",
+                "4",
+                "--max-turns",
+                "2",
+                "--max-tokens",
+                "48",
+                "--run",
+                tag,
+            )
+            traffic = time.monotonic() - t0
+
+            t0 = time.monotonic()
+            groups = [
+                row["group_id"]
+                for row in _sql(
+                    data,
+                    "SELECT group_id FROM groups WHERE group_id LIKE 'numbers-%' AND rewarded = 0",
+                )
+            ]
+            group_args = [a for g in groups for a in ("--group", g)]
+            say(f"night {day}: overnight judge --reward {NUMBERS_REWARD} ({len(groups)} groups)")
+            _overnight(
+                "judge", "--data", data, "--settle", "0", "--reward", NUMBERS_REWARD, *group_args
+            )
+            judged = "-"
+            if judge_model:
+                say(f"night {day}: overnight judge --judge-model {judge_model} (search groups)")
+                judge_args = ["--judge-base-url", judge_base_url] if judge_base_url else []
+                search = [a for q in range(2) for a in ("--group", f"handbook-{tag}-{q}")]
+                out = _overnight(
+                    "judge",
+                    "--data",
+                    data,
+                    "--settle",
+                    "0",
+                    "--judge-model",
+                    judge_model,
+                    *judge_args,
+                    *search,
+                )
+                judged = out.splitlines()[0] if out else "-"
+            scoring = time.monotonic() - t0
+
+            t0 = time.monotonic()
+            if day < days:  # the last day is only scored, to see where the policy ended
+                say(f"night {day}: overnight train --preset tiny-cpu (then promote)")
+                _overnight(
+                    "train",
+                    "--data",
+                    data,
+                    "--proxy",
+                    base,
+                    "--preset",
+                    "tiny-cpu",
+                    "--settle",
+                    "0",
+                )
+            training = time.monotonic() - t0
+
+            (row,) = _sql(
+                data,
+                "SELECT avg(reward) AS reward, string_agg(DISTINCT models_served, ',') AS served "
+                f"FROM rollouts WHERE group_id IN ({', '.join(repr(g) for g in groups)})",
+            )
+            results.append(
+                Day(day, row["reward"], row["served"], traffic, scoring, training, judged)
+            )
+            say(
+                f"day {day}: mean reward {row['reward']:.3f}, served by {row['served']}; "
+                f"traffic {traffic:.0f} s, scoring {scoring:.0f} s, training {training:.0f} s"
+            )
+    finally:
+        say("stopping the server (it commits and compacts its log first)")
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=120)
+
+    (failures,) = _sql(
+        data,
+        "SELECT count(*) AS n FROM completions WHERE error IS NOT NULL OR http_status <> 200",
+    )
+    print("\nday  mean reward  served by                   traffic  scoring  training")
+    for d in results:
+        print(
+            f"{d.number:>3}  {d.reward:11.3f}  {d.served:<26} {d.traffic_s:6.0f}s "
+            f"{d.scoring_s:7.0f}s {d.training_s:8.0f}s"
+        )
+    print(f"failed requests: {failures['n']}")
+    print(_overnight("ls", "--data", data, "--limit", "3"))
+    report = Path(data) / "reports" / "training.html"
+    say(f"done in {time.monotonic() - started:.0f} s. The training report: {report}")
+    say(f"next: overnight runs --data {data}; overnight ls --data {data}")
+    say(
+        f"      the web view: overnight serve --model {model_dir} --served-model-name tiny "
+        f"--data {data}, then open http://127.0.0.1:8000/ui"
+    )
+    return results
