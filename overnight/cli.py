@@ -76,7 +76,13 @@ data_option = click.option(
 
 
 @click.group(
-    context_settings={"auto_envvar_prefix": "OVERNIGHT", "help_option_names": ["-h", "--help"]}
+    context_settings={
+        "auto_envvar_prefix": "OVERNIGHT",
+        "help_option_names": ["-h", "--help"],
+        # Wide enough that `overnight --help` shows each command's whole first line.
+        "terminal_width": 110,
+        "max_content_width": 110,
+    }
 )
 @click.option(
     "--config",
@@ -359,7 +365,10 @@ def sql(data_dir, query, fmt):
     "--table",
     default="completions",
     show_default=True,
-    type=click.Choice(["completions", "rollouts", "groups", "rewards", "finishes"]),
+    type=click.Choice(
+        ["completions", "rollouts", "groups", "rewards", "finishes", "judgments", "training_runs"]
+    ),
+    help="Table or view to export.",
 )
 @click.option(
     "--out",
@@ -909,7 +918,7 @@ def demo(data_dir, port, model_dir, days, upstream, judge_model, judge_base_url)
 
 @main.command()
 @data_option
-@click.option("--limit", default=20, show_default=True, type=int)
+@click.option("--limit", default=20, show_default=True, type=int, help="Most recent runs shown.")
 def runs(data_dir, limit):
     """List training runs, newest first.
 
@@ -957,7 +966,9 @@ def rollback(proxy_url, admin_token):
 
 @main.command(name="tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--seed", default=0, show_default=True, type=int, help="Weights and tokenizer follow from it."
+)
 def tiny_model(out_dir, seed):
     """Build the tiny local chat model used by the demo and tests.
 

@@ -183,6 +183,8 @@ def test_an_interrupted_run_resumes_and_ends_where_an_uninterrupted_one_does(
     assert resumed.run_id != whole.run_id and [s["step"] for s in resumed.metrics["steps"]] == list(
         range(1, 9)
     )
+    run_dir = tmp_path / "b" / "runs" / resumed.run_id
+    assert (run_dir / "finished").exists() and not (run_dir / "checkpoint").exists()
     a = load_file(whole.adapter_path / "adapter_model.safetensors")
     b = load_file(resumed.adapter_path / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import random
+import shutil
 import time
 import urllib.request
 import uuid
@@ -378,8 +379,6 @@ def _save_adapter(path: Path, parallel: Parallel, model) -> None:
 
 def _save_checkpoint(path: Path, parallel: Parallel, model, optimizer, steps, max_gap) -> None:
     """Adapter and optimizer after a step, replaced atomically (a crash leaves the old one)."""
-    import shutil
-
     import torch
 
     optimizer_state = parallel.optimizer_state(model, optimizer)  # every process gathers
@@ -525,6 +524,8 @@ def train(
             )["promoted"]
             say(f"promoted: the proxy now serves it as {result.promoted_as}")
         (run_dir / "finished").touch()
+        # The checkpoint (adapter + optimizer state) only serves resuming: gone once done.
+        shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
         raise
