@@ -9,6 +9,7 @@ together: nights promote new adapters with no failed request, and the reward ris
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -23,12 +24,19 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_demo_runs_the_whole_story(vllm_server, tmp_path):
     data = tmp_path / "demo-data"
+    # RULER on the search agent's groups, with the tiny model as its own judge (through
+    # litellm, as a self-hosted judge): it is no judge, so groups get scores or recorded
+    # failures; the story must go on either way. Its answers are capped through the
+    # judge command's environment variable, which the demo's subprocesses inherit.
+    env = dict(os.environ, OVERNIGHT_JUDGE_MAX_TOKENS="160", OVERNIGHT_JUDGE_API_KEY="unused")
     done = subprocess.run(
         [sys.executable, "-m", "overnight.cli", "demo", "--upstream", vllm_server.url]
-        + ["--data", str(data), "--port", str(free_port()), "--days", "4"],
+        + ["--data", str(data), "--port", str(free_port()), "--days", "4"]
+        + ["--judge-model", "openai/tiny", "--judge-base-url", vllm_server.url + "/v1"],
         capture_output=True,
         text=True,
         timeout=900,
+        env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout

@@ -124,3 +124,38 @@ async def test_search_agent_through_the_proxy_then_ruler_judges_its_groups(
     assert [j["group_id"] for j in judgments] == [g["group_id"] for g in groups]
     for j in judgments:
         assert (len(j["scores"]) == 3) if j["error"] is None else (j["scores"] == [])
+
+
+@pytest.mark.parametrize(
+    "agent,args",
+    [
+        (AGENT, ["--tasks", "1", "--group-size", "2", "--max-turns", "2", "--no-rewards"]),
+        (
+            SEARCH_AGENT,
+            ["--questions", "1", "--group-size", "2", "--max-turns", "2", "--no-finish"],
+        ),
+    ],
+    ids=["tool_agent", "search_agent"],
+)
+async def test_examples_run_unchanged_against_a_plain_vllm(vllm_server, agent, args):
+    """No proxy: the same programs, only OPENAI_BASE_URL differs (and the model name, as
+    a plain server knows no alias). The rollout headers are ignored there."""
+    env = dict(
+        os.environ,
+        OPENAI_BASE_URL=vllm_server.url + "/v1",
+        OPENAI_API_KEY="unused",
+        OVERNIGHT_MODEL="tiny",
+    )
+    run = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(agent),
+        *args,
+        "--max-tokens",
+        "16",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(run.communicate(), timeout=240)
+    assert run.returncode == 0, output.decode()
+    assert "2 rollouts in 1 groups" in output.decode()
