@@ -943,15 +943,34 @@ def runs(data_dir, limit):
 
 
 @main.command()
+@data_option
 @proxy_option
 @admin_token_option
-def rollback(proxy_url, admin_token):
+@click.option(
+    "--offline",
+    is_flag=True,
+    help="No proxy runs: change DATA/adapters.json; the next serve restores the previous one.",
+)
+def rollback(data_dir, proxy_url, admin_token, offline):
     """Serve the previous adapter again (or the base model).
 
     \b
     Example:
       overnight rollback --proxy http://127.0.0.1:8000
+      overnight rollback --data /var/lib/overnight --offline   # while the proxy is stopped
     """
+    if offline:
+        from .proxy.adapters import rollback_on_disk
+
+        try:
+            now = rollback_on_disk(data_dir / "adapters.json")
+        except OvernightError as e:
+            raise _fail(e) from e
+        click.echo(
+            f"the next overnight serve on {data_dir} will serve "
+            f"{f'{now.path} (was {now.name})' if now else 'the base model'}"
+        )
+        return
     from .trainer.train import admin_call
 
     try:

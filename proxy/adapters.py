@@ -259,3 +259,21 @@ class AdapterRegistry:
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, self.state_path)
+
+
+def rollback_on_disk(state_path: Path) -> Adapter | None:
+    """The rollback for when no proxy runs on this data directory: drop the newest
+    promotion from `adapters.json`, so the next `overnight serve` restores the one
+    before it (or serves the base model). Returns what will serve."""
+    if not state_path.exists():
+        raise AdapterError("nothing to roll back: no adapter was ever promoted here")
+    state = json.loads(state_path.read_text())
+    if not state.get("stack"):
+        raise AdapterError("nothing to roll back: the alias already serves the base model")
+    state["stack"].pop()
+    tmp = state_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, state_path)
+    by_name = {a["name"]: a for a in state.get("adapters", [])}
+    current = by_name.get(state["stack"][-1]) if state["stack"] else None
+    return Adapter(**current) if current else None

@@ -95,6 +95,34 @@ async def test_rollback_reloads_the_previous_adapter_under_a_new_name(
     assert r.status == 200
 
 
+async def test_offline_rollback_is_restored_by_the_next_proxy(make_proxy, received, tmp_path):
+    """`overnight rollback --offline`: no proxy runs; the next one serves the previous
+    adapter (loaded under a new name, as after any restart)."""
+    from click.testing import CliRunner
+
+    from overnight.cli import main
+
+    data = tmp_path / "data"
+    first = await make_proxy(data_dir=data)
+    a1 = adapter_dir(tmp_path, "a1")
+    await first.post("/admin/adapters/promote", json={"path": a1})
+    await first.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a2")})
+    await first.close()  # the proxy stops
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["rollback", "--data", str(data), "--offline"])
+    assert result.exit_code == 0 and f"will serve {a1}" in result.output
+    second = await make_proxy(data_dir=data)
+    state = await (await second.get("/admin/adapters")).json()
+    assert state["current"]["path"] == a1 and state["current"]["reason"] == "restore"
+    await second.post("/v1/chat/completions", json=CHAT)
+    assert received[-1]["body"]["model"] == state["current"]["name"]
+    result = runner.invoke(main, ["rollback", "--data", str(data), "--offline"])
+    assert "will serve the base model" in result.output
+    result = runner.invoke(main, ["rollback", "--data", str(data), "--offline"])
+    assert result.exit_code != 0 and "already serves the base model" in result.output
+
+
 async def test_bad_promotions_are_refused(make_proxy, tmp_path):
     proxy = await make_proxy()
     r = await proxy.post("/admin/adapters/promote", json={"path": str(tmp_path)})

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 import pytest
-from overnight.cli import main
 
+from overnight.cli import main
 from overnight.config import JudgeConfig, ProxyConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
