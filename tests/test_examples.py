@@ -1,4 +1,5 @@
-"""The example agent, unchanged, through the proxy in front of the real vLLM."""
+"""The example agents, unchanged, through the proxy in front of the real vLLM (and
+without it), and the judge over what they logged."""
 
 from __future__ import annotations
 
@@ -14,29 +15,28 @@ from .helpers import rows, wait_for_rows
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 AGENT = Path(__file__).resolve().parent.parent / "examples" / "tool_agent.py"
+SEARCH_AGENT = AGENT.with_name("search_agent.py")
+
+
+async def run(program: list[str], env: dict) -> str:
+    """Run a program to its end; returns its output, having checked it succeeded."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *program,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(process.communicate(), timeout=240)
+    assert process.returncode == 0, output.decode()
+    return output.decode()
 
 
 async def test_tool_agent_runs_through_the_proxy_and_is_grouped(vllm_server, make_proxy, tmp_path):
     proxy = await make_proxy(upstream=vllm_server.url)
     env = dict(os.environ, OPENAI_BASE_URL=str(proxy.make_url("/v1")), OPENAI_API_KEY="unused")
-    agent = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(AGENT),
-        "--tasks",
-        "2",
-        "--group-size",
-        "3",
-        "--max-turns",
-        "3",
-        "--max-tokens",
-        "16",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    output, _ = await asyncio.wait_for(agent.communicate(), timeout=240)
-    assert agent.returncode == 0, output.decode()
-    assert "6 rollouts in 2 groups" in output.decode()
+    args = ["--tasks", "2", "--group-size", "3", "--max-turns", "3", "--max-tokens", "16"]
+    assert "6 rollouts in 2 groups" in await run([str(AGENT), *args], env)
     data = tmp_path / "data"
     await wait_for_rows(data, 6, table="finishes")
     groups = rows(data, "SELECT * FROM groups ORDER BY group_id")
@@ -62,9 +62,6 @@ async def test_tool_agent_runs_through_the_proxy_and_is_grouped(vllm_server, mak
             )
 
 
-SEARCH_AGENT = AGENT.with_name("search_agent.py")
-
-
 async def test_search_agent_through_the_proxy_then_ruler_judges_its_groups(
     vllm_server, make_proxy, tmp_path
 ):
@@ -73,24 +70,8 @@ async def test_search_agent_through_the_proxy_then_ruler_judges_its_groups(
     group. The tiny model is no judge: a group is either scored or its failure recorded."""
     proxy = await make_proxy(upstream=vllm_server.url)
     env = dict(os.environ, OPENAI_BASE_URL=str(proxy.make_url("/v1")), OPENAI_API_KEY="unused")
-    agent = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(SEARCH_AGENT),
-        "--questions",
-        "2",
-        "--group-size",
-        "3",
-        "--max-turns",
-        "2",
-        "--max-tokens",
-        "24",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    output, _ = await asyncio.wait_for(agent.communicate(), timeout=240)
-    assert agent.returncode == 0, output.decode()
-    assert "6 rollouts in 2 groups" in output.decode()
+    args = ["--questions", "2", "--group-size", "3", "--max-turns", "2", "--max-tokens", "24"]
+    assert "6 rollouts in 2 groups" in await run([str(SEARCH_AGENT), *args], env)
     data = tmp_path / "data"
     await wait_for_rows(data, 6, table="finishes")
     groups = rows(data, "SELECT group_id, rollouts, finished FROM groups ORDER BY group_id")
@@ -99,27 +80,18 @@ async def test_search_agent_through_the_proxy_then_ruler_judges_its_groups(
     (first,) = rows(data, "SELECT request FROM completions LIMIT 1")
     assert "help desk of Acme Robotics" in first["request"] and '"search"' in first["request"]
 
-    judge = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "overnight.cli",
-        "judge",
-        "--data",
-        str(data),
-        "--judge-model",
-        "openai/tiny",
+    judge = ["-m", "overnight.cli", "judge", "--data", str(data), "--judge-model", "openai/tiny"]
+    judge += [
         "--judge-base-url",
         vllm_server.url + "/v1",
         "--max-tokens",
         "160",
         "--max-fixes",
         "1",
-        env=dict(os.environ, OVERNIGHT_JUDGE_API_KEY="unused", OVERNIGHT_JUDGE_BACKOFF="0.01"),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
+    ]
+    await run(
+        judge, dict(os.environ, OVERNIGHT_JUDGE_API_KEY="unused", OVERNIGHT_JUDGE_BACKOFF="0.01")
     )
-    output, _ = await asyncio.wait_for(judge.communicate(), timeout=240)
-    assert judge.returncode == 0, output.decode()
     judgments = rows(data, "SELECT group_id, scores, error FROM judgments ORDER BY group_id")
     assert [j["group_id"] for j in judgments] == [g["group_id"] for g in groups]
     for j in judgments:
@@ -146,16 +118,4 @@ async def test_examples_run_unchanged_against_a_plain_vllm(vllm_server, agent, a
         OPENAI_API_KEY="unused",
         OVERNIGHT_MODEL="tiny",
     )
-    run = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(agent),
-        *args,
-        "--max-tokens",
-        "16",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    output, _ = await asyncio.wait_for(run.communicate(), timeout=240)
-    assert run.returncode == 0, output.decode()
-    assert "2 rollouts in 1 groups" in output.decode()
+    assert "2 rollouts in 1 groups" in await run([str(agent), *args, "--max-tokens", "16"], env)
