@@ -12,6 +12,14 @@ import json
 COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c"]
 
 
+def _span(low: float, high: float) -> tuple[float, float]:
+    """An axis range; a single value sits in the middle of one around it."""
+    if high > low:
+        return low, high
+    half = abs(low) * 0.1 or 0.5
+    return low - half, low + half
+
+
 def line_chart(
     title: str,
     series: dict[str, list[tuple[float, float]]],
@@ -24,8 +32,8 @@ def line_chart(
     if not points:
         return f"<figure><figcaption>{html.escape(title)}: no data yet</figcaption></figure>"
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
+    x0, x1 = _span(min(xs), max(xs))
+    y0, y1 = _span(min(ys), max(ys))
     pad = 40
 
     def sx(x: float) -> float:
