@@ -30,11 +30,13 @@ from .attribution import attribute, logging_enabled
 from .capture import CHAT, TEXT, Accumulator, Additions, add_training_fields, hide_additions
 from .records import completion_rows, finish_row, new_id, parse_reward, reward_row
 from .sse import SSEParser, encode_event
+from .upstream import UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("overnight.proxy")
 
 CONFIG = web.AppKey("config", ProxyConfig)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+UPSTREAM = web.AppKey("upstream", UpstreamPool)
 WRITER = web.AppKey("writer", LogWriter)
 ADAPTERS = web.AppKey("adapters", AdapterRegistry)
 STATS = web.AppKey("stats", dict)
@@ -156,17 +158,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await _forward(request, endpoint, upstream_body, added, capture)
     finally:
         app[ADAPTERS].release(route)
-        rows = completion_rows(
-            capture,
-            who,
-            started=started,
-            turn_counter=app[STATS]["turns"],
-            logged=logging_enabled(request.headers),
-            proxy_id=app[WRITER].writer_id,
-        )
-        for row in rows:
-            app[WRITER].append("completions", row)
         app[STATS]["requests"] += 1
+        # Built once the response is on its way (aiohttp writes it before this task next
+        # yields), so a burst of answers is not held up by the records of the earlier ones.
+        asyncio.get_running_loop().call_soon(
+            _record, app, capture, who, started, logging_enabled(request.headers)
+        )
+
+
+def _record(app: web.Application, capture, who, started: int, logged: bool) -> None:
+    rows = completion_rows(
+        capture,
+        who,
+        started=started,
+        turn_counter=app[STATS]["turns"],
+        logged=logged,
+        proxy_id=app[WRITER].writer_id,
+    )
+    for row in rows:
+        app[WRITER].append("completions", row)
 
 
 class Capture:
@@ -219,19 +229,19 @@ def _upstream_headers(request: web.Request) -> dict[str, str]:
     return headers
 
 
-def _client_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+def _client_headers(upstream: aiohttp.ClientResponse | UpstreamResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
 async def _forward(request, endpoint, upstream_body, added: Additions, capture: Capture):
     app = request.app
     config = app[CONFIG]
-    url = f"{config.upstream}/v1/{'chat/completions' if endpoint == CHAT else 'completions'}"
+    path = f"/v1/{'chat/completions' if endpoint == CHAT else 'completions'}"
     headers = _upstream_headers(request)
     headers["Content-Type"] = "application/json"
     try:
         async with asyncio.timeout(config.read_timeout):  # until the response headers
-            upstream = await _post_with_retry(app[SESSION], url, json_dumps(upstream_body), headers)
+            upstream = await app[UPSTREAM].post(path, json_dumps(upstream_body), headers)
     except (aiohttp.ClientError, TimeoutError) as e:
         capture.status, capture.error = 502, f"upstream unreachable: {e!r}"
         capture.done()
@@ -265,7 +275,7 @@ class StallWatch:
     which the relays report like any broken upstream, naming the stall.
     """
 
-    def __init__(self, upstream: aiohttp.ClientResponse, timeout: float):
+    def __init__(self, upstream: aiohttp.ClientResponse | UpstreamResponse, timeout: float):
         self.loop = asyncio.get_running_loop()
         self.upstream = upstream
         self.timeout = timeout
@@ -291,17 +301,8 @@ class StallWatch:
         return f"upstream sent nothing for {self.timeout:g} s" if self.stalled else repr(e)
 
 
-async def _post_with_retry(session, url, data, headers) -> aiohttp.ClientResponse:
-    # A pooled connection the upstream closed while idle fails before any byte of the
-    # request is processed; repeating once on a fresh connection is safe.
-    try:
-        return await session.post(url, data=data, headers=headers)
-    except aiohttp.ServerDisconnectedError:
-        return await session.post(url, data=data, headers=headers)
-
-
 async def _relay_whole(
-    upstream: aiohttp.ClientResponse, added: Additions, capture: Capture, watch: StallWatch
+    upstream: UpstreamResponse, added: Additions, capture: Capture, watch: StallWatch
 ):
     try:
         raw = await upstream.read()
@@ -331,7 +332,7 @@ async def _relay_whole(
 
 
 async def _relay_stream(
-    request, upstream: aiohttp.ClientResponse, added: Additions, capture: Capture, watch: StallWatch
+    request, upstream: UpstreamResponse, added: Additions, capture: Capture, watch: StallWatch
 ):
     response = web.StreamResponse(status=200, headers=_client_headers(upstream))
     await response.prepare(request)
@@ -550,6 +551,7 @@ async def _lifecycle(app: web.Application):
         cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
     )
     app[SESSION] = session
+    app[UPSTREAM] = UpstreamPool(config.upstream, config.connect_timeout, config.keepalive_timeout)
     writer = LogWriter(
         WriterConfig(
             config.data_dir,
@@ -564,6 +566,7 @@ async def _lifecycle(app: web.Application):
     await registry.restore()
     yield
     await registry.close()
+    app[UPSTREAM].close()
     await session.close()
     # Blocking: commit the queue, seal and compact. Nothing is lost on a clean stop.
     await asyncio.get_running_loop().run_in_executor(None, writer.close)
