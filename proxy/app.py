@@ -237,8 +237,10 @@ async def _forward(request, endpoint, upstream_body, added: Additions, capture: 
     app = request.app
     config = app[CONFIG]
     path = f"/v1/{'chat/completions' if endpoint == CHAT else 'completions'}"
-    headers = _upstream_headers(request)
-    headers["Content-Type"] = "application/json"
+    headers = {
+        k: v for k, v in _upstream_headers(request).items() if k.lower() != "accept-encoding"
+    }
+    headers["Content-Type"] = "application/json"  # we read the answer: ask for it uncompressed
     try:
         async with asyncio.timeout(config.read_timeout):  # until the response headers
             upstream = await app[UPSTREAM].post(path, json_dumps(upstream_body), headers)

@@ -49,11 +49,16 @@ async def test_api_keys_are_required_when_configured(make_proxy, received):
     assert r.status == 401
     assert (await proxy.get("/health")).status == 200  # health needs no key
     r = await proxy.post(
-        "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sk-good"}
+        "/v1/chat/completions",
+        json=CHAT,
+        headers={"Authorization": "Bearer sk-good", "Accept-Encoding": "gzip", "X-Trace": "t1"},
     )
     assert r.status == 200
     # The client's key stays here; upstream gets its own.
-    assert received[-1]["headers"]["Authorization"] == "Bearer up-secret"
+    sent = received[-1]["headers"]
+    assert sent["Authorization"] == "Bearer up-secret" and sent["X-Trace"] == "t1"
+    # The proxy reads the answer, so it asks for it uncompressed.
+    assert "Accept-Encoding" not in sent
 
 
 async def test_upstream_down_is_502_and_recorded(make_proxy, tmp_path):
