@@ -189,7 +189,7 @@ class LogWriter:
         lines = [_encode(table, row) for _, table, row in rows]
         f = self._current.file
         try:
-            f.write(b"".join(lines))
+            f.writelines(lines)
             f.flush()
             os.fsync(f.fileno())
         except OSError:
