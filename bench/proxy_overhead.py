@@ -85,8 +85,8 @@ def _ms(text: str) -> float:
     return float(value) * _UNITS[unit]
 
 
-def wrk(url: str, body: dict, connections: int, duration: float, workdir: Path) -> Result:
-    script = workdir / "post.lua"
+def wrk_script(script: Path, body: dict) -> Path:
+    """wrk's Lua script: POST `body` as an agent with a client key and a rollout group."""
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = [[{json.dumps(body)}]]\n"
@@ -94,6 +94,11 @@ def wrk(url: str, body: dict, connections: int, duration: float, workdir: Path) 
         'wrk.headers["X-Rollout-Group"] = "bench"\n'
         f'wrk.headers["Authorization"] = "Bearer {API_KEY}"\n'
     )
+    return script
+
+
+def wrk(url: str, body: dict, connections: int, duration: float, workdir: Path) -> Result:
+    script = wrk_script(workdir / "post.lua", body)
     cmd = pinned(
         1,
         ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--latency", "-s", str(script), url],
