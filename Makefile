@@ -43,3 +43,7 @@ bench: $(STAMP)
 	$(PYTHON) bench/judge.py
 	$(PYTHON) bench/grpo_step.py
 	$(PYTHON) bench/adapter_swap.py
+	$(PYTHON) bench/writer_throughput.py
+	$(PYTHON) bench/forwarder_floor.py
+	$(PYTHON) bench/trl_compare.py
+	$(PYTHON) bench/proxy_memory.py  # five minutes

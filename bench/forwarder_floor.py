@@ -2,7 +2,7 @@
 by side in one run, against the same fake vLLM (its own process, core 1, with wrk).
 
 - bare-aiohttp: aiohttp server + aiohttp client (bench/bare_forwarder.py)
-- raw-client:   aiohttp server + a raw asyncio/httptools client (bench/raw_client_forwarder.py)
+- raw-client:   aiohttp server + the proxy's own client, proxy/upstream.py (bench/raw_client_forwarder.py)
 
 Both pinned to core 0, as in bench/proxy_overhead.py, at concurrency 1 (added p50) and
 at concurrency 16 with a 20 ms upstream (throughput vs direct): the two targets of the

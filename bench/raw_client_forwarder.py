@@ -1,10 +1,10 @@
-"""The bare forwarder with aiohttp's client replaced by a raw asyncio protocol.
+"""The bare forwarder with aiohttp's client replaced by the proxy's own (proxy/upstream.py).
 
-aiohttp still serves the agent's side; the hop to the upstream is a keep-alive
-connection pool of `asyncio.Protocol`s with httptools parsing the response. No error
-handling, no streaming, no timeouts: a measurement of what the client side of
-aiohttp costs (bench/forwarder_floor.py runs it beside bench/bare_forwarder.py), to
-size a custom upstream client for the proxy before writing one.
+aiohttp still serves the agent's side; the hop to the upstream goes through the
+keep-alive pool of asyncio protocols with httptools that overnight uses for
+completions. Nothing else: no parsing, no logging. bench/forwarder_floor.py runs it
+beside bench/bare_forwarder.py to show what the client side of aiohttp costs (it was
+first written as a stand-alone prototype, to size the client before building it).
 
     python bench/raw_client_forwarder.py --port 8003 --upstream http://127.0.0.1:8001
 """
@@ -12,77 +12,22 @@ size a custom upstream client for the proxy before writing one.
 from __future__ import annotations
 
 import argparse
-import asyncio
-from urllib.parse import urlsplit
+import sys
+from pathlib import Path
 
-import httptools
 from aiohttp import web
 
-POOL = web.AppKey("pool", object)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from overnight.proxy.upstream import UpstreamPool  # noqa: E402
 
-
-class Connection(asyncio.Protocol):
-    """One keep-alive connection; one request at a time."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.answer: asyncio.Future | None = None
-        self.body: list[bytes] = []
-        self.closed = False
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.parser.feed_data(data)
-
-    def connection_lost(self, exc) -> None:
-        self.closed = True
-        if self.answer is not None and not self.answer.done():
-            self.answer.set_exception(ConnectionError("upstream closed the connection"))
-
-    # httptools callbacks
-    def on_body(self, chunk: bytes) -> None:
-        self.body.append(chunk)
-
-    def on_message_complete(self) -> None:
-        answer, self.answer = self.answer, None
-        body, self.body = b"".join(self.body), []
-        answer.set_result((self.parser.get_status_code(), body))
-
-    async def post(self, head: bytes, data: bytes) -> tuple[int, bytes]:
-        self.answer = asyncio.get_running_loop().create_future()
-        self.transport.write(head + b"Content-Length: %d\r\n\r\n" % len(data) + data)
-        return await self.answer
-
-
-class Pool:
-    def __init__(self, upstream: str) -> None:
-        url = urlsplit(upstream)
-        self.host, self.port = url.hostname, url.port
-        self.idle: list[Connection] = []
-
-    async def post(self, path: str, data: bytes) -> tuple[int, bytes]:
-        connection = None
-        while self.idle and connection is None:
-            candidate = self.idle.pop()
-            connection = None if candidate.closed else candidate
-        if connection is None:
-            loop = asyncio.get_running_loop()
-            _, connection = await loop.create_connection(Connection, self.host, self.port)
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-            "Content-Type: application/json\r\n"
-        ).encode()
-        answer = await connection.post(head, data)
-        self.idle.append(connection)
-        return answer
+POOL = web.AppKey("pool", UpstreamPool)
+HEADERS = {"Content-Type": "application/json"}
 
 
 async def forward(request: web.Request) -> web.Response:
-    status, body = await request.app[POOL].post(request.path, await request.read())
-    return web.Response(body=body, status=status, content_type="application/json")
+    async with await request.app[POOL].post(request.path, await request.read(), HEADERS) as r:
+        body = await r.read()
+    return web.Response(body=body, status=r.status, content_type="application/json")
 
 
 def main() -> None:
@@ -91,7 +36,7 @@ def main() -> None:
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args()
     app = web.Application()
-    app[POOL] = Pool(args.upstream)
+    app[POOL] = UpstreamPool(args.upstream, connect_timeout=10, keepalive_timeout=4)
     app.router.add_post("/v1/chat/completions", forward)
     app.router.add_get("/health", lambda r: web.Response())
     try:
