@@ -215,6 +215,6 @@ def run_demo(
     say(f"next: overnight runs --data {data}; overnight ls --data {data}")
     say(
         f"      the web view: overnight serve --model {model_dir} --served-model-name tiny "
-        f"--data {data}, then open http://127.0.0.1:8000/ui"
+        f"--vllm-arg=--dtype=float32 --data {data}, then open http://127.0.0.1:8000/ui"
     )
     return results
