@@ -30,10 +30,11 @@ sys.path.insert(0, str(ROOT))
 from overnight.judge.ruler import DEFAULT_RUBRIC, build_prompt, import_litellm  # noqa: E402
 from overnight.judge.run import load_groups, run_judge  # noqa: E402
 from overnight.proxy.launcher import free_port, wait_healthy  # noqa: E402
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, finished_groups, open_db  # noqa: E402
+from overnight.storage import LogWriter, WriterConfig, finished_groups, open_db  # noqa: E402
 
 from overnight.config import JudgeConfig  # noqa: E402
 from overnight.tiny_model import serve_tiny  # noqa: E402
+from tests.helpers import chat_response, completion_row  # noqa: E402
 
 
 def log_agent_groups(data: Path, model_dir: Path, tasks: int, group_size: int) -> None:
@@ -111,25 +112,11 @@ def synthetic_groups(data: Path, n: int) -> None:
             request = {
                 "messages": [system, {"role": "user", "content": f"Capital of country {g}?"}]
             }
-            response = {
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"City {r}"}}]
-            }
             writer.append(
                 "completions",
-                {
-                    "record_id": rollout,
-                    "request_id": rollout,
-                    "schema_version": SCHEMA_VERSION,
-                    "started_at": now,
-                    "ended_at": now,
-                    "group_id": f"g{g}",
-                    "rollout_id": rollout,
-                    "turn_index": 0,
-                    "choice_index": 0,
-                    "request": request,
-                    "response": response,
-                    "logged": True,
-                },
+                completion_row(
+                    rollout, f"g{g}", request=request, response=chat_response(f"City {r}")
+                ),
             )
             writer.append(
                 "finishes", {"rollout_id": rollout, "schema_version": 1, "finished_at": now}

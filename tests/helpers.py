@@ -8,7 +8,7 @@ import re
 import time
 from pathlib import Path
 
-from overnight.storage import open_db
+from overnight.storage import SCHEMA_VERSION, open_db
 
 
 def rows(data_dir: Path, query: str, params: list | None = None) -> list[dict]:
@@ -61,3 +61,30 @@ def without_ids(obj):
 def version_of(name: str | None) -> str | None:
     """`policy-v3-9f2c1a` -> `policy-v3`: adapter names end in a random tail."""
     return re.sub(r"-[0-9a-f]{6}$", "", name) if name else name
+
+
+def completion_row(rollout_id: str, group_id: str, **fields) -> dict:
+    """A one-turn `completions` row as the proxy writes one, for records written
+    directly (tests and benchmarks); `fields` fill in or override."""
+    now = time.time_ns() // 1000
+    return {
+        "record_id": rollout_id,
+        "request_id": rollout_id,
+        "schema_version": SCHEMA_VERSION,
+        "started_at": now,
+        "ended_at": now,
+        "group_id": group_id,
+        "rollout_id": rollout_id,
+        "turn_index": 0,
+        "choice_index": 0,
+        "endpoint": "chat.completions",
+        "logged": True,
+        "http_status": 200,
+        **fields,
+    }
+
+
+def chat_response(text: str) -> dict:
+    """A chat completion's body with one assistant message."""
+    message = {"role": "assistant", "content": text}
+    return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}

@@ -10,12 +10,12 @@ import pytest
 from click.testing import CliRunner
 from overnight.judge.rewards import RewardFunction
 from overnight.judge.run import run_judge
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
+from overnight.storage import LogWriter, WriterConfig
 
 from overnight.cli import main
 from overnight.config import JudgeConfig
 
-from .helpers import rows
+from .helpers import chat_response, completion_row, rows
 from .judge_server import SEEN, answer, create_judge_server, error, good
 
 SYSTEM = {"role": "system", "content": "Answer with the capital."}
@@ -35,33 +35,16 @@ def write_groups(
                 "model": "policy",
                 "messages": [SYSTEM, {"role": "user", "content": f"Capital of {group_id}?"}],
             }
-            response = {
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": "stop",
-                    }
-                ]
-            }
             writer.append(
                 "completions",
-                {
-                    "record_id": f"{rollout}.rec",
-                    "request_id": f"{rollout}.req",
-                    "schema_version": SCHEMA_VERSION,
-                    "started_at": now,
-                    "ended_at": now,
-                    "group_id": group_id,
-                    "rollout_id": rollout,
-                    "turn_index": 0,
-                    "choice_index": 0,
-                    "endpoint": "chat.completions",
-                    "request": request,
-                    "response": response,
-                    "logged": True,
-                    "http_status": 200,
-                },
+                completion_row(
+                    rollout,
+                    group_id,
+                    record_id=f"{rollout}.rec",
+                    request_id=f"{rollout}.req",
+                    request=request,
+                    response=chat_response(text),
+                ),
             )
             if finished:
                 writer.append(

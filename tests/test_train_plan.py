@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 
 from click.testing import CliRunner
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
+from overnight.storage import LogWriter, WriterConfig
 from overnight.trainer.train import plan_run
 
 from overnight.cli import main
 from overnight.config import TrainConfig
+
+from .helpers import chat_response, completion_row
 
 
 def write(
@@ -24,20 +26,13 @@ def write(
             rollout = f"{group}.{i}"
             writer.append(
                 "completions",
-                {
-                    "record_id": rollout,
-                    "request_id": rollout,
-                    "schema_version": SCHEMA_VERSION,
-                    "started_at": now,
-                    "ended_at": now,
-                    "group_id": group,
-                    "rollout_id": rollout,
-                    "turn_index": 0,
-                    "logged": True,
-                    "prompt_token_ids": [1, 2, 3] if token_ids else None,
-                    "completion_token_ids": [10 + i, 11] if token_ids else None,
-                    "completion_logprobs": [-0.5, -0.25] if token_ids else None,
-                },
+                completion_row(
+                    rollout,
+                    group,
+                    prompt_token_ids=[1, 2, 3] if token_ids else None,
+                    completion_token_ids=[10 + i, 11] if token_ids else None,
+                    completion_logprobs=[-0.5, -0.25] if token_ids else None,
+                ),
             )
             writer.append(
                 "finishes", {"rollout_id": rollout, "schema_version": 1, "finished_at": now}
@@ -215,34 +210,17 @@ def test_records_without_token_ids_are_retokenised_less_exactly(tmp_path, tiny_m
     prompt_len = len(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     for i, (text, reward) in enumerate([("1 2 3", 1.0), ("one two", 0.0), ("3 4", 0.5)]):
         rollout = f"g.{i}"
-        response = {
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": "stop",
-                }
-            ]
-        }
         # A non-vLLM upstream: no token ids, but its own usage counts.
         writer.append(
             "completions",
-            {
-                "record_id": rollout,
-                "request_id": rollout,
-                "schema_version": SCHEMA_VERSION,
-                "started_at": now,
-                "ended_at": now,
-                "group_id": "g",
-                "rollout_id": rollout,
-                "turn_index": 0,
-                "logged": True,
-                "endpoint": "chat.completions",
-                "request": {"messages": messages},
-                "response": response,
-                "prompt_tokens": prompt_len,
-                "completion_tokens": len(tokenizer(text).input_ids) + (1 if i else 2),
-            },
+            completion_row(
+                rollout,
+                "g",
+                request={"messages": messages},
+                response=chat_response(text),
+                prompt_tokens=prompt_len,
+                completion_tokens=len(tokenizer(text).input_ids) + (1 if i else 2),
+            ),
         )
         writer.append("finishes", {"rollout_id": rollout, "schema_version": 1, "finished_at": now})
         writer.append(
