@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
@@ -74,7 +75,34 @@ def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -
     return "\n".join(out).rstrip()
 
 
-def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
+@dataclass
+class ShownTurn:
+    index: int
+    started_at: object
+    served_by: str | None
+    tokens: int
+    latency_ms: float
+    finish_reason: str | None
+    error: str | None
+    messages: list[dict]  # what is new since the turn before, then the reply
+
+
+@dataclass
+class ShownRollout:
+    """One rollout as `overnight show` and the web view present it."""
+
+    rollout_id: str
+    group_id: str
+    reward: float | None
+    reward_source: str | None
+    finished: bool
+    judge_score: float | None
+    judge_explanation: str | None
+    judge_model: str | None
+    turns: list[ShownTurn]
+
+
+def load_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> ShownRollout:
     turns = con.execute(
         "SELECT turn_index, started_at, model_served, request, response, finish_reason, error, "
         "len(completion_token_ids), latency_ms, group_id FROM completions WHERE rollout_id = ? "
@@ -82,57 +110,85 @@ def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
         [rollout_id],
     ).fetchall()
     if not turns:
-        raise OvernightError(f"no rollout {rollout_id!r} (see `overnight ls`)", status=404)
-    reward = con.execute(
+        raise OvernightError(
+            f"no rollout {rollout_id!r} (see `overnight ls`)", status=404, code="not_found"
+        )
+    reward, source, finished, score, explanation, judge = con.execute(
         "SELECT reward, reward_source, finished_at, judge_score, judge_explanation, judge_model "
         "FROM rollouts WHERE rollout_id = ?",
         [rollout_id],
     ).fetchone()
-    out = [
-        f"rollout {rollout_id} in group {turns[0][9]}: {len(turns)} turn(s), "
-        f"reward {_cell(reward[0])} ({reward[1] or 'none'}), "
-        f"{'finished' if reward[2] else 'not finished'}"
-    ]
-    if reward[3] is not None:
-        out.append(f"judge {reward[5]}: {reward[3]:.3f}: {reward[4]}")
-    seen = 0
+    shown, seen = [], 0
     for turn, started, served, request, response, finish, error, n_tokens, latency, _ in turns:
-        out.append("")
-        out.append(
-            f"--- turn {turn} at {_cell(started)} served by {served}, "
-            f"{n_tokens or 0} tokens, {latency or 0:.0f} ms, finish {finish}"
-        )
         messages = (json.loads(request) if request else {}).get("messages") or []
-        # Show only what is new since the last turn: the agent resends its history.
+        # Only what is new since the last turn: the agent resends its history.
         start = seen if len(messages) > seen else 0
-        for message in messages[start:]:
-            out.append(_message(message))
         seen = len(messages) + 1
-        if response:
-            for choice in json.loads(response).get("choices", []):
-                out.append(
-                    _message(
-                        choice.get("message")
-                        or {"role": "assistant", "content": choice.get("text")}
-                    )
-                )
-        if error:
-            out.append(f"[error] {error}")
-    return "\n".join(out)
+        replies = [
+            choice.get("message") or {"role": "assistant", "content": choice.get("text")}
+            for choice in (json.loads(response) if response else {}).get("choices", [])
+        ]
+        shown.append(
+            ShownTurn(
+                turn,
+                started,
+                served,
+                n_tokens or 0,
+                latency or 0.0,
+                finish,
+                error,
+                messages[start:] + replies,
+            )
+        )
+    return ShownRollout(
+        rollout_id,
+        turns[0][9],
+        reward,
+        source,
+        finished is not None,
+        score,
+        explanation,
+        judge,
+        shown,
+    )
 
 
-def _message(message: dict) -> str:
-    role = message.get("role", "?")
+def message_parts(message: dict) -> tuple[str, str, list[tuple[str, str]]]:
+    """(role, text, [(tool name, arguments)]) of a chat message; content parts joined."""
     content = message.get("content")
-    if isinstance(content, list):  # content parts
+    if isinstance(content, list):
         content = " ".join(
             p.get("text", f"<{p.get('type')}>") for p in content if isinstance(p, dict)
         )
-    lines = [f"[{role}] {content}" if content else f"[{role}]"]
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function", {})
-        lines.append(f"  -> {fn.get('name')}({fn.get('arguments')})")
-    return "\n".join(lines)
+    calls = [
+        (str(c.get("function", {}).get("name")), str(c.get("function", {}).get("arguments")))
+        for c in message.get("tool_calls") or []
+    ]
+    return str(message.get("role", "?")), content or "", calls
+
+
+def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
+    r = load_rollout(con, rollout_id)
+    out = [
+        f"rollout {r.rollout_id} in group {r.group_id}: {len(r.turns)} turn(s), "
+        f"reward {_cell(r.reward)} ({r.reward_source or 'none'}), "
+        f"{'finished' if r.finished else 'not finished'}"
+    ]
+    if r.judge_score is not None:
+        out.append(f"judge {r.judge_model}: {r.judge_score:.3f}: {r.judge_explanation}")
+    for t in r.turns:
+        out.append("")
+        out.append(
+            f"--- turn {t.index} at {_cell(t.started_at)} served by {t.served_by}, "
+            f"{t.tokens} tokens, {t.latency_ms:.0f} ms, finish {t.finish_reason}"
+        )
+        for message in t.messages:
+            role, text, calls = message_parts(message)
+            out.append(f"[{role}] {text}" if text else f"[{role}]")
+            out += [f"  -> {name}({arguments})" for name, arguments in calls]
+        if t.error:
+            out.append(f"[error] {t.error}")
+    return "\n".join(out)
 
 
 def run_query(con: duckdb.DuckDBPyConnection, query: str, fmt: str) -> str:

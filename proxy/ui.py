@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import html
-import json
 from pathlib import Path
 
 from aiohttp import web
 from overnight.storage import open_db
 
 from overnight.charts import training_charts
+from overnight.display import load_rollout, message_parts
 from overnight.errors import OvernightError
 
 COOKIE = "overnight_ui"
@@ -265,74 +265,37 @@ async def group_page(request: web.Request) -> web.Response:
 
 
 def _message_html(message: dict) -> str:
-    role = str(message.get("role", "?"))
-    content = message.get("content")
-    if isinstance(content, list):  # content parts
-        content = " ".join(
-            p.get("text", f"<{p.get('type')}>") for p in content if isinstance(p, dict)
-        )
-    parts = [f'<div class="msg {_e(role)}"><strong>{_e(role)}</strong> {_e(content or "")}']
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function", {})
-        parts.append(
-            f'<div class="call">&rarr; {_e(fn.get("name"))}({_e(fn.get("arguments"))})</div>'
-        )
+    role, text, calls = message_parts(message)
+    parts = [f'<div class="msg {_e(role)}"><strong>{_e(role)}</strong> {_e(text)}']
+    parts += [f'<div class="call">&rarr; {_e(name)}({_e(args)})</div>' for name, args in calls]
     return "".join(parts) + "</div>"
 
 
 async def rollout_page(request: web.Request) -> web.Response:
-    rollout = request.match_info["rollout"]
-
-    def render(con):
-        turns = con.execute(
-            "SELECT turn_index, started_at, model_served, request, response, finish_reason, "
-            "error, len(completion_token_ids), latency_ms, group_id FROM completions "
-            "WHERE rollout_id = ? ORDER BY started_at, turn_index",
-            [rollout],
-        ).fetchall()
-        summary = con.execute(
-            "SELECT reward, reward_source, finished_at, judge_score, judge_explanation, "
-            "judge_model FROM rollouts WHERE rollout_id = ?",
-            [rollout],
-        ).fetchone()
-        return turns, summary
-
-    turns, summary = await _query(request, render)
-    if not turns:
-        raise OvernightError(f"no rollout {rollout!r}", status=404, code="not_found")
-    reward, source, finished, score, explanation, judge = summary
-    group = turns[0][9]
+    r = await _query(request, lambda con: load_rollout(con, request.match_info["rollout"]))
     head = [
-        f'<p>group <a href="/ui/groups/{_e(group)}">{_e(group)}</a> &middot; {len(turns)} turn(s)'
-        f' &middot; reward <strong id="reward">{_num(reward)}</strong> ({_e(source or "none")})'
-        f" &middot; {'finished' if finished else 'not finished'}</p>"
+        f'<p>group <a href="/ui/groups/{_e(r.group_id)}">{_e(r.group_id)}</a> &middot; '
+        f'{len(r.turns)} turn(s) &middot; reward <strong id="reward">{_num(r.reward)}</strong>'
+        f" ({_e(r.reward_source or 'none')}) &middot; "
+        f"{'finished' if r.finished else 'not finished'}</p>"
     ]
-    if score is not None:
+    if r.judge_score is not None:
         head.append(
-            f'<div class="explanation" id="judge"><strong>judge {_e(judge)}: {_num(score)}</strong>'
-            f"<br>{_e(explanation)}</div>"
+            f'<div class="explanation" id="judge"><strong>judge {_e(r.judge_model)}: '
+            f"{_num(r.judge_score)}</strong><br>{_e(r.judge_explanation)}</div>"
         )
-    body, seen = [], 0
-    for turn, started, served, req, resp, finish, error, n_tokens, latency, _ in turns:
-        messages = (json.loads(req) if req else {}).get("messages") or []
-        # Only what is new since the last turn: the agent resends its history.
-        start = seen if len(messages) > seen else 0
-        seen = len(messages) + 1
-        parts = [_message_html(m) for m in messages[start:]]
-        for choice in (json.loads(resp) if resp else {}).get("choices", []):
-            parts.append(
-                _message_html(
-                    choice.get("message") or {"role": "assistant", "content": choice.get("text")}
-                )
-            )
-        if error:
-            parts.append(f'<div class="error">error: {_e(error)}</div>')
+    body = []
+    for t in r.turns:
+        parts = [_message_html(m) for m in t.messages]
+        if t.error:
+            parts.append(f'<div class="error">error: {_e(t.error)}</div>')
         body.append(
-            f'<section class="turn"><div class="meta">turn {turn} &middot; {_time(started)}'
-            f" &middot; served by {_e(served)} &middot; {n_tokens or 0} tokens &middot; "
-            f"{latency or 0:.0f} ms &middot; finish {_e(finish)}</div>{''.join(parts)}</section>"
+            f'<section class="turn"><div class="meta">turn {t.index} &middot; '
+            f"{_time(t.started_at)} &middot; served by {_e(t.served_by)} &middot; {t.tokens} "
+            f"tokens &middot; {t.latency_ms:.0f} ms &middot; finish {_e(t.finish_reason)}</div>"
+            f"{''.join(parts)}</section>"
         )
-    return _page(request, f"Rollout {rollout}", "".join(head) + "".join(body))
+    return _page(request, f"Rollout {r.rollout_id}", "".join(head) + "".join(body))
 
 
 # -- adapters and runs ----------------------------------------------------------------
