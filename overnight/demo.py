@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NUMBERS_REWARD = "overnight.examples.rewards:numbers_only"
+# A day of the verifiable agent: 8 tasks x 8 attempts; vLLM's top_k makes the random
+# tiny model's sampling peaked the way a trained model's is.
+NUMBERS_DAY = ("--tasks", "8", "--group-size", "8", "--top-k", "50")
 
 
 @dataclass
@@ -105,18 +108,7 @@ def run_demo(
             tag = f"{uuid.uuid4().hex[:4]}d{day}"
             say(f"day {day}: the example agents run through the proxy")
             t0 = time.monotonic()
-            _agent(
-                "number_agent",
-                env,
-                "--tasks",
-                "8",
-                "--group-size",
-                "8",
-                "--top-k",
-                "50",
-                "--run",
-                tag,
-            )
+            _agent("number_agent", env, *NUMBERS_DAY, "--run", tag)
             _agent(
                 "search_agent",
                 env,

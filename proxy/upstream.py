@@ -222,22 +222,23 @@ class UpstreamPool:
         data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         connection, reused = await self._acquire()
         try:
-            response = await connection.send(data)
+            response = await self._exchange(connection, data)
         except aiohttp.ServerDisconnectedError:
-            connection.close()
             if not reused:
                 raise
-            connection, _ = await self._connect(), False
-            try:
-                response = await connection.send(data)
-            except BaseException:
-                connection.close()
-                raise
+            # Closed by the upstream while idle: nothing of the request was processed.
+            response = await self._exchange(await self._connect(), data)
+        response.pool = self
+        return response
+
+    @staticmethod
+    async def _exchange(connection: _Connection, data: bytes) -> UpstreamResponse:
+        """Send and wait for the head; a connection that failed is closed."""
+        try:
+            return await connection.send(data)
         except BaseException:
             connection.close()
             raise
-        response.pool = self
-        return response
 
     async def _acquire(self) -> tuple[_Connection, bool]:
         now = asyncio.get_running_loop().time()

@@ -23,6 +23,7 @@ from overnight.judge.run import run_judge
 from overnight.trainer.train import train
 
 from overnight.config import TINY_CPU_PRESET, TrainConfig
+from overnight.demo import NUMBERS_DAY
 
 from .helpers import rows, version_of
 
@@ -38,12 +39,7 @@ async def day_of_traffic(proxy, tag: str) -> None:
     agent = await asyncio.create_subprocess_exec(
         sys.executable,
         str(EXAMPLES / "number_agent.py"),
-        "--tasks",
-        "8",
-        "--group-size",
-        "8",
-        "--top-k",
-        "50",
+        *NUMBERS_DAY,
         "--run",
         tag,
         env=env,
