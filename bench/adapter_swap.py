@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from overnight.proxy.launcher import free_port  # noqa: E402
 from overnight.storage import open_db  # noqa: E402
 
-from overnight.tiny_model import build_tiny_model, serve_tiny  # noqa: E402
+from overnight.testing.tiny_model import build_tiny_model, serve_tiny  # noqa: E402
 
 BODY = {
     "model": "policy",

@@ -41,7 +41,7 @@ def main() -> None:
     for delay, connections in ((0.0, 1), (0.02, 16)):
         fport = free_port()
         fake = po.start(
-            po.pinned(1, [sys.executable, "-m", "overnight.fake_upstream"])
+            po.pinned(1, [sys.executable, "-m", "overnight.testing.fake_upstream"])
             + ["--port", str(fport), "--delay", str(delay)],
             f"http://127.0.0.1:{fport}/health",
         )

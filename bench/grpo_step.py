@@ -29,12 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from overnight.trainer.data import Sample, Turn, merge_turns  # noqa: E402
-from overnight.trainer.loss import policy_loss, token_weights  # noqa: E402
-from overnight.trainer.policy import load_policy, pack  # noqa: E402
+from overnight.trainer.loss import LossConfig, policy_loss, token_weights  # noqa: E402
+from overnight.trainer.policy import load_policy, pack, torch_dtype  # noqa: E402
 from overnight.trainer.train import fresh_adapter, micro_batch_loss  # noqa: E402
 
 from overnight.config import TrainConfig  # noqa: E402
-from overnight.tiny_model import build_tiny_model  # noqa: E402
+from overnight.testing.tiny_model import build_tiny_model  # noqa: E402
 
 
 def workload(vocab: int, seed: int = 0) -> list[Sample]:
@@ -53,7 +53,7 @@ def workload(vocab: int, seed: int = 0) -> list[Sample]:
 
 def grpo_step(model, samples, config, share_prompts: bool = False) -> None:
     """The trainer's own micro-batch loss, the whole batch as one micro-batch."""
-    loss_config = config.loss_config()
+    loss_config = LossConfig.from_train_config(config)
     weights = token_weights([s.trained_tokens for s in samples], loss_config)
     loss, _, _ = micro_batch_loss(model, samples, weights, loss_config, share_prompts)
     loss.backward()
@@ -73,7 +73,7 @@ def plain_step(model, samples, config) -> None:
 
 
 def padded_step(model, samples, config) -> None:
-    loss_config = config.loss_config()
+    loss_config = LossConfig.from_train_config(config)
     longest = max(len(s.tokens) for s in samples)
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
     attention = torch.zeros(len(samples), longest, dtype=torch.long)

@@ -33,7 +33,7 @@ from overnight.proxy.launcher import free_port, wait_healthy  # noqa: E402
 from overnight.storage import LogWriter, WriterConfig, finished_groups, open_db  # noqa: E402
 
 from overnight.config import JudgeConfig  # noqa: E402
-from overnight.tiny_model import serve_tiny  # noqa: E402
+from overnight.testing.tiny_model import serve_tiny  # noqa: E402
 from tests.helpers import chat_response, completion_row  # noqa: E402
 
 
@@ -132,7 +132,7 @@ def judge_throughput(work: Path, groups: int, delay: float, concurrency: int) ->
         [
             sys.executable,
             "-m",
-            "overnight.fake_upstream",
+            "overnight.testing.fake_upstream",
             "--port",
             str(port),
             "--delay",

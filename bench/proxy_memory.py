@@ -42,7 +42,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     fport, pport = free_port(), free_port()
     fake = po.start(
-        po.pinned(1, [sys.executable, "-m", "overnight.fake_upstream", "--port", str(fport)]),
+        po.pinned(1, [sys.executable, "-m", "overnight.testing.fake_upstream", "--port", str(fport)]),
         f"http://127.0.0.1:{fport}/health",
     )
     serve = [sys.executable, "-m", "overnight.cli", "serve", "--upstream"]

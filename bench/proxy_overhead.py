@@ -1,6 +1,6 @@
 """Proxy overhead, side by side in one run: direct calls, overnight, LiteLLM's proxy.
 
-All three front the same fake vLLM, in its own process (overnight.fake_upstream: vLLM's
+All three front the same fake vLLM, in its own process (overnight.testing.fake_upstream: vLLM's
 response shapes, no model), so what differs is the proxy alone. Following the
 capture issue: the proxy under test is pinned to core 0; the load generator (wrk)
 and the fake upstream share core 1. overnight runs as `overnight serve --upstream`
@@ -209,7 +209,7 @@ def run_all(args, work: Path, procs: list) -> dict:
         procs.append(start(pinned(core, cmd), base + health, **kw))
         return base
 
-    fake = ["-m", "overnight.fake_upstream", "--port", "{port}", "--tokens"] + [str(args.tokens)]
+    fake = ["-m", "overnight.testing.fake_upstream", "--port", "{port}", "--tokens"] + [str(args.tokens)]
     up = {
         "plain": serve("fake", 1, [py, *fake]),
         "delay20": serve("fake20", 1, [py, *fake, "--delay", "0.02"]),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, finished_groups, open_db
+from overnight.storage import SCHEMA_VERSION, LogWriter, new_id, now_us, WriterConfig, finished_groups, open_db
 
 from overnight.config import JudgeConfig
 
@@ -236,18 +236,8 @@ def _account(summary: Summary, j: Judgment) -> None:
         summary.cost_usd = (summary.cost_usd or 0.0) + j.cost_usd
 
 
-def _now_us() -> int:
-    return int(dt.datetime.now(dt.UTC).timestamp() * 1e6)
-
-
-def _new_id() -> str:
-    import uuid
-
-    return uuid.uuid4().hex
-
-
 def _write_judgment(writer: LogWriter, j: Judgment, config: JudgeConfig, rubric: str) -> str:
-    judgment_id = _new_id()
+    judgment_id = new_id()
     writer.append(
         "judgments",
         {
@@ -257,7 +247,7 @@ def _write_judgment(writer: LogWriter, j: Judgment, config: JudgeConfig, rubric:
             "judge_model": config.model,
             "rubric_hash": rubric_hash(rubric),
             "prompt_hash": j.prompt_hash,
-            "created_at": _now_us(),
+            "created_at": now_us(),
             "scores": [
                 {"rollout_id": r, "score": s, "explanation": why}
                 for r, (s, why) in sorted(j.scores.items())
@@ -281,13 +271,13 @@ def _write_rewards(
         writer.append(
             "rewards",
             {
-                "reward_id": _new_id(),
+                "reward_id": new_id(),
                 "schema_version": SCHEMA_VERSION,
                 "rollout_id": rollout_id,
                 "reward": float(value),
                 "metrics": metrics,
                 "source": source,
-                "created_at": _now_us(),
+                "created_at": now_us(),
                 "proxy_id": writer.writer_id,
                 "judgment_id": judgment_id,
             },

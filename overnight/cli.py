@@ -297,7 +297,7 @@ def ls_command(data_dir, group, limit):
     Example:
       overnight ls --limit 5
     """
-    from . import display
+    from .view import display
 
     with _db(data_dir) as con:
         click.echo(display.list_groups(con, group=group, limit=limit))
@@ -313,7 +313,7 @@ def show(data_dir, rollout_id):
     Example:
       overnight show task-17.3
     """
-    from . import display
+    from .view import display
 
     with _db(data_dir) as con:
         try:
@@ -342,7 +342,7 @@ def sql(data_dir, query, fmt):
     """
     import duckdb
 
-    from . import display
+    from .view import display
 
     with _db(data_dir) as con:
         try:
@@ -384,7 +384,7 @@ def export(data_dir, fmt, table, out_path):
     Example:
       overnight export --format jsonl --out completions.jsonl
     """
-    from . import display
+    from .view import display
 
     with _db(data_dir) as con:
         n = display.export(con, table, fmt, out_path)
@@ -926,7 +926,7 @@ def runs(data_dir, limit):
     Example:
       overnight runs --limit 5
     """
-    from . import display
+    from .view import display
 
     with _db(data_dir) as con:
         click.echo(
@@ -995,7 +995,7 @@ def tiny_model(out_dir, seed):
     Example:
       overnight tiny-model ./tiny-model
     """
-    from .tiny_model import build_tiny_model
+    from .testing.tiny_model import build_tiny_model
 
     click.echo(f"tiny model in {build_tiny_model(out_dir, seed=seed)}")
 

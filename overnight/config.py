@@ -13,6 +13,9 @@ from pathlib import Path
 from .errors import ConfigError
 
 DEFAULT_DATA_DIR = Path("overnight-data")
+# A rollout with no `finish` counts as finished after this many idle seconds: long
+# enough for an agent's slowest tool call, short enough for a nightly batch.
+SETTLE_SECONDS = 600.0
 _ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -166,27 +169,6 @@ class TrainConfig:
             raise ConfigError("max_grad_norm must be positive")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-
-    def torch_dtype(self):
-        import torch
-
-        if self.dtype == "auto":
-            bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-            return torch.bfloat16 if bf16 else torch.float32
-        return getattr(torch, self.dtype)
-
-    def loss_config(self):
-        from overnight.trainer.loss import LossConfig
-
-        return LossConfig(
-            variant=self.loss,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
-            level=self.ratio_level,
-            kl_coef=self.kl_coef,
-            max_tokens=self.max_tokens,
-        )
 
 
 # The tiny local model (tests, the demo) on a CPU: its random weights need far bigger

@@ -88,7 +88,7 @@ def run_demo(
     judge_base_url: str | None = None,
     say=print,
 ) -> list[Day]:
-    from overnight.tiny_model import serve_tiny
+    from overnight.testing.tiny_model import serve_tiny
 
     started = time.monotonic()
     if upstream:

@@ -24,7 +24,7 @@ from overnight.storage import LogWriter, WriterConfig
 from overnight.config import ProxyConfig
 from overnight.errors import OvernightError
 
-from . import ui
+from overnight.view import web as ui
 from .adapters import AdapterRegistry, Route
 from .attribution import attribute, logging_enabled
 from .capture import CHAT, TEXT, Accumulator, Additions, add_training_fields, hide_additions

@@ -12,25 +12,11 @@ import math
 import os
 import time
 
-from overnight.storage import SCHEMA_VERSION
+from overnight.storage import SCHEMA_VERSION, new_id, now_us
 
 from overnight.errors import OvernightError
 
 from .attribution import Attribution, validate_id
-
-# Ids: a random per-process prefix and a counter. Unique across processes (48 random
-# bits each) at a fraction of uuid4's cost, which reads the OS's entropy every call.
-_PREFIX = os.urandom(6).hex()
-_COUNTER = itertools.count()
-
-
-def new_id() -> str:
-    return f"{_PREFIX}{next(_COUNTER):010x}"
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
-
 
 def completion_rows(
     capture, who: Attribution, *, started: int, turn_counter, logged: bool, proxy_id: str

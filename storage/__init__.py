@@ -3,6 +3,7 @@
 The leaf of the dependency graph: it imports none of overnight's other parts.
 """
 
+from .ids import new_id, now_us
 from .reader import finished_groups, open_db
 from .schema import SCHEMA_VERSION, SchemaVersionError
 from .writer import LogWriter, WriterConfig, recover
@@ -13,6 +14,8 @@ __all__ = [
     "SchemaVersionError",
     "WriterConfig",
     "finished_groups",
+    "new_id",
+    "now_us",
     "open_db",
     "recover",
 ]

@@ -10,7 +10,7 @@ import pytest
 from overnight.proxy import create_app
 
 from overnight.config import ProxyConfig
-from overnight.fake_upstream import RECEIVED, SETTINGS, create_fake_upstream
+from overnight.testing.fake_upstream import RECEIVED, SETTINGS, create_fake_upstream
 
 pytest_plugins = ["tests.vllm_fixtures"]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from overnight.fake_upstream import FINGERPRINT
+from overnight.testing.fake_upstream import FINGERPRINT
 
 from .helpers import sse_events, wait_for_rows, without_ids
 

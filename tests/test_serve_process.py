@@ -49,7 +49,7 @@ def get_json(url: str) -> dict:
 def fake_process():
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "overnight.fake_upstream", "--port", str(port), "--delay", "0.3"]
+        [sys.executable, "-m", "overnight.testing.fake_upstream", "--port", str(port), "--delay", "0.3"]
     )
     wait_http(f"http://127.0.0.1:{port}/health")
     yield f"http://127.0.0.1:{port}"

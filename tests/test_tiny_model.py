@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from overnight.tiny_model import build_tiny_model
+from overnight.testing.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 

@@ -130,7 +130,7 @@ def test_train_scores_with_a_reward_function_then_trains_without_a_proxy(tmp_pat
 
 
 def test_report_charts_handle_no_data_and_data():
-    from overnight.charts import line_chart
+    from overnight.view.charts import line_chart
 
     assert "no data yet" in line_chart("Loss", {"loss": []}, "step")
     svg = line_chart("Loss", {"loss": [(1, 0.5), (2, 0.25)], "clip": [(1, 0.1), (2, 0.1)]}, "step")

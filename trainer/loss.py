@@ -66,6 +66,19 @@ class LossConfig:
         if self.kl_coef < 0 or self.max_tokens < 1:
             raise ValueError("kl_coef must be >= 0 and max_tokens >= 1")
 
+    @classmethod
+    def from_train_config(cls, config) -> LossConfig:
+        """The loss options of an `overnight.config.TrainConfig`."""
+        return cls(
+            variant=config.loss,
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            dual_clip=config.dual_clip,
+            level=config.ratio_level,
+            kl_coef=config.kl_coef,
+            max_tokens=config.max_tokens,
+        )
+
 
 def token_weights(trained_per_sequence: list[int], config: LossConfig) -> list[float]:
     """The weight of each trained token of each sequence, for the whole batch."""

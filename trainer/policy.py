@@ -29,6 +29,15 @@ from .data import Sample
 MIN_SHARED_PROMPT = 8
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """TrainConfig.dtype as a torch dtype. auto: bfloat16 where the GPU has it (half the
+    memory, tensor cores), else float32 (the CPU, and where logprobs must match vLLM's)."""
+    if name == "auto":
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, name)
+
+
 def load_policy(
     base_model: str | Path,
     adapter: str | Path | None = None,

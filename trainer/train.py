@@ -29,7 +29,7 @@ from overnight.errors import OvernightError
 from .data import Sample, group_advantages
 from .parallel import Parallel
 from .records import load_samples
-from .report import write_report
+from overnight.view.report import write_report
 
 
 class TrainError(OvernightError):
@@ -256,8 +256,8 @@ def run_training(
     """
     import torch
 
-    from .loss import token_weights
-    from .policy import load_policy
+    from .loss import LossConfig, token_weights
+    from .policy import load_policy, torch_dtype
 
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
@@ -270,11 +270,11 @@ def run_training(
                 " FSDP: resume the same way (or delete it to start the run over)"
             )
         model = load_policy(
-            base_model, checkpoint / "adapter", trainable=True, dtype=config.torch_dtype()
+            base_model, checkpoint / "adapter", trainable=True, dtype=torch_dtype(config.dtype)
         )
         say(f"resuming after step {len(state['steps'])} from {checkpoint}")
     else:
-        model = load_policy(base_model, start_adapter, trainable=True, dtype=config.torch_dtype())
+        model = load_policy(base_model, start_adapter, trainable=True, dtype=torch_dtype(config.dtype))
         if start_adapter is None:
             model = fresh_adapter(model, config)
     model = parallel.prepare(model)
@@ -287,7 +287,7 @@ def run_training(
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
     if state is not None:
         parallel.load_optimizer_state(model, optimizer, state["optimizer"])
-    loss_config = config.loss_config()
+    loss_config = LossConfig.from_train_config(config)
     _fill_unknown_behaviour(
         model, [s for s in plan.samples if not s.exact], config.micro_batch_tokens
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from overnight.storage import open_db
 
-from overnight.charts import training_charts
+from overnight.view.charts import training_charts
 
 
 def write_report(data_dir: Path) -> Path:

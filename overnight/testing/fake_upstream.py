@@ -9,7 +9,7 @@ claim to exercise vLLM use the real one. Asked to judge (a RULER request, with t
 JSON), `reset-after-N` (stream N chunks then drop the connection), `stall` (never
 answer), `stall-after-N` (stream N chunks, then go silent), `slow-chunks-S` (S seconds between chunks), `no-done` (end the stream without [DONE]), `tool-call`.
 
-    python -m overnight.fake_upstream --port 8001 --delay 0.02 --tokens 48
+    python -m overnight.testing.fake_upstream --port 8001 --delay 0.02 --tokens 48
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from pathlib import Path
 from aiohttp import web
 from overnight.storage import open_db
 
-from overnight.charts import training_charts
-from overnight.display import load_rollout, message_parts
+from overnight.view.charts import training_charts
+from overnight.view.display import load_rollout, message_parts
 from overnight.errors import OvernightError
 
 COOKIE = "overnight_ui"
@@ -92,7 +92,7 @@ def _table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozen
 
 async def _query(request: web.Request, render):
     """Run `render(con)` on a fresh DuckDB over the data directory, off the loop."""
-    from .app import CONFIG
+    from overnight.proxy.app import CONFIG
 
     data_dir: Path = request.app[CONFIG].data_dir
 
@@ -302,7 +302,7 @@ async def rollout_page(request: web.Request) -> web.Response:
 
 
 async def adapters_page(request: web.Request) -> web.Response:
-    from .app import ADAPTERS
+    from overnight.proxy.app import ADAPTERS
 
     state = request.app[ADAPTERS].describe()
 

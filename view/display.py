@@ -10,7 +10,7 @@ from pathlib import Path
 
 import duckdb
 
-from .errors import OvernightError
+from overnight.errors import OvernightError
 
 
 def _table(headers: list[str], rows: list[tuple]) -> str:
