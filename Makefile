@@ -1,5 +1,5 @@
-# Set-up and the two things people run. `make demo` and `make test` each install
-# what they need first (once; the stamp is redone when pyproject.toml changes).
+# Set-up and the two things people run. `make demo` and `make test` (and `make lint`)
+# each install what they need first (once; the stamp is redone when pyproject.toml changes).
 PYTHON ?= python3
 STAMP := .cache/install.stamp
 
@@ -35,8 +35,10 @@ test: $(STAMP) $(BROWSER_STAMP)
 test-fast: $(STAMP)
 	$(PYTHON) -m pytest -q -m "not slow and not vllm"
 
-lint:
-	ruff check . && ruff format --check .
+# ruff comes with the dev extra; run through this Python so the installed one is used.
+lint: $(STAMP)
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 bench: $(STAMP)
 	$(PYTHON) bench/proxy_overhead.py

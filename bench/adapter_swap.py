@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
 import sys
 import tempfile
@@ -27,9 +26,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from overnight.proxy.launcher import free_port  # noqa: E402
 from overnight.storage import open_db  # noqa: E402
-
 from overnight.testing.tiny_model import build_tiny_model, serve_tiny  # noqa: E402
 
 BODY = {
@@ -157,16 +154,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="overnight-swap-"))
     build_tiny_model(args.model_dir)
     adapters = make_adapters(args.model_dir, work, 2)
-    port = free_port()
-    serve = serve_tiny(args.model_dir, work / "data", port)
-    try:
-        url = f"http://127.0.0.1:{port}"
+    with serve_tiny(args.model_dir, work / "data") as serve:
         result = asyncio.run(
-            load(url, args.clients, args.seconds, args.seconds, adapters, args.every)
+            load(serve.url, args.clients, args.seconds, args.seconds, adapters, args.every)
         )
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(120)
     summarise(result, work / "data")
     (work / "swaps.json").write_text(json.dumps(result["swaps"]))
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import proxy_overhead as po  # noqa: E402
+
 from overnight.proxy.launcher import free_port  # noqa: E402
 
 FORWARDERS = {

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,24 +26,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from overnight.config import JudgeConfig  # noqa: E402
 from overnight.judge.ruler import DEFAULT_RUBRIC, build_prompt, import_litellm  # noqa: E402
 from overnight.judge.run import load_groups, run_judge  # noqa: E402
-from overnight.proxy.launcher import free_port, wait_healthy  # noqa: E402
 from overnight.storage import LogWriter, WriterConfig, finished_groups, open_db  # noqa: E402
-
-from overnight.config import JudgeConfig  # noqa: E402
+from overnight.testing.processes import spawn_fake_upstream  # noqa: E402
 from overnight.testing.tiny_model import serve_tiny  # noqa: E402
 from tests.helpers import chat_response, completion_row  # noqa: E402
 
 
 def log_agent_groups(data: Path, model_dir: Path, tasks: int, group_size: int) -> None:
     """Serve the tiny model behind the proxy and run the example agent through it."""
-    port = free_port()
-    serve = serve_tiny(model_dir, data, port)
-    try:
-        agent_env = dict(
-            os.environ, OPENAI_BASE_URL=f"http://127.0.0.1:{port}/v1", OPENAI_API_KEY="unused"
-        )
+    with serve_tiny(model_dir, data) as serve:
+        agent_env = dict(os.environ, OPENAI_BASE_URL=serve.url + "/v1", OPENAI_API_KEY="unused")
         subprocess.run(
             [
                 sys.executable,
@@ -62,9 +56,6 @@ def log_agent_groups(data: Path, model_dir: Path, tasks: int, group_size: int) -
             check=True,
             stdout=subprocess.DEVNULL,
         )
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(120)
 
 
 def prompt_sizes(data: Path, tokenizer_dir: Path) -> None:
@@ -127,26 +118,10 @@ def synthetic_groups(data: Path, n: int) -> None:
 def judge_throughput(work: Path, groups: int, delay: float, concurrency: int) -> None:
     data = work / "judge-data"
     synthetic_groups(data, groups)
-    port = free_port()
-    fake = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "overnight.testing.fake_upstream",
-            "--port",
-            str(port),
-            "--delay",
-            str(delay),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        if not wait_healthy(f"http://127.0.0.1:{port}/health", 60, fake):
-            raise SystemExit("the fake judge did not start")
+    with spawn_fake_upstream("--delay", str(delay)) as fake:
         config = JudgeConfig(
             model="openai/fake-judge",
-            base_url=f"http://127.0.0.1:{port}/v1",
+            base_url=fake.url + "/v1",
             api_key="x",
             concurrency=concurrency,
         )
@@ -156,8 +131,6 @@ def judge_throughput(work: Path, groups: int, delay: float, concurrency: int) ->
         started = time.perf_counter()
         summary = asyncio.run(run_judge(data, config, progress=False))
         wall = time.perf_counter() - started
-    finally:
-        fake.kill()
     ideal = groups * delay / concurrency
     print(
         f"\n2. judging {groups} groups, judge answering in {delay * 1000:.0f} ms, concurrency {concurrency}"

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import proxy_overhead as po  # noqa: E402
-from overnight.proxy.launcher import free_port  # noqa: E402
+
+from overnight.testing.processes import spawn_fake_upstream, spawn_serve  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -40,21 +41,15 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=5.0)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
-    fport, pport = free_port(), free_port()
-    fake = po.start(
-        po.pinned(1, [sys.executable, "-m", "overnight.testing.fake_upstream", "--port", str(fport)]),
-        f"http://127.0.0.1:{fport}/health",
-    )
-    serve = [sys.executable, "-m", "overnight.cli", "serve", "--upstream"]
-    serve += [f"http://127.0.0.1:{fport}", "--port", str(pport), "--data", str(work / "data")]
-    serve += ["--log-level", "WARNING", "--api-key", po.API_KEY, "--roll-seconds", "60"]
-    proxy = po.start(po.pinned(0, serve), f"http://127.0.0.1:{pport}/health")
+    fake = spawn_fake_upstream(prefix=po.pinned(1, []))
+    flags = ("--upstream", fake.url, "--api-key", po.API_KEY, "--roll-seconds", "60")
+    proxy = spawn_serve(work / "data", *flags, prefix=po.pinned(0, []))
     body = {"model": "policy", "messages": po.MESSAGES, "max_tokens": 12}
     seconds = args.minutes * 60
     script = po.wrk_script(work / "post.lua", body)
     load = subprocess.Popen(
         po.pinned(1, ["wrk", "-t1", "-c16", f"-d{seconds:g}s", "-s", str(script)])
-        + [f"http://127.0.0.1:{pport}/v1/chat/completions"],
+        + [proxy.url + "/v1/chat/completions"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -67,8 +62,8 @@ def main() -> None:
             time.sleep(5)
         out = load.stdout.read()
     finally:
-        po.stop(proxy)
-        po.stop(fake)
+        proxy.stop()
+        fake.stop()
     rps = out.split("Requests/sec:")[1].split()[0]
     second = [m for t, m in samples if 60 <= t < 120]
     last = [m for t, m in samples if t >= seconds - 60]

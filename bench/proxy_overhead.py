@@ -29,12 +29,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from overnight.proxy.launcher import free_port, wait_healthy  # noqa: E402
+from overnight.testing.processes import spawn_serve  # noqa: E402
 
 LITELLM_VERSION = "1.110.2"
 # Both proxies check a client key (LiteLLM refuses to start without a master key).
@@ -188,57 +190,45 @@ def main() -> None:
         raise SystemExit("wrk is needed: apt-get install wrk")
 
     work = Path(tempfile.mkdtemp(prefix="overnight-bench-"))
-    procs: list[subprocess.Popen] = []
+    stops: list[Callable[[], object]] = []  # the servers started so far, each one's stop
     try:
-        results = run_all(args, work, procs)
+        results = run_all(args, work, stops)
     finally:
-        for p in reversed(procs):
-            stop(p)
+        for halt in reversed(stops):
+            halt()
     report(results, args)
     shutil.rmtree(work, ignore_errors=True)
 
 
-def run_all(args, work: Path, procs: list) -> dict:
+def run_all(args, work: Path, stops: list[Callable[[], object]]) -> dict:
     py = sys.executable
-    port = {}
 
-    def serve(name: str, core: int, cmd: list[str], health: str = "/health", **kw) -> str:
-        port[name] = free_port()
-        cmd = [part.replace("{port}", str(port[name])) for part in cmd]
-        base = f"http://127.0.0.1:{port[name]}"
-        procs.append(start(pinned(core, cmd), base + health, **kw))
+    def serve(core: int, cmd: list[str], health: str = "/health", **kw) -> str:
+        port = free_port()
+        cmd = [part.replace("{port}", str(port)) for part in cmd]
+        base = f"http://127.0.0.1:{port}"
+        proc = start(pinned(core, cmd), base + health, **kw)
+        stops.append(lambda: stop(proc))
         return base
 
-    fake = ["-m", "overnight.testing.fake_upstream", "--port", "{port}", "--tokens"] + [str(args.tokens)]
+    def overnight(kind: str, upstream: str) -> str:
+        """`overnight serve --upstream` on core 0, logging on (DATA/logs/serve.log)."""
+        flags = ("--upstream", upstream, "--api-key", API_KEY)
+        proxy = spawn_serve(work / kind, *flags, prefix=pinned(0, []))
+        stops.append(proxy.stop)
+        return proxy.url
+
+    fake = ["-m", "overnight.testing.fake_upstream", "--port", "{port}"]
+    fake += ["--tokens", str(args.tokens)]
     up = {
-        "plain": serve("fake", 1, [py, *fake]),
-        "delay20": serve("fake20", 1, [py, *fake, "--delay", "0.02"]),
-        "jitter": serve("fake20j", 1, [py, *fake, "--delay", "0.02", "--jitter", "0.5"]),
+        "plain": serve(1, [py, *fake]),
+        "delay20": serve(1, [py, *fake, "--delay", "0.02"]),
+        "jitter": serve(1, [py, *fake, "--delay", "0.02", "--jitter", "0.5"]),
     }
     ours, bare = {}, {}
     for kind, upstream in up.items():
-        ours[kind] = serve(
-            f"ours-{kind}",
-            0,
-            [
-                py,
-                "-m",
-                "overnight.cli",
-                "serve",
-                "--upstream",
-                upstream,
-                "--port",
-                "{port}",
-                "--data",
-                str(work / kind),
-                "--api-key",
-                API_KEY,
-                "--log-level",
-                "WARNING",
-            ],
-        )
+        ours[kind] = overnight(kind, upstream)
         bare[kind] = serve(
-            f"bare-{kind}",
             0,
             [
                 py,
@@ -260,7 +250,6 @@ def run_all(args, work: Path, procs: list) -> dict:
         litellm = litellm_python(args.litellm_venv).parent / "litellm"
         env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
         targets["litellm"] = serve(
-            "litellm",
             0,
             [str(litellm), "--config", str(config), "--port", "{port}", "--num_workers", "1"],
             health="/health/liveliness",

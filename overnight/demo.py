@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -65,19 +64,6 @@ def _sql(data: str, query: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def _start_proxy(upstream: str, data: str, port: int):
-    from overnight.proxy.launcher import LaunchError, wait_healthy
-
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "overnight.cli", "serve", "--upstream", upstream]
-        + ["--port", str(port), "--data", data, "--log-level", "WARNING"]
-    )
-    if not wait_healthy(f"http://127.0.0.1:{port}/health", 120, serve):
-        serve.terminate()
-        raise LaunchError(f"the proxy in front of {upstream} did not become healthy")
-    return serve
-
-
 def run_demo(
     data: str,
     port: int,
@@ -88,108 +74,103 @@ def run_demo(
     judge_base_url: str | None = None,
     say=print,
 ) -> list[Day]:
+    from overnight.testing.processes import spawn_serve
     from overnight.testing.tiny_model import serve_tiny
 
     started = time.monotonic()
     if upstream:
         say(f"starting the proxy in front of {upstream}")
-        serve = _start_proxy(upstream, data, port)
+        serve = spawn_serve(data, "--upstream", upstream, port=port)
     else:
         say(f"building the tiny model in {model_dir} (reused when present)")
         _overnight("tiny-model", model_dir)
-        say("starting vLLM (CPU) and the proxy; vLLM's log goes to the data directory")
+        say("starting vLLM (CPU) and the proxy; their logs go to the data directory's logs/")
         serve = serve_tiny(model_dir, data, port)
-    base = f"http://127.0.0.1:{port}"
-    say(f"proxy ready at {base}/v1 after {time.monotonic() - started:.0f} s")
-    env = dict(os.environ, OPENAI_BASE_URL=base + "/v1", OPENAI_API_KEY="unused")
+    say(f"proxy ready at {serve.url}/v1 after {time.monotonic() - started:.0f} s")
     results: list[Day] = []
     try:
         for day in range(1, days + 1):
-            tag = f"{uuid.uuid4().hex[:4]}d{day}"
-            say(f"day {day}: the example agents run through the proxy")
-            t0 = time.monotonic()
-            _agent("number_agent", env, *NUMBERS_DAY, "--run", tag)
-            _agent(
-                "search_agent",
-                env,
-                "--questions",
-                "2",
-                "--group-size",
-                "4",
-                "--max-turns",
-                "2",
-                "--max-tokens",
-                "48",
-                "--run",
-                tag,
-            )
-            traffic = time.monotonic() - t0
-
-            t0 = time.monotonic()
-            groups = [
-                row["group_id"]
-                for row in _sql(
-                    data,
-                    "SELECT group_id FROM groups WHERE group_id LIKE 'numbers-%' AND rewarded = 0",
-                )
-            ]
-            group_args = [a for g in groups for a in ("--group", g)]
-            say(f"night {day}: overnight judge --reward {NUMBERS_REWARD} ({len(groups)} groups)")
-            _overnight(
-                "judge", "--data", data, "--settle", "0", "--reward", NUMBERS_REWARD, *group_args
-            )
-            judged = "-"
-            if judge_model:
-                say(f"night {day}: overnight judge --judge-model {judge_model} (search groups)")
-                judge_args = ["--judge-base-url", judge_base_url] if judge_base_url else []
-                search = [a for q in range(2) for a in ("--group", f"handbook-{tag}-{q}")]
-                out = _overnight(
-                    "judge",
-                    "--data",
-                    data,
-                    "--settle",
-                    "0",
-                    "--judge-model",
-                    judge_model,
-                    *judge_args,
-                    *search,
-                )
-                judged = out.splitlines()[0] if out else "-"
-            scoring = time.monotonic() - t0
-
-            t0 = time.monotonic()
-            if day < days:  # the last day is only scored, to see where the policy ended
-                say(f"night {day}: overnight train --preset tiny-cpu (then promote)")
-                _overnight(
-                    "train",
-                    "--data",
-                    data,
-                    "--proxy",
-                    base,
-                    "--preset",
-                    "tiny-cpu",
-                    "--settle",
-                    "0",
-                )
-            training = time.monotonic() - t0
-
-            (row,) = _sql(
-                data,
-                "SELECT avg(reward) AS reward, string_agg(DISTINCT models_served, ',') AS served "
-                f"FROM rollouts WHERE group_id IN ({', '.join(repr(g) for g in groups)})",
-            )
+            # The last day is only scored, to see where the policy ended.
+            train = day < days
             results.append(
-                Day(day, row["reward"], row["served"], traffic, scoring, training, judged)
-            )
-            say(
-                f"day {day}: mean reward {row['reward']:.3f}, served by {row['served']}; "
-                f"traffic {traffic:.0f} s, scoring {scoring:.0f} s, training {training:.0f} s"
+                _day_and_night(data, serve.url, day, train, judge_model, judge_base_url, say)
             )
     finally:
         say("stopping the server (it commits and compacts its log first)")
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(timeout=120)
+        serve.stop()
+    _summary(data, results)
+    report = Path(data) / "reports" / "training.html"
+    say(f"done in {time.monotonic() - started:.0f} s. The training report: {report}")
+    say(f"next: overnight runs --data {data}; overnight ls --data {data}")
+    say(
+        f"      the web view: overnight serve --model {model_dir} --served-model-name tiny "
+        f"--vllm-arg=--dtype=float32 --data {data}, then open http://127.0.0.1:8000/ui"
+    )
+    return results
 
+
+def _day_and_night(
+    data: str,
+    base: str,
+    day: int,
+    train: bool,
+    judge_model: str | None,
+    judge_base_url: str | None,
+    say,
+) -> Day:
+    """One day of agent traffic through the proxy at `base`, then that night's scoring
+    and (when `train`) training and promotion."""
+    tag = f"{uuid.uuid4().hex[:4]}d{day}"
+    say(f"day {day}: the example agents run through the proxy")
+    t0 = time.monotonic()
+    env = dict(os.environ, OPENAI_BASE_URL=base + "/v1", OPENAI_API_KEY="unused")
+    _agent("number_agent", env, *NUMBERS_DAY, "--run", tag)
+    search = ("--questions", "2", "--group-size", "4", "--max-turns", "2", "--max-tokens", "48")
+    _agent("search_agent", env, *search, "--run", tag)
+    traffic = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    groups = [
+        row["group_id"]
+        for row in _sql(
+            data, "SELECT group_id FROM groups WHERE group_id LIKE 'numbers-%' AND rewarded = 0"
+        )
+    ]
+    group_args = [a for g in groups for a in ("--group", g)]
+    say(f"night {day}: overnight judge --reward {NUMBERS_REWARD} ({len(groups)} groups)")
+    _overnight("judge", "--data", data, "--settle", "0", "--reward", NUMBERS_REWARD, *group_args)
+    judged = "-"
+    if judge_model:
+        say(f"night {day}: overnight judge --judge-model {judge_model} (search groups)")
+        judge = ["judge", "--data", data, "--settle", "0", "--judge-model", judge_model]
+        judge += ["--judge-base-url", judge_base_url] if judge_base_url else []
+        judge += [a for q in range(2) for a in ("--group", f"handbook-{tag}-{q}")]
+        out = _overnight(*judge)
+        judged = out.splitlines()[0] if out else "-"
+    scoring = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    if train:
+        say(f"night {day}: overnight train --preset tiny-cpu (then promote)")
+        _overnight(
+            "train", "--data", data, "--proxy", base, "--preset", "tiny-cpu", "--settle", "0"
+        )
+    training = time.monotonic() - t0
+
+    (row,) = _sql(
+        data,
+        "SELECT avg(reward) AS reward, string_agg(DISTINCT models_served, ',') AS served "
+        f"FROM rollouts WHERE group_id IN ({', '.join(repr(g) for g in groups)})",
+    )
+    say(
+        f"day {day}: mean reward {row['reward']:.3f}, served by {row['served']}; "
+        f"traffic {traffic:.0f} s, scoring {scoring:.0f} s, training {training:.0f} s"
+    )
+    return Day(day, row["reward"], row["served"], traffic, scoring, training, judged)
+
+
+def _summary(data: str, results: list[Day]) -> None:
+    """The table test_demo reads, the count of failed requests, the latest groups."""
     (failures,) = _sql(
         data,
         "SELECT count(*) AS n FROM completions WHERE error IS NOT NULL OR http_status <> 200",
@@ -202,11 +183,3 @@ def run_demo(
         )
     print(f"failed requests: {failures['n']}")
     print(_overnight("ls", "--data", data, "--limit", "3"))
-    report = Path(data) / "reports" / "training.html"
-    say(f"done in {time.monotonic() - started:.0f} s. The training report: {report}")
-    say(f"next: overnight runs --data {data}; overnight ls --data {data}")
-    say(
-        f"      the web view: overnight serve --model {model_dir} --served-model-name tiny "
-        f"--vllm-arg=--dtype=float32 --data {data}, then open http://127.0.0.1:8000/ui"
-    )
-    return results

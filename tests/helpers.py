@@ -6,9 +6,41 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from overnight.storage import SCHEMA_VERSION, open_db
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], timeout: float = 10.0, what: str = "the condition") -> T:
+    """Poll `condition` until it returns something truthy (returned); fail at the deadline.
+
+    For states another process or thread reaches: a fixed sleep is either too short on a
+    slow machine or wasted on a fast one.
+    """
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout:g} s"
+        time.sleep(0.02)
+    return value
+
+
+async def await_until(
+    condition: Callable[[], T | Awaitable[T]], timeout: float = 10.0, what: str = "the condition"
+) -> T:
+    """`wait_until` for tests on the event loop; `condition` may be sync or async."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout:g} s"
+        await asyncio.sleep(0.02)
 
 
 def rows(data_dir: Path, query: str, params: list | None = None) -> list[dict]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+
 from overnight.proxy.launcher import free_port
 
 from .helpers import rows, version_of

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from overnight.proxy.launcher import free_port
+
 from overnight.storage.segments import log_files
+from overnight.testing.tiny_model import serve_tiny
 
 from .helpers import rows
-from .test_serve_process import CHAT, post, wait_http
+from .test_serve_process import CHAT, post
 from .vllm_fixtures import _require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -26,43 +24,15 @@ def children(pid: int) -> list[int]:
 
 def test_serve_model_starts_vllm_and_sigterm_stops_both(tiny_model_dir, tmp_path):
     _require_vllm()
-    port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "overnight.cli",
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--served-model-name",
-            "tiny",
-            "--port",
-            str(port),
-            "--data",
-            str(tmp_path),
-            "--max-lora-rank",
-            "8",
-            "--vllm-arg=--dtype=float32",
-            "--vllm-arg=--max-model-len=2048",
-        ],
-        env=env,
-    )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=600)
-        (vllm_pid,) = children(proc.pid)
+    with serve_tiny(tiny_model_dir, tmp_path, max_model_len=2048) as serve:
+        (vllm_pid,) = children(serve.pid)
         status, _ = post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
+            serve.url + "/v1/chat/completions",
             {**CHAT, "max_tokens": 4},
             {"X-Rollout-Id": "via-serve"},
         )
         assert status == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        assert serve.stop() == 0
     assert not Path(f"/proc/{vllm_pid}").exists()  # vLLM stopped too
     assert log_files(tmp_path) == []
     (row,) = rows(

@@ -16,6 +16,10 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from overnight.testing.processes import Spawned
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added but not special: vLLM's hermes parser must see them in the decoded text.
@@ -258,44 +262,33 @@ def build_tiny_model(
     return out
 
 
-def serve_tiny(model_dir: str | Path, data_dir: str | Path, port: int, log_level: str = "WARNING"):
+def serve_tiny(
+    model_dir: str | Path,
+    data_dir: str | Path,
+    port: int | None = None,
+    log_level: str = "WARNING",
+    max_model_len: int = 4096,
+) -> Spawned:
     """`overnight serve --model` for the tiny model (vLLM on CPU), started and healthy.
 
-    Returns the Popen; stop it with SIGTERM (it commits its log and stops vLLM). Used by
-    the demo and the benchmarks, which all need the same float32, small-context server.
+    Stop it with `.stop()` (SIGTERM: it commits its log and stops vLLM). Used by the
+    demo, the benchmarks and a test, which all need the same float32 server; vLLM's
+    output goes to DATA_DIR/logs/vllm.log, the proxy's to DATA_DIR/logs/serve.log.
     """
     import os
-    import subprocess
-    import sys
 
-    from overnight.proxy.launcher import LaunchError, wait_healthy
+    from overnight.testing.processes import spawn_serve
 
     build_tiny_model(model_dir)
+    # vLLM sizes its CPU KV cache from free memory and can refuse to start on a busy
+    # machine; 1 GiB is plenty for the tiny model.
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "overnight.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            "--data",
-            str(data_dir),
-            "--served-model-name",
-            "tiny",
-            "--max-lora-rank",
-            "8",
-            "--vllm-arg=--dtype=float32",
-            "--vllm-arg=--max-model-len=4096",
-            "--log-level",
-            log_level,
-        ],
+    return spawn_serve(
+        data_dir,
+        *("--model", str(model_dir), "--served-model-name", "tiny", "--max-lora-rank", "8"),
+        *("--vllm-arg=--dtype=float32", f"--vllm-arg=--max-model-len={max_model_len}"),
+        port=port,
+        log_level=log_level,
         env=env,
+        startup_timeout=900,  # CPU start-up compiles kernels and profiles memory: minutes
     )
-    if not wait_healthy(f"http://127.0.0.1:{port}/health", 900, serve):
-        serve.terminate()
-        raise LaunchError("overnight serve (tiny model) did not become healthy in 900 s")
-    return serve
