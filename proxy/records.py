@@ -7,19 +7,24 @@ writer's thread, off the event loop.
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
-import time
-
-from overnight.storage import SCHEMA_VERSION, new_id, now_us
 
 from overnight.errors import OvernightError
+from overnight.storage import SCHEMA_VERSION, new_id, now_us
 
 from .attribution import Attribution, validate_id
+from .capture import ChoiceState
+from .capture_state import Capture, TurnCounter
+
 
 def completion_rows(
-    capture, who: Attribution, *, started: int, turn_counter, logged: bool, proxy_id: str
+    capture: Capture,
+    who: Attribution,
+    *,
+    started: int,
+    turn_counter: TurnCounter,
+    logged: bool,
+    proxy_id: str,
 ) -> list[dict]:
     """One row per choice; a request that produced no choice still leaves one row."""
     acc = capture.acc
@@ -29,10 +34,10 @@ def completion_rows(
     error = capture.error
     if error is None and acc.error is not None:
         error = f"upstream error in stream: {acc.error}"
+    n = len(indices)
+    attribution = who.source if who.source != "none" or n == 1 else "choices"
     rows = []
-    for (group_id, rollout_id), index in zip(
-        who.rows(capture.request_id, len(indices)), indices, strict=True
-    ):
+    for (group_id, rollout_id), index in zip(who.rows(capture.request_id, n), indices, strict=True):
         state = acc.choices.get(index)
         finish_reason = state.finish_reason if state else None
         rows.append(
@@ -44,9 +49,7 @@ def completion_rows(
                 "ended_at": ended,
                 "group_id": group_id,
                 "rollout_id": rollout_id,
-                "attribution": who.source
-                if who.source != "none" or len(indices) == 1
-                else "choices",
+                "attribution": attribution,
                 "turn_index": turn_counter.next(rollout_id),
                 "choice_index": index,
                 "endpoint": capture.endpoint,
@@ -67,7 +70,7 @@ def completion_rows(
                 "latency_ms": capture.latency_ms,
                 "ttft_ms": capture.ttft_ms,
                 "prompt_tokens": usage.get("prompt_tokens"),
-                "completion_tokens": _completion_tokens(usage, state, len(indices)),
+                "completion_tokens": _completion_tokens(usage, state, n),
                 "stream": capture.stream,
                 "logged": logged,
                 "proxy_id": proxy_id,
@@ -76,14 +79,14 @@ def completion_rows(
     return rows
 
 
-def _completion_tokens(usage: dict, state, n: int) -> int | None:
+def _completion_tokens(usage: dict, state: ChoiceState | None, n: int) -> int | None:
     # usage counts all n choices together; per choice the token ids are exact.
     if state is not None and state.token_ids:
         return len(state.token_ids)
     return usage.get("completion_tokens") if n == 1 else None
 
 
-def _error_body(capture) -> dict | None:
+def _error_body(capture: Capture) -> dict | None:
     return {"error_body": capture.error_body} if capture.error_body else None
 
 

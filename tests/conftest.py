@@ -7,9 +7,9 @@ tests/vllm_fixtures.py), marked `vllm`.
 from __future__ import annotations
 
 import pytest
-from overnight.proxy import create_app
 
 from overnight.config import ProxyConfig
+from overnight.proxy import create_app
 from overnight.testing.fake_upstream import RECEIVED, SETTINGS, create_fake_upstream
 
 pytest_plugins = ["tests.vllm_fixtures"]

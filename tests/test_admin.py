@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from .helpers import version_of, wait_for_rows
+from .helpers import await_until, version_of, wait_for_rows
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
@@ -59,13 +59,20 @@ async def test_promotion_drains_the_old_adapter_before_unloading_it(
     await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a1")})
     fake_settings["delay"] = 0.5  # a request in flight on policy-v1 during the swap
     in_flight = asyncio.create_task(proxy.post("/v1/chat/completions", json=CHAT))
-    await asyncio.sleep(0.1)
+
+    async def routed() -> dict:
+        return (await (await proxy.get("/admin/adapters")).json())["in_flight"]
+
+    await await_until(routed, what="the request in flight")
     r = await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a2")})
     assert {version_of(k): v for k, v in (await r.json())["in_flight"].items()} == {"policy-v1": 1}
     assert ("unload_lora_adapter", "policy-v1") not in lora_calls(received)  # still serving
     response = await in_flight
     assert response.status == 200
-    await asyncio.sleep(0.1)
+    await await_until(
+        lambda: ("unload_lora_adapter", "policy-v1") in lora_calls(received),
+        what="policy-v1 unloaded once drained",
+    )
     assert lora_calls(received) == [
         ("load_lora_adapter", "policy-v1"),
         ("load_lora_adapter", "policy-v2"),
@@ -89,7 +96,10 @@ async def test_rollback_reloads_the_previous_adapter_under_a_new_name(
     assert state["current"]["reason"] == "rollback"
     state = await (await proxy.post("/admin/adapters/rollback")).json()
     assert state["current"] is None  # back to the base model
-    await asyncio.sleep(0.05)
+    # Each adapter left behind is unloaded in the background: wait, so that the next
+    # thing the fake receives is the completion.
+    unloaded = {("unload_lora_adapter", f"policy-v{k}") for k in (1, 2, 3)}
+    await await_until(lambda: unloaded <= set(lora_calls(received)), what="v1-v3 unloaded")
     r = await proxy.post("/v1/chat/completions", json=CHAT)
     assert received[-1]["body"]["model"] == "fake-base"
     assert r.status == 200
@@ -158,9 +168,9 @@ async def test_promoted_adapter_survives_a_restart(make_proxy, fake_settings, re
 
 @pytest.mark.parametrize("path", ["/admin/adapters", "/admin/stats"])
 async def test_admin_is_loopback_only_without_a_token(make_proxy, path):
-    from overnight.proxy.app import _is_loopback
+    from overnight.proxy.auth import is_loopback
 
     proxy = await make_proxy()
     assert (await proxy.get(path)).status == 200  # the test client is on loopback
-    assert _is_loopback("127.0.0.1") and _is_loopback("::1")
-    assert not _is_loopback("10.1.2.3") and not _is_loopback(None)
+    assert is_loopback("127.0.0.1") and is_loopback("::1")
+    assert not is_loopback("10.1.2.3") and not is_loopback(None)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import aiohttp
+import psutil
 import pytest
+
 from overnight.proxy.launcher import free_port
 
-from .helpers import sse_events, wait_for_rows
+from .helpers import await_until, sse_events, wait_for_rows
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
@@ -186,8 +187,20 @@ async def test_client_disconnect_mid_stream_is_recorded_and_upstream_released(
     assert r.status == 200
 
 
+def sockets_to(port: int) -> int:
+    """This process's open TCP sockets whose far end is `port` (the fake upstream's)."""
+    return sum(
+        1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port
+    )
+
+
 async def test_many_failures_leak_no_connection(make_proxy, fake):
+    """Every connection the proxy opened to the upstream went back to its pool or was
+    closed: the process holds no socket to the upstream beyond the pool's idle ones."""
+    from overnight.proxy.state import UPSTREAM
+
     proxy = await make_proxy()
+    pool = proxy.server.app[UPSTREAM]
     behaviours = ["status-500", "garbage", "reset-after-1", "no-done", ""] * 10
     for b in behaviours:
         r = await proxy.post(
@@ -196,11 +209,16 @@ async def test_many_failures_leak_no_connection(make_proxy, fake):
             headers={"X-Fake": b},
         )
         await r.read()
-    await asyncio.sleep(0.05)
-    from overnight.proxy.app import SESSION
 
-    connector = proxy.server.app[SESSION].connector
-    assert len(connector._acquired) == 0  # every upstream connection went back or was closed
+    def open_idle() -> int:
+        return sum(1 for c in pool.idle if not c.closed)
+
+    # Closing a socket completes on the loop's next turn: poll, not sleep.
+    await await_until(
+        lambda: sockets_to(fake.port) == open_idle(), what="only the pool's idle sockets open"
+    )
+    # One at a time, the successful answers reuse one kept-alive connection.
+    assert open_idle() <= 1
 
 
 @pytest.mark.parametrize(

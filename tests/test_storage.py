@@ -7,6 +7,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+
 from overnight.storage import (
     SCHEMA_VERSION,
     LogWriter,
@@ -18,7 +19,7 @@ from overnight.storage import (
 from overnight.storage.segments import log_files, segment_files
 from overnight.storage.writer import try_lock
 
-from .helpers import rows
+from .helpers import rows, wait_until
 
 
 def completion(i: int, rollout: str = "r", group: str = "g", **extra) -> dict:
@@ -79,9 +80,7 @@ def test_readers_see_committed_rows_before_compaction(tmp_path):
     writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
     writer.start()
     seq = writer.append("completions", completion(0))
-    deadline = time.monotonic() + 5
-    while writer.committed < seq and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: writer.committed >= seq, what="the row committed")
     assert len(rows(tmp_path, "SELECT * FROM completions")) == 1
     writer.close()
     assert len(rows(tmp_path, "SELECT * FROM completions")) == 1  # not counted twice
@@ -117,8 +116,7 @@ def test_a_log_held_by_a_live_writer_is_not_recovered(tmp_path):
     live = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
     live.start()
     seq = live.append("completions", completion(0))
-    while live.committed < seq:
-        time.sleep(0.01)
+    wait_until(lambda: live.committed >= seq, what="the row committed")
     assert recover(tmp_path) == 0  # the live process holds the lock
     assert len(log_files(tmp_path)) == 1
     (path,) = log_files(tmp_path)
@@ -142,7 +140,7 @@ def test_the_log_rolls_by_time(tmp_path):
     writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, roll_seconds=0.05))
     writer.start()
     writer.append("completions", completion(0))
-    time.sleep(0.2)
+    time.sleep(0.2)  # time itself is the condition: past roll_seconds
     writer.append("completions", completion(1))
     writer.close()
     assert len(segment_files(tmp_path, "completions")) == 2

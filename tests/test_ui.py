@@ -19,10 +19,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from overnight.proxy import create_app
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
 
 from overnight.config import ProxyConfig
+from overnight.proxy import create_app
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
 
 from .helpers import wait_for_rows
 
@@ -35,6 +35,13 @@ QUESTION = {"role": "user", "content": "How warm is it in Lima?"}
 async def make_records(proxy, data_dir: Path) -> None:
     """Group weather-7: a two-turn rollout with a tool call, and a one-turn one.
     Group numbers-1: two one-turn rollouts. Rewards posted; one judgment; one run."""
+    await converse(proxy)
+    await wait_for_rows(data_dir, 5)
+    write_batch_rows(data_dir)
+
+
+async def converse(proxy) -> None:
+    """The agents' side, through the proxy: conversations, rewards, finishes."""
 
     async def chat(group, rollout, messages, fake=""):
         headers = {"X-Rollout-Group": group, "X-Rollout-Id": rollout}
@@ -63,8 +70,10 @@ async def make_records(proxy, data_dir: Path) -> None:
         assert r.status == 200
     for rollout in ("weather-7.a", "weather-7.b", "numbers-1.a", "numbers-1.b"):
         assert (await proxy.post(f"/v1/rollouts/{rollout}/finish")).status == 200
-    await wait_for_rows(data_dir, 5)
 
+
+def write_batch_rows(data_dir: Path) -> None:
+    """The batch jobs' side, written as they write it: a judgment, its rewards, a run."""
     writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
     writer.start()
     now = time.time_ns() // 1000

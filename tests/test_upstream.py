@@ -10,6 +10,7 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
+
 from overnight.proxy.upstream import UpstreamPool
 
 

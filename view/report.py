@@ -11,7 +11,6 @@ import html
 from pathlib import Path
 
 from overnight.storage import open_db
-
 from overnight.view.charts import training_charts
 
 

@@ -9,9 +9,12 @@
 Plain HTML and inline SVG, no script and nothing fetched: it works on a machine with
 no network, and a filter is a link that can be shared. Each page opens its own DuckDB
 over the Parquet segments and live logs (as `overnight ls` does), in a worker thread
-so the event loop keeps forwarding traffic. Access is the admin API's: the admin
-token (as a bearer token, or once as `?token=`, which sets a cookie), else loopback
-clients only.
+so the event loop keeps forwarding traffic.
+
+An aiohttp sub-application (`create_web_view`), mounted at /ui by the proxy. Access is
+the admin API's, checked by the proxy's middleware: the admin token (as a bearer token,
+or once as `?token=`, which this view turns into the `COOKIE`), else loopback clients
+only.
 """
 
 from __future__ import annotations
@@ -19,16 +22,27 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import html
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
-from overnight.storage import open_db
 
+from overnight.errors import OvernightError
+from overnight.storage import open_db
 from overnight.view.charts import training_charts
 from overnight.view.display import load_rollout, message_parts
-from overnight.errors import OvernightError
 
 COOKIE = "overnight_ui"
+
+# What the view reads, through `request.config_dict`: set on the parent app by whoever
+# mounts the view (the proxy's create_app). The keys live here, not in the proxy: view/
+# imports neither the proxy, the judge nor the trainer, so the proxy imports them from
+# the layer below and nothing imports the app module back (no import cycle).
+DATA_DIR = web.AppKey("data_dir", Path)
+# The adapter registry's `describe()`: alias, current adapter, promotion history.
+ADAPTER_STATE = web.AppKey[Callable[[], dict]]("adapter_state")
+
 STYLE = """
 body{font:14px system-ui,sans-serif;margin:0;color:#111}
 header{background:#111;color:#fff;padding:.6em 1.5em}header a{color:#fff;margin-right:1.5em}
@@ -92,9 +106,7 @@ def _table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozen
 
 async def _query(request: web.Request, render):
     """Run `render(con)` on a fresh DuckDB over the data directory, off the loop."""
-    from overnight.proxy.app import CONFIG
-
-    data_dir: Path = request.app[CONFIG].data_dir
+    data_dir = request.config_dict[DATA_DIR]
 
     def work():
         con = open_db(data_dir)
@@ -127,7 +139,19 @@ def _float_param(request: web.Request, name: str) -> float | None:
         raise OvernightError(f"{name} must be a number, got {raw!r}", status=400) from None
 
 
-async def groups_page(request: web.Request) -> web.Response:
+@dataclass(frozen=True)
+class GroupFilters:
+    """The groups page's query parameters, checked, and the SQL they make."""
+
+    search: str
+    adapter: str
+    status: str
+    limit: int
+    where: list[str]
+    args: list
+
+
+def _group_filters(request: web.Request) -> GroupFilters:
     search = request.query.get("q", "").strip()
     adapter = request.query.get("adapter", "").strip()
     status = request.query.get("status", "all")
@@ -151,14 +175,38 @@ async def groups_page(request: web.Request) -> web.Response:
     if high is not None:
         where.append("mean_reward <= ?")
         args.append(high)
+    return GroupFilters(search, adapter, status, limit, where, args)
+
+
+def _filter_form(request: web.Request, f: GroupFilters, adapters: list[str]) -> str:
+    options = "".join(
+        f'<option value="{_e(s)}"{" selected" if s == f.status else ""}>{_e(s)}</option>'
+        for s in STATUSES
+    )
+    adapter_options = '<option value="">any</option>' + "".join(
+        f'<option value="{_e(a)}"{" selected" if a == f.adapter else ""}>{_e(a)}</option>'
+        for a in adapters
+    )
+    return f"""<form class="filters" method="get" action="/ui">
+<label>group id contains<input name="q" value="{_e(f.search)}"></label>
+<label>served by<select name="adapter">{adapter_options}</select></label>
+<label>status<select name="status">{options}</select></label>
+<label>mean reward from<input name="min_reward" size="5" value="{_e(request.query.get("min_reward", ""))}"></label>
+<label>to<input name="max_reward" size="5" value="{_e(request.query.get("max_reward", ""))}"></label>
+<label>at most<input name="limit" size="5" value="{f.limit}"></label>
+<button type="submit">filter</button> <a href="/ui">clear</a></form>"""
+
+
+async def groups_page(request: web.Request) -> web.Response:
+    f = _group_filters(request)
 
     def render(con):
         total = con.execute("SELECT count(*) FROM groups").fetchone()[0]
         rows = con.execute(
             "SELECT group_id, rollouts, finished, rewarded, mean_reward, turns, tokens, "
-            f"models_served, started_at FROM groups WHERE {' AND '.join(where)} "
-            f"ORDER BY started_at DESC LIMIT {limit}",
-            args,
+            f"models_served, started_at FROM groups WHERE {' AND '.join(f.where)} "
+            f"ORDER BY started_at DESC LIMIT {f.limit}",
+            f.args,
         ).fetchall()
         served = [
             m for (m,) in con.execute("SELECT DISTINCT model_served FROM completions").fetchall()
@@ -166,22 +214,6 @@ async def groups_page(request: web.Request) -> web.Response:
         return total, rows, sorted(m for m in served if m)
 
     total, rows, adapters = await _query(request, render)
-    options = "".join(
-        f'<option value="{_e(s)}"{" selected" if s == status else ""}>{_e(s)}</option>'
-        for s in STATUSES
-    )
-    adapter_options = '<option value="">any</option>' + "".join(
-        f'<option value="{_e(a)}"{" selected" if a == adapter else ""}>{_e(a)}</option>'
-        for a in adapters
-    )
-    form = f"""<form class="filters" method="get" action="/ui">
-<label>group id contains<input name="q" value="{_e(search)}"></label>
-<label>served by<select name="adapter">{adapter_options}</select></label>
-<label>status<select name="status">{options}</select></label>
-<label>mean reward from<input name="min_reward" size="5" value="{_e(request.query.get("min_reward", ""))}"></label>
-<label>to<input name="max_reward" size="5" value="{_e(request.query.get("max_reward", ""))}"></label>
-<label>at most<input name="limit" size="5" value="{limit}"></label>
-<button type="submit">filter</button> <a href="/ui">clear</a></form>"""
     table = _table(
         [
             "group",
@@ -211,7 +243,7 @@ async def groups_page(request: web.Request) -> web.Response:
         numeric={1, 2, 3, 4, 5, 6},
     )
     summary = f'<p class="meta" id="count">{len(rows)} of {total} group(s) shown</p>'
-    return _page(request, "Groups", form + summary + table)
+    return _page(request, "Groups", _filter_form(request, f, adapters) + summary + table)
 
 
 # -- one group, one rollout ---------------------------------------------------------
@@ -302,9 +334,7 @@ async def rollout_page(request: web.Request) -> web.Response:
 
 
 async def adapters_page(request: web.Request) -> web.Response:
-    from overnight.proxy.app import ADAPTERS
-
-    state = request.app[ADAPTERS].describe()
+    state = request.config_dict[ADAPTER_STATE]()
 
     def render(con):
         return con.execute(
@@ -387,20 +417,15 @@ async def runs_page(request: web.Request) -> web.Response:
     return _page(request, "Training runs", "".join(charts) + table)
 
 
-# -- access ---------------------------------------------------------------------------
+# -- the sub-application --------------------------------------------------------------
 
 
-def token_from(request: web.Request) -> str | None:
-    """The admin token as a browser brings it: bearer header, query parameter, cookie."""
-    auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return request.query.get("token") or request.cookies.get(COOKIE)
-
-
-def add_routes(router: web.UrlDispatcher) -> None:
-    router.add_get("/ui", groups_page)
-    router.add_get("/ui/groups/{group}", group_page)
-    router.add_get("/ui/rollouts/{rollout}", rollout_page)
-    router.add_get("/ui/adapters", adapters_page)
-    router.add_get("/ui/runs", runs_page)
+def create_web_view() -> web.Application:
+    """The view's pages, for `app.add_subapp("/ui", ...)`: "" is /ui itself."""
+    view = web.Application()
+    view.router.add_get("", groups_page)
+    view.router.add_get("/groups/{group}", group_page)
+    view.router.add_get("/rollouts/{rollout}", rollout_page)
+    view.router.add_get("/adapters", adapters_page)
+    view.router.add_get("/runs", runs_page)
+    return view

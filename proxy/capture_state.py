@@ -1,0 +1,71 @@
+"""What the proxy keeps while requests pass: one request's `Capture`, the rollouts' turns.
+
+Below `records` (which turns a Capture into rows) and above the pure `capture` module
+(the accumulator), so every layer imports downwards and the rows are built from typed
+objects.
+"""
+
+from __future__ import annotations
+
+import time
+
+from overnight.storage import new_id
+
+from .adapters import Route
+from .capture import Accumulator
+
+
+class Capture:
+    """What one request produced, filled in as the response goes by."""
+
+    # Slots: one Capture per request, its fields read and written on the hot path.
+    __slots__ = (
+        "request_id",
+        "endpoint",
+        "stream",
+        "request_body",
+        "route",
+        "acc",
+        "status",
+        "error",
+        "error_body",
+        "t0",
+        "ttft_ms",
+        "latency_ms",
+    )
+
+    def __init__(self, endpoint: str, stream: bool, request_body: dict, route: Route):
+        self.request_id = new_id()
+        self.endpoint = endpoint
+        self.stream = stream
+        self.request_body = request_body
+        self.route = route
+        self.acc = Accumulator(endpoint)
+        self.status = 0
+        self.error: str | None = None
+        self.error_body: str | None = None
+        self.t0 = time.perf_counter()
+        self.ttft_ms: float | None = None
+        self.latency_ms: float | None = None
+
+    def first_byte(self) -> None:
+        if self.ttft_ms is None:
+            self.ttft_ms = (time.perf_counter() - self.t0) * 1000
+
+    def done(self) -> None:
+        self.latency_ms = (time.perf_counter() - self.t0) * 1000
+
+
+class TurnCounter:
+    """Turn index per rollout, in the order this process saw them; bounded memory."""
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self.counts: dict[str, int] = {}
+
+    def next(self, rollout_id: str) -> int:
+        n = self.counts.pop(rollout_id, -1) + 1
+        self.counts[rollout_id] = n  # re-inserted: most recent last
+        if len(self.counts) > self.capacity:
+            del self.counts[next(iter(self.counts))]
+        return n

@@ -1,0 +1,53 @@
+"""The proxy's shared state: every typed `web.AppKey` the handlers read, in one place.
+
+`create_app` (app.py) sets them; handlers read `request.app[KEY]`. The web view's keys
+are not here: view/ may not import the proxy, so they live in `overnight.view.web`
+and the proxy sets them when it mounts the view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from overnight.config import ProxyConfig
+from overnight.storage import LogWriter
+
+from .adapters import AdapterRegistry
+from .capture_state import TurnCounter
+from .upstream import UpstreamPool
+
+
+@dataclass(slots=True)
+class ProxyStats:
+    """Counters of this process, as `/admin/stats` reports them (beside the writer's)."""
+
+    requests: int = 0  # completions answered, whatever their outcome
+
+
+@dataclass(slots=True)
+class SeenFingerprint:
+    """vLLM's `system_fingerprint`, constant per server, once a stream has shown it.
+
+    When the proxy asks for usage, vLLM moves the fingerprint from each choice's
+    finishing chunk to the usage chunk the proxy drops; the relay puts it back from
+    here (see `relay.EventRelay`). `seen` tells a fingerprint of None from none yet.
+    """
+
+    seen: bool = False
+    value: Any = None
+
+
+CONFIG = web.AppKey("config", ProxyConfig)
+# aiohttp's client, for everything but completions: /v1 pass-through and adapter calls.
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+# The proxy's own client for completions (upstream.py).
+UPSTREAM = web.AppKey("upstream", UpstreamPool)
+WRITER = web.AppKey("writer", LogWriter)
+ADAPTERS = web.AppKey("adapters", AdapterRegistry)
+STATS = web.AppKey("stats", ProxyStats)
+TURNS = web.AppKey("turns", TurnCounter)
+FINGERPRINT = web.AppKey("fingerprint", SeenFingerprint)
