@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,13 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from overnight.trainer.data import Sample, Turn, merge_turns  # noqa: E402
-from overnight.trainer.loss import LossConfig, policy_loss, token_weights  # noqa: E402
-from overnight.trainer.policy import load_policy, pack, torch_dtype  # noqa: E402
-from overnight.trainer.train import fresh_adapter, micro_batch_loss  # noqa: E402
-
 from overnight.config import TrainConfig  # noqa: E402
 from overnight.testing.tiny_model import build_tiny_model  # noqa: E402
+from overnight.trainer.data import Sample, Turn, merge_turns  # noqa: E402
+from overnight.trainer.loss import LossConfig, policy_loss, token_weights  # noqa: E402
+from overnight.trainer.policy import load_policy, pack  # noqa: E402
+from overnight.trainer.step import fresh_adapter, micro_batch_loss  # noqa: E402
 
 
 def workload(vocab: int, seed: int = 0) -> list[Sample]:
@@ -46,8 +46,7 @@ def workload(vocab: int, seed: int = 0) -> list[Sample]:
             length = min(251, max(4, int(rng.lognormvariate(3.8, 0.8))))
             completion = [rng.randrange(3, vocab) for _ in range(length)]
             (s,) = merge_turns(f"{g}.{k}", str(g), [Turn(prompt, completion, [-5.0] * length)])
-            s.advantage = rng.uniform(-1, 1)
-            samples.append(s)
+            samples.append(replace(s, advantage=rng.uniform(-1, 1)))
     return samples
 
 

@@ -3,7 +3,8 @@
 Same workload as bench/grpo_step.py (8 prompts x 8 completions, 64-token prompts,
 log-normal completion lengths up to 251, LoRA r8 on the tiny model, beta 0). Each
 side runs in its own process (TRL from its own environment, `.cache/bench-trl`,
-made once: a venv over this one's packages plus trl 1.16), so the peak-memory
+made once: a venv that sees this interpreter's packages, a venv's included, plus trl
+1.16, with torch held to the version installed here), so the peak-memory
 measurement (resident memory sampled every 2 ms, above its level before the first
 step) is not shared. Time is the median of the repeats of `loss + backward`.
 
@@ -13,8 +14,10 @@ step) is not shared. Time is the median of the repeats of `loss + backward`.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import resource
+import site
 import statistics
 import subprocess
 import sys
@@ -24,6 +27,49 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VENV = ROOT / ".cache" / "bench-trl"
+TRL = "trl==1.16.0"
+
+
+def side_environment(venv: Path, requirement: str) -> Path:
+    """A venv that sees this interpreter's packages, with `requirement` installed on top.
+
+    Not `--system-site-packages`: from a venv, that sees the base interpreter's packages
+    only (no project, no peft), and pip then pulls a torch of its own (a CUDA build).
+    Instead a .pth file adds this interpreter's site directories after the side venv's
+    own (`site.addsitedir` also runs their .pth files: the project's editable install),
+    and pip is held to the torch installed here. Returns the side environment's python.
+    """
+    python = venv / "bin" / "python"
+    if (venv / "ready").exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    own = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    dirs = site.getsitepackages()  # a venv's own first, then its base's if it sees them
+    if site.ENABLE_USER_SITE and Path(site.getusersitepackages()).is_dir():
+        dirs.append(site.getusersitepackages())
+    adds = "; ".join(f"site.addsitedir({d!r})" for d in dirs)
+    (Path(own) / "_bench_parent_env.pth").write_text(f"import site; {adds}\n")
+    torch_version = importlib.metadata.version("torch")
+    constraints = venv / "constraints.txt"
+    constraints.write_text(f"torch=={torch_version}\n")
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "-c", str(constraints), requirement], check=True
+    )
+    seen = subprocess.run(
+        [python, "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if seen != torch_version:
+        raise SystemExit(f"{venv} has torch {seen}, not this environment's {torch_version}")
+    (venv / "ready").touch()
+    return python
 
 
 def rss_mb() -> float:
@@ -61,10 +107,10 @@ def measure(step, repeats: int) -> dict:
 def run_ours(model_dir: Path, repeats: int) -> dict:
     sys.path.insert(0, str(ROOT / "bench"))
     from grpo_step import shared_step, workload
-    from overnight.trainer.policy import load_policy
-    from overnight.trainer.train import fresh_adapter
 
     from overnight.config import TrainConfig
+    from overnight.trainer.policy import load_policy
+    from overnight.trainer.step import fresh_adapter
 
     config = TrainConfig(
         lora_rank=8, lora_alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")
@@ -115,8 +161,21 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
             task_type="CAUSAL_LM",
         ),
     )
-    samples = workload(trainer.model.config.vocab_size)
-    prompt_len = 64
+    inputs = trl_inputs(workload(trainer.model.config.vocab_size), prompt_len=64)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop we bypass
+
+    def step():
+        trainer.model.zero_grad(set_to_none=True)
+        trainer._compute_loss(trainer.model, inputs).backward()
+
+    return measure(step, repeats)
+
+
+def trl_inputs(samples, prompt_len: int) -> dict:
+    """The workload as GRPOTrainer's `_compute_loss` takes it: completions padded."""
+    import torch
+
     longest = max(len(s.tokens) - prompt_len for s in samples)
     completion = torch.zeros(len(samples), longest, dtype=torch.long)
     completion_mask = torch.zeros(len(samples), longest, dtype=torch.long)
@@ -135,14 +194,7 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
         "old_per_token_logps": old_logps,
         "num_items_in_batch": completion_mask.sum(),
     }
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by the training loop we bypass
-
-    def step():
-        trainer.model.zero_grad(set_to_none=True)
-        trainer._compute_loss(trainer.model, inputs).backward()
-
-    return measure(step, repeats)
+    return inputs
 
 
 def main() -> None:
@@ -155,13 +207,9 @@ def main() -> None:
         result = (run_ours if args.side == "ours" else run_trl)(args.model_dir, args.repeats)
         print(json.dumps(result))
         return
-    if not (TRL_VENV / "bin" / "python").exists():
-        subprocess.run(
-            [sys.executable, "-m", "venv", "--system-site-packages", str(TRL_VENV)], check=True
-        )
-        subprocess.run([str(TRL_VENV / "bin" / "pip"), "install", "-q", "trl==1.16.0"], check=True)
+    trl_python = side_environment(TRL_VENV, TRL)
     results = {}
-    for side, python in (("ours", sys.executable), ("trl", str(TRL_VENV / "bin" / "python"))):
+    for side, python in (("ours", sys.executable), ("trl", str(trl_python))):
         out = subprocess.run(
             [
                 python,

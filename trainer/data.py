@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class DataError(ValueError):
@@ -42,16 +42,20 @@ class Turn:
             raise DataError("a logged logprob is not finite")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sample:
-    """One sequence to train on: the merged turns of (part of) a rollout."""
+    """One sequence to train on: the merged turns of (part of) a rollout.
+
+    Built whole, once (`from_turns`); the planner attaches the advantage and the trainer
+    the behaviour logprobs of re-tokenised turns by making new samples (`replace`).
+    """
 
     rollout_id: str
     group_id: str
-    tokens: list[int] = field(default_factory=list)
-    trained: list[bool] = field(default_factory=list)  # True where the model sampled the token
-    behaviour_logprobs: list[float] = field(default_factory=list)  # 0.0 where not trained
-    turns: int = 0
+    tokens: list[int]
+    trained: list[bool]  # True where the model sampled the token
+    behaviour_logprobs: list[float]  # 0.0 where not trained, or where unknown (not exact)
+    turns: int
     advantage: float = 0.0
     exact: bool = True  # False when a turn was re-tokenised: behaviour logprobs unknown
 
@@ -59,28 +63,36 @@ class Sample:
     def trained_tokens(self) -> int:
         return sum(self.trained)
 
-    def extend(self, context: list[int], turn: Turn) -> None:
-        self.tokens += context + turn.completion_ids
-        self.trained += [False] * len(context) + [True] * len(turn.completion_ids)
-        if turn.logprobs is None:
-            self.exact = False
-        sampled = turn.logprobs if turn.logprobs is not None else [0.0] * len(turn.completion_ids)
-        self.behaviour_logprobs += [0.0] * len(context) + list(sampled)
-        self.turns += 1
+    @classmethod
+    def from_turns(cls, rollout_id: str, group_id: str, turns: list[Turn]) -> Sample:
+        """Turns whose prompts each start with everything before them, as one sequence."""
+        tokens: list[int] = []
+        trained: list[bool] = []
+        behaviour: list[float] = []
+        for turn in turns:
+            context = turn.prompt_ids[len(tokens) :]
+            sampled = (
+                turn.logprobs if turn.logprobs is not None else [0.0] * len(turn.completion_ids)
+            )
+            tokens += context + turn.completion_ids
+            trained += [False] * len(context) + [True] * len(turn.completion_ids)
+            behaviour += [0.0] * len(context) + list(sampled)
+        exact = all(turn.logprobs is not None for turn in turns)
+        return cls(rollout_id, group_id, tokens, trained, behaviour, len(turns), exact=exact)
 
 
 def merge_turns(rollout_id: str, group_id: str, turns: list[Turn]) -> list[Sample]:
     """Samples for one rollout; `turns` in the order they were served."""
-    samples: list[Sample] = []
+    chains: list[list[Turn]] = []
+    sequence: list[int] = []  # the current chain's tokens so far
     for turn in turns:
-        current = samples[-1] if samples else None
-        if current is not None and turn.prompt_ids[: len(current.tokens)] == current.tokens:
-            current.extend(turn.prompt_ids[len(current.tokens) :], turn)
+        if chains and turn.prompt_ids[: len(sequence)] == sequence:
+            chains[-1].append(turn)
         else:
-            sample = Sample(rollout_id, group_id)
-            sample.extend(turn.prompt_ids, turn)
-            samples.append(sample)
-    return samples
+            chains.append([turn])
+        # Extended or new, the sequence is now this turn's prompt and completion.
+        sequence = turn.prompt_ids + turn.completion_ids
+    return [Sample.from_turns(rollout_id, group_id, chain) for chain in chains]
 
 
 @dataclass(frozen=True)

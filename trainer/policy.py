@@ -130,6 +130,15 @@ def pack(
     """
     capacity = max(row_tokens, max(len(s.tokens) for s in samples))
     units = _units(samples, capacity, share_prompts)
+    rows = _first_fit(units, samples, capacity)
+    layout = _Layout(samples, len(rows), max(sum(u.size(samples) for u in row) for row in rows))
+    for r, row in enumerate(rows):
+        layout.fill_row(r, row)
+    return layout.batch(masked=any(u.prefix for u in units))
+
+
+def _first_fit(units: list[_Unit], samples: list[Sample], capacity: int) -> list[list[_Unit]]:
+    """Units in rows of `capacity` tokens (a longer unit gets a row of its own size)."""
     rows: list[list[_Unit]] = []
     room: list[int] = []
     for unit in sorted(units, key=lambda u: -u.size(samples)):
@@ -141,70 +150,88 @@ def pack(
             slot = len(rows) - 1
         rows[slot].append(unit)
         room[slot] -= n
-    width = max(sum(u.size(samples) for u in row) for row in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    positions = torch.zeros(len(rows), width, dtype=torch.long)
-    # Who may attend to whom, for the explicit mask: each token's block, and the block
-    # of the prompt it hangs off (-1: none).
-    block = torch.zeros(len(rows), width, dtype=torch.long)
-    parent = torch.full((len(rows), width), -1, dtype=torch.long)
-    blocks = 0
-    entries = []  # (sample, token position, flat index, flat index of its predictor, logprob)
-    for r, row in enumerate(rows):
+    return rows
+
+
+class _Layout:
+    """The packed tensors, filled a row at a time."""
+
+    def __init__(self, samples: list[Sample], rows: int, width: int) -> None:
+        self.samples, self.width = samples, width
+        self.ids = torch.zeros(rows, width, dtype=torch.long)
+        self.positions = torch.zeros(rows, width, dtype=torch.long)
+        # Who may attend to whom, for the explicit mask: each token's block, and the
+        # block of the prompt it hangs off (-1: none).
+        self.block = torch.zeros(rows, width, dtype=torch.long)
+        self.parent = torch.full((rows, width), -1, dtype=torch.long)
+        self.blocks = 0
+        # (sample, token position, flat index, flat index of its predictor, logprob)
+        self.entries: list[tuple[int, int, int, int, float]] = []
+
+    def fill_row(self, r: int, row: list[_Unit]) -> None:
         col = 0
         for unit in row:
-            base = r * width
             prompt_block = -1
             if unit.prefix:
-                first = samples[unit.members[0]]
-                ids[r, col : col + unit.prefix] = torch.tensor(first.tokens[: unit.prefix])
-                positions[r, col : col + unit.prefix] = torch.arange(unit.prefix)
-                block[r, col : col + unit.prefix] = prompt_block = blocks
-                blocks += 1
+                first = self.samples[unit.members[0]]
+                self.ids[r, col : col + unit.prefix] = torch.tensor(first.tokens[: unit.prefix])
+                self.positions[r, col : col + unit.prefix] = torch.arange(unit.prefix)
+                self.block[r, col : col + unit.prefix] = prompt_block = self.blocks
+                self.blocks += 1
             prompt_col = col
             col += unit.prefix
             for i in unit.members:
-                s = samples[i]
-                assert not s.trained[0], (
-                    "a sequence cannot start with a trained token (it is prompt)"
-                )
-                branch = s.tokens[unit.prefix :]
-                n = len(branch)
-                ids[r, col : col + n] = torch.tensor(branch)
-                positions[r, col : col + n] = torch.arange(unit.prefix, unit.prefix + n)
-                block[r, col : col + n] = blocks
-                parent[r, col : col + n] = prompt_block
-                blocks += 1
-                for j, (t, lp) in enumerate(zip(s.trained, s.behaviour_logprobs, strict=True)):
-                    if not t:
-                        continue
-                    if j < unit.prefix:  # a sampled token every member shares
-                        flat = base + prompt_col + j
-                        entries.append((i, j, flat, flat - 1, lp))
-                    else:
-                        flat = base + col + j - unit.prefix
-                        # A branch's first token is predicted from the prompt's last.
-                        before = flat - 1 if j > unit.prefix else base + prompt_col + j - 1
-                        entries.append((i, j, flat, before, lp))
-                col += n
-        positions[r, col:] = torch.arange(width - col)  # padding: its own block
-        block[r, col:] = blocks
-        blocks += 1
-    entries.sort()  # trained tokens in sample order, whatever row they landed in
-    batch = {
-        "input_ids": ids,  # (B, L)
-        "position_ids": positions,  # (B, L)
-        "trained_index": torch.tensor([e[2] for e in entries], dtype=torch.long),  # (N,) flat rows
-        "predictor_index": torch.tensor([e[3] for e in entries], dtype=torch.long),  # (N,)
-        "behaviour_logprobs": torch.tensor([e[4] for e in entries]),  # (N,)
-        "sequence_index": torch.tensor([e[0] for e in entries], dtype=torch.long),  # (N,) sample
-    }
-    if any(u.prefix for u in units):
-        causal = torch.ones(width, width, dtype=torch.bool).tril()  # (L, L)
-        same = block[:, :, None] == block[:, None, :]  # (B, L, L): query, key
-        into_prompt = parent[:, :, None] == block[:, None, :]
-        batch["attention_mask"] = ((same & causal) | into_prompt)[:, None]  # (B, 1, L, L)
-    return batch
+                col = self._branch(r, col, i, unit.prefix, prompt_col, prompt_block)
+        self.positions[r, col:] = torch.arange(self.width - col)  # padding: its own block
+        self.block[r, col:] = self.blocks
+        self.blocks += 1
+
+    def _branch(
+        self, r: int, col: int, i: int, prefix: int, prompt_col: int, prompt_block: int
+    ) -> int:
+        """Sample i's tokens after the shared `prefix` at `col`; the column after them."""
+        s = self.samples[i]
+        assert not s.trained[0], "a sequence cannot start with a trained token (it is prompt)"
+        branch = s.tokens[prefix:]
+        n = len(branch)
+        self.ids[r, col : col + n] = torch.tensor(branch)
+        self.positions[r, col : col + n] = torch.arange(prefix, prefix + n)
+        self.block[r, col : col + n] = self.blocks
+        self.parent[r, col : col + n] = prompt_block
+        self.blocks += 1
+        base = r * self.width
+        for j, (t, lp) in enumerate(zip(s.trained, s.behaviour_logprobs, strict=True)):
+            if not t:
+                continue
+            if j < prefix:  # a sampled token every member shares
+                flat = base + prompt_col + j
+                self.entries.append((i, j, flat, flat - 1, lp))
+            else:
+                flat = base + col + j - prefix
+                # A branch's first token is predicted from the prompt's last.
+                before = flat - 1 if j > prefix else base + prompt_col + j - 1
+                self.entries.append((i, j, flat, before, lp))
+        return col + n
+
+    def batch(self, masked: bool) -> dict[str, torch.Tensor]:
+        entries = sorted(self.entries)  # trained tokens in sample order, whatever the row
+        batch = {
+            "input_ids": self.ids,  # (B, L)
+            "position_ids": self.positions,  # (B, L)
+            "trained_index": torch.tensor([e[2] for e in entries], dtype=torch.long),  # (N,) flat
+            "predictor_index": torch.tensor([e[3] for e in entries], dtype=torch.long),  # (N,)
+            "behaviour_logprobs": torch.tensor([e[4] for e in entries]),  # (N,)
+            "sequence_index": torch.tensor(
+                [e[0] for e in entries], dtype=torch.long
+            ),  # (N,) sample
+        }
+        if masked:
+            block, parent = self.block, self.parent
+            causal = torch.ones(self.width, self.width, dtype=torch.bool).tril()  # (L, L)
+            same = block[:, :, None] == block[:, None, :]  # (B, L, L): query, key
+            into_prompt = parent[:, :, None] == block[:, None, :]
+            batch["attention_mask"] = ((same & causal) | into_prompt)[:, None]  # (B, 1, L, L)
+        return batch
 
 
 def trained_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""The trainer's side of the proxy's admin API: what is served, and promoting a new adapter.
+
+Plain urllib: a nightly job makes two or three calls, and the CLI's `rollback` uses
+the same client without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from overnight.errors import OvernightError
+
+
+class ProxyError(OvernightError):
+    """The proxy could not be reached, or refused an admin call."""
+
+    code = "proxy_error"
+
+
+def admin_call(proxy_url: str, path: str, token: str | None, payload: dict | None = None) -> dict:
+    """GET `path` (POST `payload` as JSON when given) under the proxy's admin token."""
+    request = urllib.request.Request(
+        proxy_url.rstrip("/") + path,
+        method="POST" if payload is not None else "GET",
+        data=json.dumps(payload).encode() if payload is not None else None,
+        headers={
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {token}"} if token else {}),
+        },
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise ProxyError(
+            f"the proxy answered {e.code} to {path}: {e.read().decode(errors='replace')[:500]}"
+        ) from e
+    except OSError as e:
+        raise ProxyError(f"cannot reach the proxy at {proxy_url}: {e}") from e
+
+
+def serving_state(proxy_url: str | None, token: str | None) -> dict:
+    """The proxy's adapters and base model ({} without a proxy)."""
+    return admin_call(proxy_url, "/admin/adapters", token) if proxy_url else {}
+
+
+def served_adapter(state: dict) -> str | None:
+    """The path of the adapter the proxy serves now (None: the base model)."""
+    return (state.get("current") or {}).get("path")
+
+
+def base_model_of(state: dict) -> str | None:
+    """The base model the proxy's vLLM serves, as a path where it knows one."""
+    return state.get("base_model_path") or state.get("base_model") or None
+
+
+def promote_adapter(proxy_url: str, token: str | None, adapter_dir) -> str:
+    """Have the proxy load `adapter_dir` and serve it under its alias; the new name."""
+    return admin_call(proxy_url, "/admin/adapters/promote", token, {"path": str(adapter_dir)})[
+        "promoted"
+    ]

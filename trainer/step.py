@@ -1,0 +1,166 @@
+"""One GRPO optimizer step: packed micro-batches, their losses, gradients summed, one update.
+
+The token weights are normalised over the whole step (`loss.token_weights`), so the
+micro-batches' losses add up to the step's loss whatever the micro-batch size and
+however many processes share them (docs/grpo.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from overnight.config import TrainConfig
+
+from .data import Sample
+from .loss import LossConfig, token_weights
+from .parallel import Parallel
+
+# Statistics averaged over a step's tokens (the ratio's min and max are taken whole).
+TOKEN_MEANS = ("clipped_fraction", "ratio_mean", "behaviour_kl", "dual_clipped_fraction", "ref_kl")
+
+
+def fresh_adapter(model, config: TrainConfig):
+    """`model` with a new LoRA adapter (B = 0: it starts as the base model)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            target_modules=list(config.target_modules),
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+        ),
+    )
+
+
+def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
+    """Consecutive samples packed up to `budget` tokens (a longer one goes alone)."""
+    batches, current, size = [], [], 0
+    for s in samples:
+        if current and size + len(s.tokens) > budget:
+            batches.append(current)
+            current, size = [], 0
+        current.append(s)
+        size += len(s.tokens)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def micro_batch_loss(
+    model, samples: list[Sample], weights: list[float], loss_config, share_prompts=True
+):
+    """One packed micro-batch: (loss to backpropagate, statistics, largest |logp - logged|).
+
+    `weights` is each sample's per-token weight, normalised over the whole step.
+    """
+    import torch
+
+    from .loss import policy_loss
+    from .policy import pack, takes_custom_mask, trained_logprobs
+
+    device = next(model.parameters()).device
+    batch = pack(samples, share_prompts=share_prompts and takes_custom_mask(model))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    logp = trained_logprobs(model, batch)  # (N,)
+    seq = batch["sequence_index"]
+    ref = None
+    if loss_config.kl_coef > 0:
+        with torch.no_grad(), model.disable_adapter():
+            ref = trained_logprobs(model, batch)
+    loss, stats = policy_loss(
+        logp,
+        batch["behaviour_logprobs"],
+        torch.tensor([s.advantage for s in samples], device=device)[seq],
+        torch.tensor(weights, device=device)[seq],
+        torch.ones_like(logp, dtype=torch.bool),  # pack() keeps trained tokens only
+        loss_config,
+        sequence_index=seq,
+        ref_logp=ref,
+    )
+    gap = (logp.detach().float() - batch["behaviour_logprobs"]).abs().max().item()
+    return loss, stats, gap
+
+
+@dataclass(frozen=True)
+class StepResult:
+    stats: dict  # token-weighted over the step's micro-batches (`merge_stats`)
+    loss: float  # summed over the micro-batches of every process
+    grad_norm: float  # before clipping
+    logprob_gap: float  # largest |logp - logged logprob| of a trained token, all processes
+
+
+def optimizer_step(
+    model,
+    optimizer,
+    parallel: Parallel,
+    samples: list[Sample],
+    loss_config: LossConfig,
+    config: TrainConfig,
+) -> StepResult:
+    """One step over `samples`; this process takes its share of the micro-batches."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_sequence = token_weights([s.trained_tokens for s in samples], loss_config)
+    weight_of = {id(s): w for s, w in zip(samples, per_sequence, strict=True)}
+    optimizer.zero_grad(set_to_none=True)
+    step_loss, stats_list, gap = 0.0, [], 0.0
+    batches = micro_batches(samples, config.micro_batch_tokens)
+    for batch_samples, counts in parallel.micro_batch_share(batches):
+        weights = [weight_of[id(s)] if counts else 0.0 for s in batch_samples]
+        loss, stats, batch_gap = micro_batch_loss(
+            model, batch_samples, weights, loss_config, config.share_prompts
+        )
+        loss.backward()
+        if not counts:
+            continue  # an FSDP process's stand-in pass: zero gradient, no statistics
+        gap = max(gap, batch_gap)
+        step_loss += loss.item()
+        stats_list.append(stats)
+    parallel.sum_gradients(params)
+    step_loss, stats_list, gap = parallel.gather_step(step_loss, stats_list, gap)
+    norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+    grad_norm = parallel.grad_norm(norm)
+    optimizer.step()
+    return StepResult(merge_stats(stats_list), step_loss, grad_norm, gap)
+
+
+def merge_stats(stats: list[dict]) -> dict:
+    """The micro-batches' statistics as the step's: token-weighted means, extremes."""
+    tokens = sum(s.get("tokens", 0) for s in stats)
+    if not tokens:
+        return {"tokens": 0}
+    out = {"tokens": tokens}
+    for key in TOKEN_MEANS:
+        if key in stats[0]:
+            out[key] = sum(s[key] * s["tokens"] for s in stats) / tokens
+    out["ratio_max"] = max(s["ratio_max"] for s in stats)
+    out["ratio_min"] = min(s["ratio_min"] for s in stats)
+    return out
+
+
+def with_behaviour(model, samples: list[Sample], budget: int) -> list[Sample]:
+    """`samples`, those re-tokenised (not exact) given the starting policy's logprobs
+    as their behaviour: their sampling logprobs are unknown."""
+    import torch
+
+    from .policy import pack, trained_logprobs
+
+    unknown = [s for s in samples if not s.exact]
+    device = next(model.parameters()).device
+    filled: dict[int, Sample] = {}
+    for batch_samples in micro_batches(unknown, budget):
+        batch = {k: v.to(device) for k, v in pack(batch_samples).items()}
+        with torch.no_grad():
+            logp = trained_logprobs(model, batch).tolist()
+        for s in batch_samples:
+            behaviour = list(s.behaviour_logprobs)
+            positions = [j for j, t in enumerate(s.trained) if t]
+            for j, value in zip(positions, logp[: len(positions)], strict=True):
+                behaviour[j] = value
+            logp = logp[len(positions) :]
+            filled[id(s)] = replace(s, behaviour_logprobs=behaviour)
+    return [filled.get(id(s), s) for s in samples]
