@@ -9,24 +9,30 @@ failing group is recorded as failed and never stops the batch.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
-from overnight.storage import SCHEMA_VERSION, LogWriter, new_id, now_us, WriterConfig, finished_groups, open_db
 
-from overnight.config import JudgeConfig
+from overnight.config import SETTLE_SECONDS, JudgeConfig
+from overnight.storage import (
+    SCHEMA_VERSION,
+    LogWriter,
+    WriterConfig,
+    finished_groups,
+    new_id,
+    now_us,
+    open_db,
+)
 
 from .rewards import RewardFunction
 from .ruler import DEFAULT_RUBRIC, Judgment, build_prompt, import_litellm, judge_group, rubric_hash
 from .trajectories import Group, trajectory_from_turn
-
-# A rollout with no finish call counts as finished after this long without a turn.
-DEFAULT_SETTLE_SECONDS = 600.0
 
 
 @dataclass
@@ -57,6 +63,24 @@ class Summary:
         out += [f"  skipped {n}: {reason}" for reason, n in self.skipped.most_common()]
         out += [f"  failed {group}: {why}" for group, why in self.failures[:10]]
         return out
+
+
+def judge_step(
+    data_dir: Path,
+    config: JudgeConfig | None,
+    reward: str | None,
+    *,
+    say: Callable[[str], None] = print,
+    **options: Any,
+) -> Summary:
+    """The judge step of `overnight judge` and of `overnight train` (which scores first):
+    score with the judge and/or the reward function (`module:function`), then say the
+    summary. `options` are run_judge's."""
+    function = RewardFunction(reward) if reward else None
+    summary = asyncio.run(run_judge(data_dir, config, function, **options))
+    for line in summary.lines():
+        say(line)
+    return summary
 
 
 def load_groups(con, group_ids: list[str]) -> list[Group]:
@@ -112,7 +136,7 @@ async def run_judge(
     combine: bool = False,
     rejudge: bool = False,
     use_posted: bool = True,
-    settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+    settle_seconds: float = SETTLE_SECONDS,
     groups: list[str] | None = None,
     max_groups: int | None = None,
     progress: bool = True,

@@ -9,71 +9,58 @@ from __future__ import annotations
 
 import logging
 import signal
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from aiohttp import web
-
-from .config import ProxyConfig
+from .config import ProxyConfig, VLLMConfig
+from .errors import ConfigError
 
 log = logging.getLogger("overnight")
 
 
-def serve_forever(
-    *,
-    model: str | None,
-    upstream: str | None,
-    host: str,
-    port: int,
-    data_dir: Path,
-    alias: str,
-    api_keys: tuple[str, ...],
-    admin_token: str | None,
-    upstream_api_key: str | None,
-    served_model_name: str | None,
-    max_lora_rank: int,
-    max_loras: int,
-    tool_call_parser: str | None,
-    vllm_args: tuple[str, ...],
-    tuning: dict | None = None,
-) -> None:
-    """`tuning`: the other ProxyConfig fields (timeouts, body limit, log commit)."""
-    from overnight.proxy import create_app
-    from overnight.proxy.launcher import VLLMConfig, VLLMProcess
+@dataclass(frozen=True)
+class ServeConfig:
+    """Where the proxy listens, and how much it says: `overnight serve`'s own options."""
 
-    vllm = None
+    host: str = field(default="127.0.0.1", metadata={"help": "Address the proxy listens on."})
+    port: int = field(default=8000, metadata={"help": "Port the proxy listens on."})
+    log_level: str = field(
+        default="INFO",
+        metadata={
+            "help": "Logging of the proxy (and of vLLM's start).",
+            "choices": ("DEBUG", "INFO", "WARNING", "ERROR"),
+        },
+    )
+
+
+def serve_forever(proxy: ProxyConfig, vllm: VLLMConfig | None, host: str, port: int) -> None:
+    """Serve `proxy` on host:port until interrupted.
+
+    With `vllm`, start it first and stop it last; `proxy.upstream` is then its URL, so
+    give `vllm` its port beforehand (`launcher.free_port`).
+    """
+    from aiohttp import web
+
+    from overnight.proxy import create_app
+    from overnight.proxy.launcher import VLLMProcess
+
+    if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
+        raise ConfigError(f"with vLLM at {vllm.url}, the proxy's upstream must be its URL")
+    process = None
     # SIGTERM during vLLM's start must still stop the child: make it an exception.
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        if model:
-            vllm = VLLMProcess(
-                VLLMConfig(
-                    model=model,
-                    served_model_name=served_model_name,
-                    max_lora_rank=max_lora_rank,
-                    max_loras=max_loras,
-                    tool_call_parser=tool_call_parser,
-                    extra_args=vllm_args,
-                    log_path=Path(data_dir) / "logs" / "vllm.log",
-                )
-            )
-            log.info("starting vLLM on %s (log: %s)", vllm.url, vllm.config.log_path)
-            vllm.start()
-            vllm.wait_healthy(progress=log.info)
-            upstream = vllm.url
-        config = ProxyConfig(
-            upstream=upstream,
-            data_dir=data_dir,
-            alias=alias,
-            api_keys=api_keys,
-            admin_token=admin_token,
-            upstream_api_key=upstream_api_key,
-            **(tuning or {}),
-        )
+        if vllm is not None:
+            process = VLLMProcess(vllm)
+            log.info("starting vLLM on %s (log: %s)", process.url, vllm.log_path)
+            process.start()
+            process.wait_healthy(progress=log.info)
         signal.signal(signal.SIGTERM, previous)
-        log.info("proxy on http://%s:%d/v1 -> %s, data in %s", host, port, upstream, data_dir)
+        log.info(
+            "proxy on http://%s:%d/v1 -> %s, data in %s", host, port, proxy.upstream, proxy.data_dir
+        )
         # run_app turns SIGINT and SIGTERM into a graceful exit that runs the cleanup.
         web.run_app(
-            create_app(config),
+            create_app(proxy),
             host=host,
             port=port,
             access_log=None,
@@ -84,9 +71,9 @@ def serve_forever(
     except KeyboardInterrupt:
         log.info("interrupted")
     finally:
-        if vllm is not None:
+        if process is not None:
             log.info("stopping vLLM")
-            vllm.stop()
+            process.stop()
         log.info("stopped")
 
 

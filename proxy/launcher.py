@@ -16,38 +16,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 
+from overnight.config import VLLMConfig
 from overnight.errors import OvernightError
+
+# VLLMConfig lives with the other parts' configs (the CLI reads its options there
+# without importing the proxy); it is imported from here too.
+__all__ = ["LaunchError", "VLLMConfig", "VLLMProcess", "free_port", "vllm_command", "wait_healthy"]
 
 
 class LaunchError(OvernightError):
     code = "vllm_launch_failed"
-
-
-@dataclass(frozen=True)
-class VLLMConfig:
-    model: str
-    host: str = "127.0.0.1"
-    # 0 picks a free port; vLLM listens on loopback only, behind the proxy.
-    port: int = 0
-    # The name vLLM serves the base model under; vLLM's default is the model path.
-    served_model_name: str | None = None
-    # Upper bound on the rank of any adapter the trainer may promote.
-    max_lora_rank: int = 16
-    # The current adapter plus one draining while the next is promoted.
-    max_loras: int = 2
-    # Hermes covers Qwen-family chat templates; other families need their own parser.
-    tool_call_parser: str | None = "hermes"
-    extra_args: tuple[str, ...] = ()
-    # Startup on CPU compiles kernels and profiles memory: minutes on a slow machine.
-    startup_timeout: float = 900.0
-    log_path: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_lora_rank < 1 or self.max_loras < 1:
-            raise LaunchError("max_lora_rank and max_loras must be at least 1")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

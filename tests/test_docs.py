@@ -14,20 +14,19 @@ import click
 import pytest
 
 from overnight.cli import main
-from overnight.config import JudgeConfig, ProxyConfig, TrainConfig
+from overnight.config import JudgeConfig, ProxyConfig, TrainConfig, VLLMConfig
+from overnight.options import param_name
+from overnight.serve import ServeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = sorted(main.commands.items())
-
-# Config fields whose flag has another name (a field of the same name needs no entry).
-RENAMED = {
-    (ProxyConfig, "base_model"): "served_model_name",
-    (JudgeConfig, "model"): "judge_model",
-    (JudgeConfig, "base_url"): "judge_base_url",
-    (JudgeConfig, "api_key"): "judge_api_key",
-    (JudgeConfig, "rubric"): "rubric_file",
+COMMAND_OF = {
+    ProxyConfig: "serve",
+    VLLMConfig: "serve",
+    ServeConfig: "serve",
+    JudgeConfig: "judge",
+    TrainConfig: "train",
 }
-COMMAND_OF = {ProxyConfig: "serve", JudgeConfig: "judge", TrainConfig: "train"}
 
 
 def test_the_option_tables_are_generated_from_the_cli_as_it_is():
@@ -41,21 +40,26 @@ def test_every_option_says_what_it_does(name, command):
     assert all(o.help and len(o.help) > 10 for o in options), [
         o.name for o in options if not o.help
     ]
+    flags = [flag for o in options for flag in o.opts + o.secondary_opts]
+    assert len(flags) == len(set(flags)), f"{name} has a flag twice"
     doc = (ROOT / "docs" / "configuration.md").read_text()
     section = doc.split(f"### `overnight {name}`", 1)[1].split("### ", 1)[0]
     for o in options:
         assert f"`{o.opts[0]}`" in section, f"{name} {o.opts[0]} is not in docs/configuration.md"
 
 
-@pytest.mark.parametrize("config_class", [ProxyConfig, JudgeConfig, TrainConfig])
-def test_every_config_field_has_a_flag(config_class):
+@pytest.mark.parametrize("config_class", list(COMMAND_OF))
+def test_every_config_field_says_what_it_does_and_has_a_flag(config_class):
+    """Help lives in the field's metadata; a field without a flag says so (`flag: None`)."""
     command = main.commands[COMMAND_OF[config_class]]
-    params = {p.name for p in command.params}
+    params = {p.name: p for p in command.params}
     for field in dataclasses.fields(config_class):
-        wanted = RENAMED.get((config_class, field.name), field.name)
-        assert wanted in params, (
-            f"{config_class.__name__}.{field.name} has no flag on {command.name}"
-        )
+        name = f"{config_class.__name__}.{field.name}"
+        assert len(field.metadata.get("help", "")) > 10, f"{name} has no help"
+        if field.metadata.get("flag", "") is None:
+            continue
+        assert param_name(field) in params, f"{name} has no flag on {command.name}"
+        assert params[param_name(field)].help == field.metadata["help"]
 
 
 @pytest.mark.parametrize("name,command", COMMANDS)

@@ -1,0 +1,148 @@
+"""Click options built from config dataclasses, so that each option is declared once.
+
+A field becomes `--field-name` with the type of its annotation and the default of the
+dataclass; `bool` becomes `--x/--no-x`, `tuple[...]` a repeatable option, `X | None`
+an option whose absence means None. Its metadata says the rest (TRL's configs carry
+`field(metadata={"help": ...})` the same way):
+
+    help     what the option does (required)
+    flag     the flag, when it is not `--` + name (`--api-key` for `api_keys`); None: no flag
+    name     the parameter's name, when it is not the field's; it names the environment
+             variable `OVERNIGHT_<COMMAND>_<NAME>` and the callback's keyword
+    envvar   a documented environment variable instead (`OVERNIGHT_DATA`)
+    choices  the values accepted (case-insensitive)
+    file     True: the option names a file and the field gets its text
+
+`build` turns the parsed values back into the config object. `load_config_file` reads
+`overnight --config FILE` into the defaults of every command's options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+_TYPES = {str: click.STRING, int: click.INT, float: click.FLOAT}
+
+
+def config_options(cls: type, *, only: Iterable[str] | None = None) -> Callable[[F], F]:
+    """A decorator adding one option per field of `cls` (or of `only`), in field order."""
+    hints = typing.get_type_hints(cls)
+    wanted = [
+        f for f in dataclasses.fields(cls) if _has_flag(f) and (only is None or f.name in only)
+    ]
+    options = [_option(f, hints[f.name]) for f in wanted]
+
+    def decorate(command: F) -> F:
+        for option in reversed(options):  # click lists the last decorator applied first
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def build(cls: type[T], values: Mapping[str, Any], **overrides: Any) -> T:
+    """`cls` from a command's parsed values; fields without a value keep their default
+    (a required field without one is the caller's to check first)."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        name = param_name(f)
+        if f.name in overrides:
+            kwargs[f.name] = overrides[f.name]
+        elif _has_flag(f) and name in values:
+            value = values[name]
+            if f.metadata.get("file") and value is not None:
+                value = Path(value).read_text()
+            if value is not None or _optional(hints[f.name]):
+                kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def load_config_file(ctx: click.Context, _param, value: str | None):
+    """The `--config` callback: the TOML file becomes click's default_map, keyed as on the
+    command line (`api_key` for `--api-key`), a table per command, top-level keys for
+    every command that has the option. Unknown keys and tables are errors."""
+    if value is None:
+        return None
+    try:
+        data = tomllib.loads(Path(value).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise click.BadParameter(f"cannot read config file {value}: {e}") from e
+    group: click.Group = ctx.command  # type: ignore[assignment]
+    shared = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    unknown_tables = set(tables) - set(group.commands)
+    if unknown_tables:
+        raise click.BadParameter(f"{value}: no command named {sorted(unknown_tables)}")
+    flags = {name: _flags(command) for name, command in group.commands.items()}
+    unused = set(shared) - {flag for by_flag in flags.values() for flag in by_flag}
+    if unused:
+        raise click.BadParameter(f"{value}: no command has an option {sorted(unused)}")
+    default_map = {}
+    for name, by_flag in flags.items():
+        entries = {**{k: v for k, v in shared.items() if k in by_flag}, **tables.get(name, {})}
+        unknown = set(entries) - set(by_flag)
+        if unknown:
+            raise click.BadParameter(f"{value}: [{name}] has no option {sorted(unknown)}")
+        default_map[name] = {by_flag[k]: v for k, v in entries.items()}
+    ctx.default_map = default_map
+    return value
+
+
+def _flags(command: click.Command) -> dict[str, str]:
+    """`--api-key` -> `api_key`: parameter name, as config files spell options."""
+    return {
+        opt.lstrip("-").replace("-", "_"): param.name
+        for param in command.params
+        for opt in param.opts
+        if opt.startswith("--")
+    }
+
+
+def param_name(f: dataclasses.Field) -> str:
+    """The click parameter a field becomes (the callback's keyword)."""
+    return f.metadata.get("name", f.name)
+
+
+def _has_flag(f: dataclasses.Field) -> bool:
+    return f.metadata.get("flag", "") is not None
+
+
+def _optional(hint: Any) -> bool:
+    return type(None) in typing.get_args(hint)
+
+
+def _option(f: dataclasses.Field, hint: Any) -> Callable[[F], F]:
+    meta = f.metadata
+    name = param_name(f)
+    flag = meta.get("flag") or "--" + name.replace("_", "-")
+    base = (
+        next(a for a in typing.get_args(hint) if a is not type(None)) if _optional(hint) else hint
+    )
+    default = None if f.default is dataclasses.MISSING else f.default
+    kwargs: dict[str, Any] = {"help": meta["help"], "envvar": meta.get("envvar")}
+    if meta.get("file"):
+        kwargs["type"] = click.Path(dir_okay=False, exists=True, path_type=Path)
+        default = None  # the field's own default stands for "no file"
+    elif base is bool:
+        flag = f"{flag}/--no-{flag[2:]}"
+    elif typing.get_origin(base) is tuple:
+        kwargs.update(multiple=True, type=_TYPES[typing.get_args(base)[0]])
+    elif "choices" in meta:
+        kwargs["type"] = click.Choice(meta["choices"], case_sensitive=False)
+    elif base is Path:  # every Path a command takes is a directory
+        kwargs["type"] = click.Path(file_okay=False, path_type=Path)
+    else:
+        kwargs["type"] = _TYPES[base]
+    # A repeatable option's default is not worth a line of help; None shows nothing.
+    kwargs["show_default"] = default is not None and not kwargs.get("multiple")
+    return click.option(flag, name, default=default, **kwargs)
