@@ -1,19 +1,23 @@
 """Storage: the record schema, the durable writer and the DuckDB reader.
 
-The leaf of the dependency graph: it imports none of overnight's other parts.
+The leaf of the dependency graph: it imports none of overnight's other parts (only the
+ground they share, `overnight.errors`, for `StoreUnavailable`).
 """
 
 from .ids import new_id, now_us
 from .reader import finished_groups, open_db
-from .schema import SCHEMA_VERSION, SchemaVersionError
-from .writer import LogWriter, WriterConfig, recover
+from .schema import SCHEMA_VERSION, SchemaVersionError, fit_row
+from .writer import LogWriter, StoreUnavailable, WriterConfig, WriterHealth, recover
 
 __all__ = [
     "SCHEMA_VERSION",
     "LogWriter",
     "SchemaVersionError",
+    "StoreUnavailable",
     "WriterConfig",
+    "WriterHealth",
     "finished_groups",
+    "fit_row",
     "new_id",
     "now_us",
     "open_db",

@@ -9,17 +9,24 @@ fsync returned.
 Listing order matters: logs are listed first, segments second. A log compacted in
 between then shows up as a segment (its stem names it) and is not counted twice,
 and never goes missing.
+
+A live log is read as compaction will read it: a value that does not fit its column is
+made to fit (with a note), and a line that cannot be stored is left out here (and set
+aside when its log is compacted), so one bad line never stops a reader.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
 from .schema import TABLES, check_versions
-from .segments import log_files, read_log, rows_to_table, segment_files
+from .segments import log_files, read_log, segment_files, to_arrow
+
+log = logging.getLogger("overnight.storage")
 
 # Views built on the three stored tables: what people and the trainer ask about.
 # Every completion row has a rollout and a group (the proxy fills in its own ids for
@@ -101,10 +108,11 @@ def snapshot(data_dir: Path) -> tuple[dict[str, pa.Table], dict[str, list[Path]]
                 rows[table].extend((path.stem, r) for r in table_rows)
     segments = {name: segment_files(data_dir, name) for name in TABLES}
     compacted = {p.stem for paths in segments.values() for p in paths}
-    live = {
-        name: rows_to_table(name, [r for stem, r in pairs if stem not in compacted])
-        for name, pairs in rows.items()
-    }
+    live = {}
+    for name, pairs in rows.items():
+        live[name], rejected = to_arrow(name, [r for stem, r in pairs if stem not in compacted])
+        if rejected:
+            log.warning("%s: %d live row(s) left out: %s", name, len(rejected), rejected[0][1])
     return live, segments
 
 

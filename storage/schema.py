@@ -4,15 +4,30 @@ Every row carries `schema_version`; readers refuse versions newer than
 `SCHEMA_VERSION` with a message that says what to do, instead of misreading them.
 Bump the version when a column changes meaning; adding a nullable column does not
 need a bump (DuckDB unions segments by name).
+
+`fit_row` checks a row against its table before it reaches the log: a value that does
+not fit its column (a number as `model_requested`, a string as `turn_index`) would make
+Arrow refuse the whole log file at compaction, so it is stored in a form that fits,
+its JSON text in a string column, null elsewhere, with a note in the row's `notes`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+
+import orjson
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
 
 _TS = pa.timestamp("us", tz="UTC")
+# In every table, last: JSON object text, column name -> what was changed to make the
+# row fit (see `fit_row`); null for a row stored as it came. Nullable and added without
+# a version bump: segments written before it read as null (DuckDB unions by name).
+NOTES = pa.field("notes", pa.string())
 
 # One row per choice of a chat or text completion that passed through the proxy.
 COMPLETIONS = pa.schema(
@@ -47,6 +62,7 @@ COMPLETIONS = pa.schema(
         ("stream", pa.bool_()),
         ("logged", pa.bool_()),  # false under X-Rollout-Log: off (bodies not kept)
         ("proxy_id", pa.string()),  # the proxy process that wrote the row
+        NOTES,
     ]
 )
 
@@ -62,6 +78,7 @@ REWARDS = pa.schema(
         ("created_at", _TS),
         ("proxy_id", pa.string()),  # the process that wrote it (a proxy or a judge run)
         ("judgment_id", pa.string()),  # for rewards derived from a judgment
+        NOTES,
     ]
 )
 
@@ -94,6 +111,7 @@ JUDGMENTS = pa.schema(
         ("cost_usd", pa.float64()),  # null when the judge has no known price
         ("latency_ms", pa.float64()),
         ("proxy_id", pa.string()),
+        NOTES,
     ]
 )
 
@@ -104,6 +122,7 @@ FINISHES = pa.schema(
         ("schema_version", pa.int16()),
         ("finished_at", _TS),
         ("proxy_id", pa.string()),
+        NOTES,
     ]
 )
 
@@ -129,6 +148,7 @@ TRAINING_RUNS = pa.schema(
         ("metrics", pa.string()),  # JSON: per step and per group statistics
         ("error", pa.string()),
         ("proxy_id", pa.string()),
+        NOTES,
     ]
 )
 
@@ -158,3 +178,202 @@ def check_versions(table: str, versions: list[int]) -> None:
             f"{table}: rows with schema version {newer} are newer than this overnight "
             f"understands (version {SCHEMA_VERSION}); upgrade overnight to read them"
         )
+
+
+# -- making a row fit its table ------------------------------------------------------------
+
+# Columns that hold JSON text: logged as nested JSON, encoded once, at compaction.
+JSON_COLUMNS = frozenset({"request", "response", "metrics", "config", "notes"})
+# What Arrow raises when a Python value does not fit a column.
+ARROW_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError)
+# The longest original value quoted in a note (its JSON text), so that a note stays small.
+NOTE_VALUE_CHARS = 2000
+_UNREADABLE = object()
+
+
+def _spec(t: pa.DataType) -> tuple[frozenset[type], int | None, int | None]:
+    """(Python types that surely fit `t`, and the range an int must be in)."""
+    if pa.types.is_string(t):
+        return frozenset({str}), None, None
+    if pa.types.is_boolean(t):
+        return frozenset({bool}), None, None
+    if pa.types.is_integer(t) or pa.types.is_timestamp(t):
+        bits = 64 if pa.types.is_timestamp(t) else t.bit_width
+        return frozenset({int}), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    if pa.types.is_floating(t):  # Arrow refuses ints a double cannot hold exactly
+        return frozenset({float, int}), -(2**53), 2**53
+    # Lists: their items are checked where Arrow converts them (at compaction), so that
+    # the hot path stays a type lookup per column, not one per token id.
+    return frozenset({list, tuple}), None, None
+
+
+_SPECS = {
+    table: {f.name: _spec(f.type) for f in schema if f.name not in JSON_COLUMNS}
+    for table, schema in TABLES.items()
+}
+
+
+def fit_row(table: str, row: dict) -> dict:
+    """`row` itself when each of its values fits its column, else a copy that fits.
+
+    This runs per row on the proxy's hot path (in the writer thread): one dict lookup and
+    one type test per column. JSON columns take any value; columns the table does not
+    know are left alone (compaction drops them). Raises KeyError for an unknown table
+    and TypeError for a row that is not a dict.
+    """
+    specs = _SPECS[table]
+    if type(row) is not dict:
+        raise TypeError(f"a {table} row must be a dict, not {type(row).__name__}")
+    for name, value in row.items():
+        spec = specs.get(name)
+        if spec is None or value is None:
+            continue
+        kind = type(value)
+        if kind not in spec[0] or (
+            spec[1] is not None and kind is int and not spec[1] <= value <= spec[2]
+        ):
+            return _refit(table, row)
+    return row
+
+
+def _refit(table: str, row: dict) -> dict:
+    fitted = dict(row)  # never change the caller's dict
+    schema = TABLES[table]
+    for name, spec in _SPECS[table].items():
+        value = row.get(name)
+        if value is None:
+            continue
+        kind = type(value)
+        if kind in spec[0] and (spec[1] is None or kind is not int or spec[1] <= value <= spec[2]):
+            continue
+        fitted[name], note = fit_value(schema.field(name).type, value)
+        if note:
+            add_note(fitted, name, note)
+    return fitted
+
+
+def fits(t: pa.DataType, value: object) -> bool:
+    """Whether `value` goes into a column of type `t` as it is. Stricter than Arrow,
+    which cuts 1.5 to 1 in an int column and takes "ab" as the list ["a", "b"]."""
+    if value is None:
+        return True
+    kind = type(value)
+    if pa.types.is_string(t):
+        return kind is str
+    if pa.types.is_boolean(t):
+        return kind is bool
+    if pa.types.is_integer(t) or pa.types.is_timestamp(t):
+        if kind is float and value.is_integer():  # type: ignore[attr-defined]
+            value, kind = int(value), int  # JSON has no ints: 3.0 is 3
+        _, lo, hi = _spec(t)
+        return kind is int and lo <= value <= hi  # type: ignore[operator]
+    if pa.types.is_floating(t):
+        return kind is float or (kind is int and abs(value) <= 2**53)  # type: ignore[arg-type]
+    if pa.types.is_list(t):
+        return kind in (list, tuple) and all(fits(t.value_type, v) for v in value)  # type: ignore[attr-defined]
+    if pa.types.is_struct(t):
+        return kind is dict and all(fits(f.type, value.get(f.name)) for f in t)  # type: ignore[attr-defined]
+    try:  # nothing else is in the schema today
+        pa.array([value], type=t)
+        return True
+    except ARROW_ERRORS:
+        return False
+
+
+def fit_value(t: pa.DataType, value: object) -> tuple[object, str | None]:
+    """A value that fits `t`, and a note saying what was changed (None: nothing lost)."""
+    text = json_text(value)
+    try:  # what the log gives back: a datetime, a UUID, a numpy number, as JSON has them
+        back = orjson.loads(text)
+    except ValueError:  # deeper than orjson reads
+        back = _UNREADABLE
+    if back is not _UNREADABLE and (back is None) == (value is None) and fits(t, back):
+        return back, None
+    what = f"{type(value).__name__} does not fit {t}"
+    if pa.types.is_string(t):
+        return text, f"{what}: stored as its JSON text"
+    if len(text) > NOTE_VALUE_CHARS:
+        text = f"{text[:NOTE_VALUE_CHARS]}... ({len(text)} characters)"
+    return None, f"{what}: stored as null; the value was {text}"
+
+
+def add_note(row: dict, column: str, note: str) -> None:
+    notes = row.get("notes")
+    if isinstance(notes, str):  # already encoded (at compaction)
+        with contextlib.suppress(ValueError):
+            notes = orjson.loads(notes)
+    if not isinstance(notes, dict):
+        notes = {} if notes is None else {"notes": notes}
+    row["notes"] = {**notes, column: note}
+
+
+# -- JSON text that never fails ------------------------------------------------------------
+
+
+def json_text(value: object) -> str:
+    """`value` as JSON text, whatever it holds: nesting deeper than any recursion limit,
+    ints over 64 bits, keys that are not strings, a container holding itself (cut off
+    as "<cycle>"), objects JSON has no type for (their str())."""
+    try:
+        return orjson.dumps(value, default=_str, option=orjson.OPT_NON_STR_KEYS).decode()
+    except (TypeError, ValueError):  # orjson stops at 255 levels and at 64-bit ints
+        return "".join(_iter_json(value))
+
+
+def _str(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+
+
+def _iter_json(value: object) -> Iterator[str]:
+    # An explicit stack instead of recursion: no depth limit. Each entry is either text
+    # to emit, a value to encode, or the id of a container whose encoding ends there.
+    stack: list[tuple[str, object]] = [("value", value)]
+    inside: set[int] = set()
+    while stack:
+        what, item = stack.pop()
+        if what == "text":
+            yield item  # type: ignore[misc]
+        elif what == "leave":
+            inside.discard(item)  # type: ignore[arg-type]
+        elif isinstance(item, dict | list | tuple):
+            if id(item) in inside:
+                yield '"<cycle>"'
+                continue
+            inside.add(id(item))
+            stack.append(("leave", id(item)))
+            stack.extend(reversed(list(_members(item))))
+        else:
+            yield _scalar(item)
+
+
+def _members(item: dict | list | tuple) -> Iterator[tuple[str, object]]:
+    """The stack entries of one container, in output order."""
+    is_dict = isinstance(item, dict)
+    yield "text", "{" if is_dict else "["
+    pairs = item.items() if is_dict else enumerate(item)
+    for i, (key, member) in enumerate(pairs):
+        comma = "," if i else ""
+        yield (
+            "text",
+            comma + (_scalar(key if isinstance(key, str) else _str(key)) + ":" if is_dict else ""),
+        )
+        yield "value", member
+    yield "text", "}" if is_dict else "]"
+
+
+def _scalar(value: object) -> str:
+    if value is None or value is True or value is False:
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float):
+        return repr(float(value)) if math.isfinite(value) else "null"
+    if isinstance(value, str):
+        try:
+            return orjson.dumps(value).decode()
+        except TypeError:  # a lone surrogate: escaped as \\udXXX, which JSON allows
+            return json.dumps(value)
+    return _scalar(_str(value))

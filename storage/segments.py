@@ -6,26 +6,44 @@ return), so it is dropped. A sealed log becomes one Parquet file per table and d
 `{table}/date=YYYY-MM-DD/{log stem}.parquet`, written to a temporary name, fsynced and
 renamed, and only then is the log deleted. Readers use the stem to avoid counting a
 row twice while a log and its segment briefly both exist.
+
+No single line can stop a log from being compacted: a value Arrow refuses is made to
+fit its column (`schema.fit_value`, with a note), and a line that still cannot be
+stored (not JSON, an unknown table) is set aside, whole, in `quarantine/{log stem}.jsonl`
+with the reason, counted and logged. Every file and directory made here is owner-only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import os
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import SCHEMA_VERSION, TABLES
+from .schema import (
+    ARROW_ERRORS,
+    JSON_COLUMNS,
+    SCHEMA_VERSION,
+    TABLES,
+    add_note,
+    fit_value,
+    fits,
+    json_text,
+)
 
 log = logging.getLogger("overnight.storage")
 
 LOG_DIR = "wal"
 LOG_SUFFIX = ".jsonl"
+QUARANTINE_DIR = "quarantine"
 # Large row groups keep DuckDB scans fast; a segment is rarely larger than this.
 ROW_GROUP_SIZE = 128 * 1024
 # The column whose day partitions each table.
@@ -38,48 +56,145 @@ PARTITION_COLUMN = {
 }
 
 
-def read_log(path: Path) -> tuple[dict[str, list[dict]], int]:
-    """Rows by table from one log file, and how many damaged lines were skipped."""
-    rows: dict[str, list[dict]] = defaultdict(list)
-    skipped = 0
+@dataclass
+class ParsedLog:
+    """One log file read back: the rows by table, each with the line it came from."""
+
+    rows: dict[str, list[tuple[dict, bytes]]] = field(default_factory=lambda: defaultdict(list))
+    torn: int = 0  # a last line without its newline: never committed, dropped
+    damaged: list[tuple[bytes, str]] = field(default_factory=list)  # (line, why)
+
+
+def parse_log(path: Path) -> ParsedLog:
     with open(path, "rb") as f:
         data = f.read()
     lines = data.split(b"\n")
+    parsed = ParsedLog()
     # Everything after the last newline is a torn write that never committed.
     complete, tail = lines[:-1], lines[-1]
-    if tail:
-        skipped += 1
+    parsed.torn = 1 if tail else 0
     for line in complete:
         if not line:
             continue
-        try:
+        entry = _parse_line(line)
+        if isinstance(entry, str):
+            parsed.damaged.append((line, entry))
+        else:
+            parsed.rows[entry["t"]].append((entry["r"], line))
+    return parsed
+
+
+def _parse_line(line: bytes) -> dict | str:
+    """The entry of one line, or why it has none."""
+    try:
+        entry = orjson.loads(line)
+    except ValueError:
+        try:  # NaN, ints over 64 bits: the json module writes and reads them
             entry = json.loads(line)
-            rows[entry["t"]].append(entry["r"])
-        except (ValueError, KeyError, TypeError):
-            skipped += 1
-    return rows, skipped
+        except (ValueError, RecursionError) as e:
+            return f"not JSON: {type(e).__name__}: {str(e)[:200]}"
+    if not isinstance(entry, dict) or not isinstance(entry.get("r"), dict):
+        return 'not a {"t": table, "r": row} entry'
+    if entry.get("t") not in TABLES:
+        return f"unknown table {str(entry.get('t'))[:100]!r}"
+    return entry
 
 
-# Columns that hold JSON text; the proxy logs them as nested JSON (encoded once).
-JSON_COLUMNS = ("request", "response", "metrics", "config")
+def read_log(path: Path) -> tuple[dict[str, list[dict]], int]:
+    """Rows by table from one log file, and how many damaged lines were skipped."""
+    parsed = parse_log(path)
+    rows = {table: [row for row, _ in pairs] for table, pairs in parsed.rows.items()}
+    return rows, parsed.torn + len(parsed.damaged)
 
 
 def rows_to_table(table: str, rows: list[dict]) -> pa.Table:
-    """Arrow table in the table's schema; columns it does not know are dropped."""
+    """Arrow table in the table's schema; columns it does not know are dropped, rows
+    Arrow refuses even after fitting are left out (see `to_arrow`)."""
+    return to_arrow(table, rows)[0]
+
+
+def to_arrow(table: str, rows: list[dict]) -> tuple[pa.Table, list[tuple[int, str]]]:
+    """Arrow table of the rows that fit, and (index, why) of those that do not.
+
+    The first try is the whole list at once. Only when Arrow refuses it are the values
+    checked one by one (list items included: the writer checks only the list's type,
+    to stay cheap) and the ones that do not fit are replaced, with a note.
+    """
     schema = TABLES[table]
+    _encode_json_columns(schema, rows)
+    try:
+        return pa.Table.from_pylist(rows, schema=schema), []
+    except ARROW_ERRORS:
+        pass
+    for f in schema:
+        if f.name not in JSON_COLUMNS:
+            _refit_column(f, rows)
+    _encode_json_columns(schema, rows)  # the notes just added
+    try:
+        return pa.Table.from_pylist(rows, schema=schema), []
+    except ARROW_ERRORS:
+        pass
+    # Nothing known gets here; should something, it costs one row, not the file.
+    good, rejected = [], []
+    for i, row in enumerate(rows):
+        try:
+            pa.Table.from_pylist([row], schema=schema)
+            good.append(row)
+        except ARROW_ERRORS as e:
+            rejected.append((i, f"Arrow refused the row: {type(e).__name__}: {str(e)[:200]}"))
+    return pa.Table.from_pylist(good, schema=schema), rejected
+
+
+def _encode_json_columns(schema: pa.Schema, rows: list[dict]) -> None:
     for column in JSON_COLUMNS:
         if column in schema.names:
             for row in rows:
                 value = row.get(column)
                 if value is not None and not isinstance(value, str):
-                    row[column] = json.dumps(value, ensure_ascii=False)
-    return pa.Table.from_pylist(rows, schema=schema)
+                    try:
+                        row[column] = json.dumps(value, ensure_ascii=False)
+                    except (ValueError, TypeError, RecursionError):  # too deep, a cycle
+                        row[column] = json_text(value)
 
 
-def _day(micros: int | None) -> str:
-    if micros is None:
+def _refit_column(f: pa.Field, rows: list[dict]) -> None:
+    try:
+        pa.array([row.get(f.name) for row in rows], type=f.type)
+        return
+    except ARROW_ERRORS:
+        pass
+    for row in rows:
+        value = row.get(f.name)
+        if value is not None and not fits(f.type, value):
+            row[f.name], note = fit_value(f.type, value)
+            if note:
+                add_note(row, f.name, note)
+
+
+def _day(micros: object) -> str:
+    try:
+        return dt.datetime.fromtimestamp(micros / 1e6, dt.UTC).strftime("%Y-%m-%d")  # type: ignore[operator]
+    except (TypeError, ValueError, OverflowError, OSError):  # null, or not a time
         return "unknown"
-    return dt.datetime.fromtimestamp(micros / 1e6, dt.UTC).strftime("%Y-%m-%d")
+
+
+def private_dir(path: Path) -> None:
+    """Make `path` and its missing parents owner-only (0o700); existing ones are kept as
+    they are (the operator may have chosen their mode)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made by another process meanwhile
+            directory.mkdir(mode=0o700)
+
+
+def _create_private(path: Path) -> None:
+    """An empty owner-only file at `path`, so that what is written there is never
+    readable by others, not even for a moment."""
+    path.unlink(missing_ok=True)  # a leftover keeps its mode: start over
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -90,39 +205,86 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_segment(table: pa.Table, path: Path) -> None:
-    """Write atomically: a reader sees the whole file or none of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    metadata = {b"overnight.schema_version": str(SCHEMA_VERSION).encode()}
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
-    pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP_SIZE)
+def _replace_durably(tmp: Path, path: Path) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
-def compact_log(data_dir: Path, log_path: Path) -> int:
-    """Turn one sealed log into Parquet segments and delete it; returns rows written."""
-    rows_by_table, skipped = read_log(log_path)
-    if skipped:
-        log.warning("%s: skipped %d damaged or torn line(s)", log_path.name, skipped)
+def write_segment(table: pa.Table, path: Path) -> None:
+    """Write atomically: a reader sees the whole file or none of it."""
+    private_dir(path.parent)
+    tmp = path.with_name(f".{path.name}.tmp")
+    metadata = {b"overnight.schema_version": str(SCHEMA_VERSION).encode()}
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    _create_private(tmp)
+    pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP_SIZE)
+    _replace_durably(tmp, path)
+
+
+def quarantine(data_dir: Path, log_path: Path, lines: list[tuple[bytes, str]]) -> Path:
+    """Set `lines` aside in `quarantine/{log stem}.jsonl`, one JSON object per line:
+    `{"log": name, "reason": why, "line": the line as text}`. Written whole or not at
+    all, so compacting the same log again (after a crash) leaves the same file."""
+    path = data_dir / QUARANTINE_DIR / f"{log_path.stem}{LOG_SUFFIX}"
+    private_dir(path.parent)
+    tmp = path.with_name(f".{path.name}.tmp")
+    _create_private(tmp)
+    with open(tmp, "wb") as f:
+        for line, why in lines:
+            text = line.decode("utf-8", "replace")
+            f.write(json_text({"log": log_path.name, "reason": why, "line": text}).encode() + b"\n")
+    _replace_durably(tmp, path)
+    return path
+
+
+@dataclass
+class Compacted:
+    rows: int  # written to segments
+    quarantined: int  # lines set aside
+
+
+def compact(data_dir: Path, log_path: Path) -> Compacted:
+    """Turn one sealed log into Parquet segments and delete it."""
+    parsed = parse_log(log_path)
+    set_aside = list(parsed.damaged)
     written = 0
-    for table, rows in rows_by_table.items():
-        if table not in TABLES:
-            log.error("%s: unknown table %r, %d row(s) kept in the log", log_path, table, len(rows))
-            return written
-        by_day: dict[str, list[dict]] = defaultdict(list)
-        for row in rows:
-            by_day[_day(row.get(PARTITION_COLUMN[table]))].append(row)
-        for day, day_rows in by_day.items():
-            out = data_dir / table / f"date={day}" / f"{log_path.stem}.parquet"
-            write_segment(rows_to_table(table, day_rows), out)
-            written += len(day_rows)
+    for table, pairs in parsed.rows.items():
+        by_day: dict[str, list[tuple[dict, bytes]]] = defaultdict(list)
+        for row, line in pairs:
+            by_day[_day(row.get(PARTITION_COLUMN[table]))].append((row, line))
+        for day, day_pairs in by_day.items():
+            arrow, rejected = to_arrow(table, [row for row, _ in day_pairs])
+            set_aside += [(day_pairs[i][1], why) for i, why in rejected]
+            if arrow.num_rows:
+                out = data_dir / table / f"date={day}" / f"{log_path.stem}.parquet"
+                write_segment(arrow, out)
+                written += arrow.num_rows
+    if parsed.torn or parsed.damaged:
+        log.warning(
+            "%s: skipped %d damaged or torn line(s) (%d torn last line, never committed)",
+            log_path.name,
+            parsed.torn + len(parsed.damaged),
+            parsed.torn,
+        )
+    if set_aside:
+        where = quarantine(data_dir, log_path, set_aside)
+        log.error(
+            "%s: %d line(s) could not be stored and were set aside in %s; first reason: %s",
+            log_path.name,
+            len(set_aside),
+            where,
+            set_aside[0][1],
+        )
     log_path.unlink()
     _fsync_dir(log_path.parent)
-    return written
+    return Compacted(written, len(set_aside))
+
+
+def compact_log(data_dir: Path, log_path: Path) -> int:
+    """`compact`, returning the rows written."""
+    return compact(data_dir, log_path).rows
 
 
 def segment_files(data_dir: Path, table: str) -> list[Path]:
@@ -133,9 +295,19 @@ def log_files(data_dir: Path) -> list[Path]:
     return sorted((data_dir / LOG_DIR).glob(f"*{LOG_SUFFIX}"))
 
 
-if __name__ == "__main__":
-    # `python -m overnight.storage.segments DATA_DIR LOG`: what the writer runs in a child.
+def quarantine_files(data_dir: Path) -> list[Path]:
+    return sorted((data_dir / QUARANTINE_DIR).glob(f"*{LOG_SUFFIX}"))
+
+
+def main(argv: list[str]) -> None:
+    """`main([DATA_DIR, LOG])`: what the writer runs in a child. It prints
+    `rows N quarantined M`; what it logs goes to stderr, which the writer passes on."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    done = compact(Path(argv[0]), Path(argv[1]))
+    print("rows", done.rows, "quarantined", done.quarantined)
+
+
+if __name__ == "__main__":  # python -m overnight.storage.segments DATA_DIR LOG
     import sys
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    print("rows", compact_log(Path(sys.argv[1]), Path(sys.argv[2])))
+    main(sys.argv[1:])
