@@ -2,7 +2,8 @@
 
 `--reward module:function` (or `path/to/file.py:function`) names a function that takes
 one rollout, `{"rollout_id", "group_id", "messages", "tools"}` with `messages` the
-whole conversation, and returns a number (higher is better). It may be async.
+whole conversation of its last turn, and returns a number (higher is better). It may
+be async.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class RewardFunction:
             rollout = {
                 "rollout_id": t.rollout_id,
                 "group_id": group.group_id,
-                "messages": t.messages,
+                "messages": t.last_conversation,
                 "tools": t.tools,
             }
             value: Any = self.fn(rollout)

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 
 from overnight.config import JudgeConfig
 
-from .trajectories import Group, distinct, shared_prefix, trim_tool_outputs
+from .budget import Block, Counter, Cut, estimate, fit
+from .cache import ANSWER, PERMANENT, error_class, judge_key, prompt_key
+from .trajectories import (
+    MARKER_ROLE,
+    Group,
+    content_text,
+    distinct,
+    shared_prefix,
+    trim_tool_outputs,
+)
 
 DEFAULT_RUBRIC = """\
 - A trajectory that reaches the goal set by the system and user messages scores higher
@@ -39,6 +48,9 @@ You are a careful judge. Several attempts (trajectories) at the same task are sh
 side by side. Messages every attempt shares are given once as <context>; each
 <trajectory> continues from there. Score every trajectory from 0 to 1 against the
 rubric, relative to the others, and explain each score in one or two sentences.
+A line "--- turn N does not continue the conversation above ... ---" marks a turn of
+the same attempt that starts a new context (a compacted history, a summary, a
+sub-agent): what follows belongs to the attempt as much as what came before.
 Answer with JSON only: {"scores": [{"trajectory_id": "1", "explanation": "...",
 "score": 0.5}, ...]}, one entry per trajectory."""
 
@@ -83,6 +95,17 @@ def rubric_hash(rubric: str) -> str:
     return hashlib.sha256(rubric.encode()).hexdigest()[:16]
 
 
+# The prompt's own wording and answer format: a new wording is a new judge (cache key).
+PROMPT_FORMAT = hashlib.sha256(
+    (SYSTEM + json.dumps(RESPONSE_FORMAT, sort_keys=True)).encode()
+).hexdigest()[:16]
+
+
+def key_of(config: JudgeConfig) -> str:
+    """The judge key (judge/cache.py) of this judge, its settings and its rubric."""
+    return judge_key(config, config.rubric or DEFAULT_RUBRIC, PROMPT_FORMAT)
+
+
 # -- the prompt -----------------------------------------------------------------------
 
 
@@ -93,6 +116,7 @@ class Prompt:
     rollouts: dict[str, str]  # trajectory id -> the rollout it stands for
     representative: dict[str, str]  # every rollout -> the judged rollout it duplicates
     shortened: int  # tool outputs cut in the middle
+    cut: Cut | None = None  # what fitting the budget cut; None when nothing had to be
 
     @property
     def hash(self) -> str:
@@ -101,11 +125,9 @@ class Prompt:
 
 def render_message(message: dict) -> str:
     role = message.get("role", "?")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: keep the text, name the rest
-        content = " ".join(
-            p.get("text") or f"<{p.get('type')}>" for p in content if isinstance(p, dict)
-        )
+    if role == MARKER_ROLE:
+        return f"--- {message.get('content')} ---"
+    content = content_text(message.get("content"))
     lines = []
     if role == "tool":
         lines.append(
@@ -119,39 +141,63 @@ def render_message(message: dict) -> str:
     return "\n".join(lines) or f"[{role}]"
 
 
+def _block(message: dict, last: bool = False) -> Block:
+    """A rendered message, and whether the budget may cut it (never a trajectory's last)."""
+    role = message.get("role")
+    kind = "fixed" if last or role == MARKER_ROLE else "tool" if role == "tool" else "message"
+    return Block(render_message(message), kind)
+
+
 def build_prompt(
-    group: Group, rubric: str, max_tool_chars: int, share_prefix: bool = True
+    group: Group,
+    rubric: str,
+    max_tool_chars: int,
+    share_prefix: bool = True,
+    *,
+    budget: int | None = None,
+    counter: Counter | None = None,
 ) -> Prompt:
-    """The judge's messages. `share_prefix=False` sends every trajectory whole (and its
-    tools with it): only for measuring what the packing saves."""
+    """The judge's messages, within `budget` tokens (as `counter` counts them) when given.
+    `share_prefix=False` sends every trajectory whole (and its tools with it): only for
+    measuring what the packing saves."""
     unique, representative = distinct(group.trajectories)
     prefix = shared_prefix(unique) if share_prefix else 0
     context = unique[0].messages[:prefix]
     tools_alike = share_prefix and all(t.tools == unique[0].tools for t in unique)
-    parts = ["<context>", *map(render_message, context), "</context>"]
+    fixed = lambda text: Block(text, "fixed")  # noqa: E731
+    blocks = [fixed("<context>"), *map(_block, context), fixed("</context>")]
     if tools_alike and unique[0].tools:
-        parts += ["<tools>", json.dumps(unique[0].tools, ensure_ascii=False), "</tools>"]
+        blocks += [fixed("<tools>"), fixed(json.dumps(unique[0].tools, ensure_ascii=False))]
+        blocks.append(fixed("</tools>"))
     rollouts, shortened = {}, 0
     for i, t in enumerate(unique, start=1):
         messages, cut = trim_tool_outputs(t.messages[prefix:], max_tool_chars)
         shortened += cut
-        parts.append(f'<trajectory id="{i}">')
+        blocks.append(fixed(f'<trajectory id="{i}">'))
         if not tools_alike and t.tools:
-            parts.append("<tools>" + json.dumps(t.tools, ensure_ascii=False) + "</tools>")
-        parts += [*map(render_message, messages), "</trajectory>"]
+            blocks.append(fixed("<tools>" + json.dumps(t.tools, ensure_ascii=False) + "</tools>"))
+        blocks += [_block(m, last=j == len(messages) - 1) for j, m in enumerate(messages)]
+        blocks.append(fixed("</trajectory>"))
         rollouts[str(i)] = t.rollout_id
-    parts += ["<rubric>", rubric, "</rubric>"]
+    blocks += [fixed("<rubric>"), fixed(rubric), fixed("</rubric>")]
+    blocks.append(fixed(f"Score all {len(unique)} trajectories, ids 1 to {len(unique)}."))
+    count = counter or Counter("chars/4", estimate)
+    texts, budget_cut = fit(blocks, lambda texts: count.count(_messages(texts)), budget, count.name)
+    notes = []
     if shortened:
-        parts.append(
-            f"Note: {shortened} long tool output(s) were shortened in the middle; "
-            "the marker '[... N characters omitted ...]' shows where."
+        notes.append(f"{shortened} long tool output(s) were shortened in the middle")
+    if budget_cut is not None:
+        notes.append(budget_cut.sentence())
+    if notes:
+        texts.insert(
+            len(texts) - 1,
+            f"Note: {'; '.join(notes)}; the marker '[... N characters omitted ...]' shows where.",
         )
-    parts.append(f"Score all {len(unique)} trajectories, ids 1 to {len(unique)}.")
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "\n".join(parts)},
-    ]
-    return Prompt(messages, list(rollouts), rollouts, representative, shortened)
+    return Prompt(_messages(texts), list(rollouts), rollouts, representative, shortened, budget_cut)
+
+
+def _messages(texts: list[str]) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n".join(texts)}]
 
 
 # -- the answer -----------------------------------------------------------------------
@@ -204,22 +250,59 @@ def parse_scores(text: str | None, ids: list[str]) -> dict[str, tuple[float, str
 @dataclass
 class Judgment:
     group_id: str
-    prompt_hash: str
+    prompt_hash: str  # the cache key: the judge key and the messages (judge/cache.py)
+    judge_key: str = ""
     scores: dict[str, tuple[float, str]] = field(default_factory=dict)  # rollout -> (score, why)
     error: str | None = None
+    error_class: str | None = None  # judge/cache.py: PERMANENT, TRANSIENT, ANSWER, NO_SIGNAL
+    cut: Cut | None = None  # what fitting the budget cut from the prompt
     attempts: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float | None = None
     latency_ms: float = 0.0
 
+    def notes(self) -> dict:
+        """What the judgments table keeps in `notes`: the judge key, why it failed, what
+        was cut."""
+        notes: dict = {"judge_key": self.judge_key}
+        if self.error_class:
+            notes["error_class"] = self.error_class
+        if self.cut is not None:
+            notes["prompt_cut"] = {**vars(self.cut), "what": self.cut.sentence()}
+        return notes
+
+
+def prompt_for(
+    group: Group, config: JudgeConfig, budget: int | None = None, counter: Counter | None = None
+) -> Prompt:
+    return build_prompt(
+        group,
+        config.rubric or DEFAULT_RUBRIC,
+        config.max_tool_chars,
+        budget=budget,
+        counter=counter,
+    )
+
+
+def new_judgment(group: Group, config: JudgeConfig, prompt: Prompt) -> Judgment:
+    key = key_of(config)
+    return Judgment(group.group_id, prompt_key(key, prompt.messages), key, cut=prompt.cut)
+
 
 async def judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None = None) -> Judgment:
     """Score a group; never raises for the judge's failures (they are in `.error`)."""
     litellm = import_litellm()
 
-    prompt = prompt or build_prompt(group, config.rubric or DEFAULT_RUBRIC, config.max_tool_chars)
-    judgment = Judgment(group.group_id, prompt.hash)
+    prompt = prompt or prompt_for(group, config)
+    judgment = new_judgment(group, config, prompt)
+    if prompt.cut is not None and not prompt.cut.fits:  # it would fail on every try
+        judgment.error = (
+            f"not sent: the prompt is {prompt.cut.tokens_after} tokens after shortening "
+            f"everything but the last turns, over the budget of {prompt.cut.budget}"
+        )
+        judgment.error_class = PERMANENT
+        return judgment
     messages = list(prompt.messages)
     started = time.perf_counter()
     try:
@@ -229,7 +312,7 @@ async def judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None =
             try:
                 by_id = parse_scores(text, prompt.ids)
             except BadAnswer as e:
-                judgment.error = f"unusable answer: {e}"
+                judgment.error, judgment.error_class = f"unusable answer: {e}", ANSWER
                 messages += [
                     {"role": "assistant", "content": text or ""},
                     {
@@ -240,7 +323,7 @@ async def judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None =
                     },
                 ]
                 continue
-            judgment.error = None
+            judgment.error = judgment.error_class = None
             judgment.scores = {
                 rollout: by_id[_id_of(prompt, rep)]
                 for rollout, rep in prompt.representative.items()
@@ -248,6 +331,7 @@ async def judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None =
             break
     except Exception as e:  # a broken judge fails its group, never the batch
         judgment.error = f"{type(e).__name__}: {e}"[:2000]
+        judgment.error_class = error_class(e)
     judgment.latency_ms = (time.perf_counter() - started) * 1000
     return judgment
 
@@ -275,12 +359,13 @@ async def _complete(litellm, messages: list[dict], config: JudgeConfig, judgment
             response = await litellm.acompletion(
                 model=config.model,
                 messages=messages,
-                response_format=RESPONSE_FORMAT,
                 api_base=config.base_url,
                 api_key=config.api_key,
                 timeout=config.timeout,
                 num_retries=0,
                 **_optional(temperature=config.temperature, max_tokens=config.max_tokens),
+                # --judge-arg may replace the answer format (a judge without json_schema)
+                **{"response_format": RESPONSE_FORMAT, **config.extra_args},
             )
         except Exception as e:
             if type(e).__name__ not in TRANSIENT or attempt == config.max_retries:

@@ -30,9 +30,21 @@ from overnight.storage import (
     open_db,
 )
 
+from .budget import Counter as TokenCounter
+from .budget import budget_for, counter_for
+from .cache import NO_SIGNAL, Memory, remembered
 from .rewards import RewardFunction
-from .ruler import DEFAULT_RUBRIC, Judgment, build_prompt, import_litellm, judge_group, rubric_hash
-from .trajectories import Group, trajectory_from_turn
+from .ruler import (
+    DEFAULT_RUBRIC,
+    Judgment,
+    import_litellm,
+    judge_group,
+    key_of,
+    new_judgment,
+    prompt_for,
+    rubric_hash,
+)
+from .trajectories import Group, rollout_from_turns
 
 
 @dataclass
@@ -41,6 +53,7 @@ class Summary:
     failed: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> groups
     scored_by_function: int = 0
+    shortened: int = 0  # groups cut to fit the judge's budget
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float | None = None
@@ -58,6 +71,8 @@ class Summary:
             f"in {self.seconds:.1f} s",
             f"judge tokens: {self.prompt_tokens} prompt, {self.completion_tokens} completion; cost {cost}",
         ]
+        if self.shortened:
+            out.append(f"shortened {self.shortened} group(s) to fit the judge's prompt budget")
         if self.scored_by_function:
             out.append(f"scored {self.scored_by_function} group(s) with the reward function")
         out += [f"  skipped {n}: {reason}" for reason, n in self.skipped.most_common()]
@@ -84,7 +99,7 @@ def judge_step(
 
 
 def load_groups(con, group_ids: list[str]) -> list[Group]:
-    """The groups' rollouts, each as the conversation of its last successful turn."""
+    """The groups' rollouts, each from all of its successful turns, in order."""
     if not group_ids:
         return []
     con.register("_wanted", pa.table({"group_id": group_ids}))
@@ -92,30 +107,23 @@ def load_groups(con, group_ids: list[str]) -> list[Group]:
         """
         SELECT group_id, rollout_id, request, response FROM completions
         WHERE group_id IN (SELECT group_id FROM _wanted) AND logged AND error IS NULL
-        QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY started_at DESC, turn_index DESC) = 1
-        ORDER BY group_id, rollout_id
+        ORDER BY group_id, rollout_id, turn_index, started_at, choice_index
         """
     ).fetchall()
-    by_group: dict[str, list] = {g: [] for g in group_ids}
+    turns: dict[str, dict[str, list]] = {g: {} for g in group_ids}
     for group_id, rollout, request, response in rows:
-        by_group[group_id].append(
-            trajectory_from_turn(
-                rollout,
-                json.loads(request) if request else None,
-                json.loads(response) if response else None,
-            )
+        turns[group_id].setdefault(rollout, []).append(
+            (json.loads(request) if request else None, json.loads(response) if response else None)
         )
-    return [Group(g, ts) for g, ts in by_group.items()]
+    return [
+        Group(g, [rollout_from_turns(r, ts) for r, ts in by_rollout.items()])
+        for g, by_rollout in turns.items()
+    ]
 
 
-def judged_before(con, judge_model: str, rubric: str) -> tuple[set[str], set[str]]:
-    """Groups and prompt hashes this judge and rubric already scored."""
-    rows = con.execute(
-        "SELECT group_id, prompt_hash FROM judgments WHERE judge_model = ? AND rubric_hash = ? "
-        "AND error IS NULL",
-        [judge_model, rubric_hash(rubric)],
-    ).fetchall()
-    return {g for g, _ in rows}, {h for _, h in rows}
+def rollout_counts(con) -> dict[str, int]:
+    """Rollouts per group: a group of one is skipped without reading its turns."""
+    return dict(con.execute("SELECT group_id, count(*) FROM rollouts GROUP BY group_id").fetchall())
 
 
 def posted_complete(con) -> set[str]:
@@ -147,38 +155,37 @@ async def run_judge(
     con = open_db(data_dir)
     try:
         candidates = finished_groups(con, settle_seconds, groups)
-        done_groups, done_prompts = (
-            judged_before(con, config.model, rubric) if config else (set(), set())
-        )
+        memory = Memory()
+        if config is not None and not rejudge:
+            memory = remembered(con, config, rubric_hash(rubric), key_of(config))
         posted = posted_complete(con) if use_posted else set()
+        sizes = rollout_counts(con)
         wanted: list[str] = []
         for group_id in candidates:
-            if group_id in posted:
-                summary.skipped["every rollout has a reward the agent posted"] += 1
-            elif config and group_id in done_groups and not rejudge and not reward:
-                summary.skipped["already judged by this judge and rubric"] += 1
+            why = _skip(
+                group_id, memory, posted, sizes, judge_only=config is not None and not reward
+            )
+            if why:
+                summary.skipped[why] += 1
             else:
                 wanted.append(group_id)
-        work: list[Group] = []
-        for group in load_groups(con, wanted):
-            if len(group.trajectories) < 2:
-                summary.skipped["one rollout: no relative signal"] += 1
-            else:
-                work.append(group)
+        if max_groups is not None:
+            wanted = wanted[:max_groups]
+        work = load_groups(con, wanted)
     finally:
         con.close()
-    if max_groups is not None:
-        work = work[:max_groups]
 
+    budget, counter = None, None
     if config is not None and work:
         import_litellm()  # once, before the clock of the first group starts
+        budget, counter = budget_for(config), counter_for(config.model)
     # A batch job has no event loop to protect: compact its few rows in-process.
     writer = LogWriter(WriterConfig(Path(data_dir), compact_in_process=True))
     writer.start()
     try:
         limit = asyncio.Semaphore(config.concurrency if config else 8)
         scoring = _Scoring(
-            config, reward, combine, rejudge, done_prompts, rubric, limit, writer, summary
+            config, reward, combine, memory, budget, counter, rubric, limit, writer, summary
         )
         tasks = [asyncio.create_task(scoring.score(g)) for g in work]
         await _with_progress(tasks, progress)
@@ -186,6 +193,21 @@ async def run_judge(
         await asyncio.get_running_loop().run_in_executor(None, writer.close)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _skip(
+    group_id: str, memory: Memory, posted: set[str], sizes: dict[str, int], judge_only: bool
+) -> str | None:
+    """Why a group is not scored this run, decided before its turns are read; or None."""
+    if group_id in posted:
+        return "every rollout has a reward the agent posted"
+    if judge_only and group_id in memory.judged_groups:
+        return "already judged by this judge, rubric and settings"
+    if judge_only and group_id in memory.no_signal:
+        return "fewer than two distinct trajectories (found before): no relative signal"
+    if sizes.get(group_id, 0) < 2:
+        return "one rollout: no relative signal"
+    return None
 
 
 async def _with_progress(tasks: list[asyncio.Task], show: bool) -> None:
@@ -206,8 +228,9 @@ class _Scoring:
     config: JudgeConfig | None
     reward: RewardFunction | None
     combine: bool
-    rejudge: bool
-    done_prompts: set[str]
+    memory: Memory  # empty under --rejudge
+    budget: int | None
+    counter: TokenCounter | None
     rubric: str
     limit: asyncio.Semaphore
     writer: LogWriter
@@ -229,11 +252,9 @@ class _Scoring:
                 self.summary.scored_by_function += 1
             if self.config is None:
                 return
-            prompt = build_prompt(group, self.rubric, self.config.max_tool_chars)
-            if prompt.hash in self.done_prompts and not self.rejudge:
-                self.summary.skipped["the same prompt was judged before (cache)"] += 1
+            judgment = await self._judge(group)
+            if judgment is None:
                 return
-            judgment = await judge_group(group, self.config, prompt)
         _account(self.summary, judgment)
         judgment_id = _write_judgment(self.writer, judgment, self.config, self.rubric)
         if judgment.error is None:
@@ -247,13 +268,42 @@ class _Scoring:
                     self.writer, both, "combined", judgment_id, {"of": ["ruler", "function"]}
                 )
 
+    async def _judge(self, group: Group) -> Judgment | None:
+        """The judge's verdict on the group, or None when it is skipped without a row."""
+        assert self.config is not None
+        if group.group_id in self.memory.no_signal:  # scored by the function only
+            return None
+        prompt = prompt_for(group, self.config, self.budget, self.counter)
+        if len(prompt.ids) < 2:  # nothing to compare: no call, but a row that says why
+            judgment = new_judgment(group, self.config, prompt)
+            judgment.error = (
+                f"not sent: fewer than two distinct trajectories "
+                f"({len(group.trajectories)} rollouts, all the same)"
+            )
+            judgment.error_class = NO_SIGNAL
+            self.summary.skipped["fewer than two distinct trajectories: not sent"] += 1
+            _write_judgment(self.writer, judgment, self.config, self.rubric)
+            return None
+        judgment = new_judgment(group, self.config, prompt)
+        if judgment.prompt_hash in self.memory.judged_prompts:
+            self.summary.skipped["the same prompt was judged before (cache)"] += 1
+            return None
+        if judgment.prompt_hash in self.memory.failed:
+            self.summary.skipped[
+                "failed before with a permanent error (too long or refused; --rejudge resends)"
+            ] += 1
+            return None
+        if prompt.cut is not None:
+            self.summary.shortened += 1
+        return await judge_group(group, self.config, prompt)
+
 
 def _account(summary: Summary, j: Judgment) -> None:
     if j.error is None:
         summary.judged += 1
     else:
         summary.failed += 1
-        summary.failures.append((j.group_id, j.error))
+        summary.failures.append((j.group_id, f"[{j.error_class}] {j.error}"))
     summary.prompt_tokens += j.prompt_tokens
     summary.completion_tokens += j.completion_tokens
     if j.cost_usd is not None:
@@ -283,6 +333,7 @@ def _write_judgment(writer: LogWriter, j: Judgment, config: JudgeConfig, rubric:
             "cost_usd": j.cost_usd,
             "latency_ms": j.latency_ms,
             "proxy_id": writer.writer_id,
+            "notes": j.notes(),
         },
     )
     return judgment_id

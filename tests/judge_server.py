@@ -67,6 +67,19 @@ def error(status: int, headers: dict | None = None):
     return step
 
 
+def context_overflow():
+    """The 400 an OpenAI-compatible server (vLLM, OpenAI) answers a prompt too long for it."""
+
+    def step(body: dict):
+        message = (
+            "This model's maximum context length is 8192 tokens. However, you requested "
+            "9000 tokens (8800 in the messages, 200 in the completion)."
+        )
+        return 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}}, {}
+
+    return step
+
+
 async def completions(request: web.Request) -> web.Response:
     body = await request.json()
     request.app[SEEN].append(body)

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
+from overnight.cli import main
+from overnight.config import JudgeConfig
 from overnight.judge.rewards import RewardFunction
 from overnight.judge.run import run_judge
 from overnight.storage import LogWriter, WriterConfig
 
-from overnight.cli import main
-from overnight.config import JudgeConfig
-
 from .helpers import chat_response, completion_row, rows
-from .judge_server import SEEN, answer, create_judge_server, error, good
+from .judge_server import SEEN, answer, context_overflow, create_judge_server, error, good
 
 SYSTEM = {"role": "system", "content": "Answer with the capital."}
 
@@ -177,7 +177,10 @@ async def test_judged_groups_are_cached_and_rejudging_adds_rows(judge, tmp_path)
     server = await judge(good())
     await run_judge(tmp_path, config_for(server), progress=False)
     again = await run_judge(tmp_path, config_for(server), progress=False)
-    assert again.judged == 0 and again.skipped["already judged by this judge and rubric"] == 1
+    assert (
+        again.judged == 0
+        and again.skipped["already judged by this judge, rubric and settings"] == 1
+    )
     assert len(server.app[SEEN]) == 1  # nothing sent the second time
     other_rubric = await run_judge(
         tmp_path, config_for(server, rubric="Shorter is better."), progress=False
@@ -198,17 +201,14 @@ async def test_what_is_not_judged_and_why(judge, tmp_path):
     assert summary.skipped == {
         "one rollout: no relative signal": 1,
         "every rollout has a reward the agent posted": 1,
+        "fewer than two distinct trajectories: not sent": 1,  # twins
     }
-    assert summary.judged == 1  # twins: judged once ...
-    assert "Score all 1 trajectories" in server.app[SEEN][0]["messages"][1]["content"]
-    (j,) = rows(tmp_path, "SELECT scores FROM judgments")
-    assert {s["rollout_id"] for s in j["scores"]} == {
-        "twins.r0",
-        "twins.r1",
-        "twins.r2",
-    }  # ... reused
+    assert summary.judged == 0 and server.app[SEEN] == []
     idle = await run_judge(tmp_path, config_for(server), settle_seconds=0.0, progress=False)
     assert idle.judged == 1  # "open" counts as finished once idle for the settle time
+    assert (
+        idle.skipped["fewer than two distinct trajectories (found before): no relative signal"] == 1
+    )
 
 
 def capital_reward(rollout: dict) -> float:
@@ -283,3 +283,185 @@ def test_the_example_reward_function():
     wrong = {"messages": [user, {"role": "assistant", "content": "ANSWER: 19"}]}
     silent = {"messages": [user, {"role": "assistant", "content": "-3"}]}
     assert [fn.fn(r) for r in (right, wrong, silent)] == [1.0, 0.0, 0.0]
+
+
+# -- the whole rollout, the budget, what is remembered, what is passed on ------------------
+
+
+def write_rollouts(data_dir, group_id: str, rollouts: dict[str, list[tuple[dict, dict]]]):
+    """One group of multi-turn rollouts: {rollout: [(request, response) of each turn]}."""
+    writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
+    writer.start()
+    now = time.time_ns() // 1000
+    for rollout, turns in rollouts.items():
+        for i, (request, response) in enumerate(turns):
+            writer.append(
+                "completions",
+                completion_row(
+                    rollout,
+                    group_id,
+                    record_id=f"{rollout}.{i}",
+                    request_id=f"{rollout}.{i}",
+                    turn_index=i,
+                    started_at=now + i,
+                    request=request,
+                    response=response,
+                ),
+            )
+        writer.append("finishes", {"rollout_id": rollout, "schema_version": 1, "finished_at": now})
+    writer.close()
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def compacted_rollout(tag: str, answer: str) -> list[tuple[dict, dict]]:
+    """Turn 1 works from the task; turn 2 starts again from a summary of turn 1 (the
+    history compacted): it does not extend turn 1."""
+    task = user("Find the capital of France.")
+    first = {"messages": [SYSTEM, task]}
+    second = {"messages": [SYSTEM, task, user(f"Summary so far: {tag} looked in the atlas.")]}
+    return [(first, chat_response(f"{tag}: checking the atlas")), (second, chat_response(answer))]
+
+
+async def test_a_rollout_whose_second_turn_does_not_extend_its_first_is_judged_whole(
+    judge, tmp_path
+):
+    write_rollouts(
+        tmp_path,
+        "compact",
+        {"compact.a": compacted_rollout("A", "Paris"), "compact.b": compacted_rollout("B", "Lyon")},
+    )
+    server = await judge(good())
+    summary = await run_judge(tmp_path, config_for(server), progress=False)
+    assert summary.judged == 1
+    (sent,) = server.app[SEEN]
+    text = sent["messages"][1]["content"]
+    for seen in ("A: checking the atlas", "B: checking the atlas", "Paris", "Lyon"):
+        assert seen in text  # the first turn of each rollout is there, and the last
+    assert text.count("turn 2 does not continue the conversation above") == 2
+    assert "[user] Summary so far: A looked in the atlas." in text
+    assert text.count("[user] Find the capital of France.") == 1  # shared context, once
+
+
+async def test_a_group_of_identical_rollouts_costs_no_call(judge, tmp_path):
+    write_groups(tmp_path, {"twins": ["Same", "Same", "Same"]})
+    server = await judge(good())
+    summary = await run_judge(tmp_path, config_for(server), progress=False)
+    assert server.app[SEEN] == [] and summary.judged == summary.failed == 0
+    assert summary.skipped == {"fewer than two distinct trajectories: not sent": 1}
+    (j,) = rows(tmp_path, "SELECT error, attempts, notes FROM judgments")
+    assert j["error"].startswith("not sent: fewer than two distinct trajectories")
+    assert j["attempts"] == 0 and json.loads(j["notes"])["error_class"] == "no_signal"
+    again = await run_judge(tmp_path, config_for(server), progress=False)
+    assert again.skipped == {
+        "fewer than two distinct trajectories (found before): no relative signal": 1
+    }
+    assert len(rows(tmp_path, "SELECT * FROM judgments")) == 1 and server.app[SEEN] == []
+
+
+def long_search_rollout(i: int) -> list[tuple[dict, dict]]:
+    task = user("What does the report say about Lima?")
+    search = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+        ],
+    }
+    report = {"role": "tool", "tool_call_id": f"c{i}", "content": f"report {i} " + "x" * 12_000}
+    first = ({"messages": [SYSTEM, task]}, {"choices": [{"index": 0, "message": search}]})
+    last = ({"messages": [SYSTEM, task, search, report]}, chat_response(f"Answer {i}: rainy."))
+    return [first, last]
+
+
+async def test_a_group_over_the_budget_is_shortened_to_fit_and_says_what_was_cut(judge, tmp_path):
+    write_rollouts(tmp_path, "long", {f"long.r{i}": long_search_rollout(i) for i in range(3)})
+    server = await judge(good())
+    summary = await run_judge(
+        tmp_path, config_for(server, max_prompt_tokens=2000, max_tool_chars=50_000), progress=False
+    )
+    assert summary.judged == 1 and summary.shortened == 1
+    assert "shortened 1 group(s) to fit the judge's prompt budget" in summary.lines()
+    (sent,) = server.app[SEEN]
+    # litellm does not know this judge: its prompt is counted as characters / 4.
+    assert sum(len(m["content"]) for m in sent["messages"]) / 4 <= 2000
+    text = sent["messages"][1]["content"]
+    assert all(f"Answer {i}: rainy." in text and f"report {i} xxx" in text for i in range(3))
+    assert "To fit the judge's budget of 2000 tokens, the middles of 3 tool output(s)" in text
+    (j,) = rows(tmp_path, "SELECT notes FROM judgments")
+    cut = json.loads(j["notes"])["prompt_cut"]
+    assert cut["budget"] == 2000 and cut["counter"] == "chars/4" and cut["tool_outputs"] == 3
+    assert cut["tokens_before"] > 9000 >= 2000 >= cut["tokens_after"]
+    assert cut["what"].startswith("To fit the judge's budget of 2000 tokens")
+
+
+async def test_a_context_overflow_is_not_resent_until_rejudge(judge, tmp_path):
+    write_groups(tmp_path, {"peru": ["Lima", "Cusco"]})
+    server = await judge(context_overflow(), good())
+    first = await run_judge(tmp_path, config_for(server), progress=False)
+    assert first.failed == 1 and len(server.app[SEEN]) == 1  # a 400 is not retried
+    assert first.failures[0][1].startswith("[permanent] ContextWindowExceededError")
+    (j,) = rows(tmp_path, "SELECT notes FROM judgments")
+    assert json.loads(j["notes"])["error_class"] == "permanent"
+    second = await run_judge(tmp_path, config_for(server), progress=False)
+    assert second.failed == 0 and len(server.app[SEEN]) == 1  # nothing sent
+    assert second.skipped == {
+        "failed before with a permanent error (too long or refused; --rejudge resends)": 1
+    }
+    forced = await run_judge(tmp_path, config_for(server), rejudge=True, progress=False)
+    assert forced.judged == 1 and len(server.app[SEEN]) == 2
+
+
+async def test_a_permanent_failure_is_resent_when_the_judge_settings_change(judge, tmp_path):
+    write_groups(tmp_path, {"peru": ["Lima", "Cusco"]})
+    server = await judge(context_overflow(), good())
+    await run_judge(tmp_path, config_for(server), progress=False)
+    other = await run_judge(tmp_path, config_for(server, max_prompt_tokens=1000), progress=False)
+    assert other.judged == 1 and len(server.app[SEEN]) == 2
+
+
+async def test_a_transient_503_is_retried_next_run(judge, tmp_path):
+    write_groups(tmp_path, {"chile": ["Santiago", "Arica"]})
+    server = await judge(error(503), error(503), error(503), good())
+    first = await run_judge(tmp_path, config_for(server), progress=False)
+    assert first.failed == 1 and len(server.app[SEEN]) == 3  # retried within the run
+    assert first.failures[0][1].startswith("[transient] ServiceUnavailableError")
+    (j,) = rows(tmp_path, "SELECT notes FROM judgments")
+    assert json.loads(j["notes"])["error_class"] == "transient"
+    second = await run_judge(tmp_path, config_for(server), progress=False)
+    assert second.judged == 1 and len(server.app[SEEN]) == 4
+
+
+async def test_judge_args_reach_the_request_and_change_the_cache_key(judge, tmp_path):
+    write_groups(tmp_path, {"oman": ["Muscat", "Salalah"]})
+    server = await judge(good())
+    args = ("reasoning_effort=low", "seed=7", "num_ctx=32768", 'stop=["\\n\\n"]')
+    await run_judge(tmp_path, config_for(server, args=args), progress=False)
+    (sent,) = server.app[SEEN]
+    assert (sent["reasoning_effort"], sent["seed"], sent["num_ctx"]) == ("low", 7, 32768)
+    assert sent["stop"] == ["\n\n"] and sent["response_format"]["type"] == "json_schema"
+    same = await run_judge(tmp_path, config_for(server, args=args), progress=False)
+    assert same.judged == 0 and len(server.app[SEEN]) == 1  # cached
+    reseeded = await run_judge(
+        tmp_path, config_for(server, args=("reasoning_effort=low", "seed=8")), progress=False
+    )
+    assert reseeded.judged == 1 and server.app[SEEN][-1]["seed"] == 8
+    hotter = await run_judge(
+        tmp_path, config_for(server, args=args, temperature=0.7), progress=False
+    )
+    assert hotter.judged == 1 and len(server.app[SEEN]) == 3
+    keys = rows(tmp_path, "SELECT prompt_hash, notes FROM judgments ORDER BY created_at")
+    assert len({k["prompt_hash"] for k in keys}) == 3
+    assert len({json.loads(k["notes"])["judge_key"] for k in keys}) == 3
+
+
+def test_cli_takes_judge_args_and_a_budget(tmp_path):
+    write_groups(tmp_path, {"france": ["Paris", "Lyon"]})
+    shown = CliRunner().invoke(main, ["judge", "--help"]).output
+    assert "--judge-arg" in shown and "--judge-max-prompt-tokens" in shown
+    bad = CliRunner().invoke(
+        main, ["judge", "--data", str(tmp_path), "--judge-model", "openai/j", "--judge-arg", "seed"]
+    )
+    assert bad.exit_code != 0 and "--judge-arg takes KEY=VALUE" in bad.output

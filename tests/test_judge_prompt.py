@@ -5,8 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
-from overnight.judge.ruler import DEFAULT_RUBRIC, BadAnswer, build_prompt, parse_scores
-from overnight.judge.trajectories import Group, Trajectory, shorten, trajectory_from_turn
+
+from overnight.config import JudgeConfig
+from overnight.errors import ConfigError
+from overnight.judge.budget import Counter, estimate
+from overnight.judge.cache import PERMANENT, TRANSIENT, error_class
+from overnight.judge.ruler import DEFAULT_RUBRIC, BadAnswer, build_prompt, key_of, parse_scores
+from overnight.judge.trajectories import (
+    Group,
+    Trajectory,
+    rollout_from_turns,
+    shorten,
+    trajectory_from_turn,
+)
 
 SYSTEM = {"role": "system", "content": "You book flights."}
 USER = {"role": "user", "content": "Book me Oslo to Lima."}
@@ -158,3 +169,165 @@ def test_a_group_of_one_still_builds_a_prompt():
         group_of([{"role": "assistant", "content": "Booked."}]), DEFAULT_RUBRIC, 2000
     )
     assert prompt.ids == ["1"] and "[assistant] Booked." in user_text(prompt).split("</context>")[1]
+
+
+# -- a rollout from all of its turns ----------------------------------------------------
+
+
+def turn(messages: list[dict], reply: dict, tools=None) -> tuple[dict, dict]:
+    request = {"messages": messages, **({"tools": tools} if tools else {})}
+    return request, {"choices": [{"index": 0, "message": reply, "finish_reason": "stop"}]}
+
+
+def said(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def test_a_rollout_that_resends_its_history_is_its_last_turn():
+    first = call("search", '{"from": "OSL"}', "c1")
+    result = {"role": "tool", "tool_call_id": "c1", "content": "3 flights"}
+    # Logged replies carry fields the agent drops when it sends them back.
+    logged = {**first, "refusal": None, "reasoning": "think", "annotations": []}
+    t = rollout_from_turns(
+        "r",
+        [
+            turn([SYSTEM, USER], logged, TOOLS),
+            turn([SYSTEM, USER, first, result], said("Booked."), TOOLS),
+        ],
+    )
+    assert t.messages == [SYSTEM, USER, logged, result, said("Booked.")]
+    assert t.conversation is None and t.last_conversation == t.messages and t.tools == TOOLS
+
+
+def test_turns_that_do_not_extend_each_other_are_all_rendered():
+    # Turn 1 searches; turn 2 asks for a summary (a new context); turn 3 continues from
+    # the compacted history (system, task, summary); turn 4 finishes it.
+    transcript = {"role": "user", "content": "Transcript: search found 3."}
+    summary_request = [{"role": "system", "content": "Summarise."}, transcript]
+    compacted = [SYSTEM, USER, {"role": "user", "content": "Notes: 3 flights found."}]
+    turns = [
+        turn([SYSTEM, USER], call("search", "{}", "c1")),
+        turn(summary_request, said("3 flights found.")),
+        turn(compacted, call("book", '{"n": 1}', "c2")),
+        turn(
+            [
+                *compacted,
+                call("book", '{"n": 1}', "c2"),
+                {"role": "tool", "tool_call_id": "c2", "content": "ok"},
+            ],
+            said("Booked flight 1."),
+        ),
+    ]
+    t = rollout_from_turns("r", turns)
+    roles = [m["role"] for m in t.messages]
+    assert roles == [
+        "system", "user", "assistant",  # turn 1
+        "overnight", "system", "user", "assistant",  # turn 2: a new context, nothing shared
+        "overnight", "user", "assistant",  # turn 3: shares system and task with turn 1
+        "tool", "assistant",  # turn 4 extends turn 3
+    ]  # fmt: skip
+    assert "turn 2 does not continue the conversation above" in t.messages[3]["content"]
+    assert "same 2 message(s) as turn 1" in t.messages[7]["content"]
+    assert t.last_conversation[-1] == said("Booked flight 1.")
+    assert t.last_conversation[:3] == compacted  # what a reward function reads
+    text = user_text(build_prompt(Group("g", [t, trajectory_from_turn("s", *turns[0])]), "R", 2000))
+    assert "--- turn 2 does not continue" in text and "Notes: 3 flights found." in text
+    assert "[system] Summarise." in text and "Booked flight 1." in text
+
+
+def test_a_sub_agent_between_two_turns_is_shown_where_it_ran():
+    sub = [
+        {"role": "system", "content": "You are a fare checker."},
+        {"role": "user", "content": "OSL-LIM?"},
+    ]
+    first = call("check_fare", "{}", "c1")
+    turns = [
+        turn([SYSTEM, USER], first),
+        turn(sub, said("900 EUR")),
+        turn(
+            [SYSTEM, USER, first, {"role": "tool", "tool_call_id": "c1", "content": "900 EUR"}],
+            said("Costs 900."),
+        ),
+    ]
+    t = rollout_from_turns("r", turns)
+    markers = [m["content"] for m in t.messages if m["role"] == "overnight"]
+    assert markers == [
+        "turn 2 does not continue the conversation above: a new context",
+        "turn 3 continues the context of turn 1",
+    ]
+    assert t.messages[-1] == said("Costs 900.")
+
+
+# -- the budget ---------------------------------------------------------------------------
+
+
+def test_a_prompt_over_its_budget_is_cut_where_it_costs_least():
+    long_tool = "T" * 20_000
+    long_note = "N" * 8_000
+    group = group_of(
+        [
+            call("search", "{}", "c1"),
+            {"role": "tool", "tool_call_id": "c1", "content": long_tool},
+            {"role": "user", "content": long_note},
+            said("F" * 3000),  # the last turn: never cut
+        ],
+        [said("I cannot book flights.")],
+    )
+    counter = Counter("chars/4", estimate)
+    whole = build_prompt(group, DEFAULT_RUBRIC, 50_000)
+    assert whole.cut is None and estimate(whole.messages) > 7000
+    # A budget only tool outputs need to give up: messages stay whole.
+    mild = build_prompt(group, DEFAULT_RUBRIC, 50_000, budget=4500, counter=counter)
+    assert estimate(mild.messages) <= 4500
+    assert mild.cut.tool_outputs == 1 and mild.cut.messages == 0 and mild.cut.fits
+    assert long_note in user_text(mild)
+    # A tighter one: long messages too, the last turn still whole.
+    tight = build_prompt(group, DEFAULT_RUBRIC, 50_000, budget=1500, counter=counter)
+    assert estimate(tight.messages) <= 1500 and tight.cut.messages == 1
+    assert "F" * 3000 in user_text(tight) and long_note not in user_text(tight)
+    assert tight.cut.tokens_before > 7000 and tight.cut.tool_chars > 19_000
+    assert "To fit the judge's budget of 1500 tokens, the middles of 1 tool output(s)" in user_text(
+        tight
+    )
+    # Below what the last turns need: it cannot fit, and says so.
+    assert not build_prompt(group, DEFAULT_RUBRIC, 50_000, budget=400, counter=counter).cut.fits
+
+
+# -- what the cache key covers ------------------------------------------------------------
+
+
+def test_the_judge_key_covers_every_setting_that_changes_the_answer():
+    base = JudgeConfig(model="openai/j", base_url="http://a/v1")
+    key = key_of(base)
+    changed = [
+        JudgeConfig(model="openai/k", base_url="http://a/v1"),
+        JudgeConfig(model="openai/j", base_url="http://b/v1"),
+        JudgeConfig(model="openai/j", base_url="http://a/v1", temperature=0.5),
+        JudgeConfig(model="openai/j", base_url="http://a/v1", max_tokens=100),
+        JudgeConfig(model="openai/j", base_url="http://a/v1", args=("seed=7",)),
+        JudgeConfig(model="openai/j", base_url="http://a/v1", rubric="Shorter wins."),
+        JudgeConfig(model="openai/j", base_url="http://a/v1", max_prompt_tokens=4000),
+    ]
+    assert len({key, *map(key_of, changed)}) == 1 + len(changed)
+    same = JudgeConfig(model="openai/j", base_url="http://a/v1", api_key="k", concurrency=2)
+    assert key_of(same) == key  # how it is reached does not change the answer
+
+
+def test_judge_args_parse_as_json_when_they_can():
+    config = JudgeConfig(model="m", args=("reasoning_effort=low", "seed=7", 'stop=["x"]', "t=1e"))
+    assert config.extra_args == {"reasoning_effort": "low", "seed": 7, "stop": ["x"], "t": "1e"}
+    for bad in ("seed", "=7", "temperature=0", "model=x"):
+        with pytest.raises(ConfigError):
+            JudgeConfig(model="m", args=(bad,))
+
+
+def test_permanent_and_transient_errors():
+    import litellm
+
+    overflow = litellm.ContextWindowExceededError("too long", "m", "openai")
+    refused = litellm.BadRequestError("bad", "m", "openai")
+    limited = litellm.RateLimitError("slow down", "openai", "m")
+    down = litellm.ServiceUnavailableError("down", "openai", "m")
+    assert [error_class(e) for e in (overflow, refused, limited, down, TimeoutError())] == [
+        PERMANENT, PERMANENT, TRANSIENT, TRANSIENT, TRANSIENT,
+    ]  # fmt: skip
