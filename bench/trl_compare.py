@@ -1,12 +1,15 @@
 """Our GRPO loss step vs TRL's GRPOTrainer loss, on the same tensors and adapter.
 
 Same workload as bench/grpo_step.py (8 prompts x 8 completions, 64-token prompts,
-log-normal completion lengths up to 251, LoRA r8 on the tiny model, beta 0). Each
-side runs in its own process (TRL from its own environment, `.cache/bench-trl`,
-made once: a venv that sees this interpreter's packages, a venv's included, plus trl
-1.16, with torch held to the version installed here), so the peak-memory
-measurement (resident memory sampled every 2 ms, above its level before the first
-step) is not shared. Time is the median of the repeats of `loss + backward`.
+log-normal completion lengths up to 251, LoRA r8 on the tiny model, beta 0). Both
+compute the same loss: TRL runs with our defaults mapped onto its options (docs/grpo.md:
+dapo, epsilon 0.2, epsilon_high 0.28, delta 3.0) and in float32 (`bf16=False`; its
+default autocasts to bfloat16, also on a CPU). Each side runs in its own process, so
+the peak-memory measurement (resident memory sampled every 2 ms, above its level
+before the first step) is not shared; TRL from this environment when the `test` extra
+installed trl 1.16 here, else from `.cache/bench-trl`, made once: a venv that sees
+this interpreter's packages, a venv's included, plus trl 1.16, with torch held to the
+version installed here. Time is the median of the repeats of `loss + backward`.
 
     python bench/trl_compare.py --repeats 5
 """
@@ -125,6 +128,31 @@ def run_ours(model_dir: Path, repeats: int) -> dict:
     return measure(step, repeats)
 
 
+def trl_options() -> dict:
+    """Our default loss as TRL GRPOConfig options (the mapping of docs/grpo.md)."""
+    from overnight.config import TrainConfig
+
+    config = TrainConfig()
+    return {
+        "loss_type": config.loss,
+        "epsilon": config.clip_low,
+        "epsilon_high": config.clip_high,
+        "delta": config.dual_clip,
+        "max_completion_length": config.max_tokens,
+        "importance_sampling_level": config.ratio_level,
+        "beta": config.kl_coef,
+        "use_bias_correction_kl": False,
+        "bf16": False,  # float32, as ours on a CPU
+    }
+
+
+def trl_here() -> bool:
+    try:
+        return importlib.metadata.version("trl") == TRL.split("==")[1]
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def run_trl(model_dir: Path, repeats: int) -> dict:
     import torch
     from datasets import Dataset
@@ -140,13 +168,12 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     args = GRPOConfig(
         output_dir=str(ROOT / ".cache" / "trl-out"),
-        beta=0.0,
         per_device_train_batch_size=64,
         num_generations=8,
         report_to=[],
         use_cpu=True,
-        loss_type="dapo",
         logging_steps=1000,
+        **trl_options(),
     )
     trainer = GRPOTrainer(
         model=model,
@@ -207,7 +234,7 @@ def main() -> None:
         result = (run_ours if args.side == "ours" else run_trl)(args.model_dir, args.repeats)
         print(json.dumps(result))
         return
-    trl_python = side_environment(TRL_VENV, TRL)
+    trl_python = sys.executable if trl_here() else side_environment(TRL_VENV, TRL)
     results = {}
     for side, python in (("ours", sys.executable), ("trl", str(trl_python))):
         out = subprocess.run(

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from overnight.trainer.data import DataError, Turn, group_advantages, merge_turns
 from overnight.trainer.loss import LossConfig, Normalisation, policy_loss, token_weights
 
@@ -156,3 +157,11 @@ def test_unknown_variants_fail_loudly():
     ):
         LossConfig(variant="ppo")
     assert Normalisation.parse("dr_grpo") is Normalisation.DR_GRPO
+
+
+def test_a_dual_clip_inside_the_clip_window_is_refused():
+    # Below 1 + clip_high TRL's delta would also cap positive-advantage tokens; ours would not.
+    with pytest.raises(ValueError, match="dual_clip must be at least 1 \\+ clip_high = 1.28"):
+        LossConfig(clip_high=0.28, dual_clip=1.2)
+    assert LossConfig(clip_high=0.28, dual_clip=1.28).dual_clip == 1.28
+    assert LossConfig(dual_clip=None).dual_clip is None

@@ -262,3 +262,81 @@ async def test_an_unknown_model_gets_vllms_404_and_is_recorded(vllm_server, make
     assert "error" in await r.json()
     (row,) = await wait_for_rows(tmp_path / "data", 1)
     assert row["http_status"] == 404 and row["error"] == "upstream HTTP 404"
+
+
+# How the agent samples: the trainer must see the same distribution (docs/grpo.md).
+SAMPLED_AS = [
+    {"temperature": 0.5},
+    {"temperature": 1.3},
+    {"temperature": 1.0, "top_p": 0.8, "top_k": 20},
+    {"temperature": 1.3, "top_p": 0.8, "top_k": 20},
+]
+
+
+def _vllms_processing(model, row: dict) -> tuple[list[float], list[float]]:
+    """(processed, raw) logprobs of a record's completion, from the model's logits with
+    vLLM's own top-k/top-p function: independent of trainer/sampling.py."""
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    request = json.loads(row["request"])
+    ids = row["prompt_token_ids"] + row["completion_token_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logits = logits[len(row["prompt_token_ids"]) - 1 : -1]  # (C, V): predicting the completion
+    targets = torch.tensor(row["completion_token_ids"])[:, None]
+    raw = logits.log_softmax(-1).gather(1, targets).squeeze(1)
+    n, vocab = logits.shape
+    k = torch.full((n,), request.get("top_k") or vocab)
+    p = torch.full((n,), request.get("top_p", 1.0)) if "top_p" in request else None
+    tempered = logits / request["temperature"]
+    processed = apply_top_k_top_p(tempered, k if "top_k" in request else None, p)
+    return processed.log_softmax(-1).gather(1, targets).squeeze(1).tolist(), raw.tolist()
+
+
+async def test_logged_logprobs_are_the_distribution_sampled_from(
+    vllm_server, make_proxy, tmp_path, tiny_model_dir
+):
+    """Records sampled with temperature, top-k and top-p: what vLLM logged is the processed
+    distribution, and the trainer's policy logprobs before its first update equal it."""
+    from transformers import AutoModelForCausalLM
+
+    from overnight.config import TrainConfig
+    from overnight.trainer.train import train
+
+    proxy = await make_proxy(upstream=vllm_server.url)
+    data = tmp_path / "data"
+    for k, params in enumerate(SAMPLED_AS):
+        for i in range(2):
+            rollout = f"s{k}.{i}"
+            r = await proxy.post(
+                "/v1/chat/completions",
+                headers={"X-Rollout-Group": f"s{k}", "X-Rollout-Id": rollout},
+                json={**CHAT, "max_tokens": 16, **params},
+            )
+            assert r.status == 200, await r.text()
+            await proxy.post(f"/v1/rollouts/{rollout}/reward", json={"reward": float(i)})
+            await proxy.post(f"/v1/rollouts/{rollout}/finish")
+    records = await wait_for_rows(data, 2 * len(SAMPLED_AS))
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32")
+    moved = 0.0
+    for row in records:
+        processed, raw = _vllms_processing(model, row)
+        assert row["completion_logprobs"] == pytest.approx(processed, abs=1e-4)
+        moved = max(moved, max(abs(a - b) for a, b in zip(processed, raw, strict=True)))
+    assert moved > 0.05  # the raw distribution would not have matched
+
+    config = TrainConfig(
+        base_model=str(tiny_model_dir),
+        lora_rank=8,
+        groups_per_step=len(SAMPLED_AS),  # one step: every record before the first update
+        micro_batch_tokens=4096,
+    )
+    lines: list[str] = []
+    url = str(proxy.make_url(""))
+    await asyncio.to_thread(train, data, config, proxy_url=url, promote=False, say=lines.append)
+    (run,) = await wait_for_rows(data, 1, "training_runs")
+    assert run["steps"] == 1 and run["rollouts"] == 2 * len(SAMPLED_AS)
+    assert run["max_logprob_gap"] < 1e-4, lines
+    assert not any(line.startswith("warning:") for line in lines)

@@ -7,7 +7,9 @@ sequence; otherwise a new sequence starts (for example when the agent rewrote it
 history, or the template re-tokenised a reply differently from how it was sampled).
 Only sampled tokens are trained: the system prompt, user turns and tool outputs are
 context (masked out). Each trained token carries the logprob it was sampled with,
-which is the behaviour policy of the importance ratio.
+which is the behaviour policy of the importance ratio, and how it was sampled
+(temperature, top-k, top-p: trainer/sampling.py), so the trainer computes the same
+distribution.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+
+from .sampling import NEUTRAL, SamplingParams
 
 
 class DataError(ValueError):
@@ -27,6 +31,8 @@ class Turn:
     completion_ids: list[int]
     # One per completion token, as vLLM sampled it; None when unknown (re-tokenised).
     logprobs: list[float] | None
+    # How the completion was sampled (the logprobs are of that distribution).
+    sampling: SamplingParams = NEUTRAL
 
     def __post_init__(self) -> None:
         if not self.completion_ids:
@@ -58,6 +64,8 @@ class Sample:
     turns: int
     advantage: float = 0.0
     exact: bool = True  # False when a turn was re-tokenised: behaviour logprobs unknown
+    # Per token, how it was sampled (context tokens: NEUTRAL); empty: all NEUTRAL.
+    sampling: tuple[SamplingParams, ...] = ()
 
     @property
     def trained_tokens(self) -> int:
@@ -69,6 +77,7 @@ class Sample:
         tokens: list[int] = []
         trained: list[bool] = []
         behaviour: list[float] = []
+        sampling: list[SamplingParams] = []
         for turn in turns:
             context = turn.prompt_ids[len(tokens) :]
             sampled = (
@@ -77,8 +86,19 @@ class Sample:
             tokens += context + turn.completion_ids
             trained += [False] * len(context) + [True] * len(turn.completion_ids)
             behaviour += [0.0] * len(context) + list(sampled)
+            sampling += [NEUTRAL] * len(context) + [turn.sampling] * len(turn.completion_ids)
         exact = all(turn.logprobs is not None for turn in turns)
-        return cls(rollout_id, group_id, tokens, trained, behaviour, len(turns), exact=exact)
+        sampled_as = () if all(p == NEUTRAL for p in sampling) else tuple(sampling)
+        return cls(
+            rollout_id,
+            group_id,
+            tokens,
+            trained,
+            behaviour,
+            len(turns),
+            exact=exact,
+            sampling=sampled_as,
+        )
 
 
 def merge_turns(rollout_id: str, group_id: str, turns: list[Turn]) -> list[Sample]:

@@ -45,7 +45,8 @@ class LossConfig:
     clip_high: float = 0.28
     # Dual clip (Ye et al. 2020): with a negative advantage the objective is bounded by
     # dual_clip x A, so a token whose ratio exploded (data from an old adapter) cannot
-    # dominate the step. None turns it off.
+    # dominate the step. None turns it off. At or above 1 + clip_high it equals TRL's
+    # `delta`; below, TRL's delta would also cap positive-advantage tokens, so it is refused.
     dual_clip: float | None = 3.0
     # token: a ratio per token (PPO/GRPO). sequence: one ratio per sequence, the
     # geometric mean of its tokens' (GSPO, Zheng et al. 2025).
@@ -61,8 +62,11 @@ class LossConfig:
             raise ValueError(f"level must be 'token' or 'sequence', got {self.level!r}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError("dual_clip must be above 1 (or None)")
+        if self.dual_clip is not None and self.dual_clip < 1 + self.clip_high:
+            raise ValueError(
+                f"dual_clip must be at least 1 + clip_high = {1 + self.clip_high:g} (or off): "
+                "below it, it would cut into the clip window (docs/grpo.md)"
+            )
         if self.kl_coef < 0 or self.max_tokens < 1:
             raise ValueError("kl_coef must be >= 0 and max_tokens >= 1")
 

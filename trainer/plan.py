@@ -28,6 +28,7 @@ class Plan:
     skipped: Counter = field(default_factory=Counter)  # reason -> groups
     retokenised: int = 0
     token_count_gaps: list[int] = field(default_factory=list)
+    unreproduced: dict[str, int] = field(default_factory=dict)  # see records.Loaded
 
     def lines(self) -> list[str]:
         out = [
@@ -42,6 +43,12 @@ class Plan:
                 f"  {self.retokenised} turn(s) had no token ids and were re-tokenised from text (less "
                 f"exact; starting policy used as behaviour): token counts differ from the upstream's "
                 f"in {sum(g != 0 for g in gaps)} of {len(gaps)}, by up to {worst}"
+            )
+        if self.unreproduced:
+            what = ", ".join(f"{name} ({n})" for name, n in sorted(self.unreproduced.items()))
+            out.append(
+                f"  turns sampled with logit processing the trainer does not redo: {what}; "
+                "their logprobs will not match the logged ones (see the run's logprob gap)"
             )
         return out
 
@@ -99,13 +106,14 @@ def plan_run(
     max_groups: int | None = None,
     only: list[str] | None = None,
     tokenizer=None,
+    sampling_defaults: dict | None = None,
 ) -> Plan:
     """The groups to train on, in order, up to `max_groups`; `plan.skipped` says why not others."""
     con = open_db(data_dir)
     try:
         candidates = candidate_groups(con, settle_seconds, since, only)
         rewards = chosen_rewards(con, config.reward_sources)
-        loaded = load_samples(con, candidates, tokenizer)
+        loaded = load_samples(con, candidates, tokenizer, sampling_defaults)
     finally:
         con.close()
     plan = _plan_from(loaded)
@@ -127,7 +135,11 @@ def plan_run(
 
 def _plan_from(loaded: Loaded) -> Plan:
     """An empty plan that reports what loading the records left out."""
-    plan = Plan(retokenised=loaded.retokenised, token_count_gaps=loaded.token_count_gaps)
+    plan = Plan(
+        retokenised=loaded.retokenised,
+        token_count_gaps=loaded.token_count_gaps,
+        unreproduced=dict(loaded.unreproduced),
+    )
     for reason, n in loaded.skipped.items():
         plan.skipped[f"turns skipped: {reason}"] += n
     return plan

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .data import Sample
+from .sampling import NEUTRAL, SamplingParams, processed_logprobs, sampling_tensors
 
 # A shared prompt shorter than this is repeated: the mask costs more than it saves.
 MIN_SHARED_PROMPT = 8
@@ -165,8 +166,9 @@ class _Layout:
         self.block = torch.zeros(rows, width, dtype=torch.long)
         self.parent = torch.full((rows, width), -1, dtype=torch.long)
         self.blocks = 0
-        # (sample, token position, flat index, flat index of its predictor, logprob)
-        self.entries: list[tuple[int, int, int, int, float]] = []
+        # (sample, token position, flat index, flat index of its predictor, logprob,
+        # how the token was sampled)
+        self.entries: list[tuple[int, int, int, int, float, SamplingParams]] = []
 
     def fill_row(self, r: int, row: list[_Unit]) -> None:
         col = 0
@@ -203,18 +205,20 @@ class _Layout:
         for j, (t, lp) in enumerate(zip(s.trained, s.behaviour_logprobs, strict=True)):
             if not t:
                 continue
+            params = s.sampling[j] if s.sampling else NEUTRAL
             if j < prefix:  # a sampled token every member shares
                 flat = base + prompt_col + j
-                self.entries.append((i, j, flat, flat - 1, lp))
+                self.entries.append((i, j, flat, flat - 1, lp, params))
             else:
                 flat = base + col + j - prefix
                 # A branch's first token is predicted from the prompt's last.
                 before = flat - 1 if j > prefix else base + prompt_col + j - 1
-                self.entries.append((i, j, flat, before, lp))
+                self.entries.append((i, j, flat, before, lp, params))
         return col + n
 
     def batch(self, masked: bool) -> dict[str, torch.Tensor]:
-        entries = sorted(self.entries)  # trained tokens in sample order, whatever the row
+        # Trained tokens in sample order, whatever the row (the first two fields are unique).
+        entries = sorted(self.entries, key=lambda e: e[:2])
         batch = {
             "input_ids": self.ids,  # (B, L)
             "position_ids": self.positions,  # (B, L)
@@ -224,6 +228,7 @@ class _Layout:
             "sequence_index": torch.tensor(
                 [e[0] for e in entries], dtype=torch.long
             ),  # (N,) sample
+            **sampling_tensors([e[5] for e in entries]),  # (N,) each: temperature, top_k, ...
         }
         if masked:
             block, parent = self.block, self.parent
@@ -235,7 +240,8 @@ class _Layout:
 
 
 def trained_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logprob under `model` of each trained token of a packed batch: (N,)."""
+    """Logprob under `model` of each trained token of a packed batch: (N,), in the
+    distribution it was sampled from (temperature, top-k, top-p: trainer/sampling.py)."""
     decoder, head = _parts(model)
     mask = batch.get("attention_mask")
     if mask is not None and model.config._attn_implementation == "eager":
@@ -251,4 +257,6 @@ def trained_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (B * L, H)
     logits = head(hidden[batch["predictor_index"]]).float()  # (N, V)
     targets = batch["input_ids"].reshape(-1)[batch["trained_index"]]  # (N,)
-    return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    return processed_logprobs(
+        logits, targets, batch["temperature"], batch["top_k"], batch["top_p"], batch["min_p"]
+    )

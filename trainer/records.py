@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
 from .data import DataError, Sample, Turn, merge_turns
+from .sampling import NEUTRAL, SamplingParams, from_request, unreproduced
 
 
 @dataclass
@@ -17,10 +18,17 @@ class Loaded:
     retokenised: int = 0  # turns rebuilt from text (less exact)
     # Re-tokenised length minus the upstream's own count, where it reported usage.
     token_count_gaps: list[int] = field(default_factory=list)
+    # Logit processing vLLM applied that the trainer does not redo -> turns (sampling.py).
+    unreproduced: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
-def load_samples(con, group_ids: list[str], tokenizer=None) -> Loaded:
+def load_samples(
+    con, group_ids: list[str], tokenizer=None, sampling_defaults: dict | None = None
+) -> Loaded:
     """Samples of every rollout in `group_ids`, built from the logged token ids.
+
+    Each turn keeps how it was sampled: the request's temperature, top-k, top-p and
+    min-p, else `sampling_defaults` (the server's: `sampling.server_defaults`).
 
     Turns logged without token ids (an upstream that is not vLLM) are re-tokenised
     from their text with `tokenizer`'s chat template when one is given. That path is
@@ -42,6 +50,7 @@ def load_samples(con, group_ids: list[str], tokenizer=None) -> Loaded:
         """
     ).fetchall()
     turns: dict[tuple[str, str], list[Turn]] = defaultdict(list)
+    defaults = sampling_defaults or {}
     for group_id, rollout_id, prompt, completion, logprobs, error, *text in rows:
         if error is not None:
             out.skipped["the turn failed or was cut off"] += 1
@@ -49,16 +58,33 @@ def load_samples(con, group_ids: list[str], tokenizer=None) -> Loaded:
             turn = _retokenise(tokenizer, *text, out) if tokenizer is not None else None
             if turn is None:
                 out.skipped["no token ids logged"] += 1
-            else:
-                turns[(group_id, rollout_id)].append(turn)
+            else:  # the starting policy is its behaviour: processed as it is trained
+                sampling = _sampling(text[0], defaults, None)
+                turns[(group_id, rollout_id)].append(replace(turn, sampling=sampling))
         else:
             try:
-                turns[(group_id, rollout_id)].append(Turn(prompt, completion, logprobs or []))
+                sampling = _sampling(text[0], defaults, out)
+                turns[(group_id, rollout_id)].append(
+                    Turn(prompt, completion, logprobs or [], sampling)
+                )
             except DataError as e:
                 out.skipped[str(e)] += 1
     for (group_id, rollout_id), rollout_turns in turns.items():
         out.samples += merge_turns(rollout_id, group_id, rollout_turns)
     return out
+
+
+def _sampling(request: str | None, defaults: dict, out: Loaded | None) -> SamplingParams:
+    """How a turn was sampled, from its logged request body (not logged: the defaults);
+    what vLLM did that the trainer cannot redo is counted in `out`."""
+    import json
+
+    body = json.loads(request) if request else {}
+    if not isinstance(body, dict):
+        return NEUTRAL
+    for name in unreproduced(body, defaults) if out is not None else ():
+        out.unreproduced[name] += 1
+    return from_request(body, defaults)
 
 
 def _retokenise(
