@@ -9,6 +9,11 @@ claim to exercise vLLM use the real one. Asked to judge (a RULER request, with t
 JSON), `reset-after-N` (stream N chunks then drop the connection), `stall` (never
 answer), `stall-after-N` (stream N chunks, then go silent), `slow-chunks-S` (S seconds between chunks), `no-done` (end the stream without [DONE]), `tool-call`.
 
+`/v1/responses` and `/v1/messages` (the Responses and Anthropic Messages APIs) answer
+as the scripted agent of scripted.py does; with `scripted=True` (`--scripted`) chat
+completions do too: tool calls while the conversation has no tool result, JSON that
+fits a `response_format` schema, deterministic ids, for running real agent frameworks.
+
     python -m overnight.testing.fake_upstream --port 8001 --delay 0.02 --tokens 48
 """
 
@@ -24,9 +29,13 @@ import uuid
 
 from aiohttp import web
 
+from . import scripted, scripted_apis
+
 FINGERPRINT = "vllm-fake"
 RECEIVED = web.AppKey("received", list)
 SETTINGS = web.AppKey("settings", dict)
+# Responses answered, by id: the items a `previous_response_id` continues from.
+STORED = web.AppKey("stored", dict)
 
 
 def _dumps(obj) -> bytes:
@@ -91,6 +100,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         jitter = settings["jitter"]
         await asyncio.sleep(settings["delay"] * (1 + jitter * (2 * random.random() - 1)))
     chat = request.path.endswith("chat/completions")
+    if chat and settings.get("scripted") and not _is_ruler(body):
+        return await _scripted_chat(request, body)
     if chat and _is_ruler(body):
         return web.Response(body=_dumps(_ruler_answer(body)), content_type="application/json")
     n = int(body.get("n") or 1)
@@ -278,6 +289,67 @@ async def _stream(request, body, chat, prompt, choices, behaviour) -> web.Stream
     return response
 
 
+async def _scripted_chat(request: web.Request, body: dict) -> web.StreamResponse:
+    if not body.get("stream"):
+        return web.Response(body=_dumps(scripted.chat_whole(body)), content_type="application/json")
+    events = [b"data: " + _dumps(e) + b"\n\n" for e in scripted.chat_chunks(body)]
+    return await _send_stream(request, [*events, b"data: [DONE]\n\n"])
+
+
+async def _send_stream(request: web.Request, events: list[bytes]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    for event in events:
+        await response.write(event)
+    await response.write_eof()
+    return response
+
+
+def _not_found(message: str) -> web.Response:
+    error = {"message": message, "type": "NotFoundError", "param": None, "code": 404}
+    return web.json_response({"error": error}, status=404, dumps=lambda o: _dumps(o).decode())
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """The Responses API, scripted (scripted_apis.py); `previous_response_id` continues
+    a response this upstream answered."""
+    body = await request.json()
+    request.app[RECEIVED].append(
+        {"path": request.path, "body": body, "headers": dict(request.headers)}
+    )
+    stored = request.app[STORED]
+    history: list[dict] = []
+    if body.get("previous_response_id"):
+        if body["previous_response_id"] not in stored:
+            return _not_found(f"Response with id '{body['previous_response_id']}' not found.")
+        history = stored[body["previous_response_id"]]
+    conv = scripted_apis.responses_conversation(body, history)
+    events = scripted_apis.responses_events(body, conv)
+    final = events[-1]["response"]
+    new_input = body.get("input")
+    if isinstance(new_input, str):
+        new_input = [{"role": "user", "content": new_input}]
+    stored[final["id"]] = [*history, *(new_input or []), *final["output"]]
+    if not body.get("stream"):
+        return web.Response(body=_dumps(final), content_type="application/json")
+    lines = [f"event: {e['type']}\ndata: ".encode() + _dumps(e) + b"\n\n" for e in events]
+    return await _send_stream(request, lines)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """The Anthropic Messages API, scripted (scripted_apis.py)."""
+    body = await request.json()
+    request.app[RECEIVED].append(
+        {"path": request.path, "body": body, "headers": dict(request.headers)}
+    )
+    if not body.get("stream"):
+        whole = scripted_apis.message_whole(body)
+        return web.Response(body=_dumps(whole), content_type="application/json")
+    events = scripted_apis.message_events(body)
+    lines = [f"event: {name}\ndata: ".encode() + _dumps(data) + b"\n\n" for name, data in events]
+    return await _send_stream(request, lines)
+
+
 async def models(request: web.Request) -> web.Response:
     data = [
         {
@@ -322,13 +394,23 @@ async def health(request: web.Request) -> web.Response:
 
 
 def create_fake_upstream(
-    delay: float = 0.0, tokens: int = 4, jitter: float = 0.0
+    delay: float = 0.0, tokens: int = 4, jitter: float = 0.0, scripted: bool = False
 ) -> web.Application:
+    """`scripted`: chat completions answer as the scripted agent (tools, schemas)."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[RECEIVED] = []
-    app[SETTINGS] = {"delay": delay, "jitter": jitter, "tokens": tokens, "loras": {}}
+    app[SETTINGS] = {
+        "delay": delay,
+        "jitter": jitter,
+        "tokens": tokens,
+        "loras": {},
+        "scripted": scripted,
+    }
+    app[STORED] = {}
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/load_lora_adapter", load_lora)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora)
@@ -348,8 +430,13 @@ def main() -> None:
         help="delay varies uniformly by this fraction (0.5: 10-30 ms for 20 ms)",
     )
     parser.add_argument("--tokens", type=int, default=4, help="tokens per choice unless max_tokens")
+    parser.add_argument(
+        "--scripted",
+        action="store_true",
+        help="chat completions answer as a scripted agent: tool calls, JSON fitting a schema",
+    )
     args = parser.parse_args()
-    app = create_fake_upstream(args.delay, args.tokens, args.jitter)
+    app = create_fake_upstream(args.delay, args.tokens, args.jitter, scripted=args.scripted)
     # The benchmark reads the RECEIVED list never; keep memory flat under load.
     app[RECEIVED] = _Discard()
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)

@@ -1,0 +1,191 @@
+"""Real agent frameworks, run directly and through the proxy, against the scripted upstream.
+
+One stack per session, served from a thread of its own (so that sync frameworks and
+async ones both run from plain test functions): the scripted upstream (the fake vLLM
+with `scripted=True`), the proxy in front of it, and two taps, recording forwarders
+that the frameworks talk to. The direct tap forwards to the upstream, the proxied tap
+to the proxy; each keeps the bytes of every answer, exactly as the framework got them.
+
+A framework's test runs its agent once through each tap (`run_both`) and compares the
+two recordings, then reads the rows the proxy logged (`rows`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from overnight.config import ProxyConfig
+from overnight.proxy import create_app
+from overnight.storage import open_db
+from overnight.testing.fake_upstream import RECEIVED, create_fake_upstream
+
+MODEL = "scripted"  # any name but the alias: the proxy passes it through unchanged
+# Request headers a tap must not copy: aiohttp sets its own.
+_HOP = {"host", "content-length", "transfer-encoding", "connection"}
+
+
+@dataclass
+class Exchange:
+    method: str
+    path: str  # without a /rollouts/{group}/{rollout} prefix
+    status: int
+    body: bytes  # the whole answer as the client received it (an SSE stream included)
+
+
+@dataclass
+class Tap:
+    target: str
+    url: str = ""
+    seen: list[Exchange] = field(default_factory=list)
+
+
+def _strip_prefix(path: str) -> str:
+    if path.startswith("/rollouts/"):
+        return "/" + path.split("/", 4)[4]
+    return path
+
+
+def _tap_app(tap: Tap) -> web.Application:
+    async def forward(request: web.Request) -> web.StreamResponse:
+        session: aiohttp.ClientSession = request.app["session"]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        body = await request.read()
+        async with session.request(
+            request.method, tap.target + request.path_qs, headers=headers, data=body
+        ) as upstream:
+            response = web.StreamResponse(status=upstream.status)
+            for name in ("Content-Type", "Content-Encoding"):
+                if name in upstream.headers:
+                    response.headers[name] = upstream.headers[name]
+            await response.prepare(request)
+            received = bytearray()
+            async for chunk in upstream.content.iter_any():
+                received += chunk
+                await response.write(chunk)
+            await response.write_eof()
+        path = _strip_prefix(request.path)
+        tap.seen.append(Exchange(request.method, path, upstream.status, bytes(received)))
+        return response
+
+    async def session_ctx(app: web.Application):
+        app["session"] = aiohttp.ClientSession(auto_decompress=False)
+        yield
+        await app["session"].close()
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    return app
+
+
+class Stack:
+    """The scripted upstream, the proxy and two taps, served from a background loop."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.loop = asyncio.new_event_loop()
+        self.runners: list[web.AppRunner] = []
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.upstream_app = create_fake_upstream(scripted=True)
+        self.upstream = self._serve(self.upstream_app)
+        config = ProxyConfig(upstream=self.upstream, data_dir=data_dir, commit_interval=0.0)
+        self.proxy = self._serve(create_app(config))
+        self.direct_tap = Tap(self.upstream)
+        self.direct_tap.url = self._serve(_tap_app(self.direct_tap))
+        self.proxy_tap = Tap(self.proxy)
+        self.proxy_tap.url = self._serve(_tap_app(self.proxy_tap))
+
+    def _serve(self, app: web.Application) -> str:
+        async def start() -> str:
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.runners.append(runner)
+            return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+        return asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+
+    @property
+    def received(self) -> list[dict]:
+        """What the upstream was sent (path, body, headers), both runs."""
+        return self.upstream_app[RECEIVED]
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for runner in reversed(self.runners):
+                await runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def run_both(self, agent: Callable[[str, bool], object]) -> Runs:
+        """`agent(origin, proxied)`: the agent against `origin` (scheme://host:port), once
+        directly and once through the proxy; what each run received and returned."""
+        self.direct_tap.seen.clear()
+        self.proxy_tap.seen.clear()
+        direct = agent(self.direct_tap.url, False)
+        proxied = agent(self.proxy_tap.url, True)
+        return Runs(list(self.direct_tap.seen), list(self.proxy_tap.seen), direct, proxied)
+
+    def rows(self, rollout_id: str, expect: int = 1, timeout: float = 5.0) -> list[dict]:
+        """The completions rows of a rollout, once at least `expect` are readable."""
+        deadline = time.monotonic() + timeout
+        while True:
+            con = open_db(self.data_dir)
+            cur = con.execute(
+                "SELECT * FROM completions WHERE rollout_id = ? ORDER BY turn_index", [rollout_id]
+            )
+            names = [d[0] for d in cur.description]
+            found = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+            con.close()
+            if len(found) >= expect or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
+
+@dataclass
+class Runs:
+    direct: list[Exchange]
+    proxied: list[Exchange]
+    direct_result: object
+    proxied_result: object
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    s = Stack(tmp_path_factory.mktemp("compat") / "data")
+    yield s
+    s.close()
+
+
+def need(module: str) -> None:
+    """Skip, with the install line, when a framework of the `compat` extra is missing."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install -e '.[compat]')")
+
+
+def assert_same_bytes(runs: Runs) -> None:
+    assert [(e.method, e.path, e.status) for e in runs.proxied] == [
+        (e.method, e.path, e.status) for e in runs.direct
+    ]
+    for direct, proxied in zip(runs.direct, runs.proxied, strict=True):
+        if proxied.body != direct.body and direct.body.startswith((b"data:", b"event:")):
+            # A stream: say which events differ, and how many each side got.
+            events = direct.body.split(b"\n\n"), proxied.body.split(b"\n\n")
+            assert events[1] == events[0], (
+                f"{direct.path}: {len(events[0])} events directly, {len(events[1])} through the proxy"
+            )
+        assert proxied.body == direct.body, f"{direct.path}: the client got other bytes"

@@ -1,0 +1,79 @@
+"""The Node `openai` SDK 6.49, installed with npm into .cache/compat-node (skipped, with
+the reason, where npm is absent or the install fails)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import assert_same_bytes
+from .helpers import check_rows
+
+pytestmark = pytest.mark.compat
+ROLLOUT = "node-1"
+VERSION = "6.49.0"
+HERE = Path(__file__).resolve().parent
+NODE_DIR = HERE.parent.parent / ".cache" / "compat-node"
+EMPTY_CHUNKS = pytest.mark.xfail(
+    strict=True,
+    reason="issue 12: a streamed tool call gets `delta: {}` chunks that only the token ids "
+    "and logprobs the proxy asks for cause",
+)
+
+
+@pytest.fixture(scope="module")
+def node_sdk() -> Path:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are not installed: the Node SDK is not tested")
+    package = NODE_DIR / "node_modules" / "openai" / "package.json"
+    if not package.exists() or json.loads(package.read_text())["version"] != VERSION:
+        NODE_DIR.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--silent", f"openai@{VERSION}"],
+            cwd=NODE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"npm install openai@{VERSION} failed: {done.stderr[-500:]}")
+    script = NODE_DIR / "node_agent.mjs"  # beside node_modules, so `import "openai"` resolves
+    shutil.copy(HERE / "node_agent.mjs", script)
+    return script
+
+
+@pytest.fixture(scope="module")
+def runs(stack, node_sdk):
+    def agent(origin: str, proxied: bool):
+        args = ["node", str(node_sdk), origin + "/v1", *([ROLLOUT] if proxied else [])]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    return stack.run_both(agent)
+
+
+def test_runs_to_the_end(runs):
+    assert runs.direct_result == runs.proxied_result
+    assert runs.direct_result["calls"] == ["get_weather"]
+    assert runs.direct_result["answer"] == "Done after 1 tool result."
+
+
+@EMPTY_CHUNKS
+def test_same_bytes(runs):
+    assert_same_bytes(runs)
+
+
+def test_responses_bytes(runs):
+    """The Responses call alone: passed through untouched."""
+    direct = [e for e in runs.direct if e.path == "/v1/responses"]
+    proxied = [e for e in runs.proxied if e.path == "/v1/responses"]
+    assert len(direct) == 1 and [e.body for e in proxied] == [direct[0].body]
+
+
+def test_rows(runs, stack):
+    check_rows(stack.rows(ROLLOUT, expect=2), ROLLOUT, turns=2)
