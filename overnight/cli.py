@@ -70,9 +70,11 @@ _TABLES = ("completions", "rollouts", "groups", "rewards", "finishes", "judgment
 
 # Options several commands take.
 data_option = config_options(ProxyConfig, only=["data_dir"])
+DEFAULT_PROXY = "http://127.0.0.1:8000"
 proxy_option = click.option(
-    "--proxy", "proxy_url", default="http://127.0.0.1:8000", show_default=True,
-    envvar="OVERNIGHT_PROXY", help="The proxy whose adapter is trained and promoted.",
+    "--proxy", "proxy_url", envvar="OVERNIGHT_PROXY",
+    help="The proxy whose adapter is trained and promoted [default: the one serving --data "
+    f"(DATA/proxy.json), else {DEFAULT_PROXY}].",
 )  # fmt: skip
 admin_token_option = click.option(
     "--admin-token", envvar="OVERNIGHT_ADMIN_TOKEN", help="The proxy's admin token."
@@ -119,7 +121,13 @@ def serve(**values: Any) -> None:
         log_path = values["data_dir"] / "logs" / "vllm.log"
         vllm = build(VLLMConfig, values, port=free_port(), log_path=log_path)
         values["upstream"] = vllm.url
-    serve_forever(build(ProxyConfig, values), vllm, listen.host, listen.port)
+    proxy = build(ProxyConfig, values)
+    if vllm is None:  # started here, vLLM gets --logprobs-mode processed_logprobs
+        from .proxy.launcher import check_logprobs_mode
+
+        ok, line = check_logprobs_mode(proxy.upstream, proxy.upstream_api_key)
+        logging.getLogger("overnight").log(logging.INFO if ok else logging.WARNING, line)
+    serve_forever(proxy, vllm, listen.host, listen.port)
 
 
 @main.command(name="ls")
@@ -302,7 +310,7 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     run(
         data_dir,
         build(TrainConfig, values),
-        proxy_url=None if dry_run else values["proxy_url"] or None,
+        proxy_url=None if dry_run else _proxy(data_dir, values["proxy_url"]),
         admin_token=values["admin_token"],
         promote=not values["no_promote"],
         dry_run=dry_run,
@@ -364,13 +372,8 @@ def runs(data_dir: Path, limit: int) -> None:
     """
     from .view import display
 
-    query = (
-        "SELECT run_id, status, len(groups) AS groups, rollouts, steps, trained_tokens, "
-        "round(reward_mean, 3) AS reward_mean, promoted_as, started_at FROM training_runs "
-        f"ORDER BY started_at DESC LIMIT {int(limit)}"
-    )
     with _db(data_dir) as con:
-        click.echo(display.run_query(con, query, "table"))
+        click.echo(display.list_runs(con, limit))
 
 
 @main.command()
@@ -382,7 +385,7 @@ def runs(data_dir: Path, limit: int) -> None:
     is_flag=True,
     help="No proxy runs: change DATA/adapters.json; the next serve restores the previous one.",
 )
-def rollback(data_dir: Path, proxy_url: str, admin_token: str | None, offline: bool) -> None:
+def rollback(data_dir: Path, proxy_url: str | None, admin_token: str | None, offline: bool) -> None:
     """Serve the previous adapter again (or the base model).
 
     \b
@@ -399,10 +402,44 @@ def rollback(data_dir: Path, proxy_url: str, admin_token: str | None, offline: b
         return
     from .trainer.proxy_client import admin_call
 
-    state = admin_call(proxy_url, "/admin/adapters/rollback", admin_token, {})
+    url = _proxy(data_dir, proxy_url)
+    if url is None:
+        raise click.UsageError("--proxy is empty: give the proxy's URL, or use --offline")
+    state = admin_call(url, "/admin/adapters/rollback", admin_token, {})
     current = state.get("current")
     served = current["name"] if current else "the base model"
     click.echo(f"the alias {state['alias']} now serves {served}")
+
+
+@main.command()
+@data_option
+@click.option(
+    "--older-than",
+    required=True,
+    help="Delete the days that ended longer ago than this: 30d, 12h, 2w.",
+)
+@click.option("--yes", is_flag=True, help="Delete; without it, only say what would be deleted.")
+def prune(data_dir: Path, older_than: str, yes: bool) -> None:
+    """Delete old day partitions of the records (never the live log nor today's).
+
+    \b
+    Example:
+      overnight prune --older-than 30d          # what would go
+      overnight prune --older-than 30d --yes    # delete it
+    """
+    from .prune import parse_age, plan_prune
+    from .prune import prune as delete
+
+    _require(data_dir)
+    plan = plan_prune(data_dir, parse_age(older_than))
+    for line in plan.lines():
+        click.echo(line)
+    if plan.empty:
+        click.echo("nothing to delete")
+    elif yes:
+        click.echo(f"deleted {delete(plan)} day partition(s)")
+    else:
+        click.echo("nothing deleted: run again with --yes to delete these")
 
 
 @main.command(name="tiny-model")
@@ -418,6 +455,20 @@ def tiny_model(out_dir: Path, seed: int) -> None:
     from .testing.tiny_model import build_tiny_model
 
     click.echo(f"tiny model in {build_tiny_model(out_dir, seed=seed)}")
+
+
+def _proxy(data_dir: Path, given: str | None) -> str | None:
+    """--proxy (or OVERNIGHT_PROXY; `--proxy ""`: none), else the live proxy serving
+    `data_dir`, else port 8000."""
+    if given is not None:
+        return given or None
+    from .proxy.address import find_proxy
+
+    found = find_proxy(data_dir)
+    if found is None:
+        return DEFAULT_PROXY
+    click.echo(f"using the proxy at {found['url']} (from {data_dir / 'proxy.json'})", err=True)
+    return found["url"]
 
 
 def _require(data_dir: Path) -> None:

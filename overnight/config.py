@@ -19,6 +19,13 @@ DEFAULT_DATA_DIR = Path("overnight-data")
 # A rollout with no `finish` counts as finished after this many idle seconds: long
 # enough for an agent's slowest tool call, short enough for a nightly batch.
 SETTLE_SECONDS = 600.0
+# Largest |policy - logged| logprob of a trained token before a run's first update (its
+# `max_logprob_gap`, in nats) that passes without a warning. The ratio of such a token
+# starts off by e^gap: 0.02 is a 2% error, a tenth of the clip window's narrow side
+# (clip_low 0.2), so below it the clip acts on the tokens it should. Float32 serving
+# and training agree to ~2e-6; a bfloat16 server against a float32 trainer measured
+# 0.077, and raw vLLM logprobs against a temperature-0.7 policy up to 2.3.
+LOGPROB_GAP_WARNING = 0.02
 _ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -84,6 +91,26 @@ class ProxyConfig:
         default=4.0,
         metadata={"help": "Idle upstream connections are closed after this (below vLLM's 5 s)."},
     )
+    # aiohttp's server has no timeout for reading a request's headers: a client that
+    # never finishes them (slowloris) would hold its connection forever. The same limit
+    # closes a client's idle keep-alive connection; SDKs keep theirs 5-15 s.
+    header_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds a client may take to send a request's headers, or stay idle between requests."
+        },
+    )
+    # DNS rebinding: a page at evil.example whose name resolves to this machine. An IP
+    # literal, `localhost` and this machine's name cannot be rebound; other names must be
+    # listed ('*' turns the check off).
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "Host name the proxy is served as, for the admin API, rewards and /ui (repeatable; "
+            "IP addresses, localhost and this machine's name are always accepted).",
+            "flag": "--allowed-host",
+        },
+    )
     drain_timeout: float = field(
         default=600.0,
         metadata={
@@ -109,6 +136,22 @@ class ProxyConfig:
             "help": "Roll the write-ahead log into Parquet after this many seconds (or 64 MiB)."
         },
     )
+    # None stores records as they came; see proxy/redact.py and examples/redact_emails.py.
+    redact: str | None = field(
+        default=None,
+        metadata={
+            "help": "Redaction hook (module:function or file.py:function) applied to each "
+            "record before it is written."
+        },
+    )
+    # vLLM restarted under the proxy has no adapters: this often, the proxy checks that the
+    # promoted one is still served and loads it again (a 404 for it checks at once).
+    upstream_check_interval: float = field(
+        default=10.0,
+        metadata={
+            "help": "Seconds between checks that vLLM still serves the promoted adapter (0: never)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
@@ -121,11 +164,23 @@ class ProxyConfig:
             )
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
-        for name in ("connect_timeout", "read_timeout", "keepalive_timeout", "drain_timeout"):
+        for name in (
+            "connect_timeout",
+            "read_timeout",
+            "keepalive_timeout",
+            "header_timeout",
+            "drain_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.commit_interval < 0 or self.roll_seconds <= 0:
             raise ConfigError("commit_interval must be >= 0 and roll_seconds > 0")
+        if self.upstream_check_interval < 0:
+            raise ConfigError("upstream_check_interval must be >= 0 (0: no check)")
+        if self.redact is not None and ":" not in self.redact:
+            raise ConfigError(
+                f"redact must be module:function or file.py:function, got {self.redact!r}"
+            )
         if any(not k for k in self.api_keys):
             raise ConfigError("api keys must not be empty")
 
@@ -153,6 +208,18 @@ class VLLMConfig:
     # Hermes covers Qwen-family chat templates; other families need their own parser.
     tool_call_parser: str | None = field(
         default="hermes", metadata={"help": "vLLM's tool call parser ('' for none)."}
+    )
+    # The logged logprobs are compared with the trainer's: serve in the dtype it computes
+    # in. On a CPU that is float32 (vLLM would pick bfloat16: 0.077 nats apart on the tiny
+    # model); on a GPU the trainer's auto is bfloat16, vLLM's auto the model's own dtype.
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM's --dtype (default: float32 on a CPU, as the trainer; vLLM's "
+            "choice on a GPU).",
+            "flag": "--vllm-dtype",
+            "name": "vllm_dtype",
+        },
     )
     extra_args: tuple[str, ...] = field(
         default=(),
@@ -241,6 +308,27 @@ class JudgeConfig:
             "help": "Tool outputs longer than this are shortened in the middle for the judge."
         },
     )
+    # None: the judge's input window where litellm knows it, else no budget. A prompt
+    # over it would fail on every try (judge/budget.py says what is cut first).
+    max_prompt_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Budget for the whole judge prompt, in tokens; longer groups are "
+            "shortened to fit (default: the judge's window where litellm knows it).",
+            "name": "judge_max_prompt_tokens",
+        },
+    )
+    # Whatever litellm passes on: reasoning_effort=low, seed=7, num_ctx=32768. Kept as
+    # the KEY=VALUE text given; `extra_args` parses them.
+    args: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "KEY=VALUE handed to the judge call through litellm (repeatable), e.g. "
+            "reasoning_effort=low; VALUE is parsed as JSON when it parses.",
+            "name": "judge_args",
+            "flag": "--judge-arg",
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -249,6 +337,45 @@ class JudgeConfig:
             raise ConfigError("max_fixes and max_retries must be >= 0, concurrency >= 1")
         if self.timeout <= 0 or self.max_tool_chars < 200:
             raise ConfigError("timeout must be positive and max_tool_chars at least 200")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 256:
+            raise ConfigError("max_prompt_tokens must be at least 256")
+        object.__setattr__(self, "args", tuple(self.args))
+        self.extra_args  # noqa: B018 -- validates every KEY=VALUE now, not at the first call
+
+    @property
+    def extra_args(self) -> dict:
+        """The --judge-arg pairs as litellm keywords; a value that is JSON is parsed."""
+        import json
+
+        out = {}
+        for arg in self.args:
+            key, sep, value = arg.partition("=")
+            key = key.strip()
+            if not sep or not key.isidentifier():
+                raise ConfigError(f"--judge-arg takes KEY=VALUE, got {arg!r}")
+            if key in _JUDGE_OWN_ARGS:
+                raise ConfigError(f"--judge-arg {key}: set by the judge itself or its own option")
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                out[key] = value
+        return out
+
+
+# What the judge call sets from its own options (--judge-base-url, --temperature, ...).
+_JUDGE_OWN_ARGS = frozenset(
+    {
+        "model",
+        "messages",
+        "api_base",
+        "base_url",
+        "api_key",
+        "timeout",
+        "num_retries",
+        "temperature",
+        "max_tokens",
+    }
+)
 
 
 _DTYPES = ("auto", "float32", "bfloat16")
@@ -261,6 +388,17 @@ class TrainConfig:
     # None asks the proxy (vLLM's /v1/models).
     base_model: str | None = field(
         default=None, metadata={"help": "Base model path or name (default: ask the proxy)."}
+    )
+    # A request that omits temperature, top_k, top_p or min_p was sampled with vLLM's
+    # default for it, which vLLM takes from the model's generation_config.json unless
+    # started with `--generation-config vllm` (or a directory): say the same here.
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "Where the serving vLLM took sampling defaults from, as its "
+            "--generation-config: auto (the model's generation_config.json), vllm "
+            "(none), or a directory."
+        },
     )
     # LoRA's usual range for 7B-class models.
     learning_rate: float = field(
@@ -386,6 +524,11 @@ class TrainConfig:
             object.__setattr__(self, "lora_alpha", 2 * self.lora_rank)
         if self.dual_clip == 0:
             object.__setattr__(self, "dual_clip", None)
+        if self.dual_clip is not None and self.dual_clip < 1 + self.clip_high:
+            # TRL's delta there would also cap positive-advantage tokens (docs/grpo.md).
+            raise ConfigError(
+                f"dual_clip must be at least 1 + clip_high = {1 + self.clip_high:g}, or 0 (off)"
+            )
 
 
 # The tiny local model (tests, the demo) on a CPU: its random weights need far bigger

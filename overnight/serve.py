@@ -41,6 +41,7 @@ def serve_forever(proxy: ProxyConfig, vllm: VLLMConfig | None, host: str, port: 
     from aiohttp import web
 
     from overnight.proxy import create_app
+    from overnight.proxy.address import advertise, proxy_url
     from overnight.proxy.launcher import VLLMProcess
 
     if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
@@ -58,9 +59,12 @@ def serve_forever(proxy: ProxyConfig, vllm: VLLMConfig | None, host: str, port: 
         log.info(
             "proxy on http://%s:%d/v1 -> %s, data in %s", host, port, proxy.upstream, proxy.data_dir
         )
+        app = create_app(proxy)
+        # DATA/proxy.json: where `overnight train` and `rollback` find this proxy.
+        advertise(app, proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
         # run_app turns SIGINT and SIGTERM into a graceful exit that runs the cleanup.
         web.run_app(
-            create_app(proxy),
+            app,
             host=host,
             port=port,
             access_log=None,

@@ -7,13 +7,17 @@ promotion loads under a fresh versioned name (`policy-v7`), switches the alias i
 step on the event loop (a request routed before the switch finishes on the old
 adapter), then unloads the old adapter once its in-flight requests have drained.
 
-State survives restarts in `adapters.json` (written atomically); a restarted vLLM
-has no adapters, so `restore` loads the current one again under a new name.
+State survives restarts in `adapters.json` (written atomically). A restarted vLLM
+has no adapters: `restore` loads the current one again under a new name at the
+proxy's start, and a watch does the same whenever vLLM stops listing it while the
+proxy runs (vLLM restarted under it): every `check_interval` seconds, or at once when
+a request for the alias was answered 404 (`notice_missing`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -59,6 +63,7 @@ class AdapterRegistry:
         session_headers: dict[str, str],
         drain_timeout: float,
         base_model: str | None = None,
+        check_interval: float = 10.0,
     ):
         self.alias = alias
         self.state_path = state_path
@@ -74,6 +79,10 @@ class AdapterRegistry:
         self._lock = asyncio.Lock()
         self._drains: set[asyncio.Task] = set()
         self.session: aiohttp.ClientSession | None = None
+        # Seconds between checks that vLLM still serves the current adapter; 0: no watch.
+        self.check_interval = check_interval
+        self._watch: asyncio.Task | None = None
+        self._wake = asyncio.Event()
         self._load_state()
 
     # -- routing (hot path) ------------------------------------------------------------
@@ -137,20 +146,63 @@ class AdapterRegistry:
             return now
 
     async def restore(self) -> None:
-        """After a (re)start: learn the base model and reload the current adapter."""
+        """After a (re)start: learn the base model, reload the current adapter, and
+        start watching for a vLLM restart. An unreachable vLLM is not fatal: the watch
+        loads the adapter once vLLM answers."""
         served = await self._served_models()
-        bases = [m for m in served if not m.get("parent")]
+        bases = [m for m in served or [] if not m.get("parent")]
         if self.base_model is None and bases:
             self.base_model = bases[0]["id"]
         # Where vLLM loaded the base from: what a trainer must load too.
         self.base_model_path = next(
             (m.get("root") for m in bases if m["id"] == self.base_model), None
         )
+        if served is not None:
+            await self._reload_if_missing(served)
+        if self.check_interval > 0 and self._watch is None:
+            self._watch = asyncio.create_task(self._watch_upstream())
+
+    def notice_missing(self, served: str) -> None:
+        """A request routed to `served` got a 404 from vLLM: check now, not at the next tick.
+        (Call from the relay; cheap and safe to call for any name.)"""
         current = self.current
-        if current is not None and current.name not in {m["id"] for m in served}:
-            async with self._lock:
-                self.stack[-1] = await self._load(current.path, "restore")
-                self._save_state()
+        if current is not None and current.name == served:
+            self._wake.set()
+
+    async def check_upstream(self) -> bool:
+        """Does vLLM still serve the current adapter? If not (restarted), load it again
+        under a new name and serve that. True when it reloaded."""
+        served = await self._served_models()
+        return served is not None and await self._reload_if_missing(served)
+
+    async def _reload_if_missing(self, served: list[dict]) -> bool:
+        current = self.current
+        if current is None or current.name in {m.get("id") for m in served}:
+            return False
+        async with self._lock:
+            if self.current is not current:
+                return False  # promoted or rolled back meanwhile: that loaded what serves
+            self.stack[-1] = await self._load(current.path, "restore")
+            self._save_state()
+        log.warning(
+            "vLLM no longer served %s (restarted?): loaded %s again as %s",
+            current.name,
+            current.path,
+            self.stack[-1].name,
+        )
+        return True
+
+    async def _watch_upstream(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):  # a tick, or woken by notice_missing
+                await asyncio.wait_for(self._wake.wait(), self.check_interval)
+            self._wake.clear()
+            try:
+                await self.check_upstream()
+            except AdapterError as e:  # vLLM came back but refused: say so, try again later
+                log.error("could not load the promoted adapter again: %s", e)
+            except Exception:  # the watch must outlive any surprise
+                log.exception("checking the upstream's adapters failed")
 
     def describe(self) -> dict:
         current = self.current
@@ -165,6 +217,10 @@ class AdapterRegistry:
         }
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
         for task in list(self._drains):
             task.cancel()
         await asyncio.gather(*self._drains, return_exceptions=True)
@@ -230,15 +286,21 @@ class AdapterRegistry:
         except (aiohttp.ClientError, TimeoutError) as e:
             raise AdapterError(f"vLLM unreachable at {self.upstream}: {e}", status=502) from e
 
-    async def _served_models(self) -> list[dict]:
+    async def _served_models(self) -> list[dict] | None:
+        """vLLM's /v1/models entries; None when it cannot be asked (down, restarting)."""
         assert self.session is not None
         try:
-            async with self.session.get(self.upstream + "/v1/models", headers=self.headers) as r:
+            async with self.session.get(
+                self.upstream + "/v1/models",
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=10),
+            ) as r:
                 if r.status == 200:
                     return (await r.json()).get("data", [])
+                log.warning("listing the upstream's models answered HTTP %d", r.status)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             log.warning("could not list upstream models: %s", e)
-        return []
+        return None
 
     # -- state on disk -----------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from aiohttp import web
 from overnight.errors import OvernightError
 
 from .jsonio import read_json_object
+from .redact import REDACTOR
 from .state import ADAPTERS, STATS, WRITER
 
 
@@ -45,8 +46,10 @@ async def stats(request: web.Request) -> web.Response:
             "requests": request.app[STATS].requests,
             "rows_appended": writer.appended,
             "rows_committed": writer.rows_committed,
-            "rows_compacted": writer.rows_compacted,
-            "write_errors": writer.errors,
+            # status and reason; rows written, lost, fitted; failed batches; rows
+            # compacted, lines quarantined, failed compactions (storage.WriterHealth)
+            **writer.health().as_dict(),
+            "redaction_failures": request.app[REDACTOR].failures,
             "writer_id": writer.writer_id,
         }
     )

@@ -11,19 +11,52 @@ logging adds no latency. Rewards and finishes are durable before they are answer
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from aiohttp import web
+
+from overnight.errors import OvernightError
 
 from .attribution import Attribution, attribute, logging_enabled
 from .capture import CHAT, TEXT, add_training_fields
 from .capture_state import Capture
 from .jsonio import read_json_object
 from .records import completion_rows, finish_row, parse_reward, reward_row
-from .relay import forward, passthrough
+from .redact import REDACTOR
+from .relay import CLIENT_LEFT_EARLY, forward, passthrough
 from .state import ADAPTERS, STATS, TURNS, WRITER
 
+log = logging.getLogger("overnight.proxy")
+
 ENDPOINTS = {"chat/completions": CHAT, "completions": TEXT}
+
+
+# The fields the proxy itself reads, and the JSON type it reads each as (null is fine).
+# Anything else is the upstream's to judge; a wrong type here would fail in the proxy.
+FIELD_TYPES: dict[str, type] = {"model": str, "stream": bool, "stream_options": dict}
+JSON_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+
+
+class InternalError(OvernightError):
+    """What the client is told of a failure of the proxy's own; the log has the traceback."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, request_id: str):
+        super().__init__(f"the proxy failed on this request (request id {request_id})")
+        self.request_id = request_id
+
+
+def check_fields(body: dict) -> None:
+    for name, kind in FIELD_TYPES.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            got = JSON_NAMES.get(type(value), "a number")
+            raise OvernightError(
+                f"'{name}' must be {JSON_NAMES[kind]}, got {got}", status=400, code="invalid_type"
+            )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -31,19 +64,39 @@ async def completions(request: web.Request) -> web.StreamResponse:
     endpoint = ENDPOINTS[tail]
     started = time.time_ns() // 1000
     body = await read_json_object(request)
+    check_fields(body)
     who = attribute(
         request.headers, request.match_info.get("group"), request.match_info.get("rollout"), body
     )
     app = request.app
     adapters = app[ADAPTERS]
     route = adapters.route(body.get("model"))
-    upstream_body = dict(body, model=route.served)
-    added = add_training_fields(upstream_body, endpoint)
     capture = Capture(endpoint, bool(body.get("stream")), request_body=body, route=route)
     try:
+        upstream_body = dict(body, model=route.served)
+        added = add_training_fields(upstream_body, endpoint)
         return await forward(request, endpoint, upstream_body, added, capture)
+    except (OvernightError, web.HTTPException):
+        raise
+    except asyncio.CancelledError:  # aiohttp cancels a handler whose client left
+        if capture.error is None:
+            capture.error = CLIENT_LEFT_EARLY
+            capture.done()
+        raise
+    except Exception as e:
+        # A bug of the proxy's: the record says so, the log has the traceback, the client
+        # gets a 500 JSON error naming the request (auth.make_guard would catch it too,
+        # but without a record).
+        log.exception("completion %s failed", capture.request_id)
+        if capture.status < 400:
+            capture.status = 500
+        capture.error = f"internal error: {e!r}"[:4096]
+        capture.done()
+        raise InternalError(capture.request_id) from e
     finally:
         adapters.release(route)
+        if capture.status == 404:  # vLLM restarted and lost the adapter? check now
+            adapters.notice_missing(route.served)
         app[STATS].requests += 1
         # Built once the response is on its way (aiohttp writes it before this task next
         # yields), so a burst of answers is not held up by the records of the earlier ones.
@@ -56,15 +109,19 @@ def _record(
     app: web.Application, capture: Capture, who: Attribution, started: int, logged: bool
 ) -> None:
     writer = app[WRITER]
-    rows = completion_rows(
-        capture,
-        who,
-        started=started,
-        turn_counter=app[TURNS],
-        logged=logged,
-        proxy_id=writer.writer_id,
-    )
-    for row in rows:
+    try:
+        rows = completion_rows(
+            capture,
+            who,
+            started=started,
+            turn_counter=app[TURNS],
+            logged=logged,
+            proxy_id=writer.writer_id,
+        )
+    except Exception:  # a response of a shape the capture did not foresee: say so loudly
+        log.exception("could not build the record of request %s", capture.request_id)
+        return
+    for row in app[REDACTOR].apply(rows):  # the user's --redact hook (redact.py)
         writer.append("completions", row)
 
 

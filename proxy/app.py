@@ -27,6 +27,7 @@ from .adapters import AdapterRegistry
 from .agent_api import completions, post_finish, post_reward, prefixed
 from .auth import make_guard
 from .capture_state import TurnCounter
+from .redact import REDACTOR, Redactor
 from .relay import passthrough
 from .state import (
     ADAPTERS,
@@ -45,11 +46,20 @@ from .upstream import UpstreamPool
 
 def create_app(config: ProxyConfig) -> web.Application:
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[make_guard(config)])
+    app = web.Application(
+        client_max_size=config.max_body_bytes,  # every path, the pass-through too (relay.py)
+        middlewares=[make_guard(config)],
+        # aiohttp arms this timer when a connection opens and closes the connection if no
+        # whole request head has arrived by then (and after each response, if no next
+        # one): the header-read timeout it has no option for. Header sizes keep aiohttp's
+        # limits (8190-byte lines, 128 fields).
+        handler_args={"keepalive_timeout": config.header_timeout},
+    )
     app[CONFIG] = config
     app[STATS] = ProxyStats()
     app[TURNS] = TurnCounter()
     app[FINGERPRINT] = SeenFingerprint()
+    app[REDACTOR] = Redactor(config.redact)
     app[ADAPTERS] = registry = AdapterRegistry(
         alias=config.alias,
         state_path=config.data_dir / "adapters.json",
@@ -57,6 +67,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         session_headers=_upstream_auth(config),
         drain_timeout=config.drain_timeout,
         base_model=config.base_model,
+        check_interval=config.upstream_check_interval,
     )
     app.cleanup_ctx.append(_lifecycle)
 
@@ -82,7 +93,15 @@ def create_app(config: ProxyConfig) -> web.Application:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    """200 while the proxy serves. "degraded", with the reason, while recording fails:
+    completions are still served (an agent must not fail because logging does), so a
+    load balancer should keep sending traffic; the writer recovers by itself."""
+    writer = request.app[WRITER].health()
+    if writer.status == "ok":
+        return web.json_response({"status": "ok"})
+    return web.json_response(
+        {"status": writer.status, "reason": writer.reason, "since": writer.since}
+    )
 
 
 def _upstream_auth(config: ProxyConfig) -> dict[str, str]:

@@ -48,9 +48,12 @@ class Attribution:
 
 
 def validate_id(value: str, what: str) -> str:
-    if not isinstance(value, str) or not _VALID_ID.fullmatch(value):
+    # "." and ".." fit the characters but not a URL path: /ui's links to them would lead
+    # elsewhere (a client normalises them away).
+    if not isinstance(value, str) or not _VALID_ID.fullmatch(value) or value in (".", ".."):
         raise BadRolloutId(
-            f"{what} must be 1-128 characters of letters, digits and '._:-'; got {value!r:.160}"
+            f"{what} must be 1-128 characters of letters, digits and '._:-', and not '.' or "
+            f"'..'; got {value!r:.160}"
         )
     return value
 

@@ -7,25 +7,48 @@
   view turns into a cookie; the cookie (or a bearer header) carries it from then on.
 
 Secrets are compared with `hmac.compare_digest`, so an answer's timing says nothing
-about how much of a guess was right.
+about how much of a guess was right. The web view's cookie holds a random session id
+(never the token), `Secure` when the proxy is served over TLS.
+
+Browsers: the admin API, rewards, finishes and /ui refuse a `Host` the proxy is not
+served as (DNS rebinding: a page at evil.example whose name now resolves to 127.0.0.1)
+where a browser needs no credential to reach them (`rebindable`);
+every state-changing request with an `Origin` that is not the proxy's own is refused
+(SDKs send none); the JSON endpoints among them take a JSON content type only (a
+cross-site form can send text/plain, never application/json, without asking first).
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
+import secrets
+import socket
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from overnight.config import ProxyConfig
 from overnight.errors import OvernightError
+from overnight.storage import new_id
 from overnight.view.web import COOKIE as VIEW_COOKIE
+
+log = logging.getLogger("overnight.proxy")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # What aiohttp's own HTTP errors become, as OpenAI error codes.
 HTTP_CODES = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}
+# Paths a browser page must not reach by rebinding or from another site.
+BROWSER_GUARDED = ("/admin/", "/ui", "/v1/rollouts/")
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+SESSION_SECONDS = 12 * 3600
+MAX_SESSIONS = 1024
 
 
 def bearer(request: web.Request) -> str | None:
@@ -52,15 +75,17 @@ class Access:
     def __init__(self, config: ProxyConfig):
         self.api_keys = tuple(_secret(k) for k in config.api_keys)
         self.admin_token = None if config.admin_token is None else _secret(config.admin_token)
+        self.sessions: OrderedDict[str, float] = OrderedDict()  # web view: id -> expiry
 
-    def check(self, request: web.Request) -> None:
-        path = request.path
+    def check(self, request: web.Request, path: str) -> bool:
+        """Raise unless the request may pass; True when it opens a web-view session."""
         if path.startswith(("/admin/", "/ui")):
-            self._check_admin(request, path)
-        elif self.api_keys and path != "/health" and not self._is_api_key(bearer(request)):
+            return self._check_admin(request, path)
+        if self.api_keys and path != "/health" and not self._is_api_key(bearer(request)):
             raise OvernightError("missing or incorrect API key", status=401, code="invalid_api_key")
+        return False
 
-    def _check_admin(self, request: web.Request, path: str) -> None:
+    def _check_admin(self, request: web.Request, path: str) -> bool:
         if self.admin_token is None:
             if not is_loopback(request.remote):
                 raise OvernightError(
@@ -68,14 +93,42 @@ class Access:
                     status=403,
                     code="admin_forbidden",
                 )
-            return
+            return False
         token = bearer(request)
         if token is None and path.startswith("/ui"):  # a browser: the query once, then the cookie
-            token = request.query.get("token") or request.cookies.get(VIEW_COOKIE)
-        if token is None or not hmac.compare_digest(_secret(token), self.admin_token):
+            if self._in_session(request.cookies.get(VIEW_COOKIE)):
+                return False
+            token = request.query.get("token")
+            if token is not None and self._is_admin_token(token):
+                return True
+        if token is None or not self._is_admin_token(token):
             raise OvernightError(
                 "missing or wrong admin token", status=401, code="invalid_admin_token"
             )
+        return False
+
+    def _is_admin_token(self, token: str) -> bool:
+        return hmac.compare_digest(_secret(token), self.admin_token)
+
+    def _in_session(self, session: str | None) -> bool:
+        expiry = None if session is None else self.sessions.get(session)
+        return expiry is not None and expiry > time.monotonic()
+
+    def open_session(self, request: web.Request, response: web.StreamResponse) -> None:
+        """A random id in the cookie, remembered here; the token itself never leaves."""
+        session = secrets.token_urlsafe(32)
+        self.sessions[session] = time.monotonic() + SESSION_SECONDS
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+        response.set_cookie(
+            VIEW_COOKIE,
+            session,
+            httponly=True,
+            samesite="Strict",
+            path="/ui",
+            secure=request.secure or None,
+            max_age=SESSION_SECONDS,
+        )
 
     def _is_api_key(self, token: str | None) -> bool:
         if token is None:
@@ -87,26 +140,130 @@ class Access:
         return matched
 
 
+class Hosts:
+    """The `Host` names the proxy is served as: the configured ones, loopback names, this
+    machine's name, and any IP address (a page cannot rebind a name it does not own)."""
+
+    def __init__(self, allowed: tuple[str, ...]):
+        self.any = "*" in allowed
+        names = {_host_name(h) for h in allowed if h != "*"}
+        self.names = names | LOOPBACK_NAMES | {socket.gethostname().lower()}
+        self._known: dict[str, bool] = {}  # Host header -> verdict; bounded
+
+    def allows(self, host: str) -> bool:
+        verdict = self._known.get(host)
+        if verdict is None:
+            name = _host_name(host)
+            verdict = self.any or name in self.names or name.endswith(".localhost") or _is_ip(name)
+            if len(self._known) < 1024:
+                self._known[host] = verdict
+        return verdict
+
+
+def _host_name(host: str) -> str:
+    """`Example.com:8000` -> `example.com`, `[::1]:8000` -> `::1`."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def rebindable(config: ProxyConfig) -> tuple[str, ...]:
+    """The guarded paths whose access a browser has just by being on this machine: the
+    admin API and /ui with no admin token (loopback is trusted), rewards and finishes
+    with no API keys. With a token or keys a rebound page has nothing to send: browsers
+    attach neither a bearer token nor, to evil.example, the view's cookie."""
+    no_token, no_keys = config.admin_token is None, not config.api_keys
+    return tuple(
+        p
+        for p, ambient in zip(BROWSER_GUARDED, (no_token, no_token, no_keys), strict=True)
+        if ambient
+    )
+
+
+def check_browser(
+    request: web.Request, path: str, hosts: Hosts, rebind: tuple[str, ...] = BROWSER_GUARDED
+) -> None:
+    """Refuse what only a browser page on another site (or a rebound name) would send.
+    A completion costs two prefix tests and one header lookup (no `Origin`: an SDK)."""
+    guarded = path.startswith(BROWSER_GUARDED)
+    if guarded and path.startswith(rebind):
+        host = request.headers.get("Host")
+        if host is not None and not hosts.allows(host):
+            raise OvernightError(
+                f"Host {host!r:.100} is not a name this proxy is served as "
+                "(serve it with --allowed-host NAME)",
+                status=403,
+                code="host_not_allowed",
+            )
+    if request.method in SAFE_METHODS:
+        return
+    origin = request.headers.get("Origin")
+    if origin is not None and not _own_origin(origin, request.headers.get("Host"), hosts):
+        raise OvernightError(
+            f"cross-origin request from {origin!r:.100} refused",
+            status=403,
+            code="cross_origin_forbidden",
+        )
+    if guarded and request.body_exists and not _is_json_type(request.content_type):
+        raise OvernightError(
+            f"expected a JSON body (Content-Type: application/json), got {request.content_type!r:.100}",
+            status=415,
+            code="unsupported_media_type",
+        )
+
+
+def _own_origin(origin: str, host: str | None, hosts: Hosts) -> bool:
+    try:
+        netloc = urlsplit(origin).netloc
+    except ValueError:
+        return False
+    return host is not None and netloc.lower() == host.lower() and hosts.allows(host)
+
+
+def _is_json_type(content_type: str) -> bool:
+    return content_type == "application/json" or (
+        content_type.startswith("application/") and content_type.endswith("+json")
+    )
+
+
 def error_response(exc: OvernightError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
 
 
 def make_guard(config: ProxyConfig):
-    """The app's middleware: authenticate, and turn every error the proxy makes into
-    OpenAI-shaped JSON.
+    """The app's middleware: authenticate, refuse cross-site requests, and turn every
+    error the proxy makes into OpenAI-shaped JSON, unexpected ones included.
 
     One middleware rather than two: each layer costs a coroutine per request. A closure
     over the config: no app lookup per request, and it serves the web view's
     sub-application too, whose own `request.app` holds none of the proxy's keys.
     """
     access = Access(config)
+    hosts = Hosts(config.allowed_hosts)
+    rebind = rebindable(config)
     too_large = f"request body is larger than the limit of {config.max_body_bytes} bytes"
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            access.check(request)
-            return await handler(request)
+            path = request.path
+            new_session = access.check(request, path)
+            check_browser(request, path, hosts, rebind)
+            response = await handler(request)
+            if new_session:
+                access.open_session(request, response)
+            return response
         except OvernightError as e:
             return error_response(e)
         except web.HTTPException as e:
@@ -115,5 +272,18 @@ def make_guard(config: ProxyConfig):
             message = too_large if e.status == 413 else e.text
             code = HTTP_CODES.get(e.status, "http_error")
             return error_response(OvernightError(message, status=e.status, code=code))
+        except Exception:
+            # One catch-all: a bug answers 500 JSON naming the request, and the log has
+            # its traceback under the same id. (Completions also leave a record:
+            # agent_api.completions.)
+            request_id = new_id()
+            log.exception("%s %s failed (request id %s)", request.method, request.path, request_id)
+            return error_response(
+                OvernightError(
+                    f"the proxy failed on this request (request id {request_id})",
+                    status=500,
+                    code="internal_error",
+                )
+            )
 
     return guard

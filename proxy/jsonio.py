@@ -14,8 +14,15 @@ def json_dumps(obj) -> bytes:
     # vLLM's own encoding: compact, UTF-8 as is. orjson is ~5x faster than json here.
     try:
         return orjson.dumps(obj)
-    except TypeError:  # integers over 64 bits and the like
+    except TypeError:  # integers over 64 bits, nesting over orjson's 255 levels
+        pass
+    try:
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    except RecursionError:
+        # orjson reads 1024 levels; the body was parsed, so the client sent it.
+        raise OvernightError(
+            "request body is nested too deeply", status=400, code="invalid_json"
+        ) from None
 
 
 async def read_json_object(request: web.Request) -> dict:

@@ -8,6 +8,7 @@ proxy first; the proxy then commits its log and stops vLLM itself.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -20,9 +21,21 @@ import urllib.request
 from overnight.config import VLLMConfig
 from overnight.errors import OvernightError
 
+from .vllm_cpu import KV_CACHE_ENV, kv_cache_env, vllm_runs_on_cpu
+
+log = logging.getLogger("overnight")
+
 # VLLMConfig lives with the other parts' configs (the CLI reads its options there
 # without importing the proxy); it is imported from here too.
-__all__ = ["LaunchError", "VLLMConfig", "VLLMProcess", "free_port", "vllm_command", "wait_healthy"]
+__all__ = [
+    "LaunchError",
+    "VLLMConfig",
+    "VLLMProcess",
+    "check_logprobs_mode",
+    "free_port",
+    "vllm_command",
+    "wait_healthy",
+]
 
 
 class LaunchError(OvernightError):
@@ -51,12 +64,59 @@ def vllm_command(config: VLLMConfig, port: int) -> list[str]:
         str(config.max_lora_rank),
         "--max-loras",
         str(config.max_loras),
+        # Log the logprobs of the distribution each token was sampled from (after
+        # temperature, top-k, top-p), which the trainer recomputes (trainer/sampling.py);
+        # vLLM's default logs the raw model's.
+        "--logprobs-mode",
+        "processed_logprobs",
     ]
+    dtype = config.dtype or ("float32" if vllm_runs_on_cpu() else None)
+    if dtype:
+        cmd += ["--dtype", dtype]
     if config.served_model_name:
         cmd += ["--served-model-name", config.served_model_name]
     if config.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     return cmd + list(config.extra_args)
+
+
+def check_logprobs_mode(
+    upstream: str, api_key: str | None = None, timeout: float = 10.0
+) -> tuple[bool | None, str]:
+    """Whether a running vLLM logs processed logprobs: (verdict or None, a line to log).
+
+    One 1-token completion with top_k 1: with `--logprobs-mode processed_logprobs` the
+    one token left has logprob 0 exactly; vLLM's default (raw) gives the model's own,
+    below 0 unless the model is certain. Anything that is not vLLM answers otherwise and
+    the check says it could not tell. (Its dtype cannot be asked over HTTP: the trainer
+    measures the gap on every run instead.)
+    """
+    import json
+
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+
+    def call(path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(upstream + path, data=data, headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    probe = {"prompt": "The", "max_tokens": 1, "temperature": 1.0, "top_k": 1, "logprobs": 1}
+    try:
+        model = call("/v1/models")["data"][0]["id"]
+        logprob = call("/v1/completions", {**probe, "model": model})["choices"][0]["logprobs"]
+        logprob = logprob["token_logprobs"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        return None, f"could not check the upstream's logprobs mode ({type(e).__name__}: {e})"
+    if logprob == 0.0:
+        return True, "the upstream logs processed logprobs (what the trainer recomputes)"
+    return False, (
+        f"the upstream logs raw logprobs (a top_k=1 probe got {logprob:.4g}, not 0): start "
+        "vLLM with --logprobs-mode processed_logprobs, or training will compare the raw "
+        "model's logprobs with the sampled distribution's (docs/grpo.md)"
+    )
 
 
 def wait_healthy(
@@ -96,6 +156,14 @@ class VLLMProcess:
 
     def start(self) -> None:
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+        # On a CPU: a KV cache sized from the model, not a share of a busy NUMA node.
+        env.update(kv_cache_env(self.config.model, self.config.extra_args))
+        if KV_CACHE_ENV in env and KV_CACHE_ENV not in os.environ:
+            log.info(
+                "vLLM on CPU: KV cache %s GiB (from the model; set %s to change it)",
+                env[KV_CACHE_ENV],
+                KV_CACHE_ENV,
+            )
         if self.config.log_path is not None:
             self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.config.log_path, "ab")  # noqa: SIM115 (lives as long as vLLM)

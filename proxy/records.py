@@ -56,7 +56,10 @@ def completion_rows(
                 "model_requested": capture.request_body.get("model"),
                 "model_served": capture.route.served,
                 "adapter_version": capture.route.version,
-                "request": capture.request_body if logged else None,
+                # Stored once per HTTP request: on the first choice's row only (the
+                # `completions` view gives it back to the others), not n times.
+                "request": capture.request_body if logged and not rows else None,
+                "request_shared": True if logged and n > 1 else None,
                 "response": (acc.response(index) if state else _error_body(capture))
                 if logged
                 else None,

@@ -22,6 +22,7 @@ from overnight.errors import OvernightError
 from .capture import CHAT, TEXT, Additions, hide_additions
 from .capture_state import Capture
 from .jsonio import json_dumps
+from .paths import check_forwarded
 from .sse import SSEParser, encode_event
 from .state import CONFIG, FINGERPRINT, SESSION, UPSTREAM, SeenFingerprint
 from .upstream import UpstreamResponse
@@ -56,6 +57,14 @@ class UpstreamError(OvernightError):
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
+
+
+class _ClientLeft(Exception):
+    """The client closed its connection before the whole answer was written."""
+
+
+CLIENT_LEFT = "client disconnected mid-stream"
+CLIENT_LEFT_EARLY = "client disconnected before the answer"
 
 
 def silence(timeout: float) -> str:
@@ -94,12 +103,14 @@ async def forward(
         async with asyncio.timeout(config.read_timeout):  # until the response headers
             upstream = await app[UPSTREAM].post(UPSTREAM_PATHS[endpoint], json_dumps(body), headers)
     except (aiohttp.ClientError, TimeoutError) as e:
-        capture.status, capture.error = 502, f"upstream unreachable: {e!r}"
-        capture.done()
+        # The record says what the client was told.
         if isinstance(e, TimeoutError):
-            capture.status = 504
-            raise UpstreamTimeout(silence(config.read_timeout)) from e
-        raise UpstreamError(f"upstream {config.upstream} unreachable: {e}") from e
+            error: UpstreamError = UpstreamTimeout(silence(config.read_timeout))
+        else:
+            error = UpstreamError(f"upstream {config.upstream} unreachable: {e}")
+        capture.status, capture.error = error.status, str(error)
+        capture.done()
+        raise error from e
     watch = StallWatch(upstream, config.read_timeout)
     try:
         async with upstream:
@@ -108,7 +119,7 @@ async def forward(
             content_type = upstream.headers.get("Content-Type", "")
             if upstream.status == 200 and "text/event-stream" in content_type:
                 return await _relay_stream(request, upstream, added, capture, watch)
-            return await _relay_whole(upstream, added, capture, watch)
+            return await _relay_whole(request, upstream, added, capture, watch)
     finally:
         watch.cancel()
 
@@ -149,7 +160,11 @@ class StallWatch:
 
 
 async def _relay_whole(
-    upstream: UpstreamResponse, added: Additions, capture: Capture, watch: StallWatch
+    request: web.Request,
+    upstream: UpstreamResponse,
+    added: Additions,
+    capture: Capture,
+    watch: StallWatch,
 ) -> web.Response:
     try:
         raw = await upstream.read()
@@ -175,6 +190,9 @@ async def _relay_whole(
     capture.acc.add(obj)
     if added.any:
         raw = json_dumps(hide_additions(obj, added))
+    transport = request.transport
+    if transport is None or transport.is_closing():  # aiohttp would drop the answer quietly
+        capture.error = CLIENT_LEFT_EARLY
     return web.Response(body=raw, status=200, headers=headers)
 
 
@@ -186,14 +204,24 @@ async def _relay_stream(
     watch: StallWatch,
 ) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers=client_headers(upstream))
-    await response.prepare(request)
     relay = EventRelay(added, capture, request.app[FINGERPRINT])
+    sent = False  # whether the client got any of the body
     try:
+        try:
+            await response.prepare(request)
+        except ConnectionResetError:
+            raise _ClientLeft from None
         async for chunk in upstream.content.iter_any():
             watch.touch()
             out = relay.feed(chunk)
             if out:
-                await response.write(out)
+                # aiohttp's ClientConnectionResetError is a ClientError too: a failed
+                # write is told apart here, where it happens, from a failed upstream read.
+                try:
+                    await response.write(out)
+                except ConnectionResetError:
+                    raise _ClientLeft from None
+                sent = True
         if not relay.parser.done:
             raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
     except (aiohttp.ClientError, TimeoutError) as e:
@@ -202,8 +230,8 @@ async def _relay_stream(
         capture.error = f"upstream stream broke: {watch.describe(e)}"
         err = UpstreamError(capture.error, code="upstream_disconnected")
         await write_quietly(response, relay.flush() + encode_event(json_dumps(err.body())))
-    except (ConnectionResetError, asyncio.CancelledError) as e:
-        capture.error = "client disconnected mid-stream"
+    except (_ClientLeft, asyncio.CancelledError) as e:
+        capture.error = CLIENT_LEFT if sent else CLIENT_LEFT_EARLY
         capture.done()
         upstream.close()  # drop the connection so vLLM stops generating
         if isinstance(e, asyncio.CancelledError):
@@ -283,9 +311,14 @@ async def write_quietly(response: web.StreamResponse, data: bytes, eof: bool = F
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
+    """An allowed path (paths.py) forwarded as it is; the body read first, so that
+    `--max-body-bytes` holds here too (aiohttp's `read` enforces it: 413)."""
     app = request.app
     config = app[CONFIG]
-    url = f"{config.upstream}/v1/{request.match_info['tail']}"
+    tail = request.match_info["tail"]
+    check_forwarded(tail, request.method)
+    url = f"{config.upstream}/v1/{tail}"
+    data = await request.read() if request.body_exists else None
     try:
         async with asyncio.timeout(config.read_timeout):
             upstream = await app[SESSION].request(
@@ -293,7 +326,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
                 url,
                 params=request.query,
                 headers=upstream_headers(request),
-                data=request.content if request.body_exists else None,
+                data=data,
             )
     except TimeoutError as e:
         raise UpstreamTimeout(silence(config.read_timeout)) from e

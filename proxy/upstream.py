@@ -12,7 +12,8 @@ It speaks the same interface as the part of `aiohttp.ClientResponse` the relays 
 raises aiohttp's exception types, so the error handling around it is one code path.
 
 Connections: a pool of idle keep-alive connections, closed after `keepalive_timeout`
-idle (below vLLM's 5 s, so we never send on a connection it is closing); a response
+idle (below vLLM's 5 s, so we never send on a connection it is closing; one timer
+for the pool closes them even when no request comes); a response
 read to its end returns its connection to the pool, anything else closes it. A request
 on a pooled connection that the upstream closed before answering is repeated once on
 a new connection (nothing of it was processed).
@@ -209,7 +210,8 @@ class UpstreamPool:
         self.host_header = self.host if default_port else f"{self.host}:{self.port}"
         self.connect_timeout = connect_timeout
         self.keepalive_timeout = keepalive_timeout
-        self.idle: deque[_Connection] = deque()
+        self.idle: deque[_Connection] = deque()  # oldest left, most recently used right
+        self._sweep: asyncio.TimerHandle | None = None
         self._ssl = ssl.create_default_context() if self.https else None
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
@@ -219,7 +221,9 @@ class UpstreamPool:
             f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("host", "content-length")
         ]
         head.append(f"Content-Length: {len(body)}")
-        data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+        # aiohttp decodes a client's header bytes as UTF-8 with surrogateescape: this
+        # encoding gives the upstream exactly the bytes the client sent, whatever they were.
+        data = ("\r\n".join(head) + "\r\n\r\n").encode("utf-8", "surrogateescape") + body
         connection, reused = await self._acquire()
         try:
             response = await self._exchange(connection, data)
@@ -274,9 +278,28 @@ class UpstreamPool:
     def give_back(self, connection: _Connection) -> None:
         if connection.closed:
             return
-        connection.idle_since = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        connection.idle_since = loop.time()
         self.idle.append(connection)
+        if self._sweep is None:
+            self._sweep = loop.call_at(connection.idle_since + self.keepalive_timeout, self._expire)
+
+    def _expire(self) -> None:
+        """Close what was idle for `keepalive_timeout`: one timer for the whole pool,
+        re-armed for the oldest connection left (the left end of `idle`)."""
+        self._sweep = None
+        now = asyncio.get_running_loop().time()
+        while self.idle and (
+            self.idle[0].closed or now - self.idle[0].idle_since >= self.keepalive_timeout
+        ):
+            self.idle.popleft().close()
+        if self.idle:
+            due = self.idle[0].idle_since + self.keepalive_timeout
+            self._sweep = asyncio.get_running_loop().call_at(due, self._expire)
 
     def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         while self.idle:
             self.idle.pop().close()

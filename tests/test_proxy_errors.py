@@ -233,7 +233,11 @@ async def test_many_failures_leak_no_connection(make_proxy, fake):
 )
 async def test_bad_rewards_are_refused(make_proxy, body, message):
     proxy = await make_proxy()
-    r = await proxy.post("/v1/rollouts/r1/reward", data=json.dumps(body))
+    r = await proxy.post(
+        "/v1/rollouts/r1/reward",
+        data=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status == 400 and message in error_of(await r.json())["message"]
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 from click.testing import CliRunner
-from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.train import plan_run
 
 from overnight.cli import main
 from overnight.config import TrainConfig
+from overnight.storage import LogWriter, WriterConfig
+from overnight.trainer.train import plan_run
 
 from .helpers import chat_response, completion_row
 
@@ -141,8 +141,9 @@ def test_an_interrupted_run_resumes_and_ends_where_an_uninterrupted_one_does(
     tmp_path, tiny_model_dir
 ):
     import pytest
-    from overnight.trainer.train import train
     from safetensors.torch import load_file
+
+    from overnight.trainer.train import train
 
     from .helpers import rows
 
@@ -198,8 +199,9 @@ def _lines_of(train, data_dir, config) -> list[str]:
 
 
 def test_records_without_token_ids_are_retokenised_less_exactly(tmp_path, tiny_model_dir):
-    from overnight.trainer.train import train
     from transformers import AutoTokenizer
+
+    from overnight.trainer.train import train
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
@@ -251,3 +253,46 @@ def test_records_without_token_ids_are_retokenised_less_exactly(tmp_path, tiny_m
         say=lambda _line: None,
     )
     assert result.metrics["max_logprob_gap"] < 1e-5  # the starting policy is the behaviour policy
+
+
+def test_runs_and_the_report_flag_a_large_logprob_gap(tmp_path):
+    from overnight.storage import SCHEMA_VERSION
+    from overnight.view.report import write_report
+
+    writer = LogWriter(WriterConfig(tmp_path, compact_in_process=True))
+    writer.start()
+    now = int(time.time() * 1e6)
+    for run_id, gap, at in (("run-bf16", 0.0774, now), ("run-f32", 2.4e-6, now + 1)):
+        writer.append(
+            "training_runs",
+            {
+                "run_id": run_id,
+                "schema_version": SCHEMA_VERSION,
+                "started_at": at,
+                "status": "trained",
+                "groups": ["g"],
+                "max_logprob_gap": gap,
+            },
+        )
+    writer.close()
+    listing = CliRunner().invoke(main, ["runs", "--data", str(tmp_path)])
+    assert listing.exit_code == 0, listing.output
+    assert "logprob_gap" in listing.output and "0.077 !" in listing.output
+    assert "2.4e-06 " in listing.output and "2.4e-06 !" not in listing.output  # float32: fine
+    assert "warning: logprob gap above 0.02 (marked !) in run-bf16:" in listing.output
+    report = write_report(tmp_path).read_text()
+    assert '<td class="warn"' in report and "0.0774 !" in report and "in run-bf16:" in report
+
+
+def test_a_run_warns_when_its_logprob_gap_is_large(caplog):
+    from overnight.trainer.train import _warn_on_gap
+
+    said: list[str] = []
+    _warn_on_gap(2.4e-6, said.append)
+    _warn_on_gap(None, said.append)
+    assert said == []
+    with caplog.at_level("WARNING", logger="overnight.trainer"):
+        _warn_on_gap(0.0774, said.append)
+    assert said[0].startswith("warning: the policy's logprobs differ from the logged ones by up")
+    assert "0.0774" in said[0] and "--logprobs-mode processed_logprobs" in said[0]
+    assert caplog.records[0].getMessage() == said[0]

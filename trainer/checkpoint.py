@@ -2,17 +2,26 @@
 
     runs/<run_id>/run.json     the groups it trains on and the adapter it started from
     runs/<run_id>/checkpoint/  adapter + optimizer state after the last finished step
-    runs/<run_id>/finished     written once the adapter is saved (and promoted)
+    runs/<run_id>/finished     written once the adapter is saved, promoted and the run recorded
     adapters/<run_id>/         the trained adapter, as peft saves it
 
 A run directory without `finished` is an interrupted run: the next `overnight train`
-resumes it on the same groups before selecting new ones.
+resumes it on the same groups before selecting new ones. An adapter directory is only
+ever complete: it is written under a temporary name and renamed, so a run killed while
+saving leaves no half adapter where a promotion (or a rollback) could read it.
+
+`kill_point(stage)` marks where the tests kill a real `overnight train` (SIGKILL, when
+the environment variable OVERNIGHT_KILL_AT names the stage): between "step-N" and its
+checkpoint, "saving" (adapter written, not renamed), "promoting" (the proxy serves it,
+the run not recorded), "recorded" (recorded, not marked finished).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,12 +65,55 @@ def unfinished_run(data_dir: Path) -> Path | None:
     return None
 
 
+KILL_AT_ENV = "OVERNIGHT_KILL_AT"
+
+
+def kill_point(stage: str) -> None:
+    """Die here, as a power cut would, when the tests ask for it (see the module's doc)."""
+    if os.environ.get(KILL_AT_ENV) == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save_adapter(path: Path, parallel: Parallel, model) -> None:
-    """The adapter as peft saves it, written by process 0 (every process gathers)."""
-    state = parallel.adapter_state(model)
+    """The adapter as peft saves it, written by process 0 (every process gathers), into
+    `path` whole or not at all: written beside it, fsynced, then renamed into place."""
+    tmp = path.with_name(path.name + ".partial")
     if parallel.rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(path, state_dict=state)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _write_adapter(tmp, parallel, model)
+    if parallel.rank == 0:
+        kill_point("saving")
+        replace_dir(tmp, path)
+
+
+def _write_adapter(path: Path, parallel: Parallel, model) -> None:
+    state = parallel.adapter_state(model)
+    if parallel.rank != 0:
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, state_dict=state)
+    for file in path.iterdir():
+        _fsync(file)
+
+
+def replace_dir(new: Path, path: Path) -> None:
+    """Rename `new` to `path`; an older `path` (a complete earlier save) is moved aside
+    first and deleted after, so `path` is never a mix of the two."""
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    new.rename(path)
+    _fsync(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(
@@ -74,23 +126,29 @@ def save_checkpoint(
     tmp = path.with_name(path.name + ".tmp")
     if parallel.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    save_adapter(tmp / "adapter", parallel, model)
+    _write_adapter(tmp / "adapter", parallel, model)  # tmp as a whole is renamed below
     if parallel.rank != 0:
         return
     torch.save(
         {"optimizer": optimizer_state, "steps": steps, "max_gap": max_gap, "fsdp": parallel.fsdp},
         tmp / "state.pt",
     )
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    _fsync(tmp / "state.pt")
+    replace_dir(tmp, path)
 
 
 def load_checkpoint(path: Path | None) -> dict | None:
     """{"optimizer", "steps", "max_gap", "fsdp"} saved after the last step; None if none.
 
     The adapter beside it is at `path / "adapter"`."""
-    if path is None or not (path / "state.pt").exists():
+    if path is None:
         return None
-    import torch
+    # A run killed inside replace_dir left the previous checkpoint aside as `.old`.
+    for candidate in (path, path.with_name(path.name + ".old")):
+        if (candidate / "state.pt").exists():
+            if candidate != path:
+                candidate.rename(path)
+            import torch
 
-    return torch.load(path / "state.pt", weights_only=False)
+            return torch.load(path / "state.pt", weights_only=False)
+    return None

@@ -14,18 +14,26 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import random
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from overnight.config import SETTLE_SECONDS, TrainConfig
+from overnight.config import LOGPROB_GAP_WARNING, SETTLE_SECONDS, TrainConfig
 from overnight.errors import OvernightError
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, open_db
 from overnight.view.report import write_report
 
-from .checkpoint import RunDir, load_checkpoint, save_adapter, save_checkpoint, unfinished_run
+from .checkpoint import (
+    RunDir,
+    kill_point,
+    load_checkpoint,
+    save_adapter,
+    save_checkpoint,
+    unfinished_run,
+)
 from .parallel import Parallel
 from .plan import Plan, plan_run
 from .proxy_client import (
@@ -35,6 +43,7 @@ from .proxy_client import (
     served_adapter,
     serving_state,
 )
+from .sampling import server_defaults
 from .step import fresh_adapter, micro_batch_loss, optimizer_step, with_behaviour
 
 # Re-exported: the CLI, the tests and the benchmarks import these from here.
@@ -50,6 +59,8 @@ __all__ = [
     "train",
     "unfinished_run",
 ]
+
+log = logging.getLogger("overnight.trainer")
 
 
 class TrainError(OvernightError):
@@ -90,7 +101,14 @@ def train(
     state = serving_state(proxy_url, admin_token)
     base_model = config.base_model or (None if dry_run else _base_model(state))
     plan = plan_run(
-        data_dir, config, settle_seconds, since, max_groups, only, _tokenizer(base_model)
+        data_dir,
+        config,
+        settle_seconds,
+        since,
+        max_groups,
+        only,
+        _tokenizer(base_model),
+        server_defaults(base_model, config.generation_config),  # vLLM's, where unsaid
     )
     for line in plan.lines():
         say(line)
@@ -104,7 +122,6 @@ def train(
     if parallel.rank == 0:
         run_dir.begin(plan.groups, start_adapter)
     adapter_dir = data_dir / "adapters" / run_dir.run_id
-    error = None
     try:
         result.metrics = run_training(
             plan, config, base_model, start_adapter, adapter_dir, say, run_dir.checkpoint
@@ -114,27 +131,58 @@ def train(
         result.adapter_path = adapter_dir
         say(f"saved the adapter to {adapter_dir}")
         if promote and proxy_url:
-            result.promoted_as = promote_adapter(proxy_url, admin_token, adapter_dir)
-            say(f"promoted: the proxy now serves it as {result.promoted_as}")
-        run_dir.finish()
+            result.promoted_as = _promote_once(proxy_url, admin_token, adapter_dir, say)
+        kill_point("promoting")
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        if parallel.rank == 0:
+        if parallel.rank == 0:  # failed runs are recorded too: the report shows them
+            error = f"{type(e).__name__}: {e}"
             record_run(data_dir, result, config, base_model, start_adapter, started, error)
             say(f"report: {write_report(data_dir)}")
+        raise
+    # Recorded before the run is marked finished: a run killed in between is found
+    # recorded by the next night (and only marked finished), never trained again.
+    record_run(data_dir, result, config, base_model, start_adapter, started, None)
+    kill_point("recorded")
+    run_dir.finish()
+    say(f"report: {write_report(data_dir)}")
     return result
+
+
+def _promote_once(proxy_url: str, token: str | None, adapter_dir: Path, say) -> str:
+    """Promote the adapter unless the proxy serves it already (a resumed run that was
+    killed after its promotion); the name it is served under."""
+    current = serving_state(proxy_url, token).get("current") or {}
+    if current.get("path") == str(adapter_dir.resolve()):
+        say(f"the proxy already serves it as {current['name']}")
+        return current["name"]
+    promoted = promote_adapter(proxy_url, token, adapter_dir)
+    say(f"promoted: the proxy now serves it as {promoted}")
+    return promoted
 
 
 def _this_run(data_dir: Path, dry_run: bool) -> tuple[RunDir, dict]:
     """The interrupted run to resume and what it saved, or a new run ({} saved)."""
     resumed = None if dry_run else unfinished_run(data_dir)
+    while resumed is not None and _recorded(data_dir, resumed.name):
+        RunDir(resumed).finish()  # killed after it was recorded: it only missed this mark
+        resumed = unfinished_run(data_dir)
     if resumed is not None:
         run = RunDir(resumed)
         return run, run.saved()
     run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     return RunDir(data_dir / "runs" / run_id), {}
+
+
+def _recorded(data_dir: Path, run_id: str) -> bool:
+    """Whether `training_runs` holds this run as trained."""
+    con = open_db(data_dir)
+    try:
+        rows = con.execute(
+            "SELECT count(*) FROM training_runs WHERE run_id = ? AND status = 'trained'", [run_id]
+        ).fetchone()
+    finally:
+        con.close()
+    return bool(rows and rows[0])
 
 
 def _what_it_trains_on(only: list[str] | None) -> str:
@@ -191,6 +239,7 @@ def run_training(
             "sequences": len(step_samples),
         }
         steps.append(record)
+        kill_point(f"step-{len(steps)}")  # computed, not yet checkpointed
         if checkpoint is not None:
             save_checkpoint(checkpoint, parallel, model, optimizer, steps, max_gap)
         # Tokens this process trained (a resumed run's earlier steps took no time here).
@@ -271,6 +320,18 @@ def _tokenizer(base_model: str | None):
         return AutoTokenizer.from_pretrained(base_model)
     except (OSError, ValueError):
         return None
+
+
+def _warn_on_gap(gap: float | None, say) -> None:
+    if gap is None or gap <= LOGPROB_GAP_WARNING:
+        return
+    line = (
+        f"warning: the policy's logprobs differ from the logged ones by up to {gap:.3g} nats "
+        f"before any update (above {LOGPROB_GAP_WARNING}): serve in the trainer's dtype and "
+        "with --logprobs-mode processed_logprobs (docs/grpo.md)"
+    )
+    log.warning(line)
+    say(line)
 
 
 def _silent(_line: str) -> None:

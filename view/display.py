@@ -1,4 +1,4 @@
-"""Text views of a data directory for the CLI: `ls`, `show`, `sql`, `export`."""
+"""Text views of a data directory for the CLI: `ls`, `show`, `runs`, `sql`, `export`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import duckdb
 
+from overnight.config import LOGPROB_GAP_WARNING
 from overnight.errors import OvernightError
 
 
@@ -120,13 +121,14 @@ def load_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> ShownRollou
     ).fetchone()
     shown, seen = [], 0
     for turn, started, served, request, response, finish, error, n_tokens, latency, _ in turns:
-        messages = (json.loads(request) if request else {}).get("messages") or []
+        messages = _messages(_object(request).get("messages"))
         # Only what is new since the last turn: the agent resends its history.
         start = seen if len(messages) > seen else 0
         seen = len(messages) + 1
         replies = [
-            choice.get("message") or {"role": "assistant", "content": choice.get("text")}
-            for choice in (json.loads(response) if response else {}).get("choices", [])
+            _message(choice.get("message") or {"role": "assistant", "content": choice.get("text")})
+            for choice in _list(_object(response).get("choices"))
+            if isinstance(choice, dict)
         ]
         shown.append(
             ShownTurn(
@@ -153,18 +155,55 @@ def load_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> ShownRollou
     )
 
 
+# A record holds whatever the client sent, which need not be a valid request (`"messages":
+# "hi"`, a part with `"text": 5`): the upstream refused it, the proxy logged it, and these
+# views must still show it. Anything not of the expected shape is shown as its JSON.
+
+
+def _object(text: str | None) -> dict:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _text(value) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _message(value) -> dict:
+    return value if isinstance(value, dict) else {"role": "?", "content": _text(value)}
+
+
+def _messages(value) -> list[dict]:
+    if value is None:
+        return []
+    return [_message(m) for m in value] if isinstance(value, list) else [_message(value)]
+
+
 def message_parts(message: dict) -> tuple[str, str, list[tuple[str, str]]]:
     """(role, text, [(tool name, arguments)]) of a chat message; content parts joined."""
     content = message.get("content")
     if isinstance(content, list):
         content = " ".join(
-            p.get("text", f"<{p.get('type')}>") for p in content if isinstance(p, dict)
+            _text(p.get("text", f"<{p.get('type')}>")) if isinstance(p, dict) else _text(p)
+            for p in content
         )
-    calls = [
-        (str(c.get("function", {}).get("name")), str(c.get("function", {}).get("arguments")))
-        for c in message.get("tool_calls") or []
-    ]
-    return str(message.get("role", "?")), content or "", calls
+    calls = []
+    for call in _list(message.get("tool_calls")):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            calls.append((_text(fn.get("name")), _text(fn.get("arguments"))))
+        else:
+            calls.append(("?", _text(call)))
+    return _text(message.get("role", "?")), _text(content), calls
 
 
 def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
@@ -189,6 +228,34 @@ def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
         if t.error:
             out.append(f"[error] {t.error}")
     return "\n".join(out)
+
+
+def list_runs(con: duckdb.DuckDBPyConnection, limit: int) -> str:
+    """`overnight runs`: the newest runs, with the gap between logged and recomputed
+    logprobs before each run's first update, and a note on the ones large enough to matter."""
+    rows = con.execute(
+        "SELECT run_id, status, len(groups), rollouts, steps, trained_tokens, reward_mean, "
+        "max_logprob_gap, promoted_as, started_at FROM training_runs "
+        f"ORDER BY started_at DESC LIMIT {int(limit)}"
+    ).fetchall()
+    headers = ["run_id", "status", "groups", "rollouts", "steps", "trained_tokens"]
+    headers += ["reward_mean", "logprob_gap", "promoted_as", "started_at"]
+    shown = [r[:7] + (_gap(r[7]),) + r[8:] for r in rows]
+    out = _table(headers, shown) + f"\n({len(rows)} row(s))"
+    large = [r[0] for r in rows if r[7] is not None and r[7] > LOGPROB_GAP_WARNING]
+    if large:
+        out += (
+            f"\nwarning: logprob gap above {LOGPROB_GAP_WARNING} (marked !) in {', '.join(large)}: "
+            "the trainer's logprobs differ from what vLLM logged (serving dtype, logprobs mode; "
+            "docs/grpo.md)"
+        )
+    return out
+
+
+def _gap(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2g}" + (" !" if value > LOGPROB_GAP_WARNING else "")
 
 
 def run_query(con: duckdb.DuckDBPyConnection, query: str, fmt: str) -> str:

@@ -10,8 +10,18 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from overnight.config import LOGPROB_GAP_WARNING
 from overnight.storage import open_db
 from overnight.view.charts import training_charts
+
+
+def _gap_cell(gap: float | None) -> str:
+    """The run's logprob gap, marked when large enough to matter (overnight.config)."""
+    if gap is None:
+        return "<td>-</td>"
+    if gap > LOGPROB_GAP_WARNING:
+        return f'<td class="warn" title="above {LOGPROB_GAP_WARNING}">{gap:.4g} !</td>'
+    return f"<td>{gap:.4g}</td>"
 
 
 def write_report(data_dir: Path) -> Path:
@@ -28,17 +38,28 @@ def write_report(data_dir: Path) -> Path:
         "<tr>"
         + "".join(
             f"<td>{html.escape('-' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v))}</td>"
-            for v in r
+            for v in r[:-1]
         )
+        + _gap_cell(r[-1])
         + "</tr>"
         for r in reversed(runs)
     )
+    large = [r[0] for r in runs if r[-1] is not None and r[-1] > LOGPROB_GAP_WARNING]
+    warning = (
+        f'<p class="warn">Logprob gap above {LOGPROB_GAP_WARNING} nats before the first update in '
+        f"{html.escape(', '.join(large))}: the trainer's logprobs differ from what vLLM logged "
+        "(serve in the trainer's dtype, with --logprobs-mode processed_logprobs).</p>"
+        if large
+        else ""
+    )
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>overnight training</title>
 <style>body{{font:14px system-ui,sans-serif;margin:2em;max-width:1200px}}figure{{display:inline-block;margin:1em}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #ddd;padding:4px 8px;text-align:right}}</style></head>
+table{{border-collapse:collapse}}td,th{{border:1px solid #ddd;padding:4px 8px;text-align:right}}
+.warn{{color:#b00}}</style></head>
 <body><h1>overnight: training runs</h1>{"".join(charts)}
 <h2>Runs</h2><table><tr><th>run</th><th>started</th><th>status</th><th>groups</th><th>rollouts</th>
-<th>steps</th><th>reward mean</th><th>promoted as</th><th>logprob gap</th></tr>{rows}</table></body></html>"""
+<th>steps</th><th>reward mean</th><th>promoted as</th><th>logprob gap</th></tr>{rows}</table>{warning}
+</body></html>"""
     out = Path(data_dir) / "reports" / "training.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)

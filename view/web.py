@@ -13,8 +13,8 @@ so the event loop keeps forwarding traffic.
 
 An aiohttp sub-application (`create_web_view`), mounted at /ui by the proxy. Access is
 the admin API's, checked by the proxy's middleware: the admin token (as a bearer token,
-or once as `?token=`, which this view turns into the `COOKIE`), else loopback clients
-only.
+or once as `?token=`, which the middleware answers with a random session id in the
+`COOKIE`), else loopback clients only.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from overnight.storage import open_db
 from overnight.view.charts import training_charts
 from overnight.view.display import load_rollout, message_parts
 
-COOKIE = "overnight_ui"
+COOKIE = "overnight_ui"  # a session id the proxy's middleware issues and checks
 
 # What the view reads, through `request.config_dict`: set on the parent app by whoever
 # mounts the view (the proxy's create_app). The keys live here, not in the proxy: view/
@@ -83,11 +83,8 @@ def _page(request: web.Request, title: str, body: str) -> web.Response:
 <style>{STYLE}</style></head><body><header><strong>overnight</strong> &nbsp;
 <a href="/ui">groups</a><a href="/ui/adapters">adapters</a><a href="/ui/runs">training runs</a>
 </header><main><h1>{_e(title)}</h1>{body}</main></body></html>"""
-    response = web.Response(text=text, content_type="text/html")
-    token = request.query.get("token")
-    if token:  # `/ui?token=...` once: the cookie carries it from then on
-        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/ui")
-    return response
+    # `/ui?token=...` once: the proxy's middleware answers it with the COOKIE, a session id.
+    return web.Response(text=text, content_type="text/html")
 
 
 def _table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
@@ -129,6 +126,11 @@ STATUSES = {
 }
 
 
+class BadFilter(OvernightError):
+    status = 400
+    code = "invalid_filter"
+
+
 def _float_param(request: web.Request, name: str) -> float | None:
     raw = request.query.get(name, "").strip()
     if not raw:
@@ -136,7 +138,7 @@ def _float_param(request: web.Request, name: str) -> float | None:
     try:
         return float(raw)
     except ValueError:
-        raise OvernightError(f"{name} must be a number, got {raw!r}", status=400) from None
+        raise BadFilter(f"{name} must be a number, got {raw!r}") from None
 
 
 @dataclass(frozen=True)
@@ -156,12 +158,12 @@ def _group_filters(request: web.Request) -> GroupFilters:
     adapter = request.query.get("adapter", "").strip()
     status = request.query.get("status", "all")
     if status not in STATUSES:
-        raise OvernightError(f"status must be one of {', '.join(STATUSES)}", status=400)
+        raise BadFilter(f"status must be one of {', '.join(STATUSES)}")
     low, high = _float_param(request, "min_reward"), _float_param(request, "max_reward")
     try:
         limit = min(max(int(request.query.get("limit", "100")), 1), 1000)
     except ValueError:
-        raise OvernightError("limit must be a whole number", status=400) from None
+        raise BadFilter("limit must be a whole number") from None
     where, args = [STATUSES[status]], []
     if search:
         where.append("contains(group_id, ?)")

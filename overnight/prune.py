@@ -1,0 +1,123 @@
+"""`overnight prune`: delete the day partitions older than an age, table by table.
+
+Retention works on whole days of Parquet (`{table}/date=YYYY-MM-DD/`), never on the
+live logs (`wal/`) nor on today's partition, whatever the age. A day goes at once:
+its directory is renamed out of the readers' pattern (`date=*`) in one step, then
+deleted, so a reader sees the whole day or none of it (a query that had already named
+the day's files fails once and can be run again). `training_runs` is kept: it is small,
+it is the report's history, and it names the groups already trained on.
+
+Without `yes` nothing is deleted: the plan says what would go (days, files, rows and
+bytes per table).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+# Every table but training_runs (see the module's doc).
+PRUNED_TABLES = ("completions", "rewards", "finishes", "judgments")
+_AGE = re.compile(r"(\d+(?:\.\d+)?)\s*([dhw])")
+_UNITS = {"h": dt.timedelta(hours=1), "d": dt.timedelta(days=1), "w": dt.timedelta(weeks=1)}
+
+
+def parse_age(text: str) -> dt.timedelta:
+    """'30d', '12h', '2w' -> a timedelta."""
+    match = _AGE.fullmatch(text.strip().lower())
+    if match is None:
+        raise ConfigError(f"age {text!r}: expected a number and a unit, e.g. 30d, 12h, 2w")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+@dataclass
+class TableDays:
+    """The day partitions of one table that a prune removes."""
+
+    days: list[Path] = field(default_factory=list)
+    files: int = 0
+    rows: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class PrunePlan:
+    data_dir: Path
+    before: dt.date  # partitions of days strictly before this one go
+    tables: dict[str, TableDays] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not any(t.days for t in self.tables.values())
+
+    def lines(self) -> list[str]:
+        out = [f"day partitions before {self.before.isoformat()} (UTC) in {self.data_dir}:"]
+        for name, t in self.tables.items():
+            out.append(
+                f"  {name:<12} {len(t.days):>4} day(s) {t.files:>6} file(s) "
+                f"{t.rows:>12,} row(s) {_size(t.bytes):>10}"
+            )
+        total = sum(t.bytes for t in self.tables.values())
+        out.append(f"  {'total':<12} {_size(total):>47}")
+        return out
+
+
+def plan_prune(
+    data_dir: Path, older_than: dt.timedelta, now: dt.datetime | None = None
+) -> PrunePlan:
+    """What `prune` would delete: the days that ended more than `older_than` ago, never today."""
+    import pyarrow.parquet as pq
+
+    now = now or dt.datetime.now(dt.UTC)
+    today = now.date()
+    before = min((now - older_than).date(), today)
+    plan = PrunePlan(Path(data_dir), before)
+    for table in PRUNED_TABLES:
+        days = plan.tables[table] = TableDays()
+        for day_dir in sorted((plan.data_dir / table).glob("date=*")):
+            day = _day_of(day_dir)
+            if day is None or day >= before or not day_dir.is_dir():
+                continue  # 'date=unknown' (rows without a time) is never pruned by age
+            days.days.append(day_dir)
+            for file in day_dir.glob("*.parquet"):
+                days.files += 1
+                days.bytes += file.stat().st_size
+                days.rows += pq.ParquetFile(file).metadata.num_rows
+    return plan
+
+
+def prune(plan: PrunePlan) -> int:
+    """Delete the plan's day partitions; the number of days removed. Each day leaves the
+    readers' view in one rename before its files are deleted."""
+    removed = 0
+    for t in plan.tables.values():
+        for day_dir in t.days:
+            doomed = day_dir.with_name(f".pruning-{day_dir.name}-{os.getpid()}")
+            try:
+                day_dir.rename(doomed)
+            except FileNotFoundError:
+                continue  # another prune took it
+            shutil.rmtree(doomed)
+            removed += 1
+    return removed
+
+
+def _day_of(day_dir: Path) -> dt.date | None:
+    try:
+        return dt.date.fromisoformat(day_dir.name.removeprefix("date="))
+    except ValueError:
+        return None
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
