@@ -14,15 +14,20 @@ def json_dumps(obj) -> bytes:
     # vLLM's own encoding: compact, UTF-8 as is. orjson is ~5x faster than json here.
     try:
         return orjson.dumps(obj)
-    except TypeError:  # integers over 64 bits, nesting over orjson's 255 levels
-        pass
-    try:
+    except orjson.JSONEncodeError as e:
+        # orjson reads 1024 levels but writes 255. Refusing deeper bodies outright keeps
+        # the answer the same whatever the interpreter's recursion limit (a library
+        # that raises it would otherwise let json.dumps through).
+        if "recursion" in str(e).lower():
+            raise _too_deep() from None
+    try:  # integers over 64 bits: json writes them as vLLM would
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
     except RecursionError:
-        # orjson reads 1024 levels; the body was parsed, so the client sent it.
-        raise OvernightError(
-            "request body is nested too deeply", status=400, code="invalid_json"
-        ) from None
+        raise _too_deep() from None
+
+
+def _too_deep() -> OvernightError:
+    return OvernightError("request body is nested too deeply", status=400, code="invalid_json")
 
 
 async def read_json_object(request: web.Request) -> dict:
