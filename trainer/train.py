@@ -89,7 +89,11 @@ def train(
     max_groups: int | None = None,
     say=print,
 ) -> RunResult:
-    """One night. A run that was interrupted is resumed first, on the same groups."""
+    """One night. A run that was interrupted is resumed first, on the same groups.
+
+    Kept as one function on purpose: it is the night's story read top to bottom
+    (resume, plan, train, save, promote, record); each step is a call.
+    """
     data_dir = Path(data_dir)
     parallel = Parallel() if dry_run else Parallel.start(fsdp=config.fsdp)
     if parallel.rank != 0:

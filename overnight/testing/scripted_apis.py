@@ -85,7 +85,9 @@ def _call_item(item_id: str, call, arguments: str, status: str) -> dict:
 
 
 def response_object(body: dict, conv: Conversation, output: list, n_out: int | None) -> dict:
-    """ResponsesResponse.from_request(...) as vLLM dumps it (`n_out` None: in progress)."""
+    """ResponsesResponse.from_request(...) as vLLM dumps it (`n_out` None: in progress).
+
+    Long because vLLM's object is: one literal, field by field, in its order."""
     prompt = len(conv.prompt_ids())
     usage = None
     if n_out is not None:
@@ -160,7 +162,8 @@ def response_object(body: dict, conv: Conversation, output: list, n_out: int | N
 
 def responses_events(body: dict, conv: Conversation) -> list[dict]:
     """The stream's events in order; the last one, `response.completed`, holds the whole
-    response (the non-streaming answer is that response)."""
+    response (the non-streaming answer is that response). One piece: the event order is
+    the contract, and it reads best as one sequence."""
     p: Plan = plan(conv)
     toks = tokens(p)
     want = LOGPROBS_INCLUDE in (body.get("include") or [])
