@@ -17,14 +17,16 @@ aside when its log is compacted), so one bad line never stops a reader.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
+from .merge import list_segments
 from .schema import TABLES, check_versions
-from .segments import log_files, read_log, segment_files, to_arrow
+from .segments import log_files, read_log, row_day, to_arrow
 
 log = logging.getLogger("overnight.storage")
 
@@ -50,9 +52,11 @@ DERIVED_VIEWS = {
     """,
     "rollouts": """
         WITH turns AS (
+            -- Grouped by group_id too (a rollout has one), not any_value(group_id): a
+            -- filter on group_id is then pushed below the aggregation, to the scan.
             SELECT
                 rollout_id,
-                any_value(group_id) AS group_id,
+                group_id,
                 any_value(attribution) AS attribution,
                 count(*) AS turns,
                 sum(coalesce(prompt_tokens, 0)) AS prompt_tokens,
@@ -62,7 +66,7 @@ DERIVED_VIEWS = {
                 string_agg(DISTINCT model_served, ',' ORDER BY model_served) AS models_served,
                 count(*) FILTER (WHERE error IS NOT NULL) AS errors
             FROM completions
-            GROUP BY rollout_id
+            GROUP BY rollout_id, group_id
         )
         SELECT t.*, w.reward, w.reward_source, f.finished_at,
                j.judge_score, j.judge_explanation, j.judge_model
@@ -90,12 +94,15 @@ DERIVED_VIEWS = {
 }
 
 
-def snapshot(data_dir: Path) -> tuple[dict[str, pa.Table], dict[str, list[Path]]]:
+def snapshot(
+    data_dir: Path, days_from: dt.date | None = None
+) -> tuple[dict[str, pa.Table], dict[str, list[Path]]]:
     """Rows of the logs that have no segment yet, and the segments, by table.
 
     One listing of the segments serves both: listing them again later could find a
     segment compacted in between from a log whose rows are already live, and count
-    those rows twice.
+    those rows twice. `days_from` leaves out segments (and live rows) of earlier days,
+    in every table but `training_runs` (small, and needed whole).
     """
     rows: dict[str, list[tuple[str, dict]]] = {name: [] for name in TABLES}
     for path in log_files(data_dir):
@@ -106,34 +113,74 @@ def snapshot(data_dir: Path) -> tuple[dict[str, pa.Table], dict[str, list[Path]]
         for table, table_rows in by_table.items():
             if table in rows:
                 rows[table].extend((path.stem, r) for r in table_rows)
-    segments = {name: segment_files(data_dir, name) for name in TABLES}
-    compacted = {p.stem for paths in segments.values() for p in paths}
-    live = {}
+    listed = {name: list_segments(data_dir, name) for name in TABLES}
+    # Stems of every segment listed, merged ones' sources included: a log whose segment
+    # was merged away meanwhile is still known as compacted.
+    compacted = {stem for found in listed.values() for stem in found.stems}
+    live, segments = {}, {}
     for name, pairs in rows.items():
-        live[name], rejected = to_arrow(name, [r for stem, r in pairs if stem not in compacted])
+        since = None if name == "training_runs" else days_from
+        table_rows = [r for stem, r in pairs if stem not in compacted]
+        if since is not None:
+            first = since.strftime("%Y-%m-%d")
+            table_rows = [r for r in table_rows if row_day(name, r) >= first]
+        live[name], rejected = to_arrow(name, table_rows)
         if rejected:
             log.warning("%s: %d live row(s) left out: %s", name, len(rejected), rejected[0][1])
+        segments[name] = listed[name].since(since)
     return live, segments
 
 
-def open_db(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
+# The completions as stored, and as read: a request with n > 1 choices is stored on its
+# first choice's row only (`request_shared`); the others get it back here. Both sides of
+# the join read only shared rows, which Parquet statistics find without a scan.
+COMPLETIONS_VIEW = """
+    SELECT * FROM _completions_stored WHERE request_shared IS NOT TRUE
+    UNION ALL BY NAME
+    SELECT c.* EXCLUDE (request), h.request
+    FROM (SELECT * FROM _completions_stored WHERE request_shared) c
+    LEFT JOIN (SELECT request_id, request FROM _completions_stored
+               WHERE request_shared AND request IS NOT NULL) h USING (request_id)
+"""
+
+
+def open_db(data_dir: str | Path, *, days_from: dt.date | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with views `completions`, `rewards`, `finishes`, `judgments`,
-    `rollout_rewards`, `rollout_judgments`, `rollouts` and `groups` over `data_dir`."""
+    `training_runs`, `rollout_rewards`, `rollout_judgments`, `rollouts` and `groups`
+    over `data_dir`. `days_from` (a UTC day) leaves out rows of earlier days in every
+    table but `training_runs`: for a caller that asks only about groups begun since
+    then (their rewards, finishes and judgments all come later)."""
     data_dir = Path(data_dir)
     con = duckdb.connect(":memory:")
-    live, segments = snapshot(data_dir)
+    # Footers read once per connection, not once per query (`ls` asks one per group).
+    con.execute("SET parquet_metadata_cache = true")
+    live, segments = snapshot(data_dir, days_from)
     for name in TABLES:
         con.register(f"_live_{name}", live[name])
+        check_versions(name, live[name].column("schema_version").to_pylist())
         files = [str(p) for p in segments[name]]
         parts = [f"SELECT * FROM _live_{name}"]
         if files:
+            check_versions(name, file_versions(con, files))
             parts.insert(0, f"SELECT * FROM read_parquet({files!r}, union_by_name = true)")
-        con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(parts))
-        versions = con.execute(f"SELECT DISTINCT schema_version FROM {name}").fetchall()
-        check_versions(name, [v for (v,) in versions])
+        stored = "_completions_stored" if name == "completions" else name
+        con.execute(f"CREATE VIEW {stored} AS " + " UNION ALL BY NAME ".join(parts))
+    con.execute(f"CREATE VIEW completions AS {COMPLETIONS_VIEW}")
     for name, sql in DERIVED_VIEWS.items():
         con.execute(f"CREATE VIEW {name} AS {sql}")
     return con
+
+
+def file_versions(con: duckdb.DuckDBPyConnection, files: list[str]) -> list[int]:
+    """The schema version each segment was written with, from its Parquet footer (no
+    scan of the data); a segment without one predates the key: version 1."""
+    rows = con.execute(
+        "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) "
+        "WHERE decode(key) = 'overnight.schema_version'",
+        [files],
+    ).fetchall()
+    found = {name: int(v) for name, v in rows}
+    return [found.get(f, 1) for f in files]
 
 
 def finished_groups(con, settle_seconds: float, only: list[str] | None) -> list[str]:

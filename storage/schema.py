@@ -3,7 +3,9 @@
 Every row carries `schema_version`; readers refuse versions newer than
 `SCHEMA_VERSION` with a message that says what to do, instead of misreading them.
 Bump the version when a column changes meaning; adding a nullable column does not
-need a bump (DuckDB unions segments by name).
+need a bump (DuckDB unions segments by name). Version 2: a request with n > 1 choices
+is stored once, on its first choice's row (`request_shared`); a version 1 reader would
+read the other choices' requests as null, so it must refuse these rows.
 
 `fit_row` checks a row against its table before it reaches the log: a value that does
 not fit its column (a number as `model_requested`, a string as `turn_index`) would make
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 import orjson
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _TS = pa.timestamp("us", tz="UTC")
 # In every table, last: JSON object text, column name -> what was changed to make the
@@ -47,6 +49,10 @@ COMPLETIONS = pa.schema(
         ("model_served", pa.string()),  # the name vLLM served: base model or lora name
         ("adapter_version", pa.int32()),  # null when the base model served
         ("request", pa.string()),  # JSON, as the client sent it (metadata removed)
+        # True on every row of a logged request with n > 1 choices: only the first of
+        # them stores `request`, the others read it from there (the `completions` view
+        # fills it in), so a request is stored once, not once per choice. Null otherwise.
+        ("request_shared", pa.bool_()),
         ("response", pa.string()),  # JSON, this choice as a non-streamed response
         ("prompt_token_ids", pa.list_(pa.int32())),
         ("completion_token_ids", pa.list_(pa.int32())),

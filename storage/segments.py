@@ -26,6 +26,7 @@ from pathlib import Path
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .schema import (
@@ -171,6 +172,11 @@ def _refit_column(f: pa.Field, rows: list[dict]) -> None:
                 add_note(row, f.name, note)
 
 
+def row_day(table: str, row: dict) -> str:
+    """The day partition a row of `table` goes to (its `date=` folder)."""
+    return _day(row.get(PARTITION_COLUMN[table]))
+
+
 def _day(micros: object) -> str:
     try:
         return dt.datetime.fromtimestamp(micros / 1e6, dt.UTC).strftime("%Y-%m-%d")  # type: ignore[operator]
@@ -216,7 +222,9 @@ def write_segment(table: pa.Table, path: Path) -> None:
     """Write atomically: a reader sees the whole file or none of it."""
     private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.tmp")
-    metadata = {b"overnight.schema_version": str(SCHEMA_VERSION).encode()}
+    # The newest version of its rows, read by `open_db` from the footer (no scan).
+    newest = pc.max(table.column("schema_version")).as_py() if table.num_rows else None
+    metadata = {b"overnight.schema_version": str(newest or SCHEMA_VERSION).encode()}
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     _create_private(tmp)
     pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP_SIZE)
@@ -288,7 +296,10 @@ def compact_log(data_dir: Path, log_path: Path) -> int:
 
 
 def segment_files(data_dir: Path, table: str) -> list[Path]:
-    return sorted((data_dir / table).glob("date=*/*.parquet"))
+    """The segments a reader reads now (merged days: their merged files, see merge.py)."""
+    from .merge import list_segments  # merge.py builds on this module
+
+    return list_segments(data_dir, table).since(None)
 
 
 def log_files(data_dir: Path) -> list[Path]:
@@ -304,7 +315,13 @@ def main(argv: list[str]) -> None:
     `rows N quarantined M`; what it logs goes to stderr, which the writer passes on."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     done = compact(Path(argv[0]), Path(argv[1]))
-    print("rows", done.rows, "quarantined", done.quarantined)
+    print("rows", done.rows, "quarantined", done.quarantined, flush=True)
+    from .merge import merge_closed_days  # merge.py builds on this module
+
+    try:  # closed days into one file each: cheap when there is nothing to merge
+        merge_closed_days(Path(argv[0]))
+    except Exception:  # the log is compacted; a merge not done now is done next time
+        log.exception("could not merge closed days; tried again after the next roll")
 
 
 if __name__ == "__main__":  # python -m overnight.storage.segments DATA_DIR LOG

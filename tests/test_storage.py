@@ -183,3 +183,129 @@ def test_several_writers_share_one_directory(tmp_path):
         w.close()
     assert len(segment_files(tmp_path, "completions")) == 3  # each process its own files
     assert rows(tmp_path, "SELECT count(*) AS n FROM completions") == [{"n": 30}]
+
+
+async def test_a_request_with_n_choices_is_stored_once(make_proxy, tmp_path):
+    """Defect 10: n=200 with a 100 KB body wrote 20 MB (the request once per choice)."""
+    from overnight.trainer.records import load_samples
+
+    proxy = await make_proxy()
+    text = "x" * 100_000
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": text}],
+        "n": 200,
+        "temperature": 0.7,
+        "top_p": 0.9,
+    }
+    r = await proxy.post("/v1/chat/completions", json=body)
+    assert r.status == 200
+    await r.read()
+    data = tmp_path / "data"
+    wait_until(lambda: len(rows(data, "SELECT record_id FROM completions")) == 200)
+    logged = sum(p.stat().st_size for p in (data / "wal").glob("*.jsonl"))
+    assert 100_000 < logged < 400_000  # one copy of the request, plus 200 small choices
+    stored = rows(data, "SELECT request, request_shared FROM completions")
+    assert all(json.loads(r["request"])["messages"][0]["content"] == text for r in stored)
+    assert all(r["request_shared"] for r in stored)
+    con = open_db(data)
+    try:
+        group = con.execute("SELECT DISTINCT group_id FROM completions").fetchall()[0][0]
+        samples = load_samples(con, [group]).samples
+    finally:
+        con.close()
+    assert len(samples) == 200
+    assert {(s.sampling[-1].temperature, s.sampling[-1].top_p) for s in samples} == {(0.7, 0.9)}
+
+
+def test_shared_requests_read_back_from_segments_and_old_rows_unchanged(tmp_path):
+    """After compaction the view still fills the shared request in; rows of version 1
+    (the request on every row) read as they were."""
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
+    writer.start()
+    request = {"messages": [{"role": "user", "content": "hi"}], "n": 3}
+    for i in range(3):
+        writer.append(
+            "completions",
+            completion(
+                i,
+                request_id="shared",
+                choice_index=i,
+                request=request if i == 0 else None,
+                request_shared=True,
+            ),
+        )
+    writer.append("completions", completion(9, schema_version=1))
+    writer.close()
+    assert len(segment_files(tmp_path, "completions")) == 1
+    found = rows(tmp_path, "SELECT record_id, request FROM completions ORDER BY record_id")
+    assert [json.loads(r["request"]) for r in found[:3]] == [request] * 3
+    assert json.loads(found[3]["request"])["messages"][0]["content"] == "9"
+    grouped = rows(tmp_path, "SELECT count(*) AS n FROM completions WHERE group_id = 'g'")
+    assert grouped == [{"n": 4}]
+
+
+def test_closed_days_are_merged_without_counting_a_row_twice(tmp_path):
+    """Many segments of a past day become one file; readers count each row once before,
+    during (merged file written, manifest not yet committed) and after the merge."""
+    from overnight.storage import merge
+
+    day_ago = time.time_ns() // 1000 - 2 * 86_400_000_000
+    for n in range(3):  # three logs, three segments of the same past day
+        writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
+        writer.start()
+        for i in range(4):
+            writer.append("completions", completion(10 * n + i, started_at=day_ago + i))
+        writer.close()
+    count = "SELECT count(*) AS n FROM completions"
+    assert len(segment_files(tmp_path, "completions")) == 3
+    assert rows(tmp_path, count) == [{"n": 12}]
+
+    commit = merge._write_manifest
+    seen_before_commit = []
+
+    def check_then_commit(table_dir, manifest):  # the merged file exists, uncommitted
+        seen_before_commit.append(rows(tmp_path, count))
+        commit(table_dir, manifest)
+
+    merge._write_manifest = check_then_commit
+    try:
+        later = time.time() + merge.MERGE_AFTER + 1
+        assert merge.merge_closed_days(tmp_path, now=later) == 1
+    finally:
+        merge._write_manifest = commit
+    assert seen_before_commit == [[{"n": 12}]]
+    files = segment_files(tmp_path, "completions")
+    assert len(files) == 1 and files[0].name.startswith(merge.MERGED_PREFIX)
+    assert rows(tmp_path, count) == [{"n": 12}]
+    assert len(list((tmp_path / "completions").glob("date=*/*.parquet"))) == 4  # grace
+    merge.merge_closed_days(tmp_path, now=later + merge.GRACE_SECONDS + 1)
+    assert list((tmp_path / "completions").glob("date=*/*.parquet")) == files
+    assert rows(tmp_path, count) == [{"n": 12}]
+    # A late segment of the merged day is read beside it, then merged with it.
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
+    writer.start()
+    writer.append("completions", completion(99, started_at=day_ago))
+    writer.close()
+    assert rows(tmp_path, count) == [{"n": 13}]
+    assert merge.merge_closed_days(tmp_path, now=later + merge.GRACE_SECONDS + 2) == 1
+    assert rows(tmp_path, count) == [{"n": 13}] and len(segment_files(tmp_path, "completions")) == 1
+
+
+def test_days_from_leaves_out_earlier_days(tmp_path):
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
+    writer.start()
+    now = time.time_ns() // 1000
+    writer.append("completions", completion(0, started_at=now - 3 * 86_400_000_000))
+    writer.append("completions", completion(1, started_at=now))
+    writer.close()
+    import datetime as dt
+
+    from overnight.storage import open_db as open_
+
+    today = dt.datetime.now(dt.UTC).date()
+    con = open_(tmp_path, days_from=today)
+    try:
+        assert con.execute("SELECT record_id FROM completions").fetchall() == [("rec1",)]
+    finally:
+        con.close()

@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pyarrow as pa
+
 from overnight.config import TrainConfig
 from overnight.storage import finished_groups, open_db
 
@@ -108,12 +110,20 @@ def plan_run(
     tokenizer=None,
     sampling_defaults: dict | None = None,
 ) -> Plan:
-    """The groups to train on, in order, up to `max_groups`; `plan.skipped` says why not others."""
-    con = open_db(data_dir)
+    """The groups to train on, in order, up to `max_groups`; `plan.skipped` says why not others.
+
+    Token ids are read only for groups whose rewards could give a signal: most groups a
+    night considers are left out for their rewards alone (all equal, or missing), and
+    reading their records was most of a night's selection time."""
+    # With `since`, days before it are not even listed (their groups began earlier).
+    days_from = since.astimezone(dt.UTC).date() if since is not None else None
+    con = open_db(data_dir, days_from=None if only is not None else days_from)
     try:
         candidates = candidate_groups(con, settle_seconds, since, only)
         rewards = chosen_rewards(con, config.reward_sources)
-        loaded = load_samples(con, candidates, tokenizer, sampling_defaults)
+        verdicts = _reward_verdicts(con, candidates, rewards, config)
+        wanted = [g for g in candidates if verdicts.get(g) is None]
+        loaded = load_samples(con, wanted, tokenizer, sampling_defaults)
     finally:
         con.close()
     plan = _plan_from(loaded)
@@ -122,7 +132,7 @@ def plan_run(
         by_group.setdefault(s.group_id, []).append(s)
     for group_id in candidates:
         samples = by_group.get(group_id, [])
-        verdict = _advantages_or_reason(samples, rewards, config)
+        verdict = verdicts.get(group_id) or _advantages_or_reason(samples, rewards, config)
         if isinstance(verdict, str):
             plan.skipped[verdict] += 1
             continue
@@ -131,6 +141,35 @@ def plan_run(
         if max_groups is not None and len(plan.groups) >= max_groups:
             break
     return plan
+
+
+def _reward_verdicts(
+    con, groups: list[str], rewards: dict[str, float], config: TrainConfig
+) -> dict[str, str]:
+    """Why each group that surely cannot be trained on is left out, from its rollouts'
+    rewards alone (no token ids read). The trainable rollouts are a subset of all of
+    them, so a group with too few rollouts, or fewer than two distinct rewards, is out
+    whatever its records hold."""
+    if not groups:
+        return {}
+    con.register("_plan_groups", pa.table({"group_id": groups}))
+    rows = con.execute(
+        "SELECT group_id, list(DISTINCT rollout_id) FROM completions "
+        "WHERE group_id IN (SELECT group_id FROM _plan_groups) GROUP BY group_id"
+    ).fetchall()
+    out = {}
+    for group_id, rollouts in rows:
+        scored = {rewards[r] for r in rollouts if r in rewards}
+        if len(rollouts) < config.min_group_size:
+            out[group_id] = f"fewer than {config.min_group_size} trainable rollouts"
+        elif len(scored) < 2:
+            missing = any(r not in rewards for r in rollouts)
+            out[group_id] = (
+                "a rollout has no reward (run overnight judge, or post rewards)"
+                if missing
+                else "all rewards equal: no signal"
+            )
+    return out
 
 
 def _plan_from(loaded: Loaded) -> Plan:

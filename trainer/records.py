@@ -41,14 +41,16 @@ def load_samples(
     if not group_ids:
         return out
     con.register("_train_groups", pa.table({"group_id": group_ids}))
-    rows = con.execute(
+    # As Arrow columns, not DuckDB's row tuples: token id lists convert many times faster.
+    table = con.sql(
         """
         SELECT group_id, rollout_id, prompt_token_ids, completion_token_ids, completion_logprobs, error,
                request, response, prompt_tokens, completion_tokens, endpoint
         FROM completions WHERE group_id IN (SELECT group_id FROM _train_groups)
         ORDER BY group_id, rollout_id, started_at, turn_index
         """
-    ).fetchall()
+    ).to_arrow_table()
+    rows = zip(*(column.to_pylist() for column in table.columns), strict=True)
     turns: dict[tuple[str, str], list[Turn]] = defaultdict(list)
     defaults = sampling_defaults or {}
     for group_id, rollout_id, prompt, completion, logprobs, error, *text in rows:
