@@ -45,17 +45,22 @@ def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -
         return "no records yet" if not group else f"no group {group!r}"
     total = con.execute("SELECT count(*), sum(rollouts) FROM groups").fetchone()
     out = [f"{total[0]} group(s), {total[1]} rollout(s); newest {len(groups)} shown", ""]
+    # One query for the rollouts of every shown group, not one per group: each query
+    # aggregates the rewards and judgments again.
+    by_group: dict[str, list[tuple]] = {g[0]: [] for g in groups}
+    for row in con.execute(
+        "SELECT group_id, rollout_id, turns, prompt_tokens, completion_tokens, reward, "
+        "reward_source, judge_score, finished_at IS NOT NULL, models_served, errors FROM rollouts "
+        "WHERE group_id IN (SELECT unnest(?)) ORDER BY started_at",
+        [list(by_group)],
+    ).fetchall():
+        by_group[row[0]].append(row[1:])
     for g in groups:
         out.append(
             f"group {g[0]}: {g[1]} rollout(s), {g[2]} turn(s), {g[3]} tokens, "
             f"mean reward {_cell(g[4])}, {g[5]} finished, served by {g[6]}"
         )
-        rollouts = con.execute(
-            "SELECT rollout_id, turns, prompt_tokens, completion_tokens, reward, reward_source, "
-            "judge_score, finished_at IS NOT NULL, models_served, errors FROM rollouts "
-            "WHERE group_id = ? ORDER BY started_at",
-            [g[0]],
-        ).fetchall()
+        rollouts = by_group[g[0]]
         table = _table(
             [
                 "rollout",
