@@ -2,8 +2,10 @@
 
   resume an interrupted run, or begin one -> select finished, scored, untrained groups
   (plan.py) -> start from the adapter the proxy serves (or a fresh LoRA) -> GRPO steps
-  (step.py), a checkpoint after each (checkpoint.py) -> save the adapter -> promote it
-  through the proxy's admin API (proxy_client.py) -> record the run, write the report.
+  (step.py), a checkpoint after each (checkpoint.py) -> save the adapter -> the gate
+  compares it with the served adapter on held-out prompts (gate.py) -> promote it through
+  the proxy's admin API (proxy_client.py) -> record the run, write the report. Before all
+  that, the watch (watch.py) rolls back a promoted adapter that live rewards show worse.
 
 Under torchrun every process runs this; process 0 decides what to train on and does
 everything with side effects (files, the run record, the promotion). Progress goes to
@@ -34,6 +36,7 @@ from .checkpoint import (
     save_checkpoint,
     unfinished_run,
 )
+from .gate import Scorer, Verdict, held_out_prompts, run_gate, skipped
 from .parallel import Parallel
 from .plan import Plan, plan_run
 from .proxy_client import (
@@ -45,6 +48,7 @@ from .proxy_client import (
 )
 from .sampling import server_defaults
 from .step import fresh_adapter, micro_batch_loss, optimizer_step, with_behaviour
+from .watch import watch as watch_served
 
 # Re-exported: the CLI, the tests and the benchmarks import these from here.
 __all__ = [
@@ -74,6 +78,8 @@ class RunResult:
     adapter_path: Path | None = None
     promoted_as: str | None = None
     metrics: dict = field(default_factory=dict)
+    gate: Verdict | None = None  # None: no promotion was asked for
+    held_out: list[str] = field(default_factory=list)  # groups the gate took from the plan
 
 
 def train(
@@ -88,6 +94,7 @@ def train(
     since: dt.datetime | None = None,
     max_groups: int | None = None,
     say=print,
+    scorer: Scorer | None = None,
 ) -> RunResult:
     """One night. A run that was interrupted is resumed first, on the same groups.
 
@@ -102,7 +109,9 @@ def train(
     only = saved.get("groups")  # a resumed run's groups
     say(f"run {run_dir.run_id}: " + _what_it_trains_on(only))
     started = time.time_ns() // 1000
-    state = serving_state(proxy_url, admin_token)
+    if promote and proxy_url and config.watch and parallel.rank == 0:
+        watch_served(data_dir, proxy_url, admin_token, config, say)
+    state = parallel.agree(serving_state(proxy_url, admin_token))  # after the watch's rollback
     base_model = config.base_model or (None if dry_run else _base_model(state))
     plan = plan_run(
         data_dir,
@@ -122,6 +131,13 @@ def train(
             say("nothing to train on")
         return result
     start_adapter = saved["start_adapter"] if only is not None else served_adapter(state)
+    gate_prompts: list = []
+    if promote and proxy_url and skipped(config, scorer) is None:
+        gate_prompts, gated = held_out_prompts(data_dir, plan, config.gate_prompts, only is None)
+        given = [g for g in plan.groups if g not in set(gated.groups)]
+        plan, result.plan, result.held_out = gated, gated, given
+        say(f"gate: {len(gate_prompts)} held-out prompt(s), {len(given)} of them from groups "
+            "left out of tonight's training")  # fmt: skip
     say(f"training on {base_model}, starting from {start_adapter or 'a fresh LoRA adapter'}")
     if parallel.rank == 0:
         run_dir.begin(plan.groups, start_adapter)
@@ -135,7 +151,10 @@ def train(
         result.adapter_path = adapter_dir
         say(f"saved the adapter to {adapter_dir}")
         if promote and proxy_url:
-            result.promoted_as = _promote_once(proxy_url, admin_token, adapter_dir, say)
+            result.gate = _gate(config, scorer, base_model, adapter_dir, gate_prompts, result, say,
+                                proxy_url, admin_token)  # fmt: skip
+            if result.gate.promote:
+                result.promoted_as = _promote_once(proxy_url, admin_token, adapter_dir, say)
         kill_point("promoting")
     except Exception as e:
         if parallel.rank == 0:  # failed runs are recorded too: the report shows them
@@ -150,6 +169,32 @@ def train(
     run_dir.finish()
     say(f"report: {write_report(data_dir)}")
     return result
+
+
+def _gate(
+    config: TrainConfig,
+    scorer: Scorer | None,
+    base_model: str,
+    adapter_dir: Path,
+    prompts: list,
+    result: RunResult,
+    say,
+    proxy_url: str,
+    token: str | None,
+) -> Verdict:
+    """The gate's verdict on the new adapter against the one served now; a resumed run
+    whose adapter is served already passed it before it was interrupted."""
+    served = served_adapter(serving_state(proxy_url, token))
+    if served == str(adapter_dir.resolve()):
+        return Verdict(config.gate, True, "promoted before the run was interrupted")
+    verdict = skipped(config, scorer) or run_gate(
+        config, base_model, adapter_dir, served, prompts, scorer, result.held_out
+    )
+    say(verdict.line())
+    if not verdict.promote:
+        say(f"not promoted: the adapter stays in {adapter_dir}; the proxy keeps serving "
+            f"{served or 'the base model'}")  # fmt: skip
+    return verdict
 
 
 def _promote_once(proxy_url: str, token: str | None, adapter_dir: Path, say) -> str:
@@ -383,6 +428,7 @@ def record_run(
                     "groups": plan.group_stats,
                     "skipped": dict(plan.skipped),
                     "seconds": metrics.get("seconds"),
+                    "gate": result.gate.as_dict() if result.gate else None,
                 }
             ),
         },

@@ -8,6 +8,7 @@ any browser, on a machine with no network. Written after every run to
 from __future__ import annotations
 
 import html
+import json
 from pathlib import Path
 
 from overnight.config import LOGPROB_GAP_WARNING
@@ -24,13 +25,42 @@ def _gap_cell(gap: float | None) -> str:
     return f"<td>{gap:.4g}</td>"
 
 
+def _gate_cell(gate: dict | None) -> str:
+    """The promotion gate's verdict (trainer/gate.py), its reason on hover."""
+    if not gate:
+        return "<td>-</td>"
+    word = html.escape(gate.get("verdict", "-"))
+    mark = ' class="warn"' if word == "refused" else ""
+    return f'<td{mark} title="{html.escape(gate.get("reason", ""))}">{word}</td>'
+
+
+def _gate_section(runs: list[tuple]) -> str:
+    """The newest gated run: its verdict in words and its side-by-side examples."""
+    gated = [(r[0], r[-1]) for r in runs if r[-1] and r[-1].get("examples") is not None]
+    if not gated:
+        return ""
+    run_id, gate = gated[-1]
+    rows = "".join(
+        f"<tr><td>{html.escape(e['prompt'])}</td><td>{html.escape(e['candidate'])}</td>"
+        f"<td>{e['candidate_score']:.3g}</td><td>{html.escape(e['served'])}</td>"
+        f"<td>{e['served_score']:.3g}</td></tr>"
+        for e in gate["examples"]
+    )
+    return (
+        f"<h2>Promotion gate of {html.escape(run_id)}: {html.escape(gate['verdict'])}</h2>"
+        f"<p>{html.escape(gate['reason'])}</p><table><tr><th>prompt</th><th>candidate</th>"
+        f"<th>score</th><th>served</th><th>score</th></tr>{rows}</table>"
+    )
+
+
 def write_report(data_dir: Path) -> Path:
     con = open_db(data_dir)
     try:
         runs = con.execute(
             "SELECT run_id, started_at, status, len(groups), rollouts, steps, reward_mean, promoted_as, "
-            "max_logprob_gap FROM training_runs ORDER BY started_at"
+            "max_logprob_gap, json_extract(metrics, '$.gate') FROM training_runs ORDER BY started_at"
         ).fetchall()
+        runs = [(*r[:-1], json.loads(r[-1]) if r[-1] else None) for r in runs]
         charts = training_charts(con)
     finally:
         con.close()
@@ -38,13 +68,14 @@ def write_report(data_dir: Path) -> Path:
         "<tr>"
         + "".join(
             f"<td>{html.escape('-' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v))}</td>"
-            for v in r[:-1]
+            for v in r[:-2]
         )
-        + _gap_cell(r[-1])
+        + _gap_cell(r[-2])
+        + _gate_cell(r[-1])
         + "</tr>"
         for r in reversed(runs)
     )
-    large = [r[0] for r in runs if r[-1] is not None and r[-1] > LOGPROB_GAP_WARNING]
+    large = [r[0] for r in runs if r[-2] is not None and r[-2] > LOGPROB_GAP_WARNING]
     warning = (
         f'<p class="warn">Logprob gap above {LOGPROB_GAP_WARNING} nats before the first update in '
         f"{html.escape(', '.join(large))}: the trainer's logprobs differ from what vLLM logged "
@@ -58,7 +89,8 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ddd;padding:4px 8px;te
 .warn{{color:#b00}}</style></head>
 <body><h1>overnight: training runs</h1>{"".join(charts)}
 <h2>Runs</h2><table><tr><th>run</th><th>started</th><th>status</th><th>groups</th><th>rollouts</th>
-<th>steps</th><th>reward mean</th><th>promoted as</th><th>logprob gap</th></tr>{rows}</table>{warning}
+<th>steps</th><th>reward mean</th><th>promoted as</th><th>logprob gap</th><th>gate</th></tr>{rows}</table>
+{warning}{_gate_section(runs)}
 </body></html>"""
     out = Path(data_dir) / "reports" / "training.html"
     out.parent.mkdir(parents=True, exist_ok=True)

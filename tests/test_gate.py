@@ -1,0 +1,231 @@
+"""The promotion gate and the watch: statistics by hand, a sabotaged night refused, a worse
+adapter rolled back (the tiny model sampled with peft; the proxy in front of the fake vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from overnight.cli import gate_scorer, main
+from overnight.config import TrainConfig
+from overnight.storage import LogWriter, WriterConfig
+from overnight.trainer.gate import bootstrap_means, decide, paired_interval
+from overnight.trainer.watch import check, watch
+
+from .helpers import chat_response, completion_row, rows, wait_for_rows
+
+# -- the statistics, against numbers worked out by hand ------------------------------------
+
+
+def test_the_paired_bootstrap_interval_matches_hand_computed_numbers():
+    # Two differences, 0 and 1: a resample's mean is 0, 0.5 or 1 with chances 1/4, 1/2,
+    # 1/4, so the 2.5% and 97.5% points are 0 and 1.
+    assert paired_interval([0.0, 1.0]) == pytest.approx((0.5, 0.0, 1.0))
+    # Four differences 1, 1, 1, 0: a resample's mean is k/4 with k ~ Binomial(4, 3/4);
+    # P(k = 0) = 1/256 < 2.5% < P(k <= 1) = 13/256, and P(k = 4) = 81/256 > 2.5%, so
+    # the interval is [1/4, 1].
+    assert paired_interval([1.0, 1.0, 1.0, 0.0]) == pytest.approx((0.75, 0.25, 1.0))
+    # No spread, no doubt.
+    assert paired_interval([-0.2] * 5) == pytest.approx((-0.2, -0.2, -0.2))
+    # Unpaired: mean(a) - mean(b) with both constant is exact.
+    assert set(bootstrap_means([1.0, 1.0], [0.25, 0.25, 0.25], resamples=50)) == {0.75}
+
+
+def test_the_decision_rules():
+    tie = [0.0] * 10
+    assert decide(tie, "not-worse", 0.05)[0] is True  # a tie is not worse ...
+    assert decide(tie, "better", 0.05)[0] is False  # ... nor better
+    slightly_worse = [-0.02, -0.03] * 10  # worse, but by less than the margin
+    assert decide(slightly_worse, "not-worse", 0.05)[0] is True
+    assert decide(slightly_worse, "not-worse", 0.01)[0] is False
+    promote, numbers = decide([0.1, 0.2, 0.3] * 4, "better", 0.05)
+    assert promote and numbers["low"] > 0 and numbers["bar"] == 0.0
+
+
+def test_bad_gate_options_fail_loudly():
+    from overnight.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gate must be one of"):
+        TrainConfig(gate="maybe")
+    out = CliRunner().invoke(main, ["train", "--gate", "sometimes", "--dry-run"])
+    assert out.exit_code != 0 and "sometimes" in out.output
+
+
+# -- a sabotaged night ------------------------------------------------------------------------
+
+SABOTAGE = " the the the the the the"
+HONEST = " 4 7 1 9 2 6"
+
+
+def write_night(data_dir, tasks: int, held_out: int) -> None:
+    """`tasks` groups of two one-turn rollouts whose posted rewards favour SABOTAGE, and
+    `held_out` single calls on other prompts (no group: never trained on)."""
+    writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
+    writer.start()
+    now = time.time_ns() // 1000
+
+    def turn(rollout: str, group: str, prompt: str, reply: str) -> None:
+        request = {"model": "policy", "messages": [{"role": "user", "content": prompt}]}
+        writer.append(
+            "completions",
+            completion_row(
+                rollout, group, request={**request, "max_tokens": 8}, response=chat_response(reply)
+            ),
+        )
+        writer.append("finishes", {"rollout_id": rollout, "schema_version": 1, "finished_at": now})
+
+    for t in range(tasks):
+        for i, (reply, reward) in enumerate([(SABOTAGE, 1.0), (HONEST, 0.0)]):
+            turn(f"task{t}.{i}", f"task{t}", f"Task {t}: answer.", reply)
+            writer.append(
+                "rewards",
+                {
+                    "reward_id": f"task{t}.{i}",
+                    "schema_version": 1,
+                    "rollout_id": f"task{t}.{i}",
+                    "reward": reward,
+                    "source": "agent",
+                    "created_at": now,
+                },
+            )
+    for h in range(held_out):
+        turn(f"single{h}", f"single{h}", f"Question {h}?", HONEST)
+    writer.close()
+
+
+async def test_a_sabotaged_night_is_refused_and_the_old_adapter_keeps_serving(
+    make_proxy, tmp_path, tiny_model_dir, lora_adapter
+):
+    pytest.importorskip("peft")
+    proxy = await make_proxy()
+    url, data = str(proxy.make_url("")), tmp_path / "data"
+    old = await (
+        await proxy.post("/admin/adapters/promote", json={"path": str(lora_adapter)})
+    ).json()
+    write_night(data, tasks=8, held_out=12)
+    # The gate's reward function: a reply that says "the" fails it.
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "def no_the(rollout):\n"
+        "    return 0.0 if 'the' in rollout['messages'][-1]['content'].split() else 1.0\n"
+    )
+    config = TrainConfig(
+        base_model=str(tiny_model_dir),
+        learning_rate=0.1,  # the sabotage: a step size that pushes hard on a bad signal
+        epochs=6,
+        lora_rank=4,
+        groups_per_step=8,
+        gate_prompts=12,
+    )
+    from overnight.trainer.train import train
+
+    lines: list[str] = []
+    result = await asyncio.to_thread(
+        train, data, config, proxy_url=url, scorer=gate_scorer(f"{reward}:no_the", None),
+        say=lines.append,
+    )  # fmt: skip
+    verdict = result.gate
+    assert verdict is not None and not verdict.promote, lines
+    assert verdict.prompts == 12 and verdict.high < -0.05, verdict.reason
+    assert verdict.examples and {"candidate", "served", "prompt"} <= set(verdict.examples[0])
+    assert result.promoted_as is None and (result.adapter_path / "adapter_config.json").exists()
+    served = await (await proxy.get("/admin/adapters")).json()
+    assert served["current"]["name"] == old["promoted"], "the old adapter keeps serving"
+    assert any(line.startswith("gate (not-worse): refused") for line in lines), lines
+    (run,) = rows(data, "SELECT status, promoted_as, metrics FROM training_runs")
+    assert run["status"] == "trained" and run["promoted_as"] is None
+    listing = CliRunner().invoke(main, ["runs", "--data", str(data)])
+    assert listing.exit_code == 0 and "refused" in listing.output, listing.output
+    assert "candidate - served" in listing.output, listing.output
+    page = await (await proxy.get("/ui/runs")).text()
+    assert "refused" in page and "candidate - served" in page
+    report = (data / "reports" / "training.html").read_text()
+    assert "refused" in report and "candidate - served" in report
+
+
+# -- the watch --------------------------------------------------------------------------------
+
+
+async def live_traffic(proxy, tag: str, rewards: list[float]) -> None:
+    """One rollout per reward, through the alias, the reward posted by the agent."""
+    for i, reward in enumerate(rewards):
+        rollout = f"{tag}.{i}"
+        r = await proxy.post(
+            "/v1/chat/completions",
+            headers={"X-Rollout-Id": rollout},
+            json={"model": "policy", "messages": [{"role": "user", "content": f"q{i}"}]},
+        )
+        assert r.status == 200
+        await proxy.post(f"/v1/rollouts/{rollout}/reward", json={"reward": reward})
+
+
+async def test_the_watch_rolls_back_an_adapter_that_does_worse_on_live_traffic(
+    make_proxy, tmp_path, lora_adapter
+):
+    proxy = await make_proxy()
+    url, data = str(proxy.make_url("")), tmp_path / "data"
+    second = tmp_path / "second-adapter"
+    shutil.copytree(lora_adapter, second)
+    first = await (
+        await proxy.post("/admin/adapters/promote", json={"path": str(lora_adapter)})
+    ).json()
+    await live_traffic(proxy, "day1", [0.7, 0.8, 0.9, 0.8] * 8)
+    await proxy.post("/admin/adapters/promote", json={"path": str(second)})
+    await live_traffic(proxy, "day2", [0.8, 0.9] * 4)
+    await wait_for_rows(data, 40)
+    config = TrainConfig(watch_min_rollouts=20)
+    state = await (await proxy.get("/admin/adapters")).json()
+    early = check(data, state, config)
+    assert not early.worse and "too few rewarded rollouts" in early.reason
+    await live_traffic(proxy, "day2b", [0.2, 0.4, 0.3, 0.5] * 6)
+    await wait_for_rows(data, 64)
+    lines: list[str] = []
+    verdict = await asyncio.to_thread(watch, data, url, None, config, lines.append)
+    assert verdict.worse and verdict.new == 32 and verdict.old == 32, verdict.reason
+    assert verdict.high < 0 and verdict.diff_mean == pytest.approx(
+        (8 * 0.85 + 24 * 0.35) / 32 - 0.8
+    )
+    assert lines[0].startswith(f"watch: rolled back {state['current']['name']}"), lines
+    now = (await (await proxy.get("/admin/adapters")).json())["current"]
+    assert now["path"] == first["current"]["path"], "the predecessor serves again"
+    # Run again, the predecessor now serves: it has no predecessor of its own to lose to.
+    again = await asyncio.to_thread(
+        CliRunner().invoke, main, ["watch", "--data", str(data), "--proxy", url]
+    )
+    assert again.exit_code == 0 and "keeps serving" in again.output, again.output
+
+
+async def test_an_unchanged_adapter_passes_with_prompts_the_plan_gave_up(
+    make_proxy, tmp_path, tiny_model_dir, lora_adapter
+):
+    """Too few prompts outside the plan: the plan gives up a quarter of its groups (left
+    untrained); a candidate that barely moved writes the same replies and is promoted."""
+    pytest.importorskip("peft")
+    proxy = await make_proxy()
+    url, data = str(proxy.make_url("")), tmp_path / "data"
+    await proxy.post("/admin/adapters/promote", json={"path": str(lora_adapter)})
+    write_night(data, tasks=8, held_out=6)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def length(rollout):\n    return len(rollout['messages'][-1]['content'])\n")
+    config = TrainConfig(
+        base_model=str(tiny_model_dir), learning_rate=1e-9, lora_rank=4, gate_prompts=8
+    )
+    from overnight.trainer.train import train
+
+    lines: list[str] = []
+    result = await asyncio.to_thread(
+        train, data, config, proxy_url=url, scorer=gate_scorer(f"{reward}:length", None),
+        say=lines.append,
+    )  # fmt: skip
+    verdict = result.gate
+    assert verdict is not None and verdict.promote and verdict.prompts == 8, lines
+    assert verdict.held_out_from_plan == ["task6", "task7"], verdict
+    assert result.plan.groups == [f"task{t}" for t in range(6)]
+    served = await (await proxy.get("/admin/adapters")).json()
+    assert served["current"]["name"] == result.promoted_as
+    (run,) = rows(data, "SELECT groups FROM training_runs")
+    assert "task7" not in run["groups"], "the held-out groups stay untrained"
