@@ -13,6 +13,7 @@ from overnight.errors import OvernightError
 from .jsonio import read_json_object
 from .redact import REDACTOR
 from .state import ADAPTERS, STATS, WRITER
+from .uncaptured import UNCAPTURED
 
 
 async def adapters(request: web.Request) -> web.Response:
@@ -50,6 +51,8 @@ async def stats(request: web.Request) -> web.Response:
             # compacted, lines quarantined, failed compactions (storage.WriterHealth)
             **writer.health().as_dict(),
             "redaction_failures": request.app[REDACTOR].failures,
+            # path -> POSTs whose model output was forwarded but not recorded
+            "uncaptured": request.app[UNCAPTURED].snapshot(),
             "writer_id": writer.writer_id,
         }
     )

@@ -18,9 +18,11 @@ from aiohttp import web
 
 from overnight.errors import OvernightError
 
+from .api_capture import api_accumulator
 from .attribution import Attribution, attribute, logging_enabled
-from .capture import CHAT, TEXT, add_training_fields
+from .capture import CHAT, TEXT, Additions, add_training_fields
 from .capture_state import Capture
+from .conversation import CHAINS, MESSAGES, RESPONSES, messages_request, responses_request
 from .jsonio import read_json_object
 from .records import completion_rows, finish_row, parse_reward, reward_row
 from .redact import REDACTOR
@@ -29,7 +31,12 @@ from .state import ADAPTERS, STATS, TURNS, WRITER
 
 log = logging.getLogger("overnight.proxy")
 
-ENDPOINTS = {"chat/completions": CHAT, "completions": TEXT}
+ENDPOINTS = {
+    "chat/completions": CHAT,
+    "completions": TEXT,
+    "responses": RESPONSES,
+    "messages": MESSAGES,
+}
 
 
 # The fields the proxy itself reads, and the JSON type it reads each as (null is fine).
@@ -74,8 +81,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     capture = Capture(endpoint, bool(body.get("stream")), request_body=body, route=route)
     try:
         upstream_body = dict(body, model=route.served)
-        added = add_training_fields(upstream_body, endpoint)
-        return await forward(request, endpoint, upstream_body, added, capture)
+        if endpoint in (CHAT, TEXT):
+            added = add_training_fields(upstream_body, endpoint)
+        else:  # nothing to ask for (docs/wire.md): relayed verbatim, recorded as chat
+            added = Additions()
+            capture.acc = api_accumulator(endpoint)
+            capture.request_body = _as_chat(app, endpoint, body)
+        affinity = who.rollout_id or who.group_id  # every turn of a rollout on one replica
+        return await forward(request, endpoint, upstream_body, added, capture, affinity)
     except (OvernightError, web.HTTPException):
         raise
     except asyncio.CancelledError:  # aiohttp cancels a handler whose client left
@@ -98,11 +111,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if capture.status == 404:  # vLLM restarted and lost the adapter? check now
             adapters.notice_missing(route.served)
         app[STATS].requests += 1
+        if endpoint == RESPONSES:
+            _remember_chain(app, capture)
         # Built once the response is on its way (aiohttp writes it before this task next
         # yields), so a burst of answers is not held up by the records of the earlier ones.
         asyncio.get_running_loop().call_soon(
             _record, app, capture, who, started, logging_enabled(request.headers)
         )
+
+
+def _as_chat(app: web.Application, endpoint: str, body: dict) -> dict:
+    if endpoint == RESPONSES:
+        return responses_request(body, app[CHAINS])
+    return messages_request(body)
+
+
+def _remember_chain(app: web.Application, capture: Capture) -> None:
+    """What a later `previous_response_id` continues: this conversation and its reply."""
+    response_id = capture.acc.meta.get("id")
+    state = capture.acc.choices.get(0)
+    if response_id is None or state is None or capture.error is not None:
+        return
+    reply = capture.acc.response(0)["choices"][0]["message"]
+    app[CHAINS].remember(response_id, [*capture.request_body["messages"], reply])
 
 
 def _record(

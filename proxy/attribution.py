@@ -9,7 +9,6 @@ group of their own.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from overnight.errors import OvernightError
@@ -20,7 +19,7 @@ LOG_HEADER = "X-Rollout-Log"
 METADATA_GROUP = "rollout_group"
 METADATA_ROLLOUT = "rollout_id"
 
-_VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_ID_BYTES = 256
 
 
 class BadRolloutId(OvernightError):
@@ -48,12 +47,21 @@ class Attribution:
 
 
 def validate_id(value: str, what: str) -> str:
-    # "." and ".." fit the characters but not a URL path: /ui's links to them would lead
-    # elsewhere (a client normalises them away).
-    if not isinstance(value, str) or not _VALID_ID.fullmatch(value) or value in (".", ".."):
+    """Ids are opaque text: any printable characters (spaces, slashes, any script), at
+    most 256 bytes of UTF-8. They never become file names, and every link escapes them.
+    Control characters (and undecodable bytes, which arrive as surrogates) are refused:
+    they would corrupt logs and terminals. "." and ".." would make dead links (a client
+    normalises them away)."""
+    if (
+        not isinstance(value, str)
+        or not value
+        or value in (".", "..")
+        or not value.isprintable()
+        or len(value.encode()) > MAX_ID_BYTES
+    ):
         raise BadRolloutId(
-            f"{what} must be 1-128 characters of letters, digits and '._:-', and not '.' or "
-            f"'..'; got {value!r:.160}"
+            f"{what} must be 1-{MAX_ID_BYTES} bytes of printable UTF-8 text (no control "
+            f"characters), and not '.' or '..'; got {value!r:.160}"
         )
     return value
 

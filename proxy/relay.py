@@ -19,12 +19,14 @@ from aiohttp import web
 
 from overnight.errors import OvernightError
 
-from .capture import CHAT, TEXT, Additions, hide_additions
+from .capture import CHAT, TEXT, Additions, hide_additions, only_added
 from .capture_state import Capture
+from .conversation import MESSAGES, RESPONSES
 from .jsonio import json_dumps
 from .paths import check_forwarded
 from .sse import SSEParser, encode_event
 from .state import CONFIG, FINGERPRINT, SESSION, UPSTREAM, SeenFingerprint
+from .uncaptured import note_passthrough
 from .upstream import UpstreamResponse
 
 # Headers that describe one hop, not the message; never forwarded either way.
@@ -44,7 +46,14 @@ HOP_BY_HOP = {
     "accept-encoding",
     "content-encoding",
 }
-UPSTREAM_PATHS = {CHAT: "/v1/chat/completions", TEXT: "/v1/completions"}
+UPSTREAM_PATHS = {
+    CHAT: "/v1/chat/completions",
+    TEXT: "/v1/completions",
+    RESPONSES: "/v1/responses",
+    MESSAGES: "/v1/messages",
+}
+
+UPSTREAM_CHAT = (CHAT, TEXT)
 
 Upstream = aiohttp.ClientResponse | UpstreamResponse
 
@@ -92,16 +101,24 @@ def client_headers(upstream: Upstream) -> dict[str, str]:
 
 
 async def forward(
-    request: web.Request, endpoint: str, body: dict, added: Additions, capture: Capture
+    request: web.Request,
+    endpoint: str,
+    body: dict,
+    added: Additions,
+    capture: Capture,
+    affinity: str | None = None,
 ) -> web.StreamResponse:
-    """POST `body` upstream and relay the answer, whole or streamed, into `capture`."""
+    """POST `body` upstream and relay the answer, whole or streamed, into `capture`.
+    Requests with the same `affinity` (a rollout's id) go to the same replica."""
     app = request.app
     config = app[CONFIG]
     headers = upstream_headers(request)
     headers["Content-Type"] = "application/json"
     try:
         async with asyncio.timeout(config.read_timeout):  # until the response headers
-            upstream = await app[UPSTREAM].post(UPSTREAM_PATHS[endpoint], json_dumps(body), headers)
+            upstream = await app[UPSTREAM].post(
+                UPSTREAM_PATHS[endpoint], json_dumps(body), headers, affinity
+            )
     except (aiohttp.ClientError, TimeoutError) as e:
         # The record says what the client was told.
         if isinstance(e, TimeoutError):
@@ -222,8 +239,10 @@ async def _relay_stream(
                 except ConnectionResetError:
                     raise _ClientLeft from None
                 sent = True
-        if not relay.parser.done:
-            raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+        if not (relay.parser.done or capture.acc.complete):
+            # Responses and Messages streams end with their last event, not [DONE].
+            end = "[DONE]" if capture.endpoint in UPSTREAM_CHAT else "its last event"
+            raise aiohttp.ClientPayloadError(f"the stream ended without {end}")
     except (aiohttp.ClientError, TimeoutError) as e:
         # Upstream broke mid-stream: the client already has a 200, so tell it in-band
         # the way OpenAI does, and keep what was generated as a partial record.
@@ -289,6 +308,8 @@ class EventRelay:
         visible = hide_additions(obj, self.added)
         if visible is None:  # the usage chunk only we asked for
             return self.flush()
+        if self.added.empty_chunks and only_added(visible):  # the record has taken it
+            return b""
         if self.added.usage and any(c.get("finish_reason") for c in visible.get("choices") or ()):
             if not fingerprint.seen:
                 self.held.append(visible)
@@ -317,7 +338,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     config = app[CONFIG]
     tail = request.match_info["tail"]
     check_forwarded(tail, request.method)
-    url = f"{config.upstream}/v1/{tail}"
+    url = f"{app[UPSTREAM].url()}/v1/{tail}"
     data = await request.read() if request.body_exists else None
     try:
         async with asyncio.timeout(config.read_timeout):
@@ -332,6 +353,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         raise UpstreamTimeout(silence(config.read_timeout)) from e
     except aiohttp.ClientError as e:
         raise UpstreamError(f"upstream {config.upstream} unreachable: {e}") from e
+    note_passthrough(app, request.method, tail, upstream.status)
     watch = StallWatch(upstream, config.read_timeout)
     async with upstream:
         response = web.StreamResponse(status=upstream.status, headers=client_headers(upstream))

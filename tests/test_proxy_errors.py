@@ -253,5 +253,5 @@ async def test_rewards_and_finishes_are_stored_before_the_answer(make_proxy, tmp
     assert json.loads(reward["metrics"]) == {"steps": 3}
     assert (await proxy.post("/v1/rollouts/r1/finish")).status == 200
     assert rows(tmp_path / "data", "SELECT rollout_id FROM finishes") == [{"rollout_id": "r1"}]
-    r = await proxy.post("/v1/rollouts/bad%20id/finish")
+    r = await proxy.post("/v1/rollouts/bad%01id/finish")
     assert r.status == 400

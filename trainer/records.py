@@ -95,8 +95,12 @@ def _retokenise(
     """A Turn rebuilt from the logged text, or None when that cannot be done faithfully."""
     import json
 
-    if endpoint != "chat.completions" or not request or not response:
-        return None  # not logged (X-Rollout-Log: off), or a text completion
+    # Responses and Messages rows hold their conversation in the chat shape too (the
+    # proxy normalises them; vLLM gives no token ids there), so they re-tokenise alike.
+    if endpoint not in ("chat.completions", "responses", "messages"):
+        return None  # a text completion: no conversation to render
+    if not request or not response:
+        return None  # not logged (X-Rollout-Log: off)
     request, response = json.loads(request), json.loads(response)
     message = (response.get("choices") or [{}])[0].get("message") or {}
     if message.get("tool_calls") or not message.get("content"):

@@ -25,6 +25,7 @@ import html
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -42,6 +43,9 @@ COOKIE = "overnight_ui"  # a session id the proxy's middleware issues and checks
 DATA_DIR = web.AppKey("data_dir", Path)
 # The adapter registry's `describe()`: alias, current adapter, promotion history.
 ADAPTER_STATE = web.AppKey[Callable[[], dict]]("adapter_state")
+# POSTs that produced model output on paths the proxy forwards but does not record:
+# path -> count, since the proxy started. Optional: a view mounted without it shows none.
+UNCAPTURED = web.AppKey[Callable[[], dict[str, int]]]("uncaptured")
 
 STYLE = """
 body{font:14px system-ui,sans-serif;margin:0;color:#111}
@@ -64,6 +68,11 @@ figure{display:inline-block;margin:1em 1em 1em 0}
 
 def _e(value) -> str:
     return html.escape("" if value is None else str(value))
+
+
+def _u(value) -> str:
+    """An id as one URL path segment: ids are any printable text ("task 17/attempt 3")."""
+    return quote(str(value), safe="")
 
 
 def _num(value, digits: int = 3) -> str:
@@ -230,7 +239,7 @@ async def groups_page(request: web.Request) -> web.Response:
         ],
         [
             [
-                f'<a href="/ui/groups/{_e(g)}">{_e(g)}</a>',
+                f'<a href="/ui/groups/{_u(g)}">{_e(g)}</a>',
                 _num(n),
                 _num(fin),
                 _num(scored),
@@ -245,7 +254,21 @@ async def groups_page(request: web.Request) -> web.Response:
         numeric={1, 2, 3, 4, 5, 6},
     )
     summary = f'<p class="meta" id="count">{len(rows)} of {total} group(s) shown</p>'
-    return _page(request, "Groups", _filter_form(request, f, adapters) + summary + table)
+    body = _uncaptured_html(request) + _filter_form(request, f, adapters) + summary + table
+    return _page(request, "Groups", body)
+
+
+def _uncaptured_html(request: web.Request) -> str:
+    """A warning, above the groups, naming the paths whose model output was not recorded."""
+    counts = request.config_dict.get(UNCAPTURED)
+    counts = counts() if counts is not None else {}
+    if not counts:
+        return ""
+    items = ", ".join(f"<code>/v1/{_e(p)}</code> ({n})" for p, n in sorted(counts.items()))
+    return (
+        f'<p class="error" id="uncaptured">Not recorded: model output on {items}. '
+        "These requests were forwarded but the proxy does not capture their path.</p>"
+    )
 
 
 # -- one group, one rollout ---------------------------------------------------------
@@ -280,7 +303,7 @@ async def group_page(request: web.Request) -> web.Response:
         ],
         [
             [
-                f'<a href="/ui/rollouts/{_e(r)}">{_e(r)}</a>',
+                f'<a href="/ui/rollouts/{_u(r)}">{_e(r)}</a>',
                 _num(turns),
                 _num(tokens),
                 _num(reward),
@@ -308,7 +331,7 @@ def _message_html(message: dict) -> str:
 async def rollout_page(request: web.Request) -> web.Response:
     r = await _query(request, lambda con: load_rollout(con, request.match_info["rollout"]))
     head = [
-        f'<p>group <a href="/ui/groups/{_e(r.group_id)}">{_e(r.group_id)}</a> &middot; '
+        f'<p>group <a href="/ui/groups/{_u(r.group_id)}">{_e(r.group_id)}</a> &middot; '
         f'{len(r.turns)} turn(s) &middot; reward <strong id="reward">{_num(r.reward)}</strong>'
         f" ({_e(r.reward_source or 'none')}) &middot; "
         f"{'finished' if r.finished else 'not finished'}</p>"
@@ -382,7 +405,9 @@ async def runs_page(request: web.Request) -> web.Response:
     def render(con):
         runs = con.execute(
             "SELECT run_id, started_at, status, len(groups), rollouts, steps, trained_tokens, "
-            "reward_mean, promoted_as, max_logprob_gap, error FROM training_runs "
+            "reward_mean, promoted_as, max_logprob_gap, error, "
+            "json_extract_string(metrics, '$.gate.verdict'), "
+            "json_extract_string(metrics, '$.gate.reason') FROM training_runs "
             "ORDER BY started_at DESC"
         ).fetchall()
         return runs, training_charts(con)
@@ -401,6 +426,7 @@ async def runs_page(request: web.Request) -> web.Response:
             "promoted as",
             "logprob gap",
             "error",
+            "gate",
         ],
         [
             [
@@ -411,6 +437,7 @@ async def runs_page(request: web.Request) -> web.Response:
                 _e(r[8] or "-"),
                 f"{r[9]:.1e}" if r[9] is not None else "-",
                 _e(r[10] or ""),
+                f'<span title="{_e(r[12] or "")}">{_e(r[11] or "-")}</span>',
             ]
             for r in runs
         ],

@@ -72,9 +72,10 @@ def _tap_app(tap: Tap) -> web.Application:
             async for chunk in upstream.content.iter_any():
                 received += chunk
                 await response.write(chunk)
+            # Noted before the end goes out: a client that has its answer may look at once.
+            path = _strip_prefix(request.path)
+            tap.seen.append(Exchange(request.method, path, upstream.status, bytes(received)))
             await response.write_eof()
-        path = _strip_prefix(request.path)
-        tap.seen.append(Exchange(request.method, path, upstream.status, bytes(received)))
         return response
 
     async def session_ctx(app: web.Application):

@@ -10,11 +10,6 @@ from .helpers import GROUP, TASK, Report, check_rows
 
 pytestmark = pytest.mark.compat
 ROLLOUT = "instructor-1"
-EMPTY_CHUNKS = pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: a streamed tool call gets `delta: {}` chunks that only the token ids "
-    "and logprobs the proxy asks for cause",
-)
 
 
 def agent(origin: str, proxied: bool):
@@ -47,7 +42,6 @@ def test_runs_to_the_end(runs):
     assert runs.direct_result == ({"city": "city 1", "temperature": 3},) * 2
 
 
-@EMPTY_CHUNKS
 def test_same_bytes(runs):
     assert_same_bytes(runs)
 

@@ -18,11 +18,6 @@ ROLLOUT = "node-1"
 VERSION = "6.49.0"
 HERE = Path(__file__).resolve().parent
 NODE_DIR = HERE.parent.parent / ".cache" / "compat-node"
-EMPTY_CHUNKS = pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: a streamed tool call gets `delta: {}` chunks that only the token ids "
-    "and logprobs the proxy asks for cause",
-)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +58,6 @@ def test_runs_to_the_end(runs):
     assert runs.direct_result["answer"] == "Done after 1 tool result."
 
 
-@EMPTY_CHUNKS
 def test_same_bytes(runs):
     assert_same_bytes(runs)
 
@@ -76,4 +70,10 @@ def test_responses_bytes(runs):
 
 
 def test_rows(runs, stack):
-    check_rows(stack.rows(ROLLOUT, expect=2), ROLLOUT, turns=2)
+    rows = stack.rows(ROLLOUT, expect=3)
+    check_rows([r for r in rows if r["endpoint"] == "chat.completions"], ROLLOUT, turns=2)
+    # The Responses call is recorded too, in the same conversation shape.
+    (turn,) = [r for r in rows if r["endpoint"] == "responses"]
+    assert json.loads(turn["request"])["messages"] == [{"role": "user", "content": "Say done."}]
+    reply = json.loads(turn["response"])["choices"][0]["message"]
+    assert reply["content"] == runs.direct_result["responses"]

@@ -11,10 +11,6 @@ from .helpers import GROUP, TASK, Report, check_rows, get_weather
 
 pytestmark = pytest.mark.compat
 
-RESPONSES_NOT_LOGGED = pytest.mark.xfail(
-    strict=True, reason="issue 12: /v1/responses is forwarded but never logged"
-)
-
 
 def _agent(api: str):
     need("agents")
@@ -66,8 +62,7 @@ def test_same_bytes(runs):
     assert_same_bytes(runs[1])
 
 
-def test_rows(runs, stack, request):
+def test_rows(runs, stack):
     api, _ = runs
-    if api == "responses":
-        request.applymarker(RESPONSES_NOT_LOGGED)
-    check_rows(stack.rows(f"agents-{api}", expect=2), f"agents-{api}", turns=2)
+    rows = stack.rows(f"agents-{api}", expect=2)
+    check_rows(rows, f"agents-{api}", turns=2, exact=api != "responses", extends=True)
