@@ -294,3 +294,41 @@ async def test_uncaptured_model_output_is_counted_warned_and_shown(
     assert stats["uncaptured"] == {"audio/transcriptions": 2}
     page = await (await proxy.get("/ui")).text()
     assert "/v1/audio/transcriptions</code> (2)" in page
+
+
+# -- what the trainer makes of them ------------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"model": "m", "input": "Say hello."}),
+        (
+            "/v1/messages",
+            {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]},
+        ),
+    ],
+)
+async def test_responses_and_messages_rows_are_trained_from_their_text(
+    make_proxy, tmp_path, tiny_model_dir, path, body
+):
+    """vLLM gives no token ids on these APIs: the trainer re-tokenises the chat-shaped
+    conversation the proxy recorded (not token-exact, said in the plan)."""
+    from transformers import AutoTokenizer
+
+    from overnight.config import TrainConfig
+    from overnight.trainer.plan import plan_run
+
+    proxy = await make_proxy()
+    json_type = {"Content-Type": "application/json"}
+    for i, reward in enumerate([0.0, 1.0]):
+        headers = {"X-Rollout-Group": "g", "X-Rollout-Id": f"r{i}"}
+        r = await proxy.post(path, json=body, headers=headers)
+        assert r.status == 200, await r.text()
+        r = await proxy.post(f"/v1/rollouts/r{i}/reward", json={"reward": reward})
+        assert r.status == 200, await r.text()
+        r = await proxy.post(f"/v1/rollouts/r{i}/finish", headers=json_type)
+        assert r.status == 200, await r.text()
+    await wait_for_rows(tmp_path / "data", 2)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plan = plan_run(tmp_path / "data", TrainConfig(), 600, tokenizer=tokenizer)
+    assert plan.groups == ["g"] and plan.retokenised == 2, plan.lines()
+    assert all(not s.exact and s.trained_tokens > 0 for s in plan.samples)
