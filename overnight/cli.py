@@ -291,12 +291,12 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
 
     _require(data_dir)
     dry_run = values["dry_run"]
+    model, base_url = values["judge_model"], values["judge_base_url"]
+    judge = JudgeConfig(model=model, base_url=base_url) if model else None
     if (values["judge_model"] or reward) and not dry_run:
         # Score first, with the judge's own batch (the trainer never calls the judge).
         from .judge.run import judge_step
 
-        model, base_url = values["judge_model"], values["judge_base_url"]
-        judge = JudgeConfig(model=model, base_url=base_url) if model else None
         judge_step(data_dir, judge, reward, say=click.echo, settle_seconds=values["settle"])
     if values["preset"] == "tiny-cpu":
         from .config import TINY_CPU_PRESET
@@ -318,7 +318,69 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
         since=since.replace(tzinfo=dt.UTC) if since else None,
         max_groups=values["max_groups"],
         say=click.echo,
+        scorer=gate_scorer(reward, judge),
     )
+
+
+def gate_scorer(reward: str | None, judge: JudgeConfig | None):
+    """The promotion gate's scorer (trainer/gate.py `Scorer`): the reward function when
+    one is given, else RULER; None without either. Built here because the trainer never
+    imports the judge."""
+    if reward is None and judge is None:
+        return None
+    from .judge.trajectories import Group, Trajectory
+
+    def group_of(messages: list[dict], tools: list[dict], replies: list[dict]) -> Group:
+        return Group(
+            "gate", [Trajectory(f"gate.{i}", [*messages, r], tools) for i, r in enumerate(replies)]
+        )
+
+    if reward is not None:
+        from .judge.rewards import RewardFunction
+
+        function = RewardFunction(reward)
+
+        async def by_function(messages, tools, replies) -> list[float]:
+            scores = await function.score_group(group_of(messages, tools, replies))
+            return [scores[f"gate.{i}"] for i in range(len(replies))]
+
+        return by_function
+    from .judge.ruler import judge_group
+
+    async def by_judge(messages, tools, replies) -> list[float]:
+        if all(r == replies[0] for r in replies):
+            return [0.0] * len(replies)  # the same reply twice: a tie, no call
+        judgment = await judge_group(group_of(messages, tools, replies), judge)
+        if judgment.error:
+            raise OvernightError(f"the judge failed: {judgment.error}")
+        return [judgment.scores[f"gate.{i}"][0] for i in range(len(replies))]
+
+    return by_judge
+
+
+@main.command()
+@data_option
+@proxy_option
+@admin_token_option
+@config_options(TrainConfig, only=["watch_min_rollouts", "reward_sources", "seed"])
+@click.option("--dry-run", is_flag=True, help="Say what the watch finds; roll nothing back.")
+def watch(
+    data_dir: Path, proxy_url: str | None, admin_token: str | None, dry_run: bool, **values: Any
+) -> None:
+    """Roll back the promoted adapter if live rewards show it worse than its predecessor.
+
+    \b
+    Example:
+      overnight watch --proxy http://127.0.0.1:8000
+      crontab: */30 * * * *  overnight watch --data /var/lib/overnight >> watch.log 2>&1
+    """
+    _require(data_dir)
+    url = _proxy(data_dir, proxy_url)
+    if url is None:
+        raise click.UsageError("--proxy is empty: the watch rolls back through the proxy")
+    from .trainer.watch import watch as run_watch
+
+    run_watch(data_dir, url, admin_token, build(TrainConfig, values), click.echo, not dry_run)
 
 
 @main.command()

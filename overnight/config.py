@@ -31,8 +31,22 @@ _ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    # The OpenAI-compatible server the proxy fronts (vLLM); a trailing /v1 is dropped.
-    upstream: str = field(metadata={"help": "URL of an OpenAI-compatible server already running."})
+    # The first of `upstreams`: the one upstream of a proxy that fronts one, as
+    # `ProxyConfig(upstream=URL)` says it. Give this or `upstreams`, not both.
+    upstream: str = field(
+        default="", metadata={"help": "The first upstream (see --upstream).", "flag": None}
+    )
+    # The OpenAI-compatible servers the proxy fronts: vLLM replicas of one model, each with
+    # runtime LoRA on (proxy/balancer.py). A trailing /v1 is dropped.
+    upstreams: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "URL of an OpenAI-compatible server already running (repeatable: replicas "
+            "of one model; a rollout sticks to one, promotions reach all).",
+            "flag": "--upstream",
+            "name": "upstream",
+        },
+    )
     # Every command takes the same one.
     data_dir: Path = field(
         default=DEFAULT_DATA_DIR,
@@ -149,14 +163,24 @@ class ProxyConfig:
     upstream_check_interval: float = field(
         default=10.0,
         metadata={
-            "help": "Seconds between checks that vLLM still serves the promoted adapter (0: never)."
+            "help": "Seconds between health checks of each upstream, which also check that it "
+            "still serves the promoted adapter (0: never)."
+        },
+    )
+    # DATA/adapters.json is the promotion state of every proxy on the data directory
+    # (`--workers`, or proxies on several machines sharing it): a stat this often finds a
+    # promotion made through another proxy. The old adapter is unloaded no sooner than
+    # twice this after a promotion, so that every proxy has switched away from it.
+    state_poll_interval: float = field(
+        default=1.0,
+        metadata={
+            "help": "Seconds between looks at DATA/adapters.json for promotions made through "
+            "another proxy (0: never)."
         },
     )
 
     def __post_init__(self) -> None:
-        if not self.upstream.startswith(("http://", "https://")):
-            raise ConfigError(f"upstream must be an http(s) URL, got {self.upstream!r}")
-        object.__setattr__(self, "upstream", self.upstream.rstrip("/").removesuffix("/v1"))
+        self._check_upstreams()
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if not _ALIAS.fullmatch(self.alias):
             raise ConfigError(
@@ -175,14 +199,35 @@ class ProxyConfig:
                 raise ConfigError(f"{name} must be positive")
         if self.commit_interval < 0 or self.roll_seconds <= 0:
             raise ConfigError("commit_interval must be >= 0 and roll_seconds > 0")
-        if self.upstream_check_interval < 0:
-            raise ConfigError("upstream_check_interval must be >= 0 (0: no check)")
+        if self.upstream_check_interval < 0 or self.state_poll_interval < 0:
+            raise ConfigError(
+                "upstream_check_interval and state_poll_interval must be >= 0 (0: never)"
+            )
         if self.redact is not None and ":" not in self.redact:
             raise ConfigError(
                 f"redact must be module:function or file.py:function, got {self.redact!r}"
             )
         if any(not k for k in self.api_keys):
             raise ConfigError("api keys must not be empty")
+
+    def _check_upstreams(self) -> None:
+        """`upstreams` normalised (one URL given as text is a tuple of one), `upstream` its first."""
+        urls = (self.upstreams,) if isinstance(self.upstreams, str) else tuple(self.upstreams)
+        if not urls and self.upstream:
+            urls = (self.upstream,)
+        if not urls:
+            raise ConfigError("an upstream URL is required")
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigError(f"upstream must be an http(s) URL, got {url!r}")
+        urls = tuple(u.rstrip("/").removesuffix("/v1") for u in urls)
+        if len(set(urls)) != len(urls):
+            raise ConfigError(f"an upstream is given twice: {list(urls)}")
+        first = self.upstream.rstrip("/").removesuffix("/v1")
+        if self.upstream and first != urls[0]:
+            raise ConfigError(f"upstream {self.upstream!r} is not the first of upstreams {urls}")
+        object.__setattr__(self, "upstreams", urls)
+        object.__setattr__(self, "upstream", urls[0])
 
 
 @dataclass(frozen=True)
@@ -379,6 +424,8 @@ _JUDGE_OWN_ARGS = frozenset(
 
 
 _DTYPES = ("auto", "float32", "bfloat16")
+# The promotion gate (trainer/gate.py, docs/grpo.md).
+GATE_MODES = ("not-worse", "better", "off")
 
 
 @dataclass(frozen=True)
@@ -510,6 +557,38 @@ class TrainConfig:
     min_group_size: int = field(
         default=2, metadata={"help": "Smaller groups are skipped (too little relative signal)."}
     )
+    # Non-inferiority by default: a night that cannot be shown not worse than the served
+    # adapter stays on disk; `better` asks for evidence of a gain; `off` promotes always.
+    gate: str = field(
+        default="not-worse",
+        metadata={
+            "help": "Before promoting, compare the new adapter with the served one on held-out "
+            "prompts: promote when not worse (by --gate-margin), only when better, or always "
+            "(off). Needs --reward or --judge-model to score; docs/grpo.md.",
+            "choices": GATE_MODES,
+        },
+    )
+    # In reward units: 0.05 of a reward in [0, 1] is a loss few users would notice.
+    gate_margin: float = field(
+        default=0.05,
+        metadata={"help": "The largest loss in mean reward --gate not-worse tolerates."},
+    )
+    # 32 pairs put the interval's half-width near 0.35 sd of the per-prompt difference.
+    gate_prompts: int = field(
+        default=32, metadata={"help": "Held-out prompts the gate samples both adapters on."}
+    )
+    watch: bool = field(
+        default=True,
+        metadata={
+            "help": "Before training, roll back a promoted adapter whose live rewards are "
+            "significantly worse than its predecessor's (as `overnight watch`)."
+        },
+    )
+    # Fewer rollouts leave the interval so wide that only a collapse would show.
+    watch_min_rollouts: int = field(
+        default=30,
+        metadata={"help": "Rewarded live rollouts each adapter needs before the watch compares."},
+    )
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:
@@ -518,6 +597,13 @@ class TrainConfig:
             raise ConfigError("groups_per_step >= 1, micro_batch_tokens >= 16, min_group_size >= 2")
         if self.max_grad_norm <= 0:
             raise ConfigError("max_grad_norm must be positive")
+        if self.gate not in GATE_MODES or self.gate_margin < 0 or self.gate_prompts < 1:
+            raise ConfigError(
+                f"gate must be one of {', '.join(GATE_MODES)} (got {self.gate!r}), gate_margin "
+                ">= 0 and gate_prompts >= 1"
+            )
+        if self.watch_min_rollouts < 2:
+            raise ConfigError("watch_min_rollouts must be at least 2")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.lora_alpha is None:

@@ -3,18 +3,31 @@
 Shutdown order matters for "loses no record": on SIGINT/SIGTERM aiohttp stops
 accepting, finishes the requests in flight, and runs the app's cleanup, which
 commits the log and compacts it to Parquet; only then is vLLM stopped.
+
+With `--workers N` the proxy runs as N processes on one port (SO_REUSEPORT: the kernel
+spreads connections over them). Each has its own log writer (its own files under
+DATA/wal, so they never contend) and follows DATA/adapters.json, so a promotion made
+through any of them reaches all. This process only starts them, restarts one that
+dies, and on SIGINT/SIGTERM sends each one SIGTERM, once, and waits for its cleanup.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 from .config import ProxyConfig, VLLMConfig
 from .errors import ConfigError
 
 log = logging.getLogger("overnight")
+
+# A worker finishing its requests and compacting its log may take a while; then SIGKILL
+# (its log is recovered at the next start: nothing committed is lost).
+WORKER_STOP_S = 90.0
 
 
 @dataclass(frozen=True)
@@ -30,20 +43,38 @@ class ServeConfig:
             "choices": ("DEBUG", "INFO", "WARNING", "ERROR"),
         },
     )
+    # One event loop uses one core; a second process pays off once a core is saturated
+    # (bench/replicas.py).
+    workers: int = field(
+        default=1,
+        metadata={
+            "help": "Proxy processes sharing the port (SO_REUSEPORT); each writes its own log "
+            "and all follow one promotion state."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError("workers must be at least 1")
 
 
-def serve_forever(proxy: ProxyConfig, vllm: VLLMConfig | None, host: str, port: int) -> None:
-    """Serve `proxy` on host:port until interrupted.
+def serve_forever(
+    proxy: ProxyConfig,
+    vllm: VLLMConfig | None,
+    host: str,
+    port: int,
+    workers: int | None = None,
+) -> None:
+    """Serve `proxy` on host:port until interrupted, in `workers` processes.
 
     With `vllm`, start it first and stop it last; `proxy.upstream` is then its URL, so
     give `vllm` its port beforehand (`launcher.free_port`).
     """
-    from aiohttp import web
-
-    from overnight.proxy import create_app
-    from overnight.proxy.address import advertise, proxy_url
+    from overnight.proxy.address import proxy_url, remove_address, write_address
     from overnight.proxy.launcher import VLLMProcess
 
+    if workers is None:
+        workers = _workers_option()
     if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
         raise ConfigError(f"with vLLM at {vllm.url}, the proxy's upstream must be its URL")
     process = None
@@ -57,21 +88,22 @@ def serve_forever(proxy: ProxyConfig, vllm: VLLMConfig | None, host: str, port: 
             process.wait_healthy(progress=log.info)
         signal.signal(signal.SIGTERM, previous)
         log.info(
-            "proxy on http://%s:%d/v1 -> %s, data in %s", host, port, proxy.upstream, proxy.data_dir
+            "proxy on http://%s:%d/v1 -> %s, data in %s%s",
+            host,
+            port,
+            ", ".join(proxy.upstreams),
+            proxy.data_dir,
+            f", {workers} workers" if workers > 1 else "",
         )
-        app = create_app(proxy)
-        # DATA/proxy.json: where `overnight train` and `rollback` find this proxy.
-        advertise(app, proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
-        # run_app turns SIGINT and SIGTERM into a graceful exit that runs the cleanup.
-        web.run_app(
-            app,
-            host=host,
-            port=port,
-            access_log=None,
-            print=None,
-            shutdown_timeout=30.0,
-            loop=_fast_loop(),
-        )
+        if workers == 1:
+            _run(proxy, host, port, advertise_address=True)
+        else:
+            # DATA/proxy.json names this process: the one `overnight train` finds alive.
+            write_address(proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
+            try:
+                _supervise(proxy, host, port, workers)
+            finally:
+                remove_address(proxy.data_dir)
     except KeyboardInterrupt:
         log.info("interrupted")
     finally:
@@ -79,6 +111,87 @@ def serve_forever(proxy: ProxyConfig, vllm: VLLMConfig | None, host: str, port: 
             log.info("stopping vLLM")
             process.stop()
         log.info("stopped")
+
+
+def _run(proxy: ProxyConfig, host: str, port: int, advertise_address: bool) -> None:
+    """One proxy process: the app on the port until SIGINT/SIGTERM, then its cleanup."""
+    from aiohttp import web
+
+    from overnight.proxy import create_app
+    from overnight.proxy.address import advertise, proxy_url
+
+    app = create_app(proxy)
+    if advertise_address:  # DATA/proxy.json: where `overnight train` and `rollback` find us
+        advertise(app, proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
+    # run_app turns SIGINT and SIGTERM into a graceful exit that runs the cleanup.
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        access_log=None,
+        print=None,
+        shutdown_timeout=30.0,
+        reuse_port=not advertise_address,
+        loop=_fast_loop(),
+    )
+
+
+def _worker(proxy: ProxyConfig, host: str, port: int, log_level: int) -> None:
+    # Its own process group: a terminal's Ctrl-C reaches the supervisor alone, which
+    # then stops each worker once (a second signal during cleanup would cut it short).
+    os.setpgrp()
+    logging.basicConfig(
+        level=log_level,
+        format=f"%(asctime)s %(levelname)s %(name)s[{os.getpid()}]: %(message)s",
+    )
+    _run(proxy, host, port, advertise_address=False)
+
+
+def _supervise(proxy: ProxyConfig, host: str, port: int, n: int) -> None:
+    """Start n workers, restart any that dies, stop them all on SIGINT/SIGTERM."""
+    context = multiprocessing.get_context("spawn")  # no copy of this process's loop or locks
+    level = logging.getLogger().getEffectiveLevel()
+
+    def start(i: int) -> multiprocessing.Process:
+        worker = context.Process(
+            target=_worker, args=(proxy, host, port, level), name=f"proxy-{i}", daemon=False
+        )
+        worker.start()
+        return worker
+
+    stopping = []
+    handler = lambda signum, _frame: stopping.append(signum)  # noqa: E731
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    workers = [start(i) for i in range(n)]
+    try:
+        while not stopping:
+            time.sleep(0.2)
+            for i, worker in enumerate(workers):
+                if not worker.is_alive() and not stopping:
+                    log.error("worker %s exited (code %s): restarting it", i, worker.exitcode)
+                    time.sleep(1.0)  # a worker that cannot start must not spin
+                    workers[i] = start(i)
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                os.kill(worker.pid, signal.SIGTERM)
+        deadline = time.monotonic() + WORKER_STOP_S
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                log.error("worker %s did not stop in time: killed", worker.pid)
+                worker.kill()
+                worker.join()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _workers_option() -> int:
+    """`--workers` as `overnight serve` parsed it, for a caller that did not pass it."""
+    import click
+
+    context = click.get_current_context(silent=True)
+    return int(context.params.get("workers") or 1) if context is not None else 1
 
 
 def _raise_keyboard_interrupt(signum, frame):

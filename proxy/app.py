@@ -26,7 +26,9 @@ from . import admin
 from .adapters import AdapterRegistry
 from .agent_api import completions, post_finish, post_reward, prefixed
 from .auth import make_guard
+from .balancer import Balancer
 from .capture_state import TurnCounter
+from .conversation import CHAINS, ResponseChains
 from .redact import REDACTOR, Redactor
 from .relay import passthrough
 from .state import (
@@ -41,7 +43,7 @@ from .state import (
     ProxyStats,
     SeenFingerprint,
 )
-from .upstream import UpstreamPool
+from .uncaptured import UNCAPTURED, Uncaptured
 
 
 def create_app(config: ProxyConfig) -> web.Application:
@@ -57,17 +59,26 @@ def create_app(config: ProxyConfig) -> web.Application:
     )
     app[CONFIG] = config
     app[STATS] = ProxyStats()
+    app[UNCAPTURED] = Uncaptured()
+    app[CHAINS] = ResponseChains()
     app[TURNS] = TurnCounter()
     app[FINGERPRINT] = SeenFingerprint()
     app[REDACTOR] = Redactor(config.redact)
+    app[UPSTREAM] = balancer = Balancer(
+        config.upstreams,
+        config.connect_timeout,
+        config.keepalive_timeout,
+        passive_checks=config.upstream_check_interval > 0,
+    )
     app[ADAPTERS] = registry = AdapterRegistry(
         alias=config.alias,
         state_path=config.data_dir / "adapters.json",
-        upstream=config.upstream,
+        balancer=balancer,
         session_headers=_upstream_auth(config),
         drain_timeout=config.drain_timeout,
         base_model=config.base_model,
         check_interval=config.upstream_check_interval,
+        follow_interval=config.state_poll_interval,
     )
     app.cleanup_ctx.append(_lifecycle)
 
@@ -75,6 +86,8 @@ def create_app(config: ProxyConfig) -> web.Application:
     r.add_get("/health", health)
     r.add_post("/v1/chat/completions", completions)
     r.add_post("/v1/completions", completions)
+    r.add_post("/v1/responses", completions)
+    r.add_post("/v1/messages", completions)
     r.add_post("/v1/rollouts/{rollout_id}/reward", post_reward)
     r.add_post("/v1/rollouts/{rollout_id}/finish", post_finish)
     r.add_get("/admin/adapters", admin.adapters)
@@ -88,6 +101,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     # it never imports this module (view/ sits below the proxy).
     app[view.DATA_DIR] = config.data_dir
     app[view.ADAPTER_STATE] = registry.describe
+    app[view.UNCAPTURED] = app[UNCAPTURED].snapshot
     app.add_subapp("/ui", view.create_web_view())
     return app
 
@@ -121,7 +135,6 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
     )
     app[SESSION] = session
-    app[UPSTREAM] = UpstreamPool(config.upstream, config.connect_timeout, config.keepalive_timeout)
     writer = LogWriter(
         WriterConfig(
             config.data_dir,

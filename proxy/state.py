@@ -17,8 +17,8 @@ from overnight.config import ProxyConfig
 from overnight.storage import LogWriter
 
 from .adapters import AdapterRegistry
+from .balancer import Balancer
 from .capture_state import TurnCounter
-from .upstream import UpstreamPool
 
 
 @dataclass(slots=True)
@@ -44,8 +44,9 @@ class SeenFingerprint:
 CONFIG = web.AppKey("config", ProxyConfig)
 # aiohttp's client, for everything but completions: /v1 pass-through and adapter calls.
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-# The proxy's own client for completions (upstream.py).
-UPSTREAM = web.AppKey("upstream", UpstreamPool)
+# The proxy's own client for completions: the vLLM replicas and a pool for each
+# (balancer.py, upstream.py).
+UPSTREAM = web.AppKey("upstream", Balancer)
 WRITER = web.AppKey("writer", LogWriter)
 ADAPTERS = web.AppKey("adapters", AdapterRegistry)
 STATS = web.AppKey("stats", ProxyStats)

@@ -128,6 +128,8 @@ class UpstreamResponse:
         self.finished = False  # the body was read to its end (or its error) by the caller
         self.content = _Body(self)
         self.pool: UpstreamPool | None = None
+        # The replica it counts as outstanding on until released (balancer.py).
+        self.replica = None
         # What arrived and was not read yet; one waiter at most (the relay).
         self._chunks: list[bytes] = []
         self._eof = False
@@ -185,6 +187,9 @@ class UpstreamResponse:
         self.connection.close()
 
     def release(self) -> None:
+        replica, self.replica = self.replica, None
+        if replica is not None:
+            replica.outstanding -= 1
         if self.finished and self.complete and self.reusable and self.pool is not None:
             self.pool.give_back(self.connection)
         else:

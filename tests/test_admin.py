@@ -113,10 +113,13 @@ async def test_offline_rollback_is_restored_by_the_next_proxy(make_proxy, receiv
     from overnight.cli import main
 
     data = tmp_path / "data"
-    first = await make_proxy(data_dir=data)
+    first = await make_proxy(data_dir=data, state_poll_interval=0.05)
     a1 = adapter_dir(tmp_path, "a1")
     await first.post("/admin/adapters/promote", json={"path": a1})
     await first.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a2")})
+    await await_until(
+        lambda: ("unload_lora_adapter", "policy-v1") in lora_calls(received), what="v1 unloaded"
+    )
     await first.close()  # the proxy stops
 
     runner = CliRunner()

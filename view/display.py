@@ -240,13 +240,16 @@ def list_runs(con: duckdb.DuckDBPyConnection, limit: int) -> str:
     logprobs before each run's first update, and a note on the ones large enough to matter."""
     rows = con.execute(
         "SELECT run_id, status, len(groups), rollouts, steps, trained_tokens, reward_mean, "
-        "max_logprob_gap, promoted_as, started_at FROM training_runs "
+        "max_logprob_gap, promoted_as, started_at, json_extract_string(metrics, '$.gate.verdict'), "
+        "json_extract_string(metrics, '$.gate.reason') FROM training_runs "
         f"ORDER BY started_at DESC LIMIT {int(limit)}"
     ).fetchall()
     headers = ["run_id", "status", "groups", "rollouts", "steps", "trained_tokens"]
-    headers += ["reward_mean", "logprob_gap", "promoted_as", "started_at"]
-    shown = [r[:7] + (_gap(r[7]),) + r[8:] for r in rows]
+    headers += ["reward_mean", "logprob_gap", "promoted_as", "started_at", "gate"]
+    shown = [r[:7] + (_gap(r[7]),) + r[8:11] for r in rows]
     out = _table(headers, shown) + f"\n({len(rows)} row(s))"
+    # Why the gate refused (trainer/gate.py): the candidate stays on disk, unserved.
+    out += "".join(f"\n{r[0]}: gate refused: {r[11]}" for r in rows if r[10] == "refused")
     large = [r[0] for r in rows if r[7] is not None and r[7] > LOGPROB_GAP_WARNING]
     if large:
         out += (
