@@ -125,9 +125,10 @@ def serve(**values: Any) -> None:
     if vllm is None:  # started here, vLLM gets --logprobs-mode processed_logprobs
         from .proxy.launcher import check_logprobs_mode
 
-        ok, line = check_logprobs_mode(proxy.upstream, proxy.upstream_api_key)
-        logging.getLogger("overnight").log(logging.INFO if ok else logging.WARNING, line)
-    serve_forever(proxy, vllm, listen.host, listen.port)
+        for upstream in proxy.upstreams:
+            ok, line = check_logprobs_mode(upstream, proxy.upstream_api_key)
+            logging.getLogger("overnight").log(logging.INFO if ok else logging.WARNING, line)
+    serve_forever(proxy, vllm, listen.host, listen.port, workers=listen.workers)
 
 
 @main.command(name="ls")

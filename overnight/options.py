@@ -93,7 +93,13 @@ def load_config_file(ctx: click.Context, _param, value: str | None):
         unknown = set(entries) - set(by_flag)
         if unknown:
             raise click.BadParameter(f"{value}: [{name}] has no option {sorted(unknown)}")
-        default_map[name] = {by_flag[k]: v for k, v in entries.items()}
+        # A repeatable option given once in the file (`upstream = "http://..."`) is a
+        # list of one, as if the flag had been given once.
+        repeatable = {p.name for p in group.commands[name].params if getattr(p, "multiple", False)}
+        default_map[name] = {
+            by_flag[k]: [v] if by_flag[k] in repeatable and isinstance(v, str) else v
+            for k, v in entries.items()
+        }
     ctx.default_map = default_map
     return value
 

@@ -63,7 +63,7 @@ def serve_forever(
     vllm: VLLMConfig | None,
     host: str,
     port: int,
-    workers: int | None = None,
+    workers: int = 1,
 ) -> None:
     """Serve `proxy` on host:port until interrupted, in `workers` processes.
 
@@ -73,8 +73,6 @@ def serve_forever(
     from overnight.proxy.address import proxy_url, remove_address, write_address
     from overnight.proxy.launcher import VLLMProcess
 
-    if workers is None:
-        workers = _workers_option()
     if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
         raise ConfigError(f"with vLLM at {vllm.url}, the proxy's upstream must be its URL")
     process = None
@@ -184,14 +182,6 @@ def _supervise(proxy: ProxyConfig, host: str, port: int, n: int) -> None:
                 worker.join()
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-def _workers_option() -> int:
-    """`--workers` as `overnight serve` parsed it, for a caller that did not pass it."""
-    import click
-
-    context = click.get_current_context(silent=True)
-    return int(context.params.get("workers") or 1) if context is not None else 1
 
 
 def _raise_keyboard_interrupt(signum, frame):

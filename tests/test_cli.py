@@ -157,7 +157,7 @@ def test_serve_builds_its_configs_from_the_flags(monkeypatch, tmp_path):
     from overnight.config import ProxyConfig, VLLMConfig
 
     seen = []
-    monkeypatch.setattr(overnight.serve, "serve_forever", lambda *args: seen.append(args))
+    monkeypatch.setattr(overnight.serve, "serve_forever", lambda *args, **kw: seen.append(args))
     run("serve", "--upstream", "http://127.0.0.1:9/v1", "--data", str(tmp_path), "--port", "9001")
     proxy, vllm, host, port = seen.pop()
     assert proxy == ProxyConfig(upstream="http://127.0.0.1:9", data_dir=tmp_path)
