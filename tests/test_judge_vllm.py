@@ -8,9 +8,9 @@ reaches vLLM as a self-hosted judge's would.
 from __future__ import annotations
 
 import pytest
-from overnight.judge.run import run_judge
 
 from overnight.config import JudgeConfig
+from overnight.judge.run import run_judge
 
 from .helpers import rows
 from .test_judge import write_groups

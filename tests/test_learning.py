@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from overnight.judge.rewards import RewardFunction
-from overnight.judge.run import run_judge
-from overnight.trainer.train import train
 
 from overnight.config import TINY_CPU_PRESET, TrainConfig
 from overnight.demo import NUMBERS_DAY
+from overnight.judge.rewards import RewardFunction
+from overnight.judge.run import run_judge
+from overnight.trainer.train import train
 
 from .helpers import rows, version_of
 

@@ -6,9 +6,9 @@ import asyncio
 import json
 
 import pytest
-from overnight.trainer.train import train
 
 from overnight.config import TrainConfig
+from overnight.trainer.train import train
 
 from .helpers import rows, version_of, wait_for_rows
 

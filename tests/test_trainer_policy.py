@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from overnight.storage import open_db
 from overnight.trainer.data import Sample, Turn, merge_turns
 from overnight.trainer.policy import load_policy, pack, trained_logprobs
