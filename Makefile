@@ -40,7 +40,11 @@ lint: $(STAMP)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
+# BASE: the version bench/versions.py compares the working tree with.
+BASE ?= HEAD
+
 bench: $(STAMP)
+	command -v wrk >/dev/null || apt-get install -y -q wrk || (apt-get update -q && apt-get install -y -q wrk)
 	$(PYTHON) bench/proxy_overhead.py
 	$(PYTHON) bench/judge.py
 	$(PYTHON) bench/grpo_step.py
@@ -48,4 +52,8 @@ bench: $(STAMP)
 	$(PYTHON) bench/writer_throughput.py
 	$(PYTHON) bench/forwarder_floor.py
 	$(PYTHON) bench/trl_compare.py
+	$(PYTHON) bench/replicas.py
+	$(PYTHON) bench/history_scale.py --sizes 10000 100000
+	$(PYTHON) bench/versions.py --base $(BASE) --head WORKTREE  # two versions side by side
 	$(PYTHON) bench/proxy_memory.py  # five minutes
+	$(PYTHON) bench/soak.py --minutes 10

@@ -9,16 +9,15 @@ options are built from their fields (overnight/options.py); a command's own are 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 
+from .cli_data import COMMANDS, data_option, require_data_dir
 from .config import SETTLE_SECONDS, JudgeConfig, ProxyConfig, TrainConfig, VLLMConfig
 from .errors import OvernightError
 from .options import build, config_options, load_config_file
@@ -66,10 +65,7 @@ def main() -> None:
     """
 
 
-_TABLES = ("completions", "rollouts", "groups", "rewards", "finishes", "judgments", "training_runs")
-
 # Options several commands take.
-data_option = config_options(ProxyConfig, only=["data_dir"])
 DEFAULT_PROXY = "http://127.0.0.1:8000"
 proxy_option = click.option(
     "--proxy", "proxy_url", envvar="OVERNIGHT_PROXY",
@@ -85,14 +81,6 @@ settle_option = click.option(
     show_default=True,
     help="Seconds without a turn after which an unfinished rollout counts as finished.",
 )
-
-
-def _format_option(*formats: str) -> Callable[[Callable], Callable]:
-    """`--format`, the first of `formats` by default."""
-    return click.option(
-        "--format", "fmt", default=formats[0], show_default=True, type=click.Choice(formats),
-        help="Output format.",
-    )  # fmt: skip
 
 
 @main.command()
@@ -131,98 +119,16 @@ def serve(**values: Any) -> None:
     serve_forever(proxy, vllm, listen.host, listen.port, workers=listen.workers)
 
 
-@main.command(name="ls")
-@data_option
-@click.option("--group", help="Only this rollout group.")
-@click.option("--limit", default=20, show_default=True, help="Most recent groups shown.")
-def ls_command(data_dir: Path, group: str | None, limit: int) -> None:
-    """List rollout groups and their rollouts, newest first.
-
-    \b
-    Example:
-      overnight ls --limit 5
-    """
-    from .view import display
-
-    with _db(data_dir) as con:
-        click.echo(display.list_groups(con, group=group, limit=limit))
-
-
-@main.command()
-@data_option
-@click.argument("rollout_id")
-def show(data_dir: Path, rollout_id: str) -> None:
-    """Show one rollout's conversation, turn by turn.
-
-    \b
-    Example:
-      overnight show task-17.3
-    """
-    from .view import display
-
-    with _db(data_dir) as con:
-        click.echo(display.show_rollout(con, rollout_id))
-
-
-@main.command()
-@data_option
-@click.argument("query")
-@_format_option("table", "csv", "json")
-def sql(data_dir: Path, query: str, fmt: str) -> None:
-    """Run a DuckDB query over the views completions, rollouts, groups, rewards, finishes.
-
-    \b
-    Example:
-      overnight sql "SELECT group_id, mean_reward FROM groups ORDER BY started_at DESC"
-    """
-    import duckdb
-
-    from .view import display
-
-    with _db(data_dir) as con:
-        try:
-            click.echo(display.run_query(con, query, fmt))
-        except duckdb.Error as e:
-            raise click.ClickException(str(e)) from e
-
-
-@main.command()
-@data_option
-@_format_option("jsonl", "parquet")
-@click.option(
-    "--table",
-    default="completions",
-    show_default=True,
-    type=click.Choice(_TABLES),
-    help="Table or view to export.",
-)
-@click.option(
-    "--out",
-    "out_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="File to write.",
-)
-def export(data_dir: Path, fmt: str, table: str, out_path: Path) -> None:
-    """Export a table or view to JSON lines or Parquet.
-
-    \b
-    Example:
-      overnight export --format jsonl --out completions.jsonl
-    """
-    from .view import display
-
-    with _db(data_dir) as con:
-        n = display.export(con, table, fmt, out_path)
-    click.echo(f"wrote {n} row(s) of {table} to {out_path}")
-
-
 @main.command()
 @data_option
 @config_options(JudgeConfig)
 @click.option("--reward", help="Reward function, module:function or file.py:function.")
 @click.option("--combine", is_flag=True, help="With --reward and a judge: also store their mean.")
-@click.option("--rejudge", is_flag=True, help="Judge again groups this judge and rubric scored.")
+@click.option(
+    "--rejudge",
+    is_flag=True,
+    help="Judge again groups this judge, rubric and settings scored, and resend prompts that failed for good.",
+)
 @click.option(
     "--ignore-posted", is_flag=True, help="Judge groups whose rewards the agent posted, too."
 )
@@ -241,7 +147,7 @@ def judge(data_dir: Path, reward: str | None, combine: bool, **values: Any) -> N
     judge_model = values["judge_model"]
     if not judge_model and not reward:
         raise click.UsageError("give --judge-model, --reward, or both")
-    _require(data_dir)
+    require_data_dir(data_dir)
     if combine and not (judge_model and reward):
         raise click.UsageError("--combine needs both --judge-model and --reward")
     from .judge.run import judge_step
@@ -290,7 +196,7 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     """
     import datetime as dt
 
-    _require(data_dir)
+    require_data_dir(data_dir)
     dry_run = values["dry_run"]
     model, base_url = values["judge_model"], values["judge_base_url"]
     judge = JudgeConfig(model=model, base_url=base_url) if model else None
@@ -305,6 +211,7 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
         for name, value in TINY_CPU_PRESET.items():
             if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
                 values[name] = value
+    from .judge.scoring import pair_scorer
     from .trainer.train import train as run
 
     since = values["since"]
@@ -319,44 +226,8 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
         since=since.replace(tzinfo=dt.UTC) if since else None,
         max_groups=values["max_groups"],
         say=click.echo,
-        scorer=gate_scorer(reward, judge),
+        scorer=pair_scorer(reward, judge),
     )
-
-
-def gate_scorer(reward: str | None, judge: JudgeConfig | None):
-    """The promotion gate's scorer (trainer/gate.py `Scorer`): the reward function when
-    one is given, else RULER; None without either. Built here because the trainer never
-    imports the judge."""
-    if reward is None and judge is None:
-        return None
-    from .judge.trajectories import Group, Trajectory
-
-    def group_of(messages: list[dict], tools: list[dict], replies: list[dict]) -> Group:
-        return Group(
-            "gate", [Trajectory(f"gate.{i}", [*messages, r], tools) for i, r in enumerate(replies)]
-        )
-
-    if reward is not None:
-        from .judge.rewards import RewardFunction
-
-        function = RewardFunction(reward)
-
-        async def by_function(messages, tools, replies) -> list[float]:
-            scores = await function.score_group(group_of(messages, tools, replies))
-            return [scores[f"gate.{i}"] for i in range(len(replies))]
-
-        return by_function
-    from .judge.ruler import judge_group
-
-    async def by_judge(messages, tools, replies) -> list[float]:
-        if all(r == replies[0] for r in replies):
-            return [0.0] * len(replies)  # the same reply twice: a tie, no call
-        judgment = await judge_group(group_of(messages, tools, replies), judge)
-        if judgment.error:
-            raise OvernightError(f"the judge failed: {judgment.error}")
-        return [judgment.scores[f"gate.{i}"][0] for i in range(len(replies))]
-
-    return by_judge
 
 
 @main.command()
@@ -375,7 +246,7 @@ def watch(
       overnight watch --proxy http://127.0.0.1:8000
       crontab: */30 * * * *  overnight watch --data /var/lib/overnight >> watch.log 2>&1
     """
-    _require(data_dir)
+    require_data_dir(data_dir)
     url = _proxy(data_dir, proxy_url)
     if url is None:
         raise click.UsageError("--proxy is empty: the watch rolls back through the proxy")
@@ -425,22 +296,6 @@ def demo(data_dir: Path, port: int, model_dir: Path, days: int, **values: Any) -
 
 @main.command()
 @data_option
-@click.option("--limit", default=20, show_default=True, help="Most recent runs shown.")
-def runs(data_dir: Path, limit: int) -> None:
-    """List training runs, newest first.
-
-    \b
-    Example:
-      overnight runs --limit 5
-    """
-    from .view import display
-
-    with _db(data_dir) as con:
-        click.echo(display.list_runs(con, limit))
-
-
-@main.command()
-@data_option
 @proxy_option
 @admin_token_option
 @click.option(
@@ -474,37 +329,6 @@ def rollback(data_dir: Path, proxy_url: str | None, admin_token: str | None, off
     click.echo(f"the alias {state['alias']} now serves {served}")
 
 
-@main.command()
-@data_option
-@click.option(
-    "--older-than",
-    required=True,
-    help="Delete the days that ended longer ago than this: 30d, 12h, 2w.",
-)
-@click.option("--yes", is_flag=True, help="Delete; without it, only say what would be deleted.")
-def prune(data_dir: Path, older_than: str, yes: bool) -> None:
-    """Delete old day partitions of the records (never the live log nor today's).
-
-    \b
-    Example:
-      overnight prune --older-than 30d          # what would go
-      overnight prune --older-than 30d --yes    # delete it
-    """
-    from .prune import parse_age, plan_prune
-    from .prune import prune as delete
-
-    _require(data_dir)
-    plan = plan_prune(data_dir, parse_age(older_than))
-    for line in plan.lines():
-        click.echo(line)
-    if plan.empty:
-        click.echo("nothing to delete")
-    elif yes:
-        click.echo(f"deleted {delete(plan)} day partition(s)")
-    else:
-        click.echo("nothing deleted: run again with --yes to delete these")
-
-
 @main.command(name="tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, help="Weights and tokenizer follow from it.")
@@ -534,25 +358,8 @@ def _proxy(data_dir: Path, given: str | None) -> str | None:
     return found["url"]
 
 
-def _require(data_dir: Path) -> None:
-    if not data_dir.is_dir():
-        raise click.ClickException(f"no data directory at {data_dir} (use --data)")
-
-
-@contextlib.contextmanager
-def _db(data_dir: Path) -> Iterator[Any]:
-    """The data directory opened read-only for one command; clear errors if it is not one."""
-    from .storage import SchemaVersionError, open_db
-
-    _require(data_dir)
-    try:
-        con = open_db(data_dir)
-    except SchemaVersionError as e:
-        raise click.ClickException(str(e)) from e
-    try:
-        yield con
-    finally:
-        con.close()
+for _command in COMMANDS:
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

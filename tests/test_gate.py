@@ -10,8 +10,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import gate_scorer, main
+from overnight.cli import main
 from overnight.config import TrainConfig
+from overnight.judge.scoring import pair_scorer
 from overnight.storage import LogWriter, WriterConfig
 from overnight.trainer.gate import bootstrap_means, decide, paired_interval
 from overnight.trainer.watch import check, watch
@@ -125,7 +126,7 @@ async def test_a_sabotaged_night_is_refused_and_the_old_adapter_keeps_serving(
 
     lines: list[str] = []
     result = await asyncio.to_thread(
-        train, data, config, proxy_url=url, scorer=gate_scorer(f"{reward}:no_the", None),
+        train, data, config, proxy_url=url, scorer=pair_scorer(f"{reward}:no_the", None),
         say=lines.append,
     )  # fmt: skip
     verdict = result.gate
@@ -218,7 +219,7 @@ async def test_an_unchanged_adapter_passes_with_prompts_the_plan_gave_up(
 
     lines: list[str] = []
     result = await asyncio.to_thread(
-        train, data, config, proxy_url=url, scorer=gate_scorer(f"{reward}:length", None),
+        train, data, config, proxy_url=url, scorer=pair_scorer(f"{reward}:length", None),
         say=lines.append,
     )  # fmt: skip
     verdict = result.gate

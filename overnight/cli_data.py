@@ -1,0 +1,184 @@
+"""The commands that read and tend a data directory: `ls`, `show`, `sql`, `export`,
+`runs`, `prune`; and the helpers every command uses to open one. `overnight/cli.py`
+adds these commands to the `overnight` group."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .config import ProxyConfig
+from .options import config_options
+
+data_option = config_options(ProxyConfig, only=["data_dir"])
+
+_TABLES = ("completions", "rollouts", "groups", "rewards", "finishes", "judgments", "training_runs")
+
+
+def _format_option(*formats: str) -> Callable[[Callable], Callable]:
+    """`--format`, the first of `formats` by default."""
+    return click.option(
+        "--format", "fmt", default=formats[0], show_default=True, type=click.Choice(formats),
+        help="Output format.",
+    )  # fmt: skip
+
+
+def require_data_dir(data_dir: Path) -> None:
+    if not data_dir.is_dir():
+        raise click.ClickException(f"no data directory at {data_dir} (use --data)")
+
+
+@contextlib.contextmanager
+def read_db(data_dir: Path) -> Iterator[Any]:
+    """The data directory opened read-only for one command; clear errors if it is not one."""
+    from .storage import SchemaVersionError, open_db
+
+    require_data_dir(data_dir)
+    try:
+        con = open_db(data_dir)
+    except SchemaVersionError as e:
+        raise click.ClickException(str(e)) from e
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+@click.command(name="ls")
+@data_option
+@click.option("--group", help="Only this rollout group.")
+@click.option("--limit", default=20, show_default=True, help="Most recent groups shown.")
+def ls_command(data_dir: Path, group: str | None, limit: int) -> None:
+    """List rollout groups and their rollouts, newest first.
+
+    \b
+    Example:
+      overnight ls --limit 5
+    """
+    from .view import display
+
+    with read_db(data_dir) as con:
+        click.echo(display.list_groups(con, group=group, limit=limit))
+
+
+@click.command()
+@data_option
+@click.argument("rollout_id")
+def show(data_dir: Path, rollout_id: str) -> None:
+    """Show one rollout's conversation, turn by turn.
+
+    \b
+    Example:
+      overnight show task-17.3
+    """
+    from .view import display
+
+    with read_db(data_dir) as con:
+        click.echo(display.show_rollout(con, rollout_id))
+
+
+@click.command()
+@data_option
+@click.argument("query")
+@_format_option("table", "csv", "json")
+def sql(data_dir: Path, query: str, fmt: str) -> None:
+    """Run a DuckDB query over the views completions, rollouts, groups, rewards, finishes.
+
+    \b
+    Example:
+      overnight sql "SELECT group_id, mean_reward FROM groups ORDER BY started_at DESC"
+    """
+    import duckdb
+
+    from .view import display
+
+    with read_db(data_dir) as con:
+        try:
+            click.echo(display.run_query(con, query, fmt))
+        except duckdb.Error as e:
+            raise click.ClickException(str(e)) from e
+
+
+@click.command()
+@data_option
+@_format_option("jsonl", "parquet")
+@click.option(
+    "--table",
+    default="completions",
+    show_default=True,
+    type=click.Choice(_TABLES),
+    help="Table or view to export.",
+)
+@click.option(
+    "--out",
+    "out_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="File to write.",
+)
+def export(data_dir: Path, fmt: str, table: str, out_path: Path) -> None:
+    """Export a table or view to JSON lines or Parquet.
+
+    \b
+    Example:
+      overnight export --format jsonl --out completions.jsonl
+    """
+    from .view import display
+
+    with read_db(data_dir) as con:
+        n = display.export(con, table, fmt, out_path)
+    click.echo(f"wrote {n} row(s) of {table} to {out_path}")
+
+
+@click.command()
+@data_option
+@click.option("--limit", default=20, show_default=True, help="Most recent runs shown.")
+def runs(data_dir: Path, limit: int) -> None:
+    """List training runs, newest first.
+
+    \b
+    Example:
+      overnight runs --limit 5
+    """
+    from .view import display
+
+    with read_db(data_dir) as con:
+        click.echo(display.list_runs(con, limit))
+
+
+@click.command()
+@data_option
+@click.option(
+    "--older-than",
+    required=True,
+    help="Delete the days that ended longer ago than this: 30d, 12h, 2w.",
+)
+@click.option("--yes", is_flag=True, help="Delete; without it, only say what would be deleted.")
+def prune(data_dir: Path, older_than: str, yes: bool) -> None:
+    """Delete old day partitions of the records (never the live log nor today's).
+
+    \b
+    Example:
+      overnight prune --older-than 30d          # what would go
+      overnight prune --older-than 30d --yes    # delete it
+    """
+    from .prune import parse_age, plan_prune
+    from .prune import prune as delete
+
+    require_data_dir(data_dir)
+    plan = plan_prune(data_dir, parse_age(older_than))
+    for line in plan.lines():
+        click.echo(line)
+    if plan.empty:
+        click.echo("nothing to delete")
+    elif yes:
+        click.echo(f"deleted {delete(plan)} day partition(s)")
+    else:
+        click.echo("nothing deleted: run again with --yes to delete these")
+
+
+COMMANDS = [ls_command, show, sql, export, runs, prune]
