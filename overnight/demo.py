@@ -151,10 +151,14 @@ def _day_and_night(
 
     t0 = time.monotonic()
     if train:
-        say(f"night {day}: overnight train --preset tiny-cpu (then promote)")
+        say(f"night {day}: overnight train --preset tiny-cpu --no-watch (then promote)")
+        # Without the watch: the demo shows what training alone does day by day. With it,
+        # a night whose adapter dipped on the tiny model's noisy rewards would be rolled
+        # back (as it should be in production: `overnight watch`, docs/operations.md).
         _overnight(
-            "train", "--data", data, "--proxy", base, "--preset", "tiny-cpu", "--settle", "0"
-        )
+            "train", "--data", data, "--proxy", base, "--preset", "tiny-cpu", "--settle", "0",
+            "--no-watch",
+        )  # fmt: skip
     training = time.monotonic() - t0
 
     (row,) = _sql(

@@ -53,7 +53,9 @@ async def day_of_traffic(proxy, tag: str) -> None:
 async def test_nightly_training_lifts_the_reward(vllm_server, make_proxy, tmp_path):
     proxy = await make_proxy(upstream=vllm_server.url)
     data, url = tmp_path / "data", str(proxy.make_url(""))
-    config = TrainConfig(**TINY_CPU_PRESET)
+    # No watch: this measures what nightly training does night over night; a dip night
+    # rolled back would change the trajectory (the watch is tested in test_gate.py).
+    config = TrainConfig(**TINY_CPU_PRESET, watch=False)
     reward = RewardFunction(f"{EXAMPLES / 'rewards.py'}:numbers_only")
     means, served = [], []
     for night in range(NIGHTS + 1):
