@@ -123,6 +123,8 @@ def generate(data: Path, rows: int, seed: int = 0) -> None:
 
 
 def one_group(rng, pool, n: int, day0: int, today: bool):
+    # One piece on purpose: the shape of a production group (rollouts, turns, rewards,
+    # judgments) reads best as one sequence of draws.
     group = f"g{n}"
     start = day0 + int(rng.integers(0, DAY_US // 2 if today else DAY_US - 7_200_000_000))
     kind = rng.random()  # 80% all equal, 12% one missing, 8% varied

@@ -201,6 +201,8 @@ def main() -> None:
 
 
 def run_all(args, work: Path, stops: list[Callable[[], object]]) -> dict:
+    # One piece on purpose: the servers, then every scenario in the order the table
+    # prints them; splitting it would scatter the benchmark's plan.
     py = sys.executable
 
     def serve(core: int, cmd: list[str], health: str = "/health", **kw) -> str:
@@ -321,6 +323,7 @@ def run_all(args, work: Path, stops: list[Callable[[], object]]) -> dict:
 
 
 def report(results: dict, args) -> None:
+    # One piece on purpose: the targets table, row by row, as the issue states them.
     r = results
     rows = []
 

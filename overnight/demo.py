@@ -109,7 +109,7 @@ def run_demo(
     return results
 
 
-def _day_and_night(
+def _day_and_night(  # one day then its night, in the order the demo prints them
     data: str,
     base: str,
     day: int,

@@ -26,7 +26,9 @@ def completion_rows(
     logged: bool,
     proxy_id: str,
 ) -> list[dict]:
-    """One row per choice; a request that produced no choice still leaves one row."""
+    """One row per choice; a request that produced no choice still leaves one row.
+
+    Long because a completion row is: one literal, column by column in schema order."""
     acc = capture.acc
     indices = sorted(acc.choices) or [0]
     ended = now_us()
