@@ -128,24 +128,6 @@ def run_ours(model_dir: Path, repeats: int) -> dict:
     return measure(step, repeats)
 
 
-def trl_options() -> dict:
-    """Our default loss as TRL GRPOConfig options (the mapping of docs/grpo.md)."""
-    from overnight.config import TrainConfig
-
-    config = TrainConfig()
-    return {
-        "loss_type": config.loss,
-        "epsilon": config.clip_low,
-        "epsilon_high": config.clip_high,
-        "delta": config.dual_clip,
-        "max_completion_length": config.max_tokens,
-        "importance_sampling_level": config.ratio_level,
-        "beta": config.kl_coef,
-        "use_bias_correction_kl": False,
-        "bf16": False,  # float32, as ours on a CPU
-    }
-
-
 def trl_here() -> bool:
     try:
         return importlib.metadata.version("trl") == TRL.split("==")[1]
@@ -164,6 +146,10 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
     sys.path.insert(0, str(ROOT))
     from grpo_step import workload
 
+    from overnight.config import TrainConfig
+    from overnight.testing.trl_mapping import compute_loss_inputs, grpo_config_options
+    from overnight.trainer.loss import LossConfig
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     args = GRPOConfig(
@@ -173,7 +159,7 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
         report_to=[],
         use_cpu=True,
         logging_steps=1000,
-        **trl_options(),
+        **grpo_config_options(LossConfig.from_train_config(TrainConfig())),
     )
     trainer = GRPOTrainer(
         model=model,
@@ -188,7 +174,7 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
             task_type="CAUSAL_LM",
         ),
     )
-    inputs = trl_inputs(workload(trainer.model.config.vocab_size), prompt_len=64)
+    inputs = compute_loss_inputs(workload(trainer.model.config.vocab_size), prompt_len=64)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop we bypass
 
@@ -197,31 +183,6 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
         trainer._compute_loss(trainer.model, inputs).backward()
 
     return measure(step, repeats)
-
-
-def trl_inputs(samples, prompt_len: int) -> dict:
-    """The workload as GRPOTrainer's `_compute_loss` takes it: completions padded."""
-    import torch
-
-    longest = max(len(s.tokens) - prompt_len for s in samples)
-    completion = torch.zeros(len(samples), longest, dtype=torch.long)
-    completion_mask = torch.zeros(len(samples), longest, dtype=torch.long)
-    old_logps = torch.zeros(len(samples), longest)
-    for i, s in enumerate(samples):
-        n = len(s.tokens) - prompt_len
-        completion[i, :n] = torch.tensor(s.tokens[prompt_len:])
-        completion_mask[i, :n] = 1
-        old_logps[i, :n] = torch.tensor(s.behaviour_logprobs[prompt_len:])
-    inputs = {
-        "prompt_ids": torch.tensor([s.tokens[:prompt_len] for s in samples]),
-        "prompt_mask": torch.ones(len(samples), prompt_len, dtype=torch.long),
-        "completion_ids": completion,
-        "completion_mask": completion_mask,
-        "advantages": torch.tensor([s.advantage for s in samples]),
-        "old_per_token_logps": old_logps,
-        "num_items_in_batch": completion_mask.sum(),
-    }
-    return inputs
 
 
 def main() -> None:

@@ -114,18 +114,12 @@ def _trl(model, samples, loss_config, tiny_model_dir, tmp_path, temperature: flo
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from overnight.testing.trl_mapping import grpo_config_options
+
     args = GRPOConfig(
         output_dir=str(tmp_path / "trl"),
-        loss_type=loss_config.variant.value,
-        epsilon=loss_config.clip_low,
-        epsilon_high=loss_config.clip_high,
-        delta=loss_config.dual_clip,
-        max_completion_length=loss_config.max_tokens,
-        importance_sampling_level=loss_config.level,
-        beta=loss_config.kl_coef,
-        use_bias_correction_kl=False,
+        **grpo_config_options(loss_config),
         temperature=temperature,
-        bf16=False,  # float32, as ours (TRL's default autocasts to bfloat16, also on a CPU)
         use_cpu=True,
         per_device_train_batch_size=len(samples),
         num_generations=4,
@@ -150,32 +144,14 @@ def _trl(model, samples, loss_config, tiny_model_dir, tmp_path, temperature: flo
 
 
 def _trl_inputs(model, samples, with_ref: bool, temperature: float) -> dict:
-    """TRL's batch: prompts (all of one length, so no left padding), right-padded completions."""
-    longest = max(len(s.tokens) - PROMPT for s in samples)
-    completion = torch.zeros(len(samples), longest, dtype=torch.long)
-    mask = torch.zeros(len(samples), longest, dtype=torch.long)
-    old = torch.zeros(len(samples), longest)
-    ref = torch.zeros(len(samples), longest)
-    for i, s in enumerate(samples):
-        n = len(s.tokens) - PROMPT
-        completion[i, :n] = torch.tensor(s.tokens[PROMPT:])
-        mask[i, :n] = 1
-        old[i, :n] = torch.tensor(s.behaviour_logprobs[PROMPT:])
-        if with_ref:
-            ref_logp = _full_logprobs(model, s.tokens, temperature, adapter=False)
-            ref[i, :n] = torch.tensor(ref_logp[PROMPT - 1 :])
-    inputs = {
-        "prompt_ids": torch.tensor([s.tokens[:PROMPT] for s in samples]),
-        "prompt_mask": torch.ones(len(samples), PROMPT, dtype=torch.long),
-        "completion_ids": completion,
-        "completion_mask": mask,
-        "advantages": torch.tensor([s.advantage for s in samples]),
-        "old_per_token_logps": old,
-        "num_items_in_batch": mask.sum(),
-    }
+    """TRL's batch, with the base model's logprobs over each completion for the KL term."""
+    from overnight.testing.trl_mapping import compute_loss_inputs
+
+    ref = None
     if with_ref:
-        inputs["ref_per_token_logps"] = ref
-    return inputs
+        full = [_full_logprobs(model, s.tokens, temperature, adapter=False) for s in samples]
+        ref = [logps[PROMPT - 1 :] for logps in full]
+    return compute_loss_inputs(samples, PROMPT, ref)
 
 
 def _grads(model) -> dict:
