@@ -24,6 +24,8 @@ import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+from overnight.storage import fsync_path
+
 Stamp = tuple[int, int, int] | None  # (inode, size, mtime_ns); None: no file
 
 
@@ -63,7 +65,9 @@ class StateFile:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(self.path.parent)
+        # The rename itself made durable; not every filesystem lets a directory be opened.
+        with contextlib.suppress(OSError):
+            fsync_path(self.path.parent)
         return state
 
     @contextlib.asynccontextmanager
@@ -89,15 +93,5 @@ class StateFile:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the rename itself durable (a crash right after must not bring back the old state)."""
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
         finally:
             os.close(fd)

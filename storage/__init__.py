@@ -7,6 +7,7 @@ ground they share, `overnight.errors`, for `StoreUnavailable`).
 from .ids import new_id, now_us
 from .reader import finished_groups, open_db
 from .schema import SCHEMA_VERSION, SchemaVersionError, fit_row
+from .segments import fsync_path
 from .writer import LogWriter, StoreUnavailable, WriterConfig, WriterHealth, recover
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "WriterHealth",
     "finished_groups",
     "fit_row",
+    "fsync_path",
     "new_id",
     "now_us",
     "open_db",

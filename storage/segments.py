@@ -203,7 +203,8 @@ def _create_private(path: Path) -> None:
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (which makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -215,7 +216,7 @@ def _replace_durably(tmp: Path, path: Path) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_segment(table: pa.Table, path: Path) -> None:
@@ -286,7 +287,7 @@ def compact(data_dir: Path, log_path: Path) -> Compacted:
             set_aside[0][1],
         )
     log_path.unlink()
-    _fsync_dir(log_path.parent)
+    fsync_path(log_path.parent)
     return Compacted(written, len(set_aside))
 
 

@@ -25,6 +25,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from overnight.storage import fsync_path
+
 from .parallel import Parallel
 
 
@@ -93,7 +95,7 @@ def _write_adapter(path: Path, parallel: Parallel, model) -> None:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, state_dict=state)
     for file in path.iterdir():
-        _fsync(file)
+        fsync_path(file)
 
 
 def replace_dir(new: Path, path: Path) -> None:
@@ -104,16 +106,8 @@ def replace_dir(new: Path, path: Path) -> None:
     if path.exists():
         path.rename(old)
     new.rename(path)
-    _fsync(path.parent)
+    fsync_path(path.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(
@@ -133,7 +127,7 @@ def save_checkpoint(
         {"optimizer": optimizer_state, "steps": steps, "max_gap": max_gap, "fsdp": parallel.fsdp},
         tmp / "state.pt",
     )
-    _fsync(tmp / "state.pt")
+    fsync_path(tmp / "state.pt")
     replace_dir(tmp, path)
 
 
