@@ -120,3 +120,26 @@ def chat_response(text: str) -> dict:
     """A chat completion's body with one assistant message."""
     message = {"role": "assistant", "content": text}
     return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+
+
+def completion(i: int, rollout: str = "r", group: str = "g", **extra) -> dict:
+    """Turn `i` of a rollout as a `completions` row, for the writer's own tests."""
+    now = time.time_ns() // 1000
+    return {
+        "record_id": f"rec{i}",
+        "request_id": f"req{i}",
+        "schema_version": SCHEMA_VERSION,
+        "started_at": now,
+        "ended_at": now + 10,
+        "group_id": group,
+        "rollout_id": rollout,
+        "turn_index": i,
+        "choice_index": 0,
+        "request": {"messages": [{"role": "user", "content": str(i)}]},
+        "prompt_token_ids": [1, 2],
+        "completion_token_ids": [3, 4, 5],
+        "completion_logprobs": [-0.5, -0.25, -0.125],
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        **extra,
+    }

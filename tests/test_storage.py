@@ -19,29 +19,7 @@ from overnight.storage import (
 from overnight.storage.segments import log_files, segment_files
 from overnight.storage.writer import try_lock
 
-from .helpers import rows, wait_until
-
-
-def completion(i: int, rollout: str = "r", group: str = "g", **extra) -> dict:
-    now = time.time_ns() // 1000
-    return {
-        "record_id": f"rec{i}",
-        "request_id": f"req{i}",
-        "schema_version": SCHEMA_VERSION,
-        "started_at": now,
-        "ended_at": now + 10,
-        "group_id": group,
-        "rollout_id": rollout,
-        "turn_index": i,
-        "choice_index": 0,
-        "request": {"messages": [{"role": "user", "content": str(i)}]},
-        "prompt_token_ids": [1, 2],
-        "completion_token_ids": [3, 4, 5],
-        "completion_logprobs": [-0.5, -0.25, -0.125],
-        "prompt_tokens": 2,
-        "completion_tokens": 3,
-        **extra,
-    }
+from .helpers import completion, rows, wait_until
 
 
 def test_rows_are_compacted_to_day_partitioned_parquet(tmp_path):

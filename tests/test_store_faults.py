@@ -28,28 +28,7 @@ from overnight.storage import (
 from overnight.storage.schema import COMPLETIONS
 from overnight.storage.segments import log_files, quarantine_files, segment_files
 
-from .helpers import rows
-
-
-def completion(i: int, **extra) -> dict:
-    now = time.time_ns() // 1000
-    return {
-        "record_id": f"rec{i}",
-        "request_id": f"req{i}",
-        "schema_version": SCHEMA_VERSION,
-        "started_at": now,
-        "ended_at": now + 10,
-        "group_id": "g",
-        "rollout_id": "r",
-        "turn_index": i,
-        "choice_index": 0,
-        "model_requested": "policy",
-        "request": {"messages": [{"role": "user", "content": str(i)}]},
-        "prompt_token_ids": [1, 2],
-        "completion_token_ids": [3, 4],
-        "completion_logprobs": [-0.5, -0.25],
-        **extra,
-    }
+from .helpers import completion, rows
 
 
 def reward(i: int) -> dict:
