@@ -29,6 +29,8 @@ from overnight.proxy import create_app
 from overnight.storage import open_db
 from overnight.testing.fake_upstream import RECEIVED, create_fake_upstream
 
+from ..helpers import wait_until
+
 MODEL = "scripted"  # any name but the alias: the proxy passes it through unchanged
 # Request headers a tap must not copy: aiohttp sets its own.
 _HOP = {"host", "content-length", "transfer-encoding", "connection"}
@@ -47,6 +49,9 @@ class Tap:
     target: str
     url: str = ""
     seen: list[Exchange] = field(default_factory=list)
+    # Exchanges still being relayed: a client may have its last byte (and return) before
+    # the tap has seen the upstream's end and noted the exchange.
+    in_flight: int = 0
 
 
 def _strip_prefix(path: str) -> str:
@@ -57,6 +62,13 @@ def _strip_prefix(path: str) -> str:
 
 def _tap_app(tap: Tap) -> web.Application:
     async def forward(request: web.Request) -> web.StreamResponse:
+        tap.in_flight += 1
+        try:
+            return await relay(request)
+        finally:
+            tap.in_flight -= 1
+
+    async def relay(request: web.Request) -> web.StreamResponse:
         session: aiohttp.ClientSession = request.app["session"]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         body = await request.read()
@@ -72,7 +84,6 @@ def _tap_app(tap: Tap) -> web.Application:
             async for chunk in upstream.content.iter_any():
                 received += chunk
                 await response.write(chunk)
-            # Noted before the end goes out: a client that has its answer may look at once.
             path = _strip_prefix(request.path)
             tap.seen.append(Exchange(request.method, path, upstream.status, bytes(received)))
             await response.write_eof()
@@ -139,6 +150,8 @@ class Stack:
         self.proxy_tap.seen.clear()
         direct = agent(self.direct_tap.url, False)
         proxied = agent(self.proxy_tap.url, True)
+        for tap in (self.direct_tap, self.proxy_tap):
+            wait_until(lambda tap=tap: tap.in_flight == 0, 10, "the tap to note every exchange")
         return Runs(list(self.direct_tap.seen), list(self.proxy_tap.seen), direct, proxied)
 
     def rows(self, rollout_id: str, expect: int = 1, timeout: float = 5.0) -> list[dict]:
