@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from aiohttp import web
 
 from overnight.errors import OvernightError
+from overnight.storage import now_us
 
 from .api_capture import api_accumulator
 from .attribution import Attribution, attribute, logging_enabled
@@ -69,7 +69,7 @@ def check_fields(body: dict) -> None:
 async def completions(request: web.Request) -> web.StreamResponse:
     tail = request.match_info.get("tail", request.path.removeprefix("/v1/"))
     endpoint = ENDPOINTS[tail]
-    started = time.time_ns() // 1000
+    started = now_us()
     body = await read_json_object(request)
     check_fields(body)
     who = attribute(
