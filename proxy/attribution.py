@@ -20,6 +20,11 @@ METADATA_GROUP = "rollout_group"
 METADATA_ROLLOUT = "rollout_id"
 
 MAX_ID_BYTES = 256
+# Per-turn groups made from single calls (storage/siblings.py) are named "turn:<record>"
+# and their members "turn:<record>:<id>"; the judge's rewards for them join on those
+# ids. A client's id in that namespace could take or shadow those rewards, so it is
+# refused rather than stored.
+RESERVED_PREFIX = "turn:"
 
 
 class BadRolloutId(OvernightError):
@@ -51,7 +56,7 @@ def validate_id(value: str, what: str) -> str:
     most 256 bytes of UTF-8. They never become file names, and every link escapes them.
     Control characters (and undecodable bytes, which arrive as surrogates) are refused:
     they would corrupt logs and terminals. "." and ".." would make dead links (a client
-    normalises them away)."""
+    normalises them away). The "turn:" prefix is ours (see RESERVED_PREFIX)."""
     if (
         not isinstance(value, str)
         or not value
@@ -62,6 +67,11 @@ def validate_id(value: str, what: str) -> str:
         raise BadRolloutId(
             f"{what} must be 1-{MAX_ID_BYTES} bytes of printable UTF-8 text (no control "
             f"characters), and not '.' or '..'; got {value!r:.160}"
+        )
+    if value.startswith(RESERVED_PREFIX):
+        raise BadRolloutId(
+            f"{what} may not start with {RESERVED_PREFIX!r}: overnight names the per-turn "
+            f"groups it makes from single calls that way; got {value!r:.160}"
         )
     return value
 

@@ -365,6 +365,18 @@ async def test_dot_ids_are_refused(make_proxy, rollout):
     assert r.status == 400
 
 
+@pytest.mark.parametrize("header", ["X-Rollout-Id", "X-Rollout-Group"])
+async def test_ids_in_the_per_turn_namespace_are_refused(make_proxy, received, header):
+    # "turn:<record>:served" is the member id the judge rewards for a per-turn group; a
+    # client rollout of that name would take the reward meant for it.
+    proxy = await make_proxy()
+    r = await proxy.post("/v1/chat/completions", json=CHAT, headers={header: "turn:abc:served"})
+    assert r.status == 400 and error_of(await r.json())["code"] == "invalid_rollout_id"
+    assert "turn:" in error_of(await r.json())["message"] and received == []
+    r = await proxy.post("/v1/chat/completions", json=CHAT, headers={header: "a turn:abc"})
+    assert r.status == 200  # only the prefix is reserved
+
+
 async def test_idle_upstream_connections_do_not_outlive_the_keepalive(make_proxy, fake):
     proxy = await make_proxy(keepalive_timeout=0.3)
     assert (await proxy.post("/v1/chat/completions", json=CHAT)).status == 200
