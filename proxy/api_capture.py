@@ -6,14 +6,18 @@ interface as `capture.Accumulator`: `choices` (one `ChoiceState`), `usage` in ch
 names, `error`, `prompt_ids()`, and `response()`, a chat completion whose `raw` key
 holds the API's own response (whole, or assembled from the stream's events).
 
-vLLM 0.32 gives no token ids on either API (Responses has output-text logprobs when
-asked, Messages nothing), so these records are not token-exact: the trainer rebuilds
-their tokens from the conversation (`exact=False`; docs/wire.md says why).
+vLLM 0.32 gives no token ids on either API unless asked; Messages cannot be asked. On
+Responses, a request with `enable_response_messages: true` and
+`include: ["message.output_text.logprobs"]` gets, for a non-harmony model, the prompt's
+and the reply's token ids (`input_messages` / `output_messages`) and one logprob per
+reply token (measured: bench/retokenize_mismatch.py); such a record is token-exact.
+Otherwise the trainer rebuilds the tokens from the conversation (docs/wire.md).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from .capture import ChoiceState
@@ -81,6 +85,12 @@ class ResponsesAccumulator(_ApiAccumulator):
         self.items: dict[int, dict] = {}  # output index -> item (added, then done)
         self.deltas: dict[int, list[str]] = {}  # text or arguments before the item is done
         self.logprobs: list[float] = []
+        self.prompt_token_ids: list[int] | None = None
+        self.token_ids: list[int] = []
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        state = self._state() if self.token_ids else None  # exact only with the reply's ids
+        return self.prompt_token_ids if state is not None and state.token_ids else None
 
     def add(self, obj: dict) -> None:
         kind = obj.get("type")
@@ -124,6 +134,21 @@ class ResponsesAccumulator(_ApiAccumulator):
             }
         if response.get("error"):
             self.error = response["error"]
+        self._token_ids(response.get("input_messages"), response.get("output_messages"))
+
+    def _token_ids(self, inputs: Any, outputs: Any) -> None:
+        """vLLM's own ids (`enable_response_messages`): a single-turn answer of a
+        non-harmony model has one prompt entry and one reply entry of raw tokens."""
+        if not (isinstance(inputs, list) and isinstance(outputs, list)):
+            return
+        if len(inputs) != 1 or len(outputs) != 1:
+            return  # harmony messages, or a multi-turn (built-in tool) answer
+        if not all(
+            isinstance(m, dict) and m.get("type") == "raw_message_tokens" for m in inputs + outputs
+        ):
+            return
+        self.prompt_token_ids = list(inputs[0].get("tokens") or ())
+        self.token_ids = list(outputs[0].get("tokens") or ())
 
     def raw(self) -> dict | None:
         return self.final
@@ -149,6 +174,9 @@ class ResponsesAccumulator(_ApiAccumulator):
                 for part in item.get("content") or item.get("summary") or ():
                     state.reasoning.append(part.get("text") or "")
         state.logprobs = logprobs or self.logprobs
+        if self.token_ids and len(state.logprobs) == len(self.token_ids):
+            # Token-exact only with a logprob per token (vLLM gives none to a tool call's).
+            state.token_ids = list(self.token_ids)
         state.finish_reason = self._finish_reason(state)
         return state
 
@@ -263,3 +291,60 @@ class MessagesAccumulator(_ApiAccumulator):
 
 def api_accumulator(endpoint: str) -> _ApiAccumulator:
     return ResponsesAccumulator() if endpoint == RESPONSES else MessagesAccumulator()
+
+
+# -- token ids on the Responses API, asked for by the proxy ---------------------------------
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+@dataclass(frozen=True)
+class ResponsesAdditions:
+    """What the proxy added to a Responses request for token ids, to hide again."""
+
+    messages: bool = False  # `enable_response_messages`: the prompt's and reply's ids
+    logprobs: bool = False  # `include` output-text logprobs: one per reply token
+
+    @property
+    def any(self) -> bool:
+        return self.messages or self.logprobs
+
+
+def add_responses_fields(body: dict) -> ResponsesAdditions:
+    """Ask vLLM for the prompt's and the reply's token ids and the reply's logprobs
+    (vLLM 0.32, models without the harmony format); mutates `body`."""
+    messages = not body.get("enable_response_messages")
+    if messages:
+        body["enable_response_messages"] = True
+    include = body.get("include") if isinstance(body.get("include"), list) else []
+    logprobs = LOGPROBS_INCLUDE not in include
+    if logprobs:
+        body["include"] = [*include, LOGPROBS_INCLUDE]
+    return ResponsesAdditions(messages=messages, logprobs=logprobs)
+
+
+def hide_responses_additions(obj: dict, added: ResponsesAdditions) -> dict:
+    """A response or stream event as vLLM sends it when not asked: the token messages
+    and `top_logprobs` null, output-text logprobs null in parts and `[]` in deltas
+    (measured against vLLM 0.32's answers without the additions: test_real_vllm.py)."""
+    response = obj.get("response") if isinstance(obj.get("response"), dict) else obj
+    if added.messages and response.get("object") == "response":
+        for key in ("input_messages", "output_messages"):
+            if response.get(key) is not None:
+                response[key] = None
+    if not added.logprobs:
+        return obj
+    if response.get("object") == "response" and response.get("top_logprobs") is not None:
+        response["top_logprobs"] = None  # echoed from the sampling parameters: unset
+    if obj.get("type") == "response.output_text.delta" and obj.get("logprobs"):
+        obj["logprobs"] = []
+    items = list(response.get("output") or ()) if response.get("object") == "response" else []
+    items += [obj[k] for k in ("item",) if isinstance(obj.get(k), dict)]
+    # A part just added has `[]` either way; a finished one null when not asked.
+    part = obj.get("part") if obj.get("type") != "response.content_part.added" else None
+    parts = [part] if isinstance(part, dict) else []
+    for item in items:
+        parts += [p for p in item.get("content") or () if isinstance(p, dict)]
+    for part in parts:
+        if part.get("type") == "output_text" and part.get("logprobs") is not None:
+            part["logprobs"] = None
+    return obj

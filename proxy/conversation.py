@@ -12,47 +12,123 @@ items, after the messages of the `previous_response_id` chain), so the recorded
 conversation is the one the model was prompted with, up to the chat template.
 
 `previous_response_id`: the record must hold the whole conversation, not just the new
-items. `ResponseChains` keeps, per response id this process answered, the conversation
-that led to it and its reply (the very lists its record holds, shared, not copied).
+items. vLLM 0.32 answers one only when it runs with VLLM_ENABLE_RESPONSES_API_STORE=1
+(else 404), and then prompts with: this request's instructions, the earlier request's
+messages without their system message, the earlier reply's output text as assistant
+messages (its function calls and reasoning are NOT carried over), then the new input
+(vllm/entrypoints/openai/responses/utils.py, construct_input_messages). `ResponseChains`
+keeps, per response id, what such a continuation carries over (`carried_over`), for the
+last 10,000 responses this process answered; an id it does not hold is looked up in the
+store (the record of that response holds its whole conversation), in an executor, and
+where it is nowhere the turn is recorded from its own items with `history_missing`
+naming the unknown id (the client's request is never failed for it: vLLM decides).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from overnight.storage import open_db
+
 RESPONSES = "responses"
 MESSAGES = "messages"
+log = logging.getLogger("overnight.proxy")
 
 # Sampling fields read by the trainer (trainer/sampling.py), in the chat names.
 _SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "seed", "parallel_tool_calls")
 _TEXT_PARTS = ("text", "input_text", "output_text")
 
 
+def carried_over(conversation: list[dict]) -> list[dict]:
+    """What vLLM carries into a request naming this response as `previous_response_id`:
+    `conversation` (the request's messages, then, last, the reply) without system
+    messages, and of the reply only its text, as an assistant message."""
+    *messages, reply = conversation or [{}]
+    kept = [m for m in messages if m.get("role") != "system"]
+    if reply.get("content"):
+        kept.append({"role": "assistant", "content": reply["content"]})
+    return kept
+
+
+@dataclass
+class Chain:
+    messages: list[dict]  # what a continuation carries over (`carried_over`)
+    missing: str | None = None  # a response id further back whose history is unknown
+
+
 class ResponseChains:
-    """Response id -> the whole conversation up to and including that response's reply.
+    """Response id -> what a request continuing it carries over.
 
-    Bounded (least recently used out first): a chain older than `capacity` responses
-    is recorded from where it is known, and the record says so (`history_missing`)."""
+    Bounded (least recently used out first); an id not held is looked up in the store
+    under `data_dir` (`find`), and a chain found nowhere is recorded from where it is
+    known, the record saying so (`history_missing`)."""
 
-    def __init__(self, capacity: int = 10_000):
+    def __init__(self, capacity: int = 10_000, data_dir: Path | None = None):
         self.capacity = capacity
-        self.conversations: OrderedDict[str, list[dict]] = OrderedDict()
+        self.data_dir = data_dir
+        self.chains: OrderedDict[str, Chain] = OrderedDict()
 
-    def get(self, response_id: str) -> list[dict] | None:
-        found = self.conversations.get(response_id)
+    def get(self, response_id: str) -> Chain | None:
+        found = self.chains.get(response_id)
         if found is not None:
-            self.conversations.move_to_end(response_id)
+            self.chains.move_to_end(response_id)
         return found
 
-    def remember(self, response_id: str, messages: list[dict]) -> None:
-        self.conversations[response_id] = messages
-        self.conversations.move_to_end(response_id)
-        if len(self.conversations) > self.capacity:
-            self.conversations.popitem(last=False)
+    def remember(self, response_id: str, conversation: list[dict], missing: str | None = None):
+        """`conversation`: the request's messages, then, last, its reply."""
+        self._keep(response_id, Chain(carried_over(conversation), missing))
+
+    def _keep(self, response_id: str, chain: Chain) -> None:
+        self.chains[response_id] = chain
+        self.chains.move_to_end(response_id)
+        if len(self.chains) > self.capacity:
+            self.chains.popitem(last=False)
+
+    async def find(self, response_id: str) -> Chain | None:
+        """The chain in memory, else rebuilt from the stored record of that response
+        (read in an executor: the store may be large); None where it is nowhere."""
+        found = self.get(response_id)
+        if found is not None or self.data_dir is None:
+            return found
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(None, stored_chain, self.data_dir, response_id)
+        except Exception:  # an unreadable store must not fail the request: noted as missing
+            log.exception("could not look up response %s in the store", response_id)
+            return None
+        if found is not None:
+            self._keep(response_id, found)
+        return found
+
+
+def stored_chain(data_dir: Path, response_id: str) -> Chain | None:
+    """The chain of `response_id` from its record in the store, or None."""
+    con = open_db(data_dir)
+    try:
+        # `contains` is a cheap scan that finds the id's text; the JSON is checked below.
+        rows = con.execute(
+            "SELECT request, response FROM completions WHERE endpoint = ? "
+            "AND contains(response, ?) ORDER BY started_at DESC",
+            [RESPONSES, json.dumps(response_id)],
+        ).fetchall()
+    finally:
+        con.close()
+    for request_text, response_text in rows:
+        response = json.loads(response_text)
+        if response.get("id") != response_id or not request_text:
+            continue
+        request = json.loads(request_text)
+        reply = ((response.get("choices") or [{}])[0]).get("message") or {}
+        return Chain(carried_over([*request["messages"], reply]), request.get("history_missing"))
+    return None
 
 
 CHAINS = web.AppKey("response_chains", ResponseChains)
@@ -138,18 +214,29 @@ def responses_messages(items: Any) -> list[dict]:
 
 
 def responses_request(body: dict, chains: ResponseChains) -> dict:
-    """A Responses request as a chat request; the chain before it resolved from `chains`."""
+    """A Responses request as a chat request, its chain resolved from memory only."""
+    previous = body.get("previous_response_id")
+    return _responses_request(body, chains.get(previous) if previous else None)
+
+
+async def resolve_responses_request(body: dict, chains: ResponseChains) -> dict:
+    """A Responses request as a chat request, its chain from memory or the store."""
+    previous = body.get("previous_response_id")
+    return _responses_request(body, await chains.find(previous) if previous else None)
+
+
+def _responses_request(body: dict, chain: Chain | None) -> dict:
     out: dict[str, Any] = {"model": body.get("model")}
     messages: list[dict] = []
     if body.get("instructions"):
         messages.append({"role": "system", "content": body["instructions"]})
     previous = body.get("previous_response_id")
-    if previous:
-        history = chains.get(previous)
-        if history is None:
-            out["history_missing"] = previous  # answered before this process started
-        else:
-            messages.extend(history)
+    if previous and chain is None:
+        out["history_missing"] = previous  # answered before this process, and not stored
+    elif chain is not None:
+        messages.extend(chain.messages)
+        if chain.missing:
+            out["history_missing"] = chain.missing  # known from there, not before
     messages.extend(responses_messages(body.get("input")))
     out["messages"] = messages
     tools = [_responses_tool(t) for t in body.get("tools") or () if isinstance(t, dict)]

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -31,6 +34,8 @@ from overnight.testing.fake_upstream import RECEIVED, create_fake_upstream
 
 from ..helpers import wait_until
 
+NODE_SDK = "6.49.0"  # the Node `openai` SDK, installed with npm into .cache/compat-node
+NODE_DIR = Path(__file__).resolve().parent.parent.parent / ".cache" / "compat-node"
 MODEL = "scripted"  # any name but the alias: the proxy passes it through unchanged
 # Request headers a tap must not copy: aiohttp sets its own.
 _HOP = {"host", "content-length", "transfer-encoding", "connection"}
@@ -101,16 +106,17 @@ def _tap_app(tap: Tap) -> web.Application:
 
 
 class Stack:
-    """The scripted upstream, the proxy and two taps, served from a background loop."""
+    """The scripted upstream (or a real vLLM at `upstream`), the proxy and two taps,
+    served from a background loop."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, upstream: str | None = None) -> None:
         self.data_dir = data_dir
         self.loop = asyncio.new_event_loop()
         self.runners: list[web.AppRunner] = []
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.upstream_app = create_fake_upstream(scripted=True)
-        self.upstream = self._serve(self.upstream_app)
+        self.upstream_app = create_fake_upstream(scripted=True) if upstream is None else None
+        self.upstream = upstream or self._serve(self.upstream_app)
         config = ProxyConfig(upstream=self.upstream, data_dir=data_dir, commit_interval=0.0)
         self.proxy = self._serve(create_app(config))
         self.direct_tap = Tap(self.upstream)
@@ -131,7 +137,8 @@ class Stack:
 
     @property
     def received(self) -> list[dict]:
-        """What the upstream was sent (path, body, headers), both runs."""
+        """What the scripted upstream was sent (path, body, headers), both runs."""
+        assert self.upstream_app is not None, "a real upstream records nothing"
         return self.upstream_app[RECEIVED]
 
     def close(self) -> None:
@@ -185,16 +192,54 @@ def stack(tmp_path_factory) -> Stack:
     s.close()
 
 
+@pytest.fixture(scope="session")
+def vllm_stack(vllm_server, tmp_path_factory) -> Stack:
+    """The same stack in front of the session's real vLLM (tests marked `vllm` too)."""
+    s = Stack(tmp_path_factory.mktemp("compat-vllm") / "data", upstream=vllm_server.url)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def node_sdk() -> Path:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are not installed: the Node SDK is not tested")
+    package = NODE_DIR / "node_modules" / "openai" / "package.json"
+    if not package.exists() or json.loads(package.read_text())["version"] != NODE_SDK:
+        NODE_DIR.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--silent", f"openai@{NODE_SDK}"],
+            cwd=NODE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"npm install openai@{NODE_SDK} failed: {done.stderr[-500:]}")
+    script = NODE_DIR / "node_agent.mjs"  # beside node_modules, so `import "openai"` resolves
+    shutil.copy(Path(__file__).resolve().parent / "node_agent.mjs", script)
+    return script
+
+
 def need(module: str) -> None:
     """Skip, with the install line, when a framework of the `compat` extra is missing."""
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed (pip install -e '.[compat]')")
 
 
-def assert_same_bytes(runs: Runs) -> None:
+def assert_same_bytes(runs: Runs, normalise: Callable[[bytes], bytes] | None = None) -> None:
+    """Each answer the client got through the proxy is the direct run's, byte for byte
+    (after `normalise`, for what differs between any two calls: ids, timestamps)."""
     assert [(e.method, e.path, e.status) for e in runs.proxied] == [
         (e.method, e.path, e.status) for e in runs.direct
     ]
+    if normalise is not None:
+        runs = Runs(
+            [replace(e, body=normalise(e.body)) for e in runs.direct],
+            [replace(e, body=normalise(e.body)) for e in runs.proxied],
+            runs.direct_result,
+            runs.proxied_result,
+        )
     for direct, proxied in zip(runs.direct, runs.proxied, strict=True):
         if proxied.body != direct.body and direct.body.startswith((b"data:", b"event:")):
             # A stream: say which events differ, and how many each side got.

@@ -4,9 +4,7 @@ the reason, where npm is absent or the install fails)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -15,30 +13,6 @@ from .helpers import check_rows
 
 pytestmark = pytest.mark.compat
 ROLLOUT = "node-1"
-VERSION = "6.49.0"
-HERE = Path(__file__).resolve().parent
-NODE_DIR = HERE.parent.parent / ".cache" / "compat-node"
-
-
-@pytest.fixture(scope="module")
-def node_sdk() -> Path:
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node and npm are not installed: the Node SDK is not tested")
-    package = NODE_DIR / "node_modules" / "openai" / "package.json"
-    if not package.exists() or json.loads(package.read_text())["version"] != VERSION:
-        NODE_DIR.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--silent", f"openai@{VERSION}"],
-            cwd=NODE_DIR,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"npm install openai@{VERSION} failed: {done.stderr[-500:]}")
-    script = NODE_DIR / "node_agent.mjs"  # beside node_modules, so `import "openai"` resolves
-    shutil.copy(HERE / "node_agent.mjs", script)
-    return script
 
 
 @pytest.fixture(scope="module")
