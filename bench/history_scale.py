@@ -1,22 +1,28 @@
 """Read paths against history size: `overnight sql` count(*) over groups, `overnight ls`,
-the nightly selection (`overnight train --dry-run`'s plan, with and without `--since`),
-at 10k/100k/1M completion rows, before (a git ref, default f5b20ae) and after (this tree).
+the web view's first page (/ui) and a group's page, and the nightly selection
+(`overnight train --dry-run`'s plan: from the last run's watermark, with `--rescan`, and
+with `--since` yesterday), at 10k/100k/1M completion rows; optionally before (a git
+ref, `--before f5b20ae`) beside after (this tree).
 
 History is shaped like production: groups of 8 rollouts of 1-3 turns, 1.6 KB requests,
 ~300 prompt token ids and ~50 completion ids with logprobs per turn, a reward and a
 finish per rollout (most groups' rewards all equal or one missing: 8% trainable), one
-training run a day, and the default 5-minute roll: ~65 logs a day, each leaving one
-segment per table (~195 files a day). Days are filled back from today, 2,740 rows a day
-(1M rows: a year). The Parquet is written directly with pyarrow in the storage schema
-(version 1 rows, as the old code wrote them; no fsync), which is much faster than the
-writer's own log and compaction and gives the same files.
+training run a night (with the selection record its plan leaves), and the default
+5-minute roll: ~65 logs a day, each leaving one segment per table (~195 files a day).
+Days are filled back from today, 2,740 rows a day (1M rows: a year). The Parquet is
+written directly with pyarrow in the storage schema (version 1 rows, as the old code
+wrote them; no fsync), which is much faster than the writer's own log and compaction
+and gives the same files. The history stays in `--work` (default /tmp): `--reuse`
+measures it again without writing it (1M rows: ~15 minutes to write, ~25 to merge on
+one busy core).
 
-Each path runs in a fresh process; time is the call's wall clock, memory the process's
-peak RSS. "before" reads the un-merged history with the old code; "after" reads it
-with this tree's code after closed days are merged (storage/merge.py), which is what the
-writer does after each roll. The growth exponent is log(t2/t1)/log(n2/n1) between sizes.
+Each path runs in a fresh process: its wall time, its CPU time (every thread: on a
+shared machine wall time waits for cores) and the process's peak RSS. "before" reads
+the un-merged history with the old code; "after" reads it with this tree's code after
+closed days are merged (storage/merge.py), which is what the writer does after each
+roll. The growth exponent is log(t2/t1)/log(n2/n1) between sizes.
 
-    python bench/history_scale.py --sizes 10000 100000 [1000000] [--before f5b20ae]
+    python bench/history_scale.py --sizes 10000 100000 1000000 [--reuse] [--paths plan ls]
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS_PER_DAY = 2740
+# Today's rows so far, the same at every size: a night's new data stays constant while
+# the history behind it grows, which is what the growth exponents are about.
+TODAY_ROWS = 1070
 LOGS_PER_DAY = 65
 DAY_US = 86_400_000_000
 
@@ -43,42 +52,108 @@ DAY_US = 86_400_000_000
 PATHS = {
     "count_groups": """
 from overnight.storage import open_db
-t = time.perf_counter()
+t = start_clock()
 con = open_db(DATA)
 con.execute("SELECT count(*) FROM groups").fetchall()
 """,
     "ls": """
 from overnight.storage import open_db
 from overnight.view.display import list_groups
-t = time.perf_counter()
+t = start_clock()
 list_groups(open_db(DATA), None, 20)
 """,
+    # The nightly selection as `overnight train --dry-run` makes it: from the last
+    # run's watermark (the generated nights recorded one), and with --rescan.
     "plan": """
 from overnight.config import TrainConfig
 from overnight.trainer.plan import plan_run
-t = time.perf_counter()
+t = start_clock()
 plan = plan_run(Path(DATA), TrainConfig(), 600)
-info = {"groups": len(plan.groups), "skipped": sum(plan.skipped.values())}
+info = {"groups": len(plan.groups), "skipped": sum(plan.skipped.values()), **plan.loaded}
+""",
+    "plan_rescan": """
+from overnight.config import TrainConfig
+from overnight.trainer.plan import plan_run
+t = start_clock()
+plan = plan_run(Path(DATA), TrainConfig(rescan=True), 600)
+info = {"groups": len(plan.groups), "skipped": sum(plan.skipped.values()), **plan.loaded}
 """,
     "plan_since_yesterday": """
 import datetime as dt
 from overnight.config import TrainConfig
 from overnight.trainer.plan import plan_run
-t = time.perf_counter()
+t = start_clock()
 since = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
 plan = plan_run(Path(DATA), TrainConfig(), 600, since=since)
 info = {"groups": len(plan.groups)}
 """,
+    # The web view in-process (what the proxy mounts at /ui): its first page, the groups
+    # newest first, then the newest group's page.
+    "ui": """
+import asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from overnight.view.web import DATA_DIR, create_web_view
+
+async def main():
+    global t, page
+    app = web.Application()
+    app[DATA_DIR] = Path(DATA)
+    app.add_subapp("/ui", create_web_view())
+    async with TestClient(TestServer(app)) as client:
+        start = start_clock()
+        response = await client.get("/ui")
+        page = await response.text()
+        assert response.status == 200, page[:300]
+        t = time.perf_counter() - start  # the request alone, not the server's start or stop
+
+asyncio.run(main())
+t = time.perf_counter() - t
+info = {"bytes": len(page)}
+""",
+    "ui_group": """
+import asyncio, re
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from overnight.view.web import DATA_DIR, create_web_view
+
+async def main():
+    global t, page
+    app = web.Application()
+    app[DATA_DIR] = Path(DATA)
+    app.add_subapp("/ui", create_web_view())
+    async with TestClient(TestServer(app)) as client:
+        first = await (await client.get("/ui?limit=1")).text()
+        group = re.search(r'href="/ui/groups/([^"]+)"', first).group(1)
+        start = start_clock()
+        response = await client.get(f"/ui/groups/{group}")
+        page = await response.text()
+        assert response.status == 200, page[:300]
+        t = time.perf_counter() - start
+
+asyncio.run(main())
+t = time.perf_counter() - t
+info = {"bytes": len(page)}
+""",
 }
+# Paths the old code cannot run (options it did not have).
+AFTER_ONLY = {"plan_rescan", "ui", "ui_group"}
 RUNNER = """
 import json, resource, sys, time
 from pathlib import Path
 DATA = sys.argv[1]
 info = {}
+cpu = [0.0]
+
+def start_clock():
+    cpu[0] = time.process_time()  # all threads' CPU: DuckDB's too
+    return time.perf_counter()
+
 {body}
 seconds = time.perf_counter() - t
+cpu_s = time.process_time() - cpu[0]
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({{"seconds": seconds, "rss_mb": rss, **info}}))
+print(json.dumps({{"seconds": seconds, "cpu_s": cpu_s, "rss_mb": rss, **info}}))
 """
 
 
@@ -89,12 +164,13 @@ def generate(data: Path, rows: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     words = np.array([f"w{i}" for i in range(2000)])
     pool = [" ".join(rng.choice(words, 300)) for _ in range(4000)]  # ~1.6 KB each
-    days = max(1, math.ceil(rows / ROWS_PER_DAY))
+    days = max(0, math.ceil((rows - TODAY_ROWS) / ROWS_PER_DAY)) + 1
     today0 = (time.time_ns() // 1000) // DAY_US * DAY_US
-    left, n_group = rows, 0
+    left, n_group, runs = rows, 0, []
     for d in range(days):
         day0 = today0 - (days - 1 - d) * DAY_US
-        want = min(ROWS_PER_DAY, left)
+        past = max(min(ROWS_PER_DAY, left - TODAY_ROWS), 1)
+        want = TODAY_ROWS if d == days - 1 else past
         comp, rew, fin, varied = [], [], [], []
         while sum(len(c["record_id"]) for c in comp) < want:
             n_group += 1
@@ -110,16 +186,41 @@ def generate(data: Path, rows: int, seed: int = 0) -> None:
         write_day(data, "rewards", pa.Table.from_pylist(rew), TABLES["rewards"])
         write_day(data, "finishes", pa.Table.from_pylist(fin), TABLES["finishes"])
         if d < days - 1:  # each night trained that day's varied groups
-            run = {
-                "run_id": f"run{d}",
-                "schema_version": 1,
-                "status": "trained",
-                "started_at": day0 + DAY_US - 3_600_000_000,
-                "groups": varied,
-            }
-            write_day(
-                data, "training_runs", pa.Table.from_pylist([run]), TABLES["training_runs"], 1
-            )
+            runs.append(night_run(f"run{d}", day0 + DAY_US - 3_600_000_000, varied))
+        if d % 30 == 29:
+            print(f"    {d + 1} of {days} days written", flush=True)
+    for run in runs:
+        write_day(data, "training_runs", pa.Table.from_pylist([run]), TABLES["training_runs"], 1)
+
+
+def night_run(run_id: str, at_us: int, groups: list[str]) -> dict:
+    """A night's `training_runs` row (its selection record is added by `stamp_runs`)."""
+    return {
+        "run_id": run_id,
+        "schema_version": 1,
+        "status": "trained",
+        "started_at": at_us,
+        "groups": groups,
+    }
+
+
+def stamp_runs(data: Path) -> None:
+    """Give each night's run the selection record its plan left (trainer/plan.py's
+    `Plan.selection`, which record_run stores in `metrics`): looked at its start, every
+    group finished by then decided, none left pending."""
+    from overnight.config import TrainConfig
+    from overnight.trainer.plan import SELECTION_KEY, selection_basis
+
+    record = {"pending": [], "settle_seconds": 600, "basis": selection_basis(TrainConfig())}
+    for path in data.glob("training_runs/date=*/*.parquet"):
+        table = pq.read_table(path)
+        records = [
+            json.dumps({SELECTION_KEY: {**record, "watermark": at.value}})
+            for at in table.column("started_at")
+        ]
+        i = table.schema.get_field_index("metrics")
+        table = table.set_column(i, "metrics", pa.array(records, pa.string()))
+        pq.write_table(table, path, compression="zstd")
 
 
 def one_group(rng, pool, n: int, day0: int, today: bool):
@@ -152,9 +253,9 @@ def one_group(rng, pool, n: int, day0: int, today: bool):
     for r in range(8):
         rollout = f"{group}.{r}"
         t = start + r * 1000
-        prompt = list(rng.integers(0, 30000, 300))
+        prompt = rng.integers(0, 30000, 300, dtype=np.int32)
         for turn in range(int(rng.integers(1, 4))):
-            completion = list(rng.integers(0, 30000, 50))
+            completion = rng.integers(0, 30000, 50, dtype=np.int32)
             rid = f"{rollout}.{turn}"
             cols["record_id"].append(rid)
             cols["request_id"].append(rid)
@@ -177,10 +278,12 @@ def one_group(rng, pool, n: int, day0: int, today: bool):
             )
             cols["prompt_token_ids"].append(prompt)
             cols["completion_token_ids"].append(completion)
-            cols["completion_logprobs"].append(list(-rng.random(50)))
+            cols["completion_logprobs"].append(-rng.random(50, dtype=np.float32))
             cols["prompt_tokens"].append(len(prompt))
             cols["completion_tokens"].append(50)
-            prompt = prompt + completion + list(rng.integers(0, 30000, 20))
+            prompt = np.concatenate(
+                [prompt, completion, rng.integers(0, 30000, 20, dtype=np.int32)]
+            )
             t += 3_000_000
         finishes.append({"rollout_id": rollout, "schema_version": 1, "finished_at": t})
         if kind < 0.12 and r == 7:
@@ -258,11 +361,43 @@ def measure(path: str, data: Path, version) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def prepare(data: Path, size: int, reuse: bool) -> bool:
+    """The history of `size` rows in `data`, merged as the writer leaves closed days;
+    False when it was already there (`reuse`) and only needs measuring."""
+    done = data / "bench-complete"
+    if reuse and done.exists():
+        print(f"{size} rows: reusing {data}", flush=True)
+        return False
+    shutil.rmtree(data, ignore_errors=True)
+    t = time.perf_counter()
+    generate(data, size)
+    files = sum(1 for _ in data.glob("*/date=*/*.parquet"))
+    print(f"{size} rows: {files} files written in {time.perf_counter() - t:.0f} s", flush=True)
+    return True
+
+
+def merge(data: Path) -> None:
+    from overnight.storage.merge import GRACE_SECONDS, MERGE_AFTER, merge_closed_days
+
+    t = time.perf_counter()
+    later = time.time() + MERGE_AFTER + 1
+    merge_closed_days(data, now=later)
+    merge_closed_days(data, now=later + GRACE_SECONDS + 1)  # replaced files deleted
+    files = sum(1 for _ in data.glob("*/date=*/*.parquet"))
+    print(f"  merged closed days in {time.perf_counter() - t:.0f} s: {files} files", flush=True)
+    (data / "bench-complete").write_text("merged\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
-    parser.add_argument("--before", default="f5b20ae", help="git ref of the old code; '' skips it")
-    parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "history-scale")
+    parser.add_argument("--before", default="", help="git ref of the old code (e.g. f5b20ae)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/overnight-history-scale"))
+    parser.add_argument(
+        "--reuse", action="store_true", help="measure a history generated by an earlier run"
+    )
+    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    parser.add_argument("--generate-only", action="store_true")
     args = parser.parse_args()
     before_env = None
     if args.before:
@@ -270,35 +405,35 @@ def main() -> None:
         from bench.versions import materialise
 
         before_env = materialise("before", args.before)
-    from overnight.storage.merge import GRACE_SECONDS, MERGE_AFTER, merge_closed_days
-
     results: dict[str, dict[int, dict]] = {}
     for size in args.sizes:
         data = args.work / str(size)
-        shutil.rmtree(data, ignore_errors=True)
-        t = time.perf_counter()
-        generate(data, size)
-        files = sum(1 for _ in data.glob("*/date=*/*.parquet"))
-        print(f"{size} rows: {files} files written in {time.perf_counter() - t:.0f} s", flush=True)
-        if before_env is not None:
-            for path in PATHS:
-                results.setdefault(f"before {path}", {})[size] = r = measure(path, data, before_env)
-                print(f"  before {path}: {r}", flush=True)
-        t = time.perf_counter()
-        later = time.time() + MERGE_AFTER + 1
-        merge_closed_days(data, now=later)
-        merge_closed_days(data, now=later + GRACE_SECONDS + 1)  # replaced files deleted
-        files = sum(1 for _ in data.glob("*/date=*/*.parquet"))
-        print(f"  merged closed days in {time.perf_counter() - t:.0f} s: {files} files", flush=True)
-        for path in PATHS:
+        fresh = prepare(data, size, args.reuse)
+        stamp_runs(data)
+        if fresh:
+            for path in args.paths if before_env is not None else []:
+                if path not in AFTER_ONLY:
+                    results.setdefault(f"before {path}", {})[size] = r = measure(
+                        path, data, before_env
+                    )
+                    print(f"  before {path}: {r}", flush=True)
+            merge(data)
+        for path in [] if args.generate_only else args.paths:
             results.setdefault(f"after {path}", {})[size] = r = measure(path, data, None)
             print(f"  after {path}: {r}", flush=True)
-    print("\ngrowth exponents (time):")
+    # Wall time on a busy machine waits for cores; CPU time (every thread's) does not.
+    print("\ngrowth exponents (wall time, CPU time):")
     for name, by_size in results.items():
         sizes = [s for s in args.sizes if "seconds" in by_size.get(s, {})]
         for a, b in zip(sizes, sizes[1:], strict=False):
-            ta, tb = by_size[a]["seconds"], by_size[b]["seconds"]
-            print(f"  {name}: {a} -> {b}: {math.log(tb / ta) / math.log(b / a):.2f}")
+            ra, rb = by_size[a], by_size[b]
+            wall = math.log(rb["seconds"] / ra["seconds"]) / math.log(b / a)
+            cpu = (
+                math.log(rb.get("cpu_s", 0) / ra["cpu_s"]) / math.log(b / a)
+                if "cpu_s" in ra
+                else math.nan
+            )
+            print(f"  {name}: {a} -> {b}: {wall:.2f}, {cpu:.2f}")
 
 
 if __name__ == "__main__":

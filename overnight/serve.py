@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .config import ProxyConfig, VLLMConfig
 from .errors import ConfigError
@@ -75,14 +75,15 @@ def serve_forever(
 
     if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
         raise ConfigError(f"with vLLM at {vllm.url}, the proxy's upstream must be its URL")
-    process = None
-    # SIGTERM during vLLM's start must still stop the child: make it an exception.
+    proxy, replicas = with_replicas(proxy, vllm) if vllm is not None else (proxy, [])
+    processes = [VLLMProcess(config, env) for config, env in replicas]
+    # SIGTERM during vLLM's start must still stop the children: make it an exception.
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        if vllm is not None:
-            process = VLLMProcess(vllm)
-            log.info("starting vLLM on %s (log: %s)", process.url, vllm.log_path)
+        for process in processes:  # all start at once; each is waited for in turn
+            log.info("starting vLLM on %s (log: %s)", process.url, process.config.log_path)
             process.start()
+        for process in processes:
             process.wait_healthy(progress=log.info)
         signal.signal(signal.SIGTERM, previous)
         log.info(
@@ -105,10 +106,28 @@ def serve_forever(
     except KeyboardInterrupt:
         log.info("interrupted")
     finally:
-        if process is not None:
-            log.info("stopping vLLM")
+        for process in processes:
+            log.info("stopping vLLM on %s", process.url)
             process.stop()
         log.info("stopped")
+
+
+def with_replicas(
+    proxy: ProxyConfig, vllm: VLLMConfig
+) -> tuple[ProxyConfig, list[tuple[VLLMConfig, dict[str, str]]]]:
+    """vLLM's replicas (launcher.replica_configs) and the proxy in front of all of them.
+
+    Replica i listens on vLLM's port + i; when one of those is taken, all move to the
+    first free run of ports (the proxy then balances over the moved URLs)."""
+    from overnight.proxy.launcher import free_ports, port_free, replica_configs
+
+    if vllm.replicas > 1:
+        ports = range(vllm.port, vllm.port + vllm.replicas)
+        if not all(port_free(vllm.host, p) for p in ports):
+            vllm = replace(vllm, port=free_ports(vllm.host, vllm.replicas))
+    replicas = replica_configs(vllm)
+    urls = tuple(config.url for config, _ in replicas)
+    return replace(proxy, upstream=urls[0], upstreams=urls), replicas
 
 
 def _run(proxy: ProxyConfig, host: str, port: int, advertise_address: bool) -> None:

@@ -8,8 +8,10 @@ proxy first; the proxy then commits its log and stops vLLM itself.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +35,9 @@ __all__ = [
     "VLLMProcess",
     "check_logprobs_mode",
     "free_port",
+    "free_ports",
+    "port_free",
+    "replica_configs",
     "vllm_command",
     "wait_healthy",
 ]
@@ -46,6 +51,69 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(host: str, n: int, tries: int = 50) -> int:
+    """A port p such that p .. p+n-1 are all free now (the replicas' ports)."""
+    for _ in range(tries):
+        base = free_port(host)
+        if base + n - 1 <= 65535 and all(port_free(host, base + i) for i in range(1, n)):
+            return base
+    raise LaunchError(f"found no {n} consecutive free ports on {host}")
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def replica_configs(
+    config: VLLMConfig, on_cpu: bool | None = None, environ: dict[str, str] | None = None
+) -> list[tuple[VLLMConfig, dict[str, str]]]:
+    """Each replica's config and the environment that pins it to its devices.
+
+    Replica i listens on `config.port + i` and logs to `vllm-{i}.log` beside
+    `config.log_path`. On GPUs it sees its own `--tensor-parallel-size` devices
+    (CUDA_VISIBLE_DEVICES, taken in order from the ones this process may use); on a CPU
+    there is nothing to pin. One replica is `config` itself, its environment untouched."""
+    n = config.replicas
+    if n == 1:
+        return [(config, {})]
+    environ = os.environ if environ is None else environ
+    on_cpu = vllm_runs_on_cpu() if on_cpu is None else on_cpu
+    per = _tensor_parallel_size(config.extra_args)
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(n * per)]
+    if not on_cpu and len(devices) < n * per:
+        raise LaunchError(
+            f"{n} vLLM replicas of {per} GPU(s) each need {n * per} devices; "
+            f"CUDA_VISIBLE_DEVICES={visible!r} names {len(devices)}"
+        )
+    out = []
+    for i in range(n):
+        log_path = config.log_path
+        if log_path is not None:
+            log_path = log_path.with_name(f"{log_path.stem}-{i}{log_path.suffix}")
+        replica = dataclasses.replace(config, port=config.port + i, log_path=log_path, replicas=1)
+        env = {} if on_cpu else {"CUDA_VISIBLE_DEVICES": ",".join(devices[i * per : (i + 1) * per])}
+        out.append((replica, env))
+    return out
+
+
+def _tensor_parallel_size(args: tuple[str, ...]) -> int:
+    """vLLM's --tensor-parallel-size (or -tp) among the extra arguments; 1 if not given."""
+    for i, arg in enumerate(args):
+        match = re.fullmatch(r"(?:--tensor-parallel-size|-tp)(?:=(\d+))?", arg)
+        if match:
+            value = match.group(1) or (args[i + 1] if i + 1 < len(args) else "")
+            if not value.isdigit() or int(value) < 1:
+                raise LaunchError(f"vLLM's {arg} needs a positive number")
+            return int(value)
+    return 1
 
 
 def vllm_command(config: VLLMConfig, port: int) -> list[str]:
@@ -147,15 +215,16 @@ def wait_healthy(
 
 
 class VLLMProcess:
-    def __init__(self, config: VLLMConfig):
+    def __init__(self, config: VLLMConfig, env: dict[str, str] | None = None):
         self.config = config
+        self.env = env or {}  # added to vLLM's environment (a replica's devices)
         self.port = config.port or free_port(config.host)
         self.url = f"http://{config.host}:{self.port}"
         self.process: subprocess.Popen | None = None
         self._log = None
 
     def start(self) -> None:
-        env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+        env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **self.env)
         # On a CPU: a KV cache sized from the model, not a share of a busy NUMA node.
         env.update(kv_cache_env(self.config.model, self.config.extra_args))
         if KV_CACHE_ENV in env and KV_CACHE_ENV not in os.environ:

@@ -38,6 +38,7 @@ def completion_rows(
         error = f"upstream error in stream: {acc.error}"
     n = len(indices)
     attribution = who.source if who.source != "none" or n == 1 else "choices"
+    position = conversation_turns(capture.request_body)
     rows = []
     for (group_id, rollout_id), index in zip(who.rows(capture.request_id, n), indices, strict=True):
         state = acc.choices.get(index)
@@ -52,7 +53,10 @@ def completion_rows(
                 "group_id": group_id,
                 "rollout_id": rollout_id,
                 "attribution": attribution,
-                "turn_index": turn_counter.next(rollout_id),
+                # The conversation's own count, which every proxy reads the same; this
+                # process's count only where it is larger (an agent that starts a fresh
+                # conversation each turn): that one is per proxy (docs/architecture.md).
+                "turn_index": max(position, turn_counter.next(rollout_id)),
                 "choice_index": index,
                 "endpoint": capture.endpoint,
                 "model_requested": capture.request_body.get("model"),
@@ -82,6 +86,22 @@ def completion_rows(
             }
         )
     return rows
+
+
+def conversation_turns(request: dict) -> int:
+    """The model's turns already in a chat-shaped request: runs of assistant messages
+    (a Responses reply becomes several: reasoning, text, calls). Every proxy reads the
+    same number from the same request, so it numbers a turn the same whichever of
+    several proxies (or a restarted one) sees it; text completions have none: 0."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    turns, previous = 0, None
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        turns += role == "assistant" and previous != "assistant"
+        previous = role
+    return turns
 
 
 def _completion_tokens(usage: dict, state: ChoiceState | None, n: int) -> int | None:

@@ -260,3 +260,39 @@ def test_the_proxy_never_imports_torch_or_litellm():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_turns_alternating_between_two_proxies_are_numbered_once(make_proxy, tmp_path):
+    # Two proxies on one data directory (as behind a load balancer, or --workers 2), then
+    # a third started later (a restart): each numbers a turn from its conversation.
+    proxies = [await make_proxy(), await make_proxy()]
+    messages = list(CHAT["messages"])
+    headers = {"X-Rollout-Group": "g", "X-Rollout-Id": "shared"}
+    for turn in range(5):
+        proxy = proxies[turn % 2] if turn < 4 else await make_proxy()
+        r = await proxy.post(
+            "/v1/chat/completions", json={**CHAT, "messages": messages}, headers=headers
+        )
+        reply = (await r.json())["choices"][0]["message"]
+        messages = [*messages, reply, {"role": "user", "content": f"and then {turn}?"}]
+    found = await wait_for_rows(tmp_path / "data", 5)
+    assert [f["turn_index"] for f in found] == [0, 1, 2, 3, 4]
+    assert len({f["proxy_id"] for f in found}) == 3
+    # What the readers see: the judge, the trainer and `overnight show` in this order.
+    from overnight.storage import open_db
+    from overnight.view.display import load_rollout
+
+    shown = load_rollout(open_db(tmp_path / "data"), "shared")
+    assert [t.index for t in shown.turns] == [0, 1, 2, 3, 4]
+
+
+def test_a_turn_is_numbered_by_the_model_turns_in_its_conversation():
+    from overnight.proxy.records import conversation_turns
+
+    user, assistant = {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}
+    reasoning = {"role": "assistant", "content": None, "reasoning": "r"}  # one Responses reply
+    tool = {"role": "tool", "content": "t", "tool_call_id": "c"}
+    assert conversation_turns({"messages": [user]}) == 0
+    assert conversation_turns({"messages": [user, reasoning, assistant, tool, assistant]}) == 2
+    assert conversation_turns({"prompt": "text completion"}) == 0
+    assert conversation_turns({"messages": "not a list"}) == 0

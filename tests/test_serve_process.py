@@ -103,3 +103,41 @@ def test_sigkill_loses_nothing_that_was_committed(fake_process, tmp_path):
             {"rollout_id": "r3", "reward": 1.0}
         ]
         assert serve.stop(timeout=30) == 0
+
+
+def served_requests(vllm_url: str) -> float:
+    """Requests a vLLM server finished, from its Prometheus metrics."""
+    with urllib.request.urlopen(vllm_url + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith("vllm:request_success_total"))
+
+
+@pytest.mark.vllm
+def test_serve_starts_two_local_vllm_replicas_and_balances_over_them(tiny_model_dir, tmp_path):
+    pytest.importorskip("vllm")
+    from overnight.proxy.balancer import Balancer
+
+    args = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--vllm-replicas", "2"]
+    args += ["--vllm-arg=--max-model-len=2048", "--vllm-arg=--max-num-seqs=4"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with spawn_serve(tmp_path, *args, env=env, startup_timeout=1500) as serve:
+        replicas = get_json(serve.url + "/admin/adapters")["replicas"]
+        urls = [r["url"] for r in replicas]
+        assert len(urls) == 2 and all(r["healthy"] for r in replicas)
+        # One rollout the balancer sends to each replica (its own hashing, same URLs).
+        balancer = Balancer(urls, 1, 1)
+        ids = {balancer.pick(f"v{i}").url: f"v{i}" for i in range(20)}
+        assert set(ids) == set(urls)
+        for rollout in ids.values():
+            status, _ = post(
+                serve.url + "/v1/chat/completions",
+                {**CHAT, "model": "tiny"},
+                {"X-Rollout-Id": rollout},
+            )
+            assert status == 200
+        assert [served_requests(url) for url in urls] == [1.0, 1.0]
+        assert serve.stop(timeout=60) == 0
+    assert (tmp_path / "logs" / "vllm-0.log").exists() and (
+        tmp_path / "logs" / "vllm-1.log"
+    ).exists()
+    assert len(rows(tmp_path, "SELECT * FROM completions")) == 2

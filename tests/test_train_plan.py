@@ -8,19 +8,25 @@ from click.testing import CliRunner
 
 from overnight.cli import main
 from overnight.config import TrainConfig
-from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.train import plan_run
+from overnight.storage import LogWriter, WriterConfig, now_us
+from overnight.trainer.plan import Plan
+from overnight.trainer.train import RunResult, plan_run, record_run
 
 from .helpers import chat_response, completion_row
 
 
 def write(
-    data_dir, groups: dict[str, list[float | None]], token_ids: bool = True, source: str = "agent"
+    data_dir,
+    groups: dict[str, list[float | None]],
+    token_ids: bool = True,
+    source: str = "agent",
+    at: int | None = None,
 ):
-    """One-turn rollouts with token ids; rewards as given (None: no reward)."""
+    """One-turn rollouts with token ids; rewards as given (None: no reward); every row
+    stamped `at` (microseconds; default now)."""
     writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
     writer.start()
-    now = time.time_ns() // 1000
+    now = time.time_ns() // 1000 if at is None else at
     for group, rewards in groups.items():
         for i, reward in enumerate(rewards):
             rollout = f"{group}.{i}"
@@ -29,6 +35,8 @@ def write(
                 completion_row(
                     rollout,
                     group,
+                    started_at=now,
+                    ended_at=now,
                     prompt_token_ids=[1, 2, 3] if token_ids else None,
                     completion_token_ids=[10 + i, 11] if token_ids else None,
                     completion_logprobs=[-0.5, -0.25] if token_ids else None,
@@ -71,6 +79,80 @@ def test_the_plan_takes_scored_varied_groups_and_says_why_not_others(tmp_path):
         "fewer than 2 trainable rollouts": 2,  # "alone", and "no-ids" whose turns are skipped
         "turns skipped: no token ids logged": 2,
     }
+
+
+DAY_US = 86_400_000_000
+
+
+def post_reward(data_dir, rollout: str, reward: float) -> None:
+    """A reward posted now, for a rollout logged earlier."""
+    writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
+    writer.start()
+    row = {"reward_id": f"{rollout}.late", "schema_version": 1, "rollout_id": rollout}
+    writer.append("rewards", {**row, "reward": reward, "source": "agent", "created_at": now_us()})
+    writer.close()
+
+
+def night(data_dir, config: TrainConfig | None = None, **options) -> Plan:
+    """One night's selection, recorded as `overnight train` records its run."""
+    config = config or TrainConfig()
+    plan = plan_run(data_dir, config, settle_seconds=600, **options)
+    if plan.groups:
+        result = RunResult(f"run-{now_us()}", plan)
+        record_run(data_dir, result, config, "base", None, now_us(), None)
+    return plan
+
+
+def test_a_night_reads_only_groups_changed_since_the_last_selection(tmp_path):
+    write(
+        tmp_path,
+        {"good": [1.0, 0.0], "flat": [1.0, 1.0], "unscored": [1.0, None]},
+        at=now_us() - 2 * DAY_US,
+    )
+    first = night(tmp_path)  # no earlier run: every untrained group is looked at
+    assert first.groups == ["good"] and first.looked_since is None
+    assert sorted(first.considered) == ["flat", "good", "unscored"]
+    assert first.loaded_groups == ["good"]  # token ids read only where rewards differ
+
+    nothing_new = night(tmp_path)
+    assert nothing_new.considered == [] and nothing_new.loaded_groups == []
+    assert nothing_new.looked_since == first.selection["watermark"]
+
+    post_reward(tmp_path, "unscored.1", 0.0)  # the missing reward arrives, late
+    second = night(tmp_path)
+    assert second.considered == ["unscored"] and second.loaded_groups == ["unscored"]
+    assert second.groups == ["unscored"] and second.rewards == {
+        "unscored.0": 1.0,
+        "unscored.1": 0.0,
+    }
+    assert "looked at 1 group(s) changed since the last run's selection" in " ".join(second.lines())
+
+    rescan = plan_run(tmp_path, TrainConfig(rescan=True), settle_seconds=600)
+    assert rescan.considered == ["flat"] and rescan.loaded_groups == []
+    assert rescan.skipped == {"all rewards equal: no signal": 1}
+
+
+def test_groups_left_pending_are_looked_at_again_and_a_new_basis_looks_at_all(tmp_path):
+    for i, group in enumerate(["a", "b", "flat"]):  # begun in this order
+        rewards = [1.0, 1.0] if group == "flat" else [1.0, 0.0]
+        write(tmp_path, {group: rewards}, at=now_us() - DAY_US + i)
+    capped = night(tmp_path, max_groups=1)
+    assert capped.groups == ["a"] and capped.selection["pending"] == ["a", "b"]
+    # Nothing changed, but "b" was trainable and not trained: it is looked at again.
+    second = night(tmp_path)
+    assert second.considered == ["b"] and second.groups == ["b"]
+    assert night(tmp_path).considered == []
+    # Verdicts made under other reward sources are not trusted: everything is looked at.
+    ruler = TrainConfig(reward_sources=("ruler", "agent"))
+    assert plan_run(tmp_path, ruler, settle_seconds=600).considered == ["flat"]
+
+
+def test_a_failed_runs_selection_is_not_used(tmp_path):
+    write(tmp_path, {"good": [1.0, 0.0]}, at=now_us() - DAY_US)
+    plan = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    record_run(tmp_path, RunResult("failed", plan), TrainConfig(), "b", None, now_us(), "Boom")
+    again = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    assert again.looked_since is None and again.groups == ["good"]
 
 
 def test_reward_sources_in_order_of_preference(tmp_path):

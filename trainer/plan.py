@@ -3,11 +3,23 @@
 A group is trained once. It is taken when every rollout in it is finished, has a
 reward from one of the configured sources, and the rewards differ (equal rewards give
 every advantage zero: no signal). Samples come out with their advantages attached.
+
+A night looks only at groups that changed since the last run decided them. Each plan
+leaves a selection record (`Plan.selection`, stored by the run in its `metrics`): when
+it looked (the watermark), the groups it found trainable but did not train (`pending`:
+held out, or past --max-groups), its settle time and the options its verdicts depend
+on. The next night looks at those, and at every group with a row newer than the
+watermark (less the settle time, for groups still open then, and an overlap for rows
+that arrive late): a new turn, finish, reward or judgment. A group skipped for equal or
+missing rewards is not read again until one of those arrives; then it is decided
+again, and trained if it now can be. `--rescan` looks at every untrained group (after
+restoring data, or a log recovered more than the overlap late).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,10 +27,18 @@ from pathlib import Path
 import pyarrow as pa
 
 from overnight.config import TrainConfig
-from overnight.storage import finished_groups, open_db
+from overnight.storage import finished_groups, now_us, open_db
 
 from .data import GroupAdvantages, Sample, group_advantages
 from .records import Loaded, load_samples
+
+# The key of the selection record in a run's `metrics` JSON.
+SELECTION_KEY = "selection"
+# How much earlier than the last watermark a night looks again. Rows reach a reader
+# after their timestamp: a proxy writing to a bucket uploads every roll (5 minutes),
+# machines' clocks differ, a request's row is written when it ends. A group looked at
+# twice is only decided twice.
+OVERLAP_SECONDS = 3600.0
 
 
 @dataclass
@@ -31,12 +51,29 @@ class Plan:
     retokenised: int = 0
     token_count_gaps: list[int] = field(default_factory=list)
     unreproduced: dict[str, int] = field(default_factory=dict)  # see records.Loaded
+    considered: list[str] = field(default_factory=list)  # the candidates looked at
+    loaded_groups: list[str] = field(default_factory=list)  # those whose records were read
+    looked_since: int | None = None  # the watermark it started from; None: looked at all
+    # What the next night starts from (see the module's docstring); None when this plan
+    # did not look at everything it should decide (a resumed run, --since).
+    selection: dict | None = None
+
+    @property
+    def loaded(self) -> dict:
+        """How much the selection read: groups looked at, and those whose records it read."""
+        return {"considered": len(self.considered), "loaded": len(self.loaded_groups)}
 
     def lines(self) -> list[str]:
         out = [
             f"{len(self.groups)} group(s), {len(self.samples)} sequence(s), "
             f"{sum(s.trained_tokens for s in self.samples)} trained tokens"
         ]
+        if self.looked_since is not None:
+            at = dt.datetime.fromtimestamp(self.looked_since / 1e6, dt.UTC)
+            out.append(
+                f"  looked at {len(self.considered)} group(s) changed since the last run's "
+                f"selection ({at:%Y-%m-%d %H:%M} UTC) or left pending by it (--rescan: all)"
+            )
         out += [f"  skipped {n} group(s): {reason}" for reason, n in self.skipped.most_common()]
         if self.retokenised:
             gaps = self.token_count_gaps
@@ -64,10 +101,18 @@ class Plan:
         self.group_stats[group_id] = {"mean": adv.mean, "std": adv.std, "rollouts": len(rewards)}
 
 
-def chosen_rewards(con, sources: tuple[str, ...]) -> dict[str, float]:
-    """Each rollout's reward from the first source in `sources` that has one (latest wins)."""
+def chosen_rewards(
+    con, sources: tuple[str, ...], rollouts: list[str] | None = None
+) -> dict[str, float]:
+    """Each rollout's reward from the first source in `sources` that has one (latest
+    wins); of `rollouts` only, when given."""
+    where = ""
+    if rollouts is not None:
+        con.register("_plan_rollouts", pa.table({"rollout_id": pa.array(rollouts, pa.string())}))
+        where = "WHERE rollout_id IN (SELECT rollout_id FROM _plan_rollouts)"
     rows = con.execute(
-        "SELECT rollout_id, source, arg_max(reward, created_at) FROM rewards GROUP BY rollout_id, source"
+        "SELECT rollout_id, source, arg_max(reward, created_at) FROM rewards "
+        f"{where} GROUP BY rollout_id, source"
     ).fetchall()
     rank = {s: i for i, s in enumerate(sources)}
     best: dict[str, tuple[int, float]] = {}
@@ -112,58 +157,183 @@ def plan_run(
 ) -> Plan:
     """The groups to train on, in order, up to `max_groups`; `plan.skipped` says why not others.
 
-    Token ids are read only for groups whose rewards could give a signal: most groups a
-    night considers are left out for their rewards alone (all equal, or missing), and
-    reading their records was most of a night's selection time."""
+    Only groups changed since the last run's selection are looked at (see the module's
+    docstring), and token ids are read only for those whose rewards could give a
+    signal: most groups a night considers are left out for their rewards alone."""
+    looked_at = now_us()
     # With `since`, days before it are not even listed (their groups began earlier).
     days_from = since.astimezone(dt.UTC).date() if since is not None else None
     con = open_db(data_dir, days_from=None if only is not None else days_from)
     try:
-        candidates = candidate_groups(con, settle_seconds, since, only)
-        rewards = chosen_rewards(con, config.reward_sources)
-        verdicts = _reward_verdicts(con, candidates, rewards, config)
+        full = only is not None or since is not None or config.rescan
+        last = None if full else last_selection(con, config)
+        if last is None:
+            candidates = candidate_groups(con, settle_seconds, since, only)
+            rollouts = _group_rollouts(con, candidates, settle_seconds)
+        else:
+            # A group open then (by the settle time it used) was not decided: look back
+            # by the longer of the two.
+            settle = max(settle_seconds, float(last.get("settle_seconds") or 0))
+            changed = changed_groups(data_dir, con, last["watermark"], settle)
+            done = trained_groups(con)
+            pool = [g for g in changed | set(last.get("pending", [])) if g not in done]
+            rollouts = _group_rollouts(con, pool, settle_seconds, finished_only=True)
+            candidates = list(rollouts)
+        rewards = chosen_rewards(
+            con, config.reward_sources, [r for rs in rollouts.values() for r in rs]
+        )
+        verdicts = _reward_verdicts(rollouts, rewards, config)
         wanted = [g for g in candidates if verdicts.get(g) is None]
         loaded = load_samples(con, wanted, tokenizer, sampling_defaults)
     finally:
         con.close()
     plan = _plan_from(loaded)
+    plan.considered, plan.loaded_groups = candidates, wanted
+    plan.looked_since = last["watermark"] if last is not None else None
     by_group: dict[str, list[Sample]] = {}
     for s in loaded.samples:
         by_group.setdefault(s.group_id, []).append(s)
+    pending: list[str] = []  # trainable by their rewards, past the cap: not decided
     for group_id in candidates:
         samples = by_group.get(group_id, [])
+        if max_groups is not None and len(plan.groups) >= max_groups:
+            pending += [group_id] if verdicts.get(group_id) is None else []
+            continue
         verdict = verdicts.get(group_id) or _advantages_or_reason(samples, rewards, config)
         if isinstance(verdict, str):
             plan.skipped[verdict] += 1
             continue
-        rollouts = {s.rollout_id for s in samples}
-        plan.take(group_id, samples, {r: rewards[r] for r in rollouts}, verdict)
-        if max_groups is not None and len(plan.groups) >= max_groups:
-            break
+        rollouts_taken = {s.rollout_id for s in samples}
+        plan.take(group_id, samples, {r: rewards[r] for r in rollouts_taken}, verdict)
+    if only is None and since is None:
+        # The groups taken are pending too: the gate may hold some out of training.
+        plan.selection = {
+            "watermark": looked_at,
+            "pending": plan.groups + pending,
+            "settle_seconds": settle_seconds,
+            "basis": selection_basis(config),
+        }
     return plan
 
 
+def selection_basis(config: TrainConfig) -> dict:
+    """The options a group's verdict depends on: a record made under others is not used."""
+    return {"reward_sources": list(config.reward_sources), "min_group_size": config.min_group_size}
+
+
+def last_selection(con, config: TrainConfig) -> dict | None:
+    """The newest selection record of a trained run made under this config's basis.
+
+    A failed run's record is not used: the groups it meant to train were not trained,
+    and the next night must find them again."""
+    rows = con.execute(
+        "SELECT metrics FROM training_runs WHERE status = 'trained' AND metrics IS NOT NULL "
+        "ORDER BY started_at DESC"
+    ).fetchall()
+    for (text,) in rows:
+        try:
+            record = json.loads(text).get(SELECTION_KEY)
+        except (ValueError, AttributeError):
+            continue
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("watermark"), int)
+            and record.get("basis") == selection_basis(config)
+        ):
+            return record
+    return None
+
+
+def changed_groups(data_dir: Path, con, watermark: int, settle_seconds: float) -> set[str]:
+    """Groups with a row newer than `watermark`, less the settle time (a group still
+    open then was not decided) and the overlap: a turn, finish, reward or judgment.
+
+    Only the days since are read (a separate, pruned DuckDB); a rollout whose late
+    reward or finish has no turn in those days is looked up in `con` (all days)."""
+    since_us = watermark - int((settle_seconds + OVERLAP_SECONDS) * 1e6)
+    since = dt.datetime.fromtimestamp(since_us / 1e6, dt.UTC)
+    # A day earlier too: a turn stored under the day it started may end after `since`.
+    recent = open_db(data_dir, days_from=(since - dt.timedelta(days=1)).date())
+    try:
+        groups = {
+            g
+            for (g,) in recent.execute(
+                "SELECT group_id FROM completions WHERE coalesce(ended_at, started_at) >= $t "
+                "UNION SELECT group_id FROM judgments WHERE created_at >= $t",
+                {"t": since},
+            ).fetchall()
+        }
+        rollouts = {
+            r
+            for (r,) in recent.execute(
+                "SELECT rollout_id FROM rewards WHERE created_at >= $t "
+                "UNION SELECT rollout_id FROM finishes WHERE finished_at >= $t",
+                {"t": since},
+            ).fetchall()
+        }
+        found = _groups_of(recent, rollouts)
+    finally:
+        recent.close()
+    late = rollouts - found.keys()
+    return groups | set(found.values()) | set(_groups_of(con, late).values())
+
+
+def _groups_of(con, rollouts: set[str]) -> dict[str, str]:
+    """rollout -> group, for those of `rollouts` that have a turn in `con`."""
+    if not rollouts:
+        return {}
+    con.register("_plan_rollouts", pa.table({"rollout_id": pa.array(list(rollouts), pa.string())}))
+    rows = con.execute(
+        "SELECT DISTINCT rollout_id, group_id FROM completions "
+        "WHERE rollout_id IN (SELECT rollout_id FROM _plan_rollouts)"
+    ).fetchall()
+    return dict(rows)
+
+
+def _group_rollouts(
+    con, groups: list[str], settle_seconds: float, finished_only: bool = False
+) -> dict[str, list[str]]:
+    """Each group's rollouts, in the order of `groups`; with `finished_only`, only the
+    groups finished now (as `finished_groups` says), ordered by when they began."""
+    if not groups:
+        return {}
+    con.register("_plan_groups", pa.table({"group_id": pa.array(groups, pa.string())}))
+    rows = con.execute(
+        """
+        WITH c AS (
+            SELECT group_id, rollout_id, min(started_at) AS started_at, max(ended_at) AS ended_at
+            FROM completions WHERE group_id IN (SELECT group_id FROM _plan_groups)
+            GROUP BY group_id, rollout_id),
+        f AS (SELECT DISTINCT rollout_id FROM finishes
+              WHERE rollout_id IN (SELECT rollout_id FROM c))
+        SELECT c.group_id, list(c.rollout_id ORDER BY c.rollout_id),
+               bool_and(f.rollout_id IS NOT NULL
+                        OR c.ended_at < now() - to_microseconds(CAST($settle * 1e6 AS BIGINT)))
+        FROM c LEFT JOIN f USING (rollout_id)
+        GROUP BY c.group_id ORDER BY min(c.started_at), c.group_id
+        """,
+        {"settle": settle_seconds},
+    ).fetchall()
+    if finished_only:
+        return {g: rollouts for g, rollouts, finished in rows if finished}
+    found = {g: rollouts for g, rollouts, _ in rows}
+    return {g: found.get(g, []) for g in groups}
+
+
 def _reward_verdicts(
-    con, groups: list[str], rewards: dict[str, float], config: TrainConfig
+    rollouts: dict[str, list[str]], rewards: dict[str, float], config: TrainConfig
 ) -> dict[str, str]:
     """Why each group that surely cannot be trained on is left out, from its rollouts'
     rewards alone (no token ids read). The trainable rollouts are a subset of all of
     them, so a group with too few rollouts, or fewer than two distinct rewards, is out
     whatever its records hold."""
-    if not groups:
-        return {}
-    con.register("_plan_groups", pa.table({"group_id": groups}))
-    rows = con.execute(
-        "SELECT group_id, list(DISTINCT rollout_id) FROM completions "
-        "WHERE group_id IN (SELECT group_id FROM _plan_groups) GROUP BY group_id"
-    ).fetchall()
     out = {}
-    for group_id, rollouts in rows:
-        scored = {rewards[r] for r in rollouts if r in rewards}
-        if len(rollouts) < config.min_group_size:
+    for group_id, group_rollouts in rollouts.items():
+        scored = {rewards[r] for r in group_rollouts if r in rewards}
+        if len(group_rollouts) < config.min_group_size:
             out[group_id] = f"fewer than {config.min_group_size} trainable rollouts"
         elif len(scored) < 2:
-            missing = any(r not in rewards for r in rollouts)
+            missing = any(r not in rewards for r in group_rollouts)
             out[group_id] = (
                 "a rollout has no reward (run overnight judge, or post rewards)"
                 if missing
