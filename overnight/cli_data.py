@@ -14,7 +14,33 @@ import click
 from .config import ProxyConfig
 from .options import config_options
 
-data_option = config_options(ProxyConfig, only=["data_dir"])
+_DATA_OPTIONS = config_options(ProxyConfig, only=["data_dir", "local_dir"])
+
+
+def data_option(command: Callable) -> Callable:
+    """`--data` (and `--local-dir`) for a command: the command gets `data_dir`, always a
+    local directory; a URL is attached to its local directory first (storage/location.py)."""
+    command = _DATA_OPTIONS(command)
+    for param in command.__click_params__:  # type: ignore[attr-defined]
+        if param.name == "local_dir":  # read first, given to --data's callback, not passed on
+            param.is_eager, param.expose_value, param.callback = True, False, _remember_local
+        elif param.name == "data_dir":
+            param.type, param.callback, param.metavar = click.STRING, _attach, "DIR|URL"
+    return command
+
+
+def _remember_local(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
+    ctx.meta["overnight.local_dir"] = value
+
+
+def _attach(ctx: click.Context, _param: click.Parameter, value: str | Path) -> Path:
+    from .storage.location import StoreLocationError, attach
+
+    try:
+        return attach(value, ctx.meta.get("overnight.local_dir"))
+    except (StoreLocationError, OSError) as e:
+        raise click.BadParameter(str(e), param_hint="--data") from e
+
 
 _TABLES = ("completions", "rollouts", "groups", "rewards", "finishes", "judgments", "training_runs")
 
@@ -42,8 +68,12 @@ def read_db(data_dir: Path) -> Iterator[Any]:
         con = open_db(data_dir)
     except SchemaVersionError as e:
         raise click.ClickException(str(e)) from e
+    except OSError as e:  # a bucket that cannot be reached, or refuses us
+        raise click.ClickException(f"cannot read the records of {data_dir}: {e}") from e
     try:
         yield con
+    except OSError as e:  # a bucket that stopped answering mid-query
+        raise click.ClickException(f"cannot read the records of {data_dir}: {e}") from e
     finally:
         con.close()
 

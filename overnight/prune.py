@@ -19,11 +19,14 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
 
 from .errors import ConfigError
 
 # Every table but training_runs (see the module's doc).
-PRUNED_TABLES = ("completions", "rewards", "finishes", "judgments")
+PRUNED_TABLES = ("completions", "rewards", "finishes", "judgments", "siblings")
 _AGE = re.compile(r"(\d+(?:\.\d+)?)\s*([dhw])")
 _UNITS = {"h": dt.timedelta(hours=1), "d": dt.timedelta(days=1), "w": dt.timedelta(weeks=1)}
 
@@ -40,10 +43,11 @@ def parse_age(text: str) -> dt.timedelta:
 class TableDays:
     """The day partitions of one table that a prune removes."""
 
-    days: list[Path] = field(default_factory=list)
+    days: list[Path | str] = field(default_factory=list)  # local folders, or `date=D` in a bucket
     files: int = 0
     rows: int = 0
     bytes: int = 0
+    objects: dict[str, list[str]] = field(default_factory=dict)  # in a bucket: day -> files
 
 
 @dataclass
@@ -51,13 +55,15 @@ class PrunePlan:
     data_dir: Path
     before: dt.date  # partitions of days strictly before this one go
     tables: dict[str, TableDays] = field(default_factory=dict)
+    store: Any = None  # storage.location.SegmentStore: where the days are
 
     @property
     def empty(self) -> bool:
         return not any(t.days for t in self.tables.values())
 
     def lines(self) -> list[str]:
-        out = [f"day partitions before {self.before.isoformat()} (UTC) in {self.data_dir}:"]
+        where = self.store.describe() if self.store is not None else self.data_dir
+        out = [f"day partitions before {self.before.isoformat()} (UTC) in {where}:"]
         for name, t in self.tables.items():
             out.append(
                 f"  {name:<12} {len(t.days):>4} day(s) {t.files:>6} file(s) "
@@ -72,16 +78,19 @@ def plan_prune(
     data_dir: Path, older_than: dt.timedelta, now: dt.datetime | None = None
 ) -> PrunePlan:
     """What `prune` would delete: the days that ended more than `older_than` ago, never today."""
-    import pyarrow.parquet as pq
+    from .storage.location import segment_store
 
     now = now or dt.datetime.now(dt.UTC)
     today = now.date()
     before = min((now - older_than).date(), today)
-    plan = PrunePlan(Path(data_dir), before)
+    plan = PrunePlan(Path(data_dir), before, store=segment_store(data_dir))
     for table in PRUNED_TABLES:
         days = plan.tables[table] = TableDays()
+        if plan.store.remote:
+            _plan_bucket(plan, table, days)
+            continue
         for day_dir in sorted((plan.data_dir / table).glob("date=*")):
-            day = _day_of(day_dir)
+            day = _day_of(day_dir.name)
             if day is None or day >= before or not day_dir.is_dir():
                 continue  # 'date=unknown' (rows without a time) is never pruned by age
             days.days.append(day_dir)
@@ -92,12 +101,33 @@ def plan_prune(
     return plan
 
 
+def _plan_bucket(plan: PrunePlan, table: str, days: TableDays) -> None:
+    """The same plan for segments in a bucket: one listing, the footers of the doomed."""
+    for f in plan.store.list(table):
+        folder = f.rel.partition("/")[0]
+        day = _day_of(folder)
+        if day is None or day >= plan.before:
+            continue
+        if folder not in days.objects:
+            days.days.append(folder)
+        days.objects.setdefault(folder, []).append(f.rel)
+        days.files += 1
+        days.bytes += f.size
+        days.rows += plan.store.read_metadata(table, f.rel).num_rows
+
+
 def prune(plan: PrunePlan) -> int:
-    """Delete the plan's day partitions; the number of days removed. Each day leaves the
-    readers' view in one rename before its files are deleted."""
+    """Delete the plan's day partitions; the number of days removed. Each local day leaves
+    the readers' view in one rename before its files are deleted; in a bucket (no rename)
+    its objects are deleted in one request, and a reader that had already listed one
+    fails once and can be run again."""
     removed = 0
-    for t in plan.tables.values():
+    for table, t in plan.tables.items():
         for day_dir in t.days:
+            if isinstance(day_dir, str):
+                plan.store.delete(table, t.objects[day_dir])
+                removed += 1
+                continue
             doomed = day_dir.with_name(f".pruning-{day_dir.name}-{os.getpid()}")
             try:
                 day_dir.rename(doomed)
@@ -108,9 +138,9 @@ def prune(plan: PrunePlan) -> int:
     return removed
 
 
-def _day_of(day_dir: Path) -> dt.date | None:
+def _day_of(folder: str) -> dt.date | None:
     try:
-        return dt.date.fromisoformat(day_dir.name.removeprefix("date="))
+        return dt.date.fromisoformat(folder.removeprefix("date="))
     except ValueError:
         return None
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from .state import CONFIG
+
 log = logging.getLogger("overnight.proxy")
 
 ADDRESS_FILE = "proxy.json"
@@ -70,6 +72,7 @@ def find_proxy(data_dir: Path) -> dict | None:
 
 def advertise(app: web.Application, data_dir: Path, url: str, admin_token_required: bool) -> None:
     """Write the address once the app has started, remove it when it cleans up."""
+    data_dir = app[CONFIG].data_dir  # the app's local directory (also when --data is a URL)
 
     async def write(_app: web.Application) -> None:
         try:

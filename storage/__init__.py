@@ -5,6 +5,7 @@ ground they share, `overnight.errors`, for `StoreUnavailable`).
 """
 
 from .ids import new_id, now_us
+from .location import attach, data_url, segment_store
 from .reader import finished_groups, open_db
 from .schema import SCHEMA_VERSION, SchemaVersionError, fit_row
 from .segments import fsync_path
@@ -17,6 +18,8 @@ __all__ = [
     "StoreUnavailable",
     "WriterConfig",
     "WriterHealth",
+    "attach",
+    "data_url",
     "finished_groups",
     "fit_row",
     "fsync_path",
@@ -24,4 +27,5 @@ __all__ = [
     "now_us",
     "open_db",
     "recover",
+    "segment_store",
 ]

@@ -8,7 +8,9 @@ fsync returned.
 
 Listing order matters: logs are listed first, segments second. A log compacted in
 between then shows up as a segment (its stem names it) and is not counted twice,
-and never goes missing.
+and never goes missing. With `--data` a URL, the segments are listed in the bucket and
+read from this machine's copies of them (fetched when missing, location.py), the live
+logs from its local directory.
 
 A live log is read as compaction will read it: a value that does not fit its column is
 made to fit (with a note), and a line that cannot be stored is left out here (and set
@@ -24,6 +26,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from .location import segment_store
 from .merge import list_segments
 from .schema import TABLES, check_versions
 from .segments import log_files, read_log, row_day, to_arrow
@@ -63,7 +66,10 @@ DERIVED_VIEWS = {
                 sum(coalesce(completion_tokens, 0)) AS completion_tokens,
                 min(started_at) AS started_at,
                 max(ended_at) AS ended_at,
-                string_agg(DISTINCT model_served, ',' ORDER BY model_served) AS models_served,
+                -- A sorted distinct list, not string_agg(DISTINCT ... ORDER BY): the same
+                -- text at less than half the cost over a million rows (bench/history_scale.py).
+                nullif(array_to_string(list_sort(list_distinct(list(model_served))), ','), '')
+                    AS models_served,
                 count(*) FILTER (WHERE error IS NOT NULL) AS errors
             FROM completions
             GROUP BY rollout_id, group_id
@@ -87,7 +93,8 @@ DERIVED_VIEWS = {
             count(finished_at) AS finished,
             min(started_at) AS started_at,
             max(ended_at) AS ended_at,
-            string_agg(DISTINCT models_served, ',' ORDER BY models_served) AS models_served
+            nullif(array_to_string(list_sort(list_distinct(list(models_served))), ','), '')
+                AS models_served
         FROM rollouts
         GROUP BY group_id
     """,
@@ -113,21 +120,23 @@ def snapshot(
         for table, table_rows in by_table.items():
             if table in rows:
                 rows[table].extend((path.stem, r) for r in table_rows)
-    listed = {name: list_segments(data_dir, name) for name in TABLES}
-    # Stems of every segment listed, merged ones' sources included: a log whose segment
-    # was merged away meanwhile is still known as compacted.
-    compacted = {stem for found in listed.values() for stem in found.stems}
+    store = segment_store(data_dir)
+    listed = {name: list_segments(data_dir, name, store) for name in TABLES}
     live, segments = {}, {}
     for name, pairs in rows.items():
         since = None if name == "training_runs" else days_from
-        table_rows = [r for stem, r in pairs if stem not in compacted]
+        # A row whose table and day have a segment from its log (merged ones' sources
+        # included) is read there: a log compacted meanwhile is never counted twice, and
+        # one whose upload stopped halfway keeps the rows that did not get there.
+        known = listed[name].compacted
+        table_rows = [r for stem, r in pairs if (f"date={row_day(name, r)}", stem) not in known]
         if since is not None:
             first = since.strftime("%Y-%m-%d")
             table_rows = [r for r in table_rows if row_day(name, r) >= first]
         live[name], rejected = to_arrow(name, table_rows)
         if rejected:
             log.warning("%s: %d live row(s) left out: %s", name, len(rejected), rejected[0][1])
-        segments[name] = listed[name].since(since)
+        segments[name] = listed[name].readable(since)
     return live, segments
 
 
@@ -154,6 +163,7 @@ def open_db(data_dir: str | Path, *, days_from: dt.date | None = None) -> duckdb
     con = duckdb.connect(":memory:")
     # Footers read once per connection, not once per query (`ls` asks one per group).
     con.execute("SET parquet_metadata_cache = true")
+    segment_store(data_dir).register(con)  # a query may name a bucket's files itself
     live, segments = snapshot(data_dir, days_from)
     for name in TABLES:
         con.register(f"_live_{name}", live[name])

@@ -4,8 +4,10 @@ A log file is JSON lines, `{"t": table, "r": row}`, appended by one process. A c
 can leave its last line torn; that line was never committed (its fsync did not
 return), so it is dropped. A sealed log becomes one Parquet file per table and day,
 `{table}/date=YYYY-MM-DD/{log stem}.parquet`, written to a temporary name, fsynced and
-renamed, and only then is the log deleted. Readers use the stem to avoid counting a
-row twice while a log and its segment briefly both exist.
+renamed, and only then is the log deleted; with `--data` a URL (location.py), the
+segments are objects in the bucket, each one PUT, and the log stays on local disk until
+every one is uploaded. Readers use the stem to avoid counting a row twice while a log
+and its segment briefly both exist.
 
 No single line can stop a log from being compacted: a value Arrow refuses is made to
 fit its column (`schema.fit_value`, with a note), and a line that still cannot be
@@ -23,6 +25,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 import pyarrow as pa
@@ -40,6 +43,9 @@ from .schema import (
     json_text,
 )
 
+if TYPE_CHECKING:
+    from .location import SegmentStore
+
 log = logging.getLogger("overnight.storage")
 
 LOG_DIR = "wal"
@@ -54,6 +60,7 @@ PARTITION_COLUMN = {
     "finishes": "finished_at",
     "judgments": "created_at",
     "training_runs": "started_at",
+    "siblings": "started_at",
 }
 
 
@@ -223,13 +230,32 @@ def write_segment(table: pa.Table, path: Path) -> None:
     """Write atomically: a reader sees the whole file or none of it."""
     private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.tmp")
-    # The newest version of its rows, read by `open_db` from the footer (no scan).
-    newest = pc.max(table.column("schema_version")).as_py() if table.num_rows else None
-    metadata = {b"overnight.schema_version": str(newest or SCHEMA_VERSION).encode()}
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    table = _with_version(table)
     _create_private(tmp)
     pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP_SIZE)
     _replace_durably(tmp, path)
+
+
+def _with_version(table: pa.Table) -> pa.Table:
+    """`table` with the newest version of its rows in the footer, read by `open_db` from
+    there (no scan)."""
+    newest = pc.max(table.column("schema_version")).as_py() if table.num_rows else None
+    metadata = {b"overnight.schema_version": str(newest or SCHEMA_VERSION).encode()}
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+
+
+def put_segment(store: SegmentStore, name: str, rel: str, table: pa.Table) -> None:
+    """Write segment `rel` (`date=D/x.parquet`) of table `name` where `store` keeps them:
+    locally with `write_segment`; in a bucket as one PUT (an object appears whole)."""
+    if not store.remote:
+        write_segment(table, store.local_path(name, rel))
+        return
+    table = _with_version(table)
+    store.write_parquet(
+        name,
+        rel,
+        lambda sink: pq.write_table(table, sink, compression="zstd", row_group_size=ROW_GROUP_SIZE),
+    )
 
 
 def quarantine(data_dir: Path, log_path: Path, lines: list[tuple[bytes, str]]) -> Path:
@@ -256,6 +282,9 @@ class Compacted:
 
 def compact(data_dir: Path, log_path: Path) -> Compacted:
     """Turn one sealed log into Parquet segments and delete it."""
+    from .location import segment_store  # location.py builds on this module
+
+    store = segment_store(data_dir)
     parsed = parse_log(log_path)
     set_aside = list(parsed.damaged)
     written = 0
@@ -266,9 +295,8 @@ def compact(data_dir: Path, log_path: Path) -> Compacted:
         for day, day_pairs in by_day.items():
             arrow, rejected = to_arrow(table, [row for row, _ in day_pairs])
             set_aside += [(day_pairs[i][1], why) for i, why in rejected]
-            if arrow.num_rows:
-                out = data_dir / table / f"date={day}" / f"{log_path.stem}.parquet"
-                write_segment(arrow, out)
+            if arrow.num_rows:  # a bucket that is down raises: the log stays, tried again
+                put_segment(store, table, f"date={day}/{log_path.stem}.parquet", arrow)
                 written += arrow.num_rows
     if parsed.torn or parsed.damaged:
         log.warning(
@@ -296,8 +324,9 @@ def compact_log(data_dir: Path, log_path: Path) -> int:
     return compact(data_dir, log_path).rows
 
 
-def segment_files(data_dir: Path, table: str) -> list[Path]:
-    """The segments a reader reads now (merged days: their merged files, see merge.py)."""
+def segment_files(data_dir: Path, table: str) -> list[Path | str]:
+    """The segments a reader reads now (merged days: their merged files, see merge.py):
+    local paths, or URLs in a bucket."""
     from .merge import list_segments  # merge.py builds on this module
 
     return list_segments(data_dir, table).since(None)

@@ -76,6 +76,37 @@ def test_a_log_and_its_segment_side_by_side_count_once(tmp_path):
     assert len(rows(tmp_path, "SELECT * FROM completions")) == 1
 
 
+def test_a_log_compacted_halfway_keeps_the_rows_not_yet_in_a_segment(tmp_path):
+    """A compaction that wrote some tables' segments and then failed (a bucket that went
+    down mid-upload) leaves its log: readers take from it exactly the rows of the tables
+    and days that have no segment yet, none twice and none lost."""
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0), writer_id="w1")
+    writer.start()
+    now = time.time_ns() // 1000
+    yesterday = now - 86_400_000_000
+    writer.append("completions", completion(0, started_at=yesterday))
+    writer.append("completions", completion(1, started_at=now))
+    reward = {"reward_id": "w", "schema_version": 1, "rollout_id": "r", "reward": 1.0}
+    writer.append("rewards", {**reward, "source": "agent", "created_at": now})
+    writer.close()
+    (yesterdays, todays) = segment_files(tmp_path, "completions")
+    (rewards,) = segment_files(tmp_path, "rewards")
+    # Put the log back, and keep only yesterday's completions segment: the upload of
+    # today's completions and of the rewards "failed".
+    lines = [
+        {"t": "completions", "r": completion(i, started_at=at)}
+        for i, at in ((0, yesterday), (1, now))
+    ]
+    lines.append({"t": "rewards", "r": {**reward, "source": "agent", "created_at": now}})
+    log = tmp_path / "wal" / f"{yesterdays.stem}.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    todays.unlink()
+    rewards.unlink()
+    found = rows(tmp_path, "SELECT record_id FROM completions ORDER BY record_id")
+    assert [r["record_id"] for r in found] == ["rec0", "rec1"]
+    assert rows(tmp_path, "SELECT count(*) AS n FROM rewards") == [{"n": 1}]
+
+
 def test_torn_and_damaged_lines_are_skipped_on_recovery(tmp_path, caplog):
     (tmp_path / "wal").mkdir()
     log = tmp_path / "wal" / "dead-1-abc.000001.jsonl"

@@ -1,0 +1,321 @@
+"""`--data s3://bucket/prefix`: the log on local disk, the Parquet segments in a bucket.
+
+The bucket is moto's S3 server (`moto.server.ThreadedMotoServer`), started here on a
+free port: real HTTP, the S3 API, reached through s3fs and botocore exactly as AWS S3,
+MinIO or GCS's S3 API would be (the endpoint comes from `AWS_ENDPOINT_URL`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+
+from overnight.cli import main
+from overnight.config import TrainConfig
+from overnight.storage import LogWriter, WriterConfig, attach, open_db, recover
+from overnight.storage import merge as merge_module
+from overnight.storage.location import CACHE_DIR, MARKER, BucketError, segment_store
+from overnight.storage.segments import log_files, segment_files
+from overnight.trainer.plan import plan_run
+
+from .helpers import completion, rows
+
+pytest.importorskip("s3fs", reason="the s3 extra: pip install -e '.[s3]'")
+moto_server = pytest.importorskip("moto.server", reason="the test extra (moto[server])")
+
+BUCKET = "overnight-test"
+CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Pick a number."}]}
+
+
+class Bucket:
+    """moto's S3 server on one port, which can go down and come back (its objects kept:
+    moto keeps them in this process)."""
+
+    def __init__(self) -> None:
+        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        self.port = self.server.get_host_and_port()[1]
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        self.server = moto_server.ThreadedMotoServer(
+            ip_address="127.0.0.1", port=self.port, verbose=False
+        )
+        self.server.start()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3 server for this module: (Bucket, boto3 client). Credentials and endpoint
+    as any deployment gives them: the AWS environment variables."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    bucket = Bucket()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{bucket.port}",
+        # One retry: a bucket that is down (below) fails in milliseconds, not in
+        # botocore's default of a dozen seconds of retries.
+        "AWS_MAX_ATTEMPTS": "2",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the compaction child inherits them
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=BUCKET)
+    yield bucket, client
+    bucket.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def objects(client, prefix: str) -> list[str]:
+    found = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", [])
+    return sorted(o["Key"].removeprefix(prefix + "/") for o in found)
+
+
+def cli(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+async def converse(proxy, group: str, rewards: dict[str, float | None]) -> None:
+    """An agent's group through the proxy: one turn per rollout, a reward (unless None),
+    a finish."""
+    headers = {"X-Rollout-Group": group}
+    for rollout, reward in rewards.items():
+        r = await proxy.post(
+            "/v1/chat/completions", json=CHAT, headers={**headers, "X-Rollout-Id": rollout}
+        )
+        assert r.status == 200, await r.text()
+        if reward is not None:
+            posted = await proxy.post(f"/v1/rollouts/{rollout}/reward", json={"reward": reward})
+            assert posted.status == 200
+        assert (await proxy.post(f"/v1/rollouts/{rollout}/finish")).status == 200
+
+
+async def test_a_proxy_on_a_bucket_uploads_segments_that_every_reader_reads(
+    s3, make_proxy, tmp_path
+):
+    _, client = s3
+    url, local = f"s3://{BUCKET}/team-a", tmp_path / "local"
+    proxy = await make_proxy(data_dir=url, local_dir=local)
+    await converse(proxy, "numbers-1", {"numbers-1.a": 1.0, "numbers-1.b": 0.25})
+    await converse(proxy, "words-2", {"words-2.a": None, "words-2.b": None})  # for the judge
+    await proxy.close()  # the proxy stops: its log is compacted, the segments uploaded
+
+    assert json.loads((local / MARKER).read_text()) == {"segments": url}
+    assert log_files(local) == []  # nothing left behind on local disk
+    assert not list(local.glob("completions*"))  # no segment folders locally
+    uploaded = objects(client, "team-a")
+    for table in ("completions", "rewards", "finishes"):
+        assert any(k.startswith(f"{table}/date=") and k.endswith(".parquet") for k in uploaded)
+    assert all(str(p).startswith(url) for p in segment_files(local, "completions"))
+
+    # The CLI, on this machine and on another (a fresh local directory): the bucket.
+    for where in (local, tmp_path / "elsewhere"):
+        out = cli("sql", "--data", url, "--local-dir", str(where), "--format", "csv",
+                  "SELECT rollout_id, reward FROM rollouts WHERE group_id = 'numbers-1' ORDER BY 1")  # fmt: skip
+        assert out.splitlines()[1:] == ["numbers-1.a,1.0", "numbers-1.b,0.25"]
+        assert "numbers-1" in cli("ls", "--data", url, "--local-dir", str(where))
+    # A proxy on another machine (its own local directory) shows them at /ui.
+    other = await make_proxy(data_dir=url, local_dir=tmp_path / "machine-b")
+    page = await (await other.get("/ui")).text()
+    assert '<a href="/ui/groups/numbers-1">numbers-1</a>' in page
+    # The judge reads the groups there and its rewards go there too.
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text("def score(rollout):\n    return float(len(rollout['messages']))\n")
+    judge = ("judge", "--data", url, "--local-dir", str(local), "--reward", f"{scorer}:score")
+    out = await asyncio.to_thread(cli, *judge)  # it runs its own event loop
+    assert "scored 1 group(s) with the reward function" in out and log_files(local) == []
+    out = cli("sql", "--data", url, "--local-dir", str(tmp_path / "elsewhere"), "--format", "csv",
+              "SELECT count(*) FROM rewards WHERE source = 'function'")  # fmt: skip
+    assert out.splitlines()[1:] == ["2"]
+    # The trainer's selection reads the same records from the bucket, token ids included.
+    plan = plan_run(local, TrainConfig(), settle_seconds=600)
+    assert plan.groups == ["numbers-1"]
+    assert sorted(s.rollout_id for s in plan.samples) == ["numbers-1.a", "numbers-1.b"]
+    assert all(s.tokens for s in plan.samples)
+
+
+@pytest.mark.slow
+def test_overnight_serve_on_a_bucket_uploads_on_sigterm(s3, tmp_path):
+    """The command itself: `overnight serve --data s3://... --local-dir ...` records
+    locally, names itself in the local directory, and uploads when it stops."""
+    from overnight.testing.processes import spawn_fake_upstream, spawn_serve
+
+    _, client = s3
+    url, local = f"s3://{BUCKET}/served", tmp_path / "local"
+    with spawn_fake_upstream() as fake:
+        serve = spawn_serve(url, "--upstream", fake.url, "--local-dir", str(local),
+                            log_path=tmp_path / "serve.log")  # fmt: skip
+        with serve:
+            for i in range(3):
+                body = json.dumps(CHAT).encode()
+                request = urllib.request.Request(
+                    serve.url + "/v1/chat/completions", body, {"X-Rollout-Id": f"s{i}"}
+                )
+                with urllib.request.urlopen(request, timeout=30) as r:
+                    assert r.status == 200
+            assert json.loads((local / "proxy.json").read_text())["url"] == serve.url
+            assert serve.stop() == 0  # SIGTERM: finish, compact, upload
+    assert log_files(local) == [] and not (local / "proxy.json").exists()
+    assert any(k.startswith("completions/date=") for k in objects(client, "served"))
+    found = rows(local, "SELECT rollout_id FROM completions ORDER BY 1")
+    assert [r["rollout_id"] for r in found] == ["s0", "s1", "s2"]
+
+
+def write_past_day(local, logs: int, per_log: int, day_ago: int) -> None:
+    for n in range(logs):  # one log each: one segment each, all of the same past day
+        writer = LogWriter(WriterConfig(local, commit_interval=0.0, compact_in_process=True))
+        writer.start()
+        for i in range(per_log):
+            writer.append("completions", completion(10 * n + i, started_at=day_ago + i))
+        writer.close()
+
+
+def test_a_closed_day_is_merged_in_the_bucket_without_counting_a_row_twice(s3, tmp_path):
+    _, client = s3
+    local = attach(f"s3://{BUCKET}/merge", tmp_path / "local")
+    day_ago = time.time_ns() // 1000 - 2 * 86_400_000_000
+    write_past_day(local, logs=3, per_log=4, day_ago=day_ago)
+    count = "SELECT count(*) AS n FROM completions"
+    assert len(segment_files(local, "completions")) == 3
+    assert rows(local, count) == [{"n": 12}]
+
+    commit = merge_module._write_manifest
+    seen_before_commit = []
+
+    def check_then_commit(ref, manifest):  # the merged object exists, not yet committed
+        seen_before_commit.append(rows(local, count))
+        return commit(ref, manifest)
+
+    merge_module._write_manifest = check_then_commit
+    try:
+        later = time.time() + merge_module.MERGE_AFTER + 1
+        assert merge_module.merge_closed_days(local, now=later) == 1
+    finally:
+        merge_module._write_manifest = commit
+    assert seen_before_commit == [[{"n": 12}]]
+    (merged,) = segment_files(local, "completions")
+    assert merged.rsplit("/", 1)[1].startswith(merge_module.MERGED_PREFIX)
+    assert rows(local, count) == [{"n": 12}]
+    day_objects = [k for k in objects(client, "merge") if k.startswith("completions/date=")]
+    assert len(day_objects) == 4  # the replaced ones stay for the grace period
+    assert "completions/_merged.json" in objects(client, "merge")
+    merge_module.merge_closed_days(local, now=later + merge_module.GRACE_SECONDS + 1)
+    day_objects = [k for k in objects(client, "merge") if k.startswith("completions/date=")]
+    assert len(day_objects) == 1 and rows(local, count) == [{"n": 12}]
+    # Readers read local copies; those of objects the bucket no longer has are gone.
+    copies = list((local / CACHE_DIR / "completions").glob("date=*/*.parquet"))
+    assert [p.name for p in copies] == [merged.rsplit("/", 1)[1]]
+
+
+def test_two_machines_merging_one_day_never_count_a_row_twice(s3, tmp_path, monkeypatch):
+    """Mergers on two machines (two local directories: no lock in common) pick the same
+    day; B commits while A is between its merged upload and its commit. The bucket
+    refuses A's commit (If-Match on the manifest version A chose its sources from), A's
+    merged object never counts, and every row is counted once."""
+    url = f"s3://{BUCKET}/race"
+    machine_a = attach(url, tmp_path / "a")
+    machine_b = attach(url, tmp_path / "b")
+    day_ago = time.time_ns() // 1000 - 2 * 86_400_000_000
+    write_past_day(machine_a, logs=2, per_log=3, day_ago=day_ago)
+    later = time.time() + merge_module.MERGE_AFTER + 1
+    commit, results = merge_module._write_manifest, []
+
+    def b_first(ref, manifest):
+        if ref.store.data_dir == machine_a and not results:
+            results.append(merge_module.merge_closed_days(machine_b, now=later))
+        return commit(ref, manifest)
+
+    monkeypatch.setattr(merge_module, "_write_manifest", b_first)
+    assert merge_module.merge_closed_days(machine_a, now=later) == 0  # A lost
+    assert results == [1]  # B merged the day
+    manifest, _ = merge_module.read_manifest(segment_store(machine_a), "completions")
+    assert len(manifest["merged"]) == 1
+    count = "SELECT count(*) AS n FROM completions"
+    assert rows(machine_a, count) == [{"n": 6}] and rows(machine_b, count) == [{"n": 6}]
+    # A's merged object is in the bucket, never counted, and goes after the grace period.
+    store = segment_store(machine_a)
+    assert len([f for f in store.list("completions") if "/m-" in f.rel]) == 2
+    merge_module.merge_closed_days(machine_a, now=later + merge_module.GRACE_SECONDS + 1)
+    assert len(store.list("completions")) == 1 and rows(machine_a, count) == [{"n": 6}]
+
+
+async def test_a_bucket_that_is_down_loses_no_row(s3, make_proxy, tmp_path):
+    """While the bucket is unreachable the agents see nothing: every request is answered
+    (200), every reward acknowledged once on local disk. Compaction fails and the log
+    stays; readers on this machine get a clear error (the bucket cannot be listed).
+    When the bucket is back, the next start uploads the log: every row is there."""
+    server, client = s3
+    url, local = f"s3://{BUCKET}/outage", tmp_path / "local"
+    server.stop()
+    try:
+        proxy = await make_proxy(data_dir=url, local_dir=local)
+        await converse(proxy, "g-down", {"g-down.a": 1.0, "g-down.b": 0.0})
+        writer_health = await (await proxy.get("/health")).json()
+        await proxy.close()  # compaction fails: the log stays
+        assert len(log_files(local)) == 1
+        result = CliRunner().invoke(
+            main, ["sql", "--data", url, "--local-dir", str(local), "SELECT 1"]
+        )
+        assert result.exit_code != 0 and "cannot read the records" in result.output
+        with pytest.raises(BucketError):
+            open_db(local)
+    finally:
+        server.start()
+    assert writer_health["status"] == "ok", writer_health  # recording never degraded
+    assert objects(client, "outage") == []
+    assert recover(local) == 6  # what the next proxy start does: 2 turns, 2 rewards, 2 finishes
+    assert log_files(local) == []
+    assert rows(local, "SELECT rollout_id, reward FROM rollouts ORDER BY 1") == [
+        {"rollout_id": "g-down.a", "reward": 1.0},
+        {"rollout_id": "g-down.b", "reward": 0.0},
+    ]
+
+
+def test_a_local_directory_keeps_its_bucket(tmp_path):
+    """`store.json` ties a local directory to one URL; a local --data is used as it is."""
+    local = attach("s3://one/prefix", tmp_path / "local")
+    assert attach("s3:/one/prefix", local) == local  # how Path() spells the URL
+    with pytest.raises(ValueError, match="is the local directory of s3://one/prefix"):
+        attach("s3://two/prefix", local)
+    assert attach(tmp_path / "plain") == tmp_path / "plain"
+    assert not (tmp_path / "plain").exists()
+    result = CliRunner().invoke(
+        main, ["ls", "--data", "s3://two/prefix", "--local-dir", str(local)]
+    )
+    assert result.exit_code != 0 and "give another --local-dir" in result.output
+
+
+def test_prune_deletes_old_days_from_the_bucket(s3, tmp_path):
+    _, client = s3
+    url = f"s3://{BUCKET}/prune"
+    local = attach(url, tmp_path / "local")
+    write_past_day(local, logs=1, per_log=2, day_ago=time.time_ns() // 1000 - 40 * 86_400_000_000)
+    write_past_day(local, logs=1, per_log=1, day_ago=time.time_ns() // 1000)
+    args = ["prune", "--data", url, "--local-dir", str(local), "--older-than", "30d"]
+    shown = cli(*args)
+    assert (
+        f"in {url}:" in shown
+        and "completions     1 day(s)      1 file(s)            2 row(s)" in shown
+    )
+    assert "deleted 1 day partition(s)" in cli(*args, "--yes")
+    assert len([k for k in objects(client, "prune") if k.startswith("completions/")]) == 1
+    assert rows(local, "SELECT count(*) AS n FROM completions") == [{"n": 1}]
