@@ -29,6 +29,7 @@ from overnight.storage import (
     now_us,
     open_db,
 )
+from overnight.storage.siblings import add_turn_views
 
 from .budget import Counter as TokenCounter
 from .budget import budget_for, counter_for
@@ -53,6 +54,7 @@ class Summary:
     failed: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> groups
     scored_by_function: int = 0
+    turn_groups: int = 0  # of the groups scored: per-turn groups (a turn and its siblings)
     shortened: int = 0  # groups cut to fit the judge's budget
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -75,6 +77,8 @@ class Summary:
             out.append(f"shortened {self.shortened} group(s) to fit the judge's prompt budget")
         if self.scored_by_function:
             out.append(f"scored {self.scored_by_function} group(s) with the reward function")
+        if self.turn_groups:
+            out.append(f"{self.turn_groups} of the groups: per-turn (a turn and its siblings)")
         out += [f"  skipped {n}: {reason}" for reason, n in self.skipped.most_common()]
         out += [f"  failed {group}: {why}" for group, why in self.failures[:10]]
         return out
@@ -98,14 +102,22 @@ def judge_step(
     return summary
 
 
-def load_groups(con, group_ids: list[str]) -> list[Group]:
-    """The groups' rollouts, each from all of its successful turns, in order."""
+# Where groups are read from: served traffic, or per-turn groups (a served turn and its
+# siblings, storage/siblings.py), whose members are rows of the same shape.
+VIEWS = ("completions", "turn_completions")
+
+
+def load_groups(con, group_ids: list[str], view: str = "completions") -> list[Group]:
+    """The groups' rollouts, each from all of its successful turns, in order. A per-turn
+    group's members are each the conversation so far plus one alternative reply."""
+    if view not in VIEWS:
+        raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
     if not group_ids:
         return []
-    con.register("_wanted", pa.table({"group_id": group_ids}))
+    con.register("_wanted", pa.table({"group_id": pa.array(group_ids, pa.string())}))
     rows = con.execute(
-        """
-        SELECT group_id, rollout_id, request, response FROM completions
+        f"""
+        SELECT group_id, rollout_id, request, response FROM {view}
         WHERE group_id IN (SELECT group_id FROM _wanted) AND logged AND error IS NULL
         ORDER BY group_id, rollout_id, turn_index, started_at, choice_index
         """
@@ -124,6 +136,37 @@ def load_groups(con, group_ids: list[str]) -> list[Group]:
 def rollout_counts(con) -> dict[str, int]:
     """Rollouts per group: a group of one is skipped without reading its turns."""
     return dict(con.execute("SELECT group_id, count(*) FROM rollouts GROUP BY group_id").fetchall())
+
+
+def turn_candidates(
+    con, sources: list[str], rejudge: bool, only: list[str] | None, no_signal: set[str]
+) -> list[str]:
+    """Per-turn groups (two members or more) in which some member has no reward from one
+    of `sources` (what this run writes); every one under `rejudge`. Oldest turn first.
+    A group the judge found no signal in (`no_signal`) never gets a judge reward: it is
+    not asked for one again (that would rescore it with the function every night)."""
+    add_turn_views(con)
+    rows = con.execute(
+        """
+        SELECT t.group_id,
+               bool_and(coalesce(list_contains(r.sources, 'function'), false)) AS by_function,
+               bool_and(coalesce(list_contains(r.sources, 'ruler'), false)) AS by_judge
+        FROM turn_completions t JOIN turn_groups g USING (group_id)
+        LEFT JOIN (SELECT rollout_id, list(DISTINCT source) AS sources FROM rewards
+                   GROUP BY rollout_id) r USING (rollout_id)
+        WHERE g.members >= 2
+        GROUP BY t.group_id ORDER BY min(g.started_at), t.group_id
+        """
+    ).fetchall()
+    wanted = set(only) if only else None
+    out = []
+    for group_id, by_function, by_judge in rows:
+        done = {"function": bool(by_function), "ruler": bool(by_judge) or group_id in no_signal}
+        if wanted is not None and group_id not in wanted:
+            continue
+        if rejudge or not all(done[s] for s in sources):
+            out.append(group_id)
+    return out
 
 
 def posted_complete(con) -> set[str]:
@@ -169,9 +212,13 @@ async def run_judge(
                 summary.skipped[why] += 1
             else:
                 wanted.append(group_id)
+        sources = (["function"] if reward else []) + (["ruler"] if config else [])
+        turns = turn_candidates(con, sources, rejudge, groups, memory.no_signal) if sources else []
         if max_groups is not None:
             wanted = wanted[:max_groups]
-        work = load_groups(con, wanted)
+            turns = turns[: max(max_groups - len(wanted), 0)]
+        work = load_groups(con, wanted) + load_groups(con, turns, "turn_completions")
+        summary.turn_groups = len(turns)
     finally:
         con.close()
 

@@ -158,12 +158,42 @@ TRAINING_RUNS = pa.schema(
     ]
 )
 
+# Alternatives sampled for a served turn (issue 15): the served choice and its siblings
+# form a per-turn group (storage/siblings.py). A table of its own, so that no reader of
+# served traffic (the `completions` view and everything built on it) ever sees them. The
+# prompt and the request are not copied: they are the served row's (`sibling_of`).
+SIBLINGS = pa.schema(
+    [
+        ("record_id", pa.string()),
+        ("schema_version", pa.int16()),
+        ("started_at", _TS),  # the sampling call, shared by its n rows
+        ("ended_at", _TS),
+        ("sibling_of", pa.string()),  # record_id of the served row in `completions`
+        ("group_id", pa.string()),  # the per-turn group: "turn:" + sibling_of
+        ("rollout_id", pa.string()),  # this alternative: group_id + ":" + record_id
+        ("origin", pa.string()),  # resample (the nightly stage) | shadow (the proxy)
+        ("choice_index", pa.int32()),  # in the sampling call; null on an error row
+        ("model_served", pa.string()),
+        ("request", pa.string()),  # JSON: the /v1/completions body sent, without its prompt
+        ("response", pa.string()),  # JSON: this alternative in the served endpoint's shape
+        ("completion_token_ids", pa.list_(pa.int32())),
+        ("completion_logprobs", pa.list_(pa.float32())),
+        ("finish_reason", pa.string()),
+        ("error", pa.string()),  # null on success; an error row records a failed call
+        ("latency_ms", pa.float64()),
+        ("completion_tokens", pa.int32()),
+        ("proxy_id", pa.string()),
+        NOTES,
+    ]
+)
+
 TABLES: dict[str, pa.Schema] = {
     "completions": COMPLETIONS,
     "rewards": REWARDS,
     "finishes": FINISHES,
     "judgments": JUDGMENTS,
     "training_runs": TRAINING_RUNS,
+    "siblings": SIBLINGS,
 }
 
 # Columns written as JSON text that hold timestamps as ISO strings in the log.

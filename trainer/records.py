@@ -22,10 +22,22 @@ class Loaded:
     unreproduced: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
+# Where groups are read from: served traffic, or the per-turn groups of served turns and
+# their siblings (`storage.siblings.add_turn_views`), whose rows have the same columns.
+VIEWS = ("completions", "turn_completions")
+
+
 def load_samples(
-    con, group_ids: list[str], tokenizer=None, sampling_defaults: dict | None = None
+    con,
+    group_ids: list[str],
+    tokenizer=None,
+    sampling_defaults: dict | None = None,
+    view: str = "completions",
 ) -> Loaded:
     """Samples of every rollout in `group_ids`, built from the logged token ids.
+
+    `view` is one of VIEWS: a per-turn group's members are each one turn, the served
+    turn's prompt and one alternative completion, with the logprobs it was sampled with.
 
     Each turn keeps how it was sampled: the request's temperature, top-k, top-p and
     min-p, else `sampling_defaults` (the server's: `sampling.server_defaults`).
@@ -37,16 +49,18 @@ def load_samples(
     behaviour policy). How many turns took it, and how far their token counts are
     from the upstream's own usage counts, is reported.
     """
+    if view not in VIEWS:
+        raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
     out = Loaded()
     if not group_ids:
         return out
     con.register("_train_groups", pa.table({"group_id": group_ids}))
     # As Arrow columns, not DuckDB's row tuples: token id lists convert many times faster.
     table = con.sql(
-        """
+        f"""
         SELECT group_id, rollout_id, prompt_token_ids, completion_token_ids, completion_logprobs, error,
                request, response, prompt_tokens, completion_tokens, endpoint
-        FROM completions WHERE group_id IN (SELECT group_id FROM _train_groups)
+        FROM {view} WHERE group_id IN (SELECT group_id FROM _train_groups)
         ORDER BY group_id, rollout_id, started_at, turn_index
         """
     ).to_arrow_table()

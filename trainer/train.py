@@ -46,8 +46,10 @@ from .proxy_client import (
     served_adapter,
     serving_state,
 )
+from .resample import resample_turns
 from .sampling import server_defaults
 from .step import fresh_adapter, micro_batch_loss, optimizer_step, with_behaviour
+from .turn_groups import add_turn_groups, is_turn_group
 from .watch import watch as watch_served
 
 # Re-exported: the CLI, the tests and the benchmarks import these from here.
@@ -59,6 +61,7 @@ __all__ = [
     "fresh_adapter",
     "micro_batch_loss",
     "plan_run",
+    "resample_turns",
     "run_training",
     "train",
     "unfinished_run",
@@ -113,31 +116,33 @@ def train(
         watch_served(data_dir, proxy_url, admin_token, config, say)
     state = parallel.agree(serving_state(proxy_url, admin_token))  # after the watch's rollback
     base_model = config.base_model or (None if dry_run else _base_model(state))
+    defaults = server_defaults(base_model, config.generation_config)  # vLLM's, where unsaid
+    served_only = None if only is None else [g for g in only if not is_turn_group(g)]
     plan = plan_run(
-        data_dir,
-        config,
-        settle_seconds,
-        since,
-        max_groups,
-        only,
-        _tokenizer(base_model),
-        server_defaults(base_model, config.generation_config),  # vLLM's, where unsaid
-    )
+        data_dir, config, settle_seconds, since, max_groups, served_only, _tokenizer(base_model),
+        defaults,
+    )  # fmt: skip
+    gate_prompts: list = []
+    given: list[str] = []  # groups the gate took from the plan
+    if promote and proxy_url and not dry_run and skipped(config, scorer) is None:
+        gate_prompts, gated = held_out_prompts(data_dir, plan, config.gate_prompts, only is None)
+        given = [g for g in plan.groups if g not in set(gated.groups)]
+        plan = gated
+        say(f"gate: {len(gate_prompts)} held-out prompt(s), {len(given)} of them from groups "
+            "left out of tonight's training")  # fmt: skip
+    # Per-turn groups (a served turn and its siblings: turn_groups.py), none held out.
+    plan = add_turn_groups(
+        data_dir, plan, config, since=since, max_groups=max_groups, only=only,
+        sampling_defaults=defaults, held_out=gate_prompts,
+    )  # fmt: skip
     for line in plan.lines():
         say(line)
-    result = RunResult(run_dir.run_id, plan)
+    result = RunResult(run_dir.run_id, plan, held_out=given)
     if dry_run or not plan.groups:
         if not plan.groups:
             say("nothing to train on")
         return result
     start_adapter = saved["start_adapter"] if only is not None else served_adapter(state)
-    gate_prompts: list = []
-    if promote and proxy_url and skipped(config, scorer) is None:
-        gate_prompts, gated = held_out_prompts(data_dir, plan, config.gate_prompts, only is None)
-        given = [g for g in plan.groups if g not in set(gated.groups)]
-        plan, result.plan, result.held_out = gated, gated, given
-        say(f"gate: {len(gate_prompts)} held-out prompt(s), {len(given)} of them from groups "
-            "left out of tonight's training")  # fmt: skip
     say(f"training on {base_model}, starting from {start_adapter or 'a fresh LoRA adapter'}")
     if parallel.rank == 0:
         run_dir.begin(plan.groups, start_adapter)
@@ -429,6 +434,7 @@ def record_run(
                     "skipped": dict(plan.skipped),
                     "seconds": metrics.get("seconds"),
                     "gate": result.gate.as_dict() if result.gate else None,
+                    "selection": plan.selection,  # where the next night's selection starts
                 }
             ),
         },

@@ -1,0 +1,318 @@
+"""Groups made from single calls: the nightly stage that resamples logged turns.
+
+Production agents make one attempt per request, so their groups hold one rollout and
+train nothing. The nightly stage (`resample_turns`, run before scoring) asks vLLM for K
+more samples of each such turn: its `/v1/completions` with the logged prompt token ids
+(the context exactly as served), the adapter that served the turn, and the turn's
+sampling parameters; vLLM returns each sample's token ids and processed logprobs. The
+samples are stored as `siblings` rows (storage/siblings.py), never as served traffic.
+
+The judge then scores each per-turn group (the served choice and its siblings) like any
+group, and `turn_groups.add_turn_groups` puts the scored ones into the night's plan.
+
+vLLM is called directly at the upstream the proxy reports, not through the proxy: the
+proxy would log these calls as served traffic, and no header may tell the proxy that a
+request is a sibling (a client could send it too).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import http.client
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import pyarrow as pa
+
+from overnight.config import SETTLE_SECONDS, TrainConfig
+from overnight.errors import OvernightError
+from overnight.storage import LogWriter, WriterConfig, finished_groups, now_us, open_db
+from overnight.storage.siblings import (
+    ENDPOINTS,
+    TABLE,
+    SiblingError,
+    completion_request,
+    decoding_unsupported,
+    error_row,
+    requested_limit,
+    sibling_rows,
+)
+
+from .proxy_client import serving_state
+
+# Calls in flight at once: vLLM batches them; more only queue in its scheduler.
+CONCURRENCY = 8
+# Turns whose prompt token ids are held at once: an agent's context can be tens of
+# thousands of tokens, and a night's budget hundreds of turns.
+BATCH = 32
+# A sampling call may generate K long answers on a busy server.
+CALL_TIMEOUT = 600.0
+
+
+class ResampleError(OvernightError):
+    code = "resample_error"
+
+
+class Unreachable(ResampleError):
+    """vLLM was not reached or did not answer: nothing is known about the turn."""
+
+
+@dataclass
+class ResampleSummary:
+    turns: int = 0  # turns asked for siblings
+    siblings: int = 0  # sibling rows stored
+    failed: int = 0  # calls vLLM refused or answered unusably (recorded as error rows)
+    unreached: int = 0  # calls that did not reach vLLM (no row: asked again next night)
+    completion_tokens: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> turns
+    seconds: float = 0.0
+    upstream: str = ""
+    stopped: str = ""  # why the stage stopped before its budget, if it did
+
+    def lines(self) -> list[str]:
+        rate = self.completion_tokens / self.seconds if self.seconds else 0.0
+        out = [
+            f"resampled {self.turns} turn(s) at {self.upstream}: {self.siblings} sibling(s), "
+            f"{self.failed} failed call(s), {self.completion_tokens} tokens in "
+            f"{self.seconds:.1f} s ({rate:.0f} tokens/s)"
+        ]
+        if self.unreached:
+            out.append(f"  {self.unreached} call(s) did not reach vLLM: asked again next run")
+        if self.stopped:
+            out.append(f"  stopped early: {self.stopped}")
+        out += [f"  not resampled {n} turn(s): {why}" for why, n in self.skipped.most_common()]
+        return out
+
+
+def resample_turns(
+    data_dir: Path,
+    config: TrainConfig,
+    *,
+    proxy_url: str | None = None,
+    admin_token: str | None = None,
+    settle_seconds: float = SETTLE_SECONDS,
+    since: dt.datetime | None = None,
+    say=print,
+) -> ResampleSummary:
+    """Ask vLLM for `config.resample` siblings of each eligible turn, newest first, up to
+    `config.resample_max_turns`; store them. The stage `overnight train --resample K`
+    runs before scoring."""
+    summary = ResampleSummary()
+    if config.resample < 1:
+        return summary
+    started = time.perf_counter()
+    url = (config.resample_upstream or _proxy_upstream(proxy_url, admin_token)).rstrip("/")
+    key = os.environ.get("OVERNIGHT_UPSTREAM_API_KEY") or None
+    summary.upstream = url
+    models = served_models(url, key)  # name -> context length, what vLLM serves now
+    con = open_db(data_dir)
+    try:
+        turns = _choose(con, config, settle_seconds, since, models, summary.skipped)
+    finally:
+        con.close()
+    writer = LogWriter(WriterConfig(Path(data_dir), compact_in_process=True))
+    writer.start()
+    sample = partial(
+        _sample, url, key, k=config.resample, models=models, writer_id=writer.writer_id
+    )
+    try:
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            for i in range(0, len(turns), BATCH):
+                batch = _with_prompts(data_dir, turns[i : i + BATCH])
+                unreached = summary.unreached
+                for rows in pool.map(sample, batch):
+                    _count(summary, rows)
+                    for row in rows or ():
+                        writer.append(TABLE, row)
+                if batch and summary.unreached - unreached == len(batch):
+                    # vLLM went away: stop rather than wait out each turn's timeout.
+                    summary.stopped = f"no call of a batch reached vLLM at {url}"
+                    break
+    finally:
+        writer.close()
+    summary.seconds = time.perf_counter() - started
+    for line in summary.lines():
+        say(line)
+    return summary
+
+
+def _count(summary: ResampleSummary, rows: list[dict] | None) -> None:
+    summary.turns += 1
+    if rows is None:
+        summary.unreached += 1
+        return
+    summary.failed += sum(r.get("error") is not None for r in rows)
+    summary.siblings += sum(r.get("error") is None for r in rows)
+    summary.completion_tokens += sum(r.get("completion_tokens") or 0 for r in rows)
+
+
+def _proxy_upstream(proxy_url: str | None, token: str | None) -> str:
+    """The first healthy vLLM replica the proxy forwards to."""
+    if not proxy_url:
+        raise ResampleError("--resample needs the proxy (to find vLLM) or --resample-upstream")
+    replicas = serving_state(proxy_url, token).get("replicas") or []
+    healthy = [r["url"] for r in replicas if r.get("healthy")] or [r["url"] for r in replicas]
+    if not healthy:
+        raise ResampleError(
+            f"the proxy at {proxy_url} reports no upstream: give --resample-upstream"
+        )
+    return healthy[0]
+
+
+def served_models(url: str, key: str | None) -> dict[str, int | None]:
+    """The models and adapters vLLM serves now, with their context length. vLLM 0.32
+    lists `max_model_len` on the base model's card only; an adapter runs in its parent's
+    context."""
+    cards = [m for m in _call(url + "/v1/models", key, None, 30.0).get("data", []) if "id" in m]
+    lengths = {m["id"]: m.get("max_model_len") for m in cards}
+    return {m["id"]: lengths[m["id"]] or lengths.get(m.get("parent")) for m in cards}
+
+
+# The turns not resampled yet, each with the reason it cannot be (null: it can), from
+# what is cheap to tell in SQL; the request's decoding is looked at in `_choose`.
+_PENDING = """
+    SELECT c.record_id, c.endpoint, c.model_served, c.request, c.started_at,
+           CASE WHEN c.endpoint NOT IN (SELECT endpoint FROM _resample_endpoints)
+                    THEN 'the endpoint logs no token ids (Responses, Messages)'
+                WHEN coalesce(len(c.prompt_token_ids), 0) = 0
+                     OR coalesce(len(c.completion_token_ids), 0) = 0
+                    THEN 'no token ids logged'
+                WHEN c.request IS NULL THEN 'the request was not logged'
+                WHEN coalesce(c.model_served, '') NOT IN (SELECT model FROM _resample_models)
+                    THEN 'the adapter that served it is no longer loaded'
+           END AS why
+    FROM completions c JOIN groups g USING (group_id)
+    WHERE c.group_id IN (SELECT group_id FROM _resample_groups) {single} {after}
+      AND c.logged AND c.error IS NULL AND NOT coalesce(c.partial, false)
+      AND NOT EXISTS (SELECT 1 FROM siblings s WHERE s.sibling_of = c.record_id)
+"""
+
+
+def _choose(
+    con,
+    config: TrainConfig,
+    settle_seconds: float,
+    since: dt.datetime | None,
+    models: dict[str, int | None],
+    skipped: Counter,
+) -> list[dict]:
+    """Tonight's turns, newest first, within the budget: logged, successful turns of
+    finished groups with no siblings yet (a shadow-sampled turn has some), of groups with
+    one rollout or, with `resample_all_turns`, of every group. Why others are left out
+    is counted in `skipped`. Their prompt token ids are read later, a batch at a time."""
+    groups = finished_groups(con, settle_seconds, None)
+    if not groups:
+        return []
+    con.register("_resample_groups", pa.table({"group_id": pa.array(groups, pa.string())}))
+    con.register("_resample_endpoints", pa.table({"endpoint": pa.array(ENDPOINTS)}))
+    con.register("_resample_models", pa.table({"model": pa.array(list(models), pa.string())}))
+    pending = _PENDING.format(
+        single="" if config.resample_all_turns else "AND g.rollouts < 2",
+        after="AND c.started_at >= ?" if since is not None else "",
+    )
+    params = [since] if since is not None else []
+    counts = dict(
+        con.execute(f"SELECT why, count(*) FROM ({pending}) GROUP BY why", params).fetchall()
+    )
+    eligible = counts.pop(None, 0)
+    skipped.update(counts)
+    # Twice the budget: turns left out below (constrained decoding) should not leave the
+    # night's budget unspent; those not even read are over it.
+    rows = con.execute(
+        f"SELECT record_id, endpoint, model_served, request FROM ({pending}) WHERE why IS NULL "
+        "ORDER BY started_at DESC, record_id LIMIT ?",
+        [*params, 2 * config.resample_max_turns],
+    ).fetchall()
+    if eligible > len(rows):
+        skipped["over --resample-max-turns"] += eligible - len(rows)
+    chosen = []
+    for record_id, endpoint, model, text in rows:
+        request = json.loads(text)
+        request = request if isinstance(request, dict) else {}
+        why = decoding_unsupported(request)
+        if why is None and requested_limit(request) is None and models[model] is None:
+            why = "no max_tokens, and vLLM reports no context length (siblings would stop at 16)"
+        if why is None and len(chosen) >= config.resample_max_turns:
+            why = "over --resample-max-turns"
+        if why is not None:
+            skipped[why] += 1
+        else:
+            chosen.append(dict(record_id=record_id, endpoint=endpoint, model_served=model,
+                               request=request))  # fmt: skip
+    return chosen
+
+
+def _with_prompts(data_dir: Path, batch: list[dict]) -> list[dict]:
+    """The turns of `batch` with their prompt token ids, read now (see BATCH)."""
+    con = open_db(data_dir)
+    try:
+        ids = pa.array([t["record_id"] for t in batch], pa.string())
+        con.register("_resample_batch", pa.table({"record_id": ids}))
+        prompts = dict(
+            con.execute(
+                "SELECT record_id, prompt_token_ids FROM completions "
+                "WHERE record_id IN (SELECT record_id FROM _resample_batch)"
+            ).fetchall()
+        )
+    finally:
+        con.close()
+    # A turn pruned since it was chosen is no longer there to resample.
+    return [
+        {**t, "prompt_token_ids": prompts[t["record_id"]]}
+        for t in batch
+        if prompts.get(t["record_id"])
+    ]
+
+
+def _sample(
+    url: str, key: str | None, served: dict, *, k: int, models: dict, writer_id: str
+) -> list[dict] | None:
+    """Sibling rows for one served turn; one error row when vLLM refuses the call or its
+    answer does not fit the turn (asking again would fail again: the row keeps the turn
+    from being asked every night); None when vLLM was not reached (asked again)."""
+    body = completion_request(served, k, max_model_len=models[served["model_served"]])
+    started = now_us()
+    try:
+        response = _call(url + "/v1/completions", key, body, CALL_TIMEOUT)
+        return sibling_rows(served, response, origin="resample", writer_id=writer_id,
+                            started_at=started, ended_at=now_us(), sent=body)  # fmt: skip
+    except Unreachable:
+        return None
+    except (ResampleError, SiblingError) as e:
+        return [error_row(served, str(e), origin="resample", writer_id=writer_id,
+                          started_at=started, ended_at=now_us(), sent=body)]  # fmt: skip
+
+
+def _call(url: str, key: str | None, payload: dict | None, timeout: float) -> dict:
+    request = urllib.request.Request(
+        url,
+        method="POST" if payload is not None else "GET",
+        data=json.dumps(payload).encode() if payload is not None else None,
+        headers={
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {key}"} if key else {}),
+        },
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:300]
+        raise ResampleError(f"vLLM answered {e.code} at {url}: {detail}") from e
+    except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+        raise Unreachable(f"cannot reach vLLM at {url}: {e}") from e
+    try:
+        answer = json.loads(body)
+    except ValueError as e:
+        raise ResampleError(f"vLLM answered {url} with something other than JSON") from e
+    if not isinstance(answer, dict):
+        raise ResampleError(f"vLLM answered {url} with JSON that is not an object")
+    return answer
