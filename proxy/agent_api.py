@@ -4,6 +4,8 @@ Request path for chat and text completions:
   read body (size-capped) -> parse -> attribute to a rollout -> resolve the alias ->
   ask upstream for token ids/logprobs/usage -> forward -> tee the answer to the
   client (hiding what we added) and into an Accumulator -> one record per choice.
+Responses take the same path, asking vLLM for its token ids and logprobs
+(api_capture.py); Messages are relayed as sent. Both are recorded in the chat shape.
 The record is appended to the write-ahead log after the client has its answer, so
 logging adds no latency. Rewards and finishes are durable before they are answered.
 """
@@ -18,15 +20,27 @@ from aiohttp import web
 from overnight.errors import OvernightError
 from overnight.storage import now_us
 
-from .api_capture import api_accumulator
+from .api_capture import (
+    ResponsesAdditions,
+    add_responses_fields,
+    api_accumulator,
+    refused_additions,
+)
 from .attribution import Attribution, attribute, logging_enabled
 from .capture import CHAT, TEXT, Additions, add_training_fields
 from .capture_state import Capture
-from .conversation import CHAINS, MESSAGES, RESPONSES, messages_request, responses_request
+from .conversation import (
+    CHAINS,
+    MESSAGES,
+    RESPONSES,
+    messages_request,
+    resolve_responses_request,
+)
 from .jsonio import read_json_object
 from .records import completion_rows, finish_row, parse_reward, reward_row
 from .redact import REDACTOR
 from .relay import CLIENT_LEFT_EARLY, forward, passthrough
+from .shadow import SHADOW
 from .state import ADAPTERS, STATS, TURNS, WRITER
 
 log = logging.getLogger("overnight.proxy")
@@ -81,12 +95,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     capture = Capture(endpoint, bool(body.get("stream")), request_body=body, route=route)
     try:
         upstream_body = dict(body, model=route.served)
+        added: Additions | ResponsesAdditions
         if endpoint in (CHAT, TEXT):
             added = add_training_fields(upstream_body, endpoint)
-        else:  # nothing to ask for (docs/wire.md): relayed verbatim, recorded as chat
-            added = Additions()
-            capture.acc = api_accumulator(endpoint)
-            capture.request_body = _as_chat(app, endpoint, body)
+        else:  # recorded in the chat shape (docs/wire.md)
+            # Responses: vLLM's token ids and logprobs, asked for and hidden again;
+            # Messages: nothing to ask for, relayed verbatim.
+            log_it = endpoint == RESPONSES and logging_enabled(request.headers)
+            log_it = log_it and route.served not in refused_additions(app)
+            added = add_responses_fields(upstream_body) if log_it else Additions()
+            hidden = added if isinstance(added, ResponsesAdditions) else None
+            capture.acc = api_accumulator(endpoint, hidden)
+            capture.request_body = await _as_chat(app, endpoint, body)
         affinity = who.rollout_id or who.group_id  # every turn of a rollout on one replica
         return await forward(request, endpoint, upstream_body, added, capture, affinity)
     except (OvernightError, web.HTTPException):
@@ -120,9 +140,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
 
 
-def _as_chat(app: web.Application, endpoint: str, body: dict) -> dict:
-    if endpoint == RESPONSES:
-        return responses_request(body, app[CHAINS])
+async def _as_chat(app: web.Application, endpoint: str, body: dict) -> dict:
+    if endpoint == RESPONSES:  # a chain unknown here is looked up in the store
+        return await resolve_responses_request(body, app[CHAINS])
     return messages_request(body)
 
 
@@ -133,7 +153,8 @@ def _remember_chain(app: web.Application, capture: Capture) -> None:
     if response_id is None or state is None or capture.error is not None:
         return
     reply = capture.acc.response(0)["choices"][0]["message"]
-    app[CHAINS].remember(response_id, [*capture.request_body["messages"], reply])
+    missing = capture.request_body.get("history_missing")
+    app[CHAINS].remember(response_id, [*capture.request_body["messages"], reply], missing)
 
 
 def _record(
@@ -154,6 +175,7 @@ def _record(
         return
     for row in app[REDACTOR].apply(rows):  # the user's --redact hook (redact.py)
         writer.append("completions", row)
+    app[SHADOW].offer(rows)  # siblings of the turn, asked for now that its answer was sent
 
 
 async def prefixed(request: web.Request) -> web.StreamResponse:

@@ -17,8 +17,11 @@ Otherwise the trainer rebuilds the tokens from the conversation (docs/wire.md).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
+
+from aiohttp import web
 
 from .capture import ChoiceState
 from .conversation import MESSAGES, RESPONSES, tool_call
@@ -79,8 +82,9 @@ class ResponsesAccumulator(_ApiAccumulator):
 
     endpoint = RESPONSES
 
-    def __init__(self) -> None:
+    def __init__(self, added: ResponsesAdditions | None = None) -> None:
         super().__init__()
+        self.added = added  # what the proxy asked for: not in the recorded `raw`
         self.final: dict | None = None
         self.items: dict[int, dict] = {}  # output index -> item (added, then done)
         self.deltas: dict[int, list[str]] = {}  # text or arguments before the item is done
@@ -151,7 +155,10 @@ class ResponsesAccumulator(_ApiAccumulator):
         self.token_ids = list(outputs[0].get("tokens") or ())
 
     def raw(self) -> dict | None:
-        return self.final
+        """The response as the client got it (the ids and logprobs are in the record)."""
+        if self.final is None or self.added is None:
+            return self.final
+        return hide_responses_additions(self.final, self.added) or self.final
 
     def _state(self) -> ChoiceState | None:
         items = self.final.get("output") if self.final is not None else None
@@ -289,8 +296,8 @@ class MessagesAccumulator(_ApiAccumulator):
         return state
 
 
-def api_accumulator(endpoint: str) -> _ApiAccumulator:
-    return ResponsesAccumulator() if endpoint == RESPONSES else MessagesAccumulator()
+def api_accumulator(endpoint: str, added: ResponsesAdditions | None = None) -> _ApiAccumulator:
+    return ResponsesAccumulator(added) if endpoint == RESPONSES else MessagesAccumulator()
 
 
 # -- token ids on the Responses API, asked for by the proxy ---------------------------------
@@ -303,15 +310,27 @@ class ResponsesAdditions:
 
     messages: bool = False  # `enable_response_messages`: the prompt's and reply's ids
     logprobs: bool = False  # `include` output-text logprobs: one per reply token
+    # The request as the client sent it, sent instead if vLLM refuses the additions.
+    plain: dict | None = field(default=None, compare=False, repr=False)
 
     @property
     def any(self) -> bool:
         return self.messages or self.logprobs
 
 
+# Per app, the served models whose vLLM refused the additions (gpt-oss: "logprobs are not
+# supported with gpt-oss models", 400): asked as the client asks from then on.
+_REFUSED: weakref.WeakKeyDictionary[web.Application, set[str]] = weakref.WeakKeyDictionary()
+
+
+def refused_additions(app: web.Application) -> set[str]:
+    return _REFUSED.setdefault(app, set())
+
+
 def add_responses_fields(body: dict) -> ResponsesAdditions:
     """Ask vLLM for the prompt's and the reply's token ids and the reply's logprobs
     (vLLM 0.32, models without the harmony format); mutates `body`."""
+    plain = dict(body)
     messages = not body.get("enable_response_messages")
     if messages:
         body["enable_response_messages"] = True
@@ -319,32 +338,64 @@ def add_responses_fields(body: dict) -> ResponsesAdditions:
     logprobs = LOGPROBS_INCLUDE not in include
     if logprobs:
         body["include"] = [*include, LOGPROBS_INCLUDE]
-    return ResponsesAdditions(messages=messages, logprobs=logprobs)
+    return ResponsesAdditions(messages=messages, logprobs=logprobs, plain=plain)
 
 
-def hide_responses_additions(obj: dict, added: ResponsesAdditions) -> dict:
-    """A response or stream event as vLLM sends it when not asked: the token messages
-    and `top_logprobs` null, output-text logprobs null in parts and `[]` in deltas
-    (measured against vLLM 0.32's answers without the additions: test_real_vllm.py)."""
-    response = obj.get("response") if isinstance(obj.get("response"), dict) else obj
-    if added.messages and response.get("object") == "response":
+def hide_responses_additions(obj: dict, added: ResponsesAdditions) -> dict | None:
+    """A response or stream event as vLLM sends it when not asked, or None when the
+    additions left it as it is (then its exact bytes go to the client). The token
+    messages and `top_logprobs` are null, output-text logprobs null in parts and `[]`
+    in deltas (measured against vLLM 0.32's answers without the additions:
+    test_real_vllm.py). `obj` is not changed: the record keeps what it holds."""
+    if obj.get("object") == "response":
+        return _hide_in_response(obj, added)
+    response = obj.get("response")
+    if isinstance(response, dict) and response.get("object") == "response":
+        hidden = _hide_in_response(response, added)
+        return None if hidden is None else {**obj, "response": hidden}
+    if not added.logprobs:
+        return None
+    kind = obj.get("type")
+    if kind == "response.output_text.delta" and obj.get("logprobs"):
+        return {**obj, "logprobs": []}
+    if isinstance(obj.get("item"), dict):
+        item = _hide_in_item(obj["item"])
+        return None if item is None else {**obj, "item": item}
+    if kind != "response.content_part.added":  # a part just added has `[]` either way
+        part = _hide_in_part(obj.get("part"))
+        return None if part is None else {**obj, "part": part}
+    return None
+
+
+def _hide_in_response(response: dict, added: ResponsesAdditions) -> dict | None:
+    changes: dict[str, Any] = {}
+    if added.messages:
         for key in ("input_messages", "output_messages"):
             if response.get(key) is not None:
-                response[key] = None
-    if not added.logprobs:
-        return obj
-    if response.get("object") == "response" and response.get("top_logprobs") is not None:
-        response["top_logprobs"] = None  # echoed from the sampling parameters: unset
-    if obj.get("type") == "response.output_text.delta" and obj.get("logprobs"):
-        obj["logprobs"] = []
-    items = list(response.get("output") or ()) if response.get("object") == "response" else []
-    items += [obj[k] for k in ("item",) if isinstance(obj.get(k), dict)]
-    # A part just added has `[]` either way; a finished one null when not asked.
-    part = obj.get("part") if obj.get("type") != "response.content_part.added" else None
-    parts = [part] if isinstance(part, dict) else []
-    for item in items:
-        parts += [p for p in item.get("content") or () if isinstance(p, dict)]
-    for part in parts:
-        if part.get("type") == "output_text" and part.get("logprobs") is not None:
-            part["logprobs"] = None
-    return obj
+                changes[key] = None
+    if added.logprobs:
+        if response.get("top_logprobs") is not None:
+            changes["top_logprobs"] = None  # echoed from the sampling parameters: unset
+        output = response.get("output")
+        if isinstance(output, list):
+            items = [_hide_in_item(item) for item in output]
+            if any(item is not None for item in items):
+                changes["output"] = [new or old for new, old in zip(items, output, strict=True)]
+    return {**response, **changes} if changes else None
+
+
+def _hide_in_item(item: Any) -> dict | None:
+    content = item.get("content") if isinstance(item, dict) else None
+    if not isinstance(content, list):
+        return None
+    parts = [_hide_in_part(part) for part in content]
+    if all(part is None for part in parts):
+        return None
+    return {**item, "content": [new or old for new, old in zip(parts, content, strict=True)]}
+
+
+def _hide_in_part(part: Any) -> dict | None:
+    """A finished output-text part has null logprobs when they were not asked for."""
+    if not isinstance(part, dict) or part.get("type") != "output_text":
+        return None
+    return None if part.get("logprobs") is None else {**part, "logprobs": None}

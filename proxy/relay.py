@@ -12,6 +12,7 @@ started, an error event in the stream.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import orjson
@@ -19,12 +20,13 @@ from aiohttp import web
 
 from overnight.errors import OvernightError
 
+from .api_capture import ResponsesAdditions, hide_responses_additions, refused_additions
 from .capture import CHAT, TEXT, Additions, hide_additions, only_added
 from .capture_state import Capture
 from .conversation import MESSAGES, RESPONSES
 from .jsonio import json_dumps
 from .paths import check_forwarded
-from .sse import SSEParser, encode_event
+from .sse import SSEParser, encode_event, with_data
 from .state import CONFIG, FINGERPRINT, SESSION, UPSTREAM, SeenFingerprint
 from .uncaptured import note_passthrough
 from .upstream import UpstreamResponse
@@ -56,6 +58,7 @@ UPSTREAM_PATHS = {
 UPSTREAM_CHAT = (CHAT, TEXT)
 
 Upstream = aiohttp.ClientResponse | UpstreamResponse
+Added = Additions | ResponsesAdditions  # what the proxy asked for, to hide again
 
 
 class UpstreamError(OvernightError):
@@ -104,7 +107,7 @@ async def forward(
     request: web.Request,
     endpoint: str,
     body: dict,
-    added: Additions,
+    added: Added,
     capture: Capture,
     affinity: str | None = None,
 ) -> web.StreamResponse:
@@ -114,20 +117,33 @@ async def forward(
     config = app[CONFIG]
     headers = upstream_headers(request)
     headers["Content-Type"] = "application/json"
-    try:
-        async with asyncio.timeout(config.read_timeout):  # until the response headers
-            upstream = await app[UPSTREAM].post(
-                UPSTREAM_PATHS[endpoint], json_dumps(body), headers, affinity
-            )
-    except (aiohttp.ClientError, TimeoutError) as e:
-        # The record says what the client was told.
-        if isinstance(e, TimeoutError):
-            error: UpstreamError = UpstreamTimeout(silence(config.read_timeout))
-        else:
-            error = UpstreamError(f"upstream {config.upstream} unreachable: {e}")
-        capture.status, capture.error = error.status, str(error)
-        capture.done()
-        raise error from e
+    sent = body
+    while True:  # twice at most, for a Responses request whose additions vLLM refused
+        try:
+            async with asyncio.timeout(config.read_timeout):  # until the response headers
+                upstream = await app[UPSTREAM].post(
+                    UPSTREAM_PATHS[endpoint], json_dumps(sent), headers, affinity
+                )
+        except (aiohttp.ClientError, TimeoutError) as e:
+            # The record says what the client was told.
+            if isinstance(e, TimeoutError):
+                error: UpstreamError = UpstreamTimeout(silence(config.read_timeout))
+            else:
+                error = UpstreamError(f"upstream {config.upstream} unreachable: {e}")
+            capture.status, capture.error = error.status, str(error)
+            capture.done()
+            raise error from e
+        if upstream.status != 400 or not isinstance(added, ResponsesAdditions):
+            break
+        if added.plain is None:  # the client's own request, refused: relayed as it is
+            break
+        # vLLM refused what the proxy added (a gpt-oss model takes no logprobs): the
+        # client's own request is sent instead, and its answer relayed as it comes.
+        async with upstream:
+            await upstream.read()
+        sent, added = added.plain, ResponsesAdditions()
+    if sent is not body and upstream.status != 400:  # the additions were the trouble
+        refused_additions(app).add(str(body.get("model")))
     watch = StallWatch(upstream, config.read_timeout)
     try:
         async with upstream:
@@ -179,7 +195,7 @@ class StallWatch:
 async def _relay_whole(
     request: web.Request,
     upstream: UpstreamResponse,
-    added: Additions,
+    added: Added,
     capture: Capture,
     watch: StallWatch,
 ) -> web.Response:
@@ -206,22 +222,38 @@ async def _relay_whole(
         return web.Response(body=raw, status=upstream.status, headers=headers)
     capture.acc.add(obj)
     if added.any:
-        raw = json_dumps(hide_additions(obj, added))
+        raw = _hidden(obj, raw, added)
     transport = request.transport
     if transport is None or transport.is_closing():  # aiohttp would drop the answer quietly
         capture.error = CLIENT_LEFT_EARLY
     return web.Response(body=raw, status=200, headers=headers)
 
 
+def _hidden(obj: dict, raw: bytes, added: Added) -> bytes:
+    """A whole answer as the client gets it: without what the proxy added."""
+    if not isinstance(added, ResponsesAdditions):
+        return json_dumps(hide_additions(obj, added))
+    hidden = hide_responses_additions(obj, added)
+    if hidden is None:
+        return raw
+    # vLLM writes a whole Responses answer with Python's json (starlette's JSONResponse),
+    # whose floats (1e-05) orjson would write otherwise (1e-5).
+    return json.dumps(hidden, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
 async def _relay_stream(
     request: web.Request,
     upstream: UpstreamResponse,
-    added: Additions,
+    added: Added,
     capture: Capture,
     watch: StallWatch,
 ) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers=client_headers(upstream))
-    relay = EventRelay(added, capture, request.app[FINGERPRINT])
+    relay: EventRelay
+    if isinstance(added, ResponsesAdditions):
+        relay = ResponsesEventRelay(added, capture, request.app[FINGERPRINT])
+    else:
+        relay = EventRelay(added, capture, request.app[FINGERPRINT])
     sent = False  # whether the client got any of the body
     try:
         try:
@@ -316,6 +348,28 @@ class EventRelay:
                 return b""
             visible.setdefault("system_fingerprint", fingerprint.value)
         return encode_event(json_dumps(visible))
+
+
+class ResponsesEventRelay(EventRelay):
+    """A Responses stream: an event the proxy's additions changed is re-encoded with its
+    `event:` line kept; every other event goes out as the exact upstream bytes."""
+
+    def __init__(self, added: ResponsesAdditions, capture: Capture, fingerprint: SeenFingerprint):
+        super().__init__(Additions(), capture, fingerprint)
+        self.responses_added = added
+
+    def _event(self, event: bytes) -> bytes:
+        data = SSEParser.data_of(event)
+        try:
+            obj = orjson.loads(data) if data is not None else None
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            return event
+        self.capture.acc.add(obj)
+        added = self.responses_added
+        hidden = hide_responses_additions(obj, added) if added.any else None
+        return event if hidden is None else with_data(event, json_dumps(hidden))
 
 
 async def write_quietly(response: web.StreamResponse, data: bytes, eof: bool = False) -> None:

@@ -45,3 +45,18 @@ class SSEParser:
 
 def encode_event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
+
+
+def with_data(event: bytes, data: bytes) -> bytes:
+    """`event` with its data field replaced and its other fields (`event:`, `id:`) kept
+    where they were: a Responses or Messages event names its type in `event:`."""
+    lines = event.rstrip(b"\n").split(b"\n")
+    out: list[bytes] = []
+    placed = False
+    for line in lines:
+        if not line.startswith(b"data:"):
+            out.append(line)
+        elif not placed:  # the first data line carries the whole new data
+            out.append(b"data: " + data)
+            placed = True
+    return b"\n".join(out) + b"\n\n"

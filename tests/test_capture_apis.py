@@ -107,7 +107,8 @@ async def test_responses_are_recorded_with_the_chain_vllm_prompts(
         reply(turn2)["content"] == "Done after 1 tool result." and turn2["finish_reason"] == "stop"
     )
     assert turn2["prompt_tokens"] and turn2["completion_tokens"]
-    assert turn2["prompt_token_ids"] is None  # not token-exact: docs/wire.md
+    # The fake gives no token ids (vLLM does: test_responses_exact.py).
+    assert turn2["prompt_token_ids"] is None
 
 
 def test_a_continuation_carries_over_what_vllm_does():
@@ -147,6 +148,36 @@ async def test_a_chain_begun_before_a_restart_is_rebuilt_from_the_store(make_pro
     gone = await resolve_responses_request({**second, "previous_response_id": "resp_x"}, chains)
     assert gone["history_missing"] == "resp_x"
     assert gone["messages"] == [{"role": "user", "content": "Again."}]
+
+
+async def test_a_chain_begun_before_a_restart_is_recorded_whole(make_proxy, tmp_path):
+    """A new proxy on the same data directory (a restart) has the first response of a
+    chain only in the store: the next turn's record still holds the whole conversation.
+    A chain found nowhere is recorded with a note; the client gets vLLM's own answer."""
+    data = tmp_path / "data"
+    headers = {"X-Rollout-Group": "g", "X-Rollout-Id": "r"}
+    before = await make_proxy()
+    first = {"model": "m", "input": "Say hello.", "instructions": "Be brief."}
+    answer = await (await before.post("/v1/responses", json=first, headers=headers)).json()
+    await wait_for_rows(data, 1)
+    await before.close()
+    after = await make_proxy()  # a new app on the same data directory
+    second = {"model": "m", "input": "Again.", "previous_response_id": answer["id"]}
+    r = await after.post("/v1/responses", json=second, headers=headers)
+    assert r.status == 200, await r.text()
+    _, turn2 = await wait_for_rows(data, 2)
+    assert conversation(turn2) == [
+        {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": answer["output"][0]["content"][0]["text"]},
+        {"role": "user", "content": "Again."},
+    ]
+    assert "history_missing" not in json.loads(turn2["request"])
+    gone = {**second, "previous_response_id": "resp_gone"}
+    r = await after.post("/v1/responses", json=gone, headers=headers)
+    assert r.status == 404  # vLLM's answer (here the fake's), not a failure of ours
+    *_, turn3 = await wait_for_rows(data, 3)
+    assert json.loads(turn3["request"])["history_missing"] == "resp_gone"
+    assert conversation(turn3) == [{"role": "user", "content": "Again."}]
 
 
 async def test_responses_logprobs_asked_by_the_client_are_recorded(make_proxy, tmp_path):
@@ -355,7 +386,8 @@ async def test_uncaptured_model_output_is_counted_warned_and_shown(
 async def test_responses_and_messages_rows_are_trained_from_their_text(
     make_proxy, tmp_path, tiny_model_dir, path, body
 ):
-    """vLLM gives no token ids on these APIs: the trainer re-tokenises the chat-shaped
+    """A row without token ids (every Messages row; a Responses row vLLM gave no ids or no
+    logprob per token, as the fake never does): the trainer re-tokenises the chat-shaped
     conversation the proxy recorded (not token-exact, said in the plan)."""
     from transformers import AutoTokenizer
 
@@ -412,56 +444,3 @@ async def test_retokenisation_mismatch_on_real_vllm(vllm_server, tmp_path, tiny_
     # token, and the proxy records the turn token-exact from them.
     assert tallies["responses"].rate("logprobs per token") == 0
     assert tallies["responses"].rate("recorded exact") == 0
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("stream", [False, True])
-async def test_responses_token_fields_can_be_asked_for_and_hidden(vllm_server, stream):
-    """What the proxy would add to a Responses request for token ids (api_capture.py),
-    hidden again, gives the client vLLM's answer to the plain request; and the answer
-    with them is what the accumulator records token-exact from."""
-    from overnight.proxy.api_capture import (
-        ResponsesAccumulator,
-        add_responses_fields,
-        hide_responses_additions,
-    )
-    from overnight.proxy.jsonio import json_dumps
-
-    from .compat.test_real_vllm import coalesced, normalise
-
-    plain = {"model": "tiny", "input": "Hello", "max_output_tokens": 8, "temperature": 0}
-    plain["stream"] = stream
-    asked = dict(plain)
-    added = add_responses_fields(asked)
-    assert asked["enable_response_messages"] and asked["include"]
-    url = vllm_server.url + "/v1/responses"
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url, json=plain) as r:
-            expected = await r.read()
-        async with s.post(url, json=asked) as r:
-            got = await r.read()
-    acc = ResponsesAccumulator()
-    if not stream:
-        obj = json.loads(got)
-        acc.add(json.loads(got))
-        assert normalise(json_dumps(hide_responses_additions(obj, added))) == normalise(expected)
-    else:
-        events = []
-        for block in got.split(b"\n\n"):
-            head, _, data = block.partition(b"data: ")
-            if data:
-                obj = json.loads(data)
-                acc.add(json.loads(data))
-                data = json_dumps(hide_responses_additions(obj, added))
-            events.append(head + (b"data: " + data if data else b""))
-        # Chunks fall where vLLM's server timing puts them: compared merged (coalesced).
-        assert coalesced(b"\n\n".join(events)) == coalesced(expected)
-    assert len(acc.token_ids) == acc.usage["completion_tokens"] == 8  # vLLM's own ids
-    state = acc.choices[0]
-    if len(acc.logprobs or state.logprobs) == 8:  # recorded token-exact
-        assert len(acc.prompt_ids(0)) == acc.usage["prompt_tokens"]
-        assert len(state.token_ids) == len(state.logprobs) == 8
-    else:
-        # vLLM 0.32 streams no logprob for a token whose text it holds back (part of a
-        # UTF-8 character, as here with "Hello"): without one per token, no ids recorded.
-        assert stream and acc.prompt_ids(0) is None and not state.token_ids

@@ -14,7 +14,9 @@ Asserted for each agent: the same result both ways; each answer the client got t
 the proxy equals the direct run's byte for byte once what differs between any two calls
 is blanked (ids, timestamps, prefix-cache counts; a stream's chunk boundaries, which
 follow vLLM's server timing: `coalesced`); one row per call, and for chat completions
-rows as many token ids and logprobs as vLLM's usage counted.
+rows as many token ids and logprobs as vLLM's usage counted, for chat completions and
+for Responses text replies (vLLM's own ids, which the proxy asks for and hides again);
+Responses tool-call replies (no logprobs from vLLM) and Messages rows not token-exact.
 """
 
 from __future__ import annotations
@@ -67,22 +69,44 @@ def coalesced(body: bytes) -> list:
     vLLM sends in one chunk the tokens its engine made while the server was busy with
     the previous one (its output collector merges them), so where a stream's chunks
     fall depends on timing: two direct runs can differ there. Only runs of non-empty
-    text deltas are merged: a chunk with an empty delta (issue 12, item 2) still shows."""
+    text deltas (and of one tool call's argument pieces) are merged: a chunk with an
+    empty delta (issue 12, item 2) still shows. The last text can come with the chunk
+    that finishes the choice or before it, by the same timing: it is split off."""
     events: list = []
     for block in normalise(body).split(b"\n\n"):
         data = block.partition(b"data: ")[2]
         try:
-            event = json.loads(data) if data and data != b"[DONE]" else block
+            parsed = json.loads(data) if data and data != b"[DONE]" else block
         except ValueError:
-            event = block
-        key, text = _text_delta(event)
-        if key is not None and events and _text_delta(events[-1])[0] == key:
-            _append_text(events[-1], text)
-            continue
-        if isinstance(event, dict):
-            event.pop("sequence_number", None)  # renumbered when deltas merge
-        events.append(event)
+            parsed = block
+        for event in _split_finish(parsed):
+            key, text = _text_delta(event)
+            if key is not None and events and _text_delta(events[-1])[0] == key:
+                _append_text(events[-1], text)
+                continue
+            if isinstance(event, dict):
+                event.pop("sequence_number", None)  # renumbered when deltas merge
+            events.append(event)
     return events
+
+
+def _split_finish(event) -> list:
+    """A chat chunk finishing its choice: its text as a delta of its own, then the finish
+    without text (an empty text dropped the same way)."""
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if not choices or len(choices) != 1 or not choices[0].get("finish_reason"):
+        return [event]
+    choice = choices[0]
+    delta = choice.get("delta") or {}
+    text = delta.get("content")
+    if not isinstance(text, str):
+        return [event]
+    rest = {k: v for k, v in delta.items() if k != "content"}
+    finish = {**event, "choices": [{**choice, "delta": rest}]}
+    if not text:
+        return [finish]
+    piece = {**choice, "delta": {"content": text}, "finish_reason": None}
+    return [{**event, "choices": [piece]}, finish]
 
 
 def _text_delta(event) -> tuple[object, str]:
@@ -99,8 +123,16 @@ def _text_delta(event) -> tuple[object, str]:
         return None, ""
     choice = choices[0]
     delta = choice.get("delta") or {}
-    if set(delta) == {"content"} and delta["content"] and not choice.get("finish_reason"):
+    if choice.get("finish_reason"):
+        return None, ""
+    if set(delta) == {"content"} and delta["content"]:
         return ("chat", choice.get("index")), delta["content"]
+    calls = delta.get("tool_calls") or []
+    if set(delta) <= {"content", "tool_calls"} and delta.get("content") is None and len(calls) == 1:
+        call = calls[0]  # a piece of one call's arguments, and nothing else
+        function = call.get("function") or {}
+        if set(call) == {"index", "function"} and set(function) == {"arguments"}:
+            return ("args", choice.get("index"), call["index"]), function["arguments"]
     return None, ""
 
 
@@ -109,6 +141,8 @@ def _append_text(event: dict, text: str) -> None:
         event["delta"] += text
     elif event.get("type") == "content_block_delta":
         event["delta"]["text"] += text
+    elif event["choices"][0]["delta"].get("tool_calls"):
+        event["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] += text
     else:
         event["choices"][0]["delta"]["content"] += text
 
@@ -407,13 +441,20 @@ def test_rows_match_vllm_usage(real_runs, vllm_stack: Stack):
     for row in rows:
         assert row["group_id"] == GROUP and row["error"] is None
         assert row["prompt_tokens"] and row["completion_tokens"]
-        if row["endpoint"] == "chat.completions":  # token-exact: as many as vLLM counted
+        response = json.loads(row["response"])
+        tool_reply = bool(response["choices"][0]["message"].get("tool_calls"))
+        if row["endpoint"] == "chat.completions" or (
+            row["endpoint"] == "responses" and not tool_reply
+        ):  # token-exact: as many as vLLM counted (Responses: vLLM's own ids, asked for)
             assert len(row["prompt_token_ids"]) == row["prompt_tokens"]
             assert len(row["completion_token_ids"]) == row["completion_tokens"]
             assert len(row["completion_logprobs"]) == row["completion_tokens"]
-        else:  # Responses and Messages: re-tokenised by the trainer (docs/wire.md)
-            assert not row["completion_token_ids"]
-            assert json.loads(row["response"])["raw"]["usage"]
+        else:  # Messages, and Responses tool calls (vLLM gives them no logprobs):
+            # recorded as not token-exact, re-tokenised by the trainer (docs/wire.md)
+            assert not row["prompt_token_ids"] and not row["completion_token_ids"]
+            assert response["raw"]["usage"]
+            if row["endpoint"] == "responses":  # the ids were asked for, and hidden
+                assert response["raw"].get("output_messages") is None
     expected = {"chat": "chat.completions", "responses": "responses", "messages": "messages"}
     assert expected[api] in {r["endpoint"] for r in rows}
     calls = [
