@@ -75,6 +75,8 @@ def serve_forever(
 
     if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
         raise ConfigError(f"with vLLM at {vllm.url}, the proxy's upstream must be its URL")
+    if vllm is not None and proxy.shadow_samples:
+        vllm = with_priority_scheduling(vllm)
     proxy, replicas = with_replicas(proxy, vllm) if vllm is not None else (proxy, [])
     processes = [VLLMProcess(config, env) for config, env in replicas]
     # SIGTERM during vLLM's start must still stop the children: make it an exception.
@@ -110,6 +112,16 @@ def serve_forever(
             log.info("stopping vLLM on %s", process.url)
             process.stop()
         log.info("stopped")
+
+
+def with_priority_scheduling(vllm: VLLMConfig) -> VLLMConfig:
+    """Shadow siblings ask for a low `priority`; vLLM accepts and ignores the field unless
+    started with the priority policy (which, with every served request at priority 0,
+    orders them first come first served as the default does). An explicit
+    `--vllm-arg=--scheduling-policy=...` wins."""
+    if any(arg.startswith("--scheduling-policy") for arg in vllm.extra_args):
+        return vllm
+    return replace(vllm, extra_args=(*vllm.extra_args, "--scheduling-policy=priority"))
 
 
 def with_replicas(

@@ -13,13 +13,14 @@ CLI runs the app (`web.run_app`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
 
 from overnight.config import ProxyConfig
-from overnight.storage import LogWriter, WriterConfig
+from overnight.storage import LogWriter, WriterConfig, attach
 from overnight.view import web as view
 
 from . import admin
@@ -31,6 +32,7 @@ from .capture_state import TurnCounter
 from .conversation import CHAINS, ResponseChains
 from .redact import REDACTOR, Redactor
 from .relay import passthrough
+from .shadow import SHADOW, ShadowSampler
 from .state import (
     ADAPTERS,
     CONFIG,
@@ -47,6 +49,8 @@ from .uncaptured import UNCAPTURED, Uncaptured
 
 
 def create_app(config: ProxyConfig) -> web.Application:
+    # --data a URL (s3://...): the app works in its local directory; segments go there.
+    config = dataclasses.replace(config, data_dir=attach(config.data_dir, config.local_dir))
     config.data_dir.mkdir(parents=True, exist_ok=True)
     app = web.Application(
         client_max_size=config.max_body_bytes,  # every path, the pass-through too (relay.py)
@@ -60,7 +64,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app[CONFIG] = config
     app[STATS] = ProxyStats()
     app[UNCAPTURED] = Uncaptured()
-    app[CHAINS] = ResponseChains()
+    app[CHAINS] = ResponseChains(data_dir=config.data_dir)  # chains before a restart
     app[TURNS] = TurnCounter()
     app[FINGERPRINT] = SeenFingerprint()
     app[REDACTOR] = Redactor(config.redact)
@@ -80,6 +84,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         check_interval=config.upstream_check_interval,
         follow_interval=config.state_poll_interval,
     )
+    app[SHADOW] = ShadowSampler(config, balancer, app[REDACTOR])
     app.cleanup_ctx.append(_lifecycle)
 
     r = app.router
@@ -147,7 +152,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     registry = app[ADAPTERS]
     registry.session = session
     await registry.restore()
+    app[SHADOW].start(writer)
     yield
+    await app[SHADOW].close()
     await registry.close()
     app[UPSTREAM].close()
     await session.close()

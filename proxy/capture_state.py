@@ -1,4 +1,5 @@
-"""What the proxy keeps while requests pass: one request's `Capture`, the rollouts' turns.
+"""What the proxy keeps while requests pass: one request's `Capture`, the rollouts' turns,
+the groups' sizes (for shadow sampling).
 
 Below `records` (which turns a Capture into rows) and above the pure `capture` module
 (the accumulator), so every layer imports downwards and the rows are built from typed
@@ -69,3 +70,27 @@ class TurnCounter:
         if len(self.counts) > self.capacity:
             del self.counts[next(iter(self.counts))]
         return n
+
+
+class GroupRollouts:
+    """How many distinct rollouts this process has seen in each group; bounded memory.
+
+    A turn is in a group of two or more once a second rollout of its group arrives, so
+    the first rollout of a group is counted before its siblings exist (the proxy cannot
+    see the future); requests with n > 1 are groups of their own and never reach here.
+    """
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self.groups: dict[str, str | int] = {}  # group -> its one rollout id, or a count
+
+    def add(self, group_id: str, rollout_id: str) -> int:
+        """Note `rollout_id` in `group_id`; the number of rollouts seen in it (capped at 2)."""
+        seen = self.groups.pop(group_id, None)
+        if seen is None or seen == rollout_id:
+            self.groups[group_id] = rollout_id  # re-inserted: most recent last
+            if len(self.groups) > self.capacity:
+                del self.groups[next(iter(self.groups))]
+            return 1
+        self.groups[group_id] = 2
+        return 2

