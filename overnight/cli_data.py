@@ -177,7 +177,7 @@ def runs(data_dir: Path, limit: int) -> None:
     from .view import display
 
     with read_db(data_dir) as con:
-        click.echo(display.list_runs(con, limit))
+        click.echo(display.list_runs(con, limit, display.adapter_events(data_dir)))
 
 
 @click.command()

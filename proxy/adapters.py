@@ -19,6 +19,15 @@ the replicas every `check_interval` seconds (or at once after a 404 for the alia
 `notice_missing`): health, and whether they still serve the adapter. When none does
 (vLLM restarted under every proxy), it is loaded again under a new version, as at a
 proxy's start (`restore`).
+
+A canary (`promote(path, canary=0.1)`): the candidate is loaded on every replica like a
+promotion, but the alias sends it only that share of its rollouts (sticky: a hash of
+the rollout id, the same in every proxy), recorded under the canary's own name so that
+live rewards per adapter are known. Promoting the same path later makes it the alias's
+adapter without loading it again; `rollback(canary=True)` drops it.
+
+Every promotion, rollback and canary decision is kept in the shared state's `events`,
+with the reason given (the watch's numbers, `overnight rollback --reason`).
 """
 
 from __future__ import annotations
@@ -26,25 +35,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import hashlib
 import logging
+import os
 import secrets
-from collections import Counter
+import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
 
-from overnight.errors import OvernightError
-
 from .balancer import Balancer, Replica
-from .shared_state import StateFile
+from .in_flight import InFlight
+from .lora_client import AdapterError, LoraClient
+from .shared_state import DrainMarks, StateFile
 
 log = logging.getLogger("overnight.proxy")
-
-
-class AdapterError(OvernightError):
-    status = 400
-    code = "adapter_error"
+EVENTS_KEPT = 200  # promotions, rollbacks and canary decisions kept in adapters.json
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,13 @@ class Adapter:
     version: int
     path: str
     promoted_at: str
-    reason: str = "promote"  # promote | rollback | restore
+    reason: str = "promote"  # promote | rollback | restore | canary
+
+
+def in_canary(key: str, fraction: float) -> bool:
+    """Whether the rollout `key` is in the canary's share: a hash, the same in every process."""
+    point = int.from_bytes(hashlib.blake2b(b"canary\0" + key.encode(), digest_size=8).digest())
+    return point < fraction * 2**64
 
 
 @dataclass(frozen=True)
@@ -77,18 +90,21 @@ class AdapterRegistry:
         self.alias = alias
         self.shared = StateFile(state_path)
         self.balancer = balancer
-        self.headers = session_headers
+        self.lora = LoraClient(session_headers)
         self.drain_timeout = drain_timeout
         self.base_model = base_model
         self.base_model_path: str | None = None
         self.stack: list[Adapter] = []  # promotions; the top serves the alias
         self.history: list[Adapter] = []  # every adapter ever loaded, oldest first
+        self.canary: Adapter | None = None  # a candidate serving a share of the alias
+        self.canary_fraction = 0.0
+        self.events: list[dict] = []  # promotions, rollbacks, canaries, with reasons
         self.version = 0  # of the shared state this proxy follows
-        self.in_flight: Counter[str] = Counter()
-        self._idle: dict[str, asyncio.Event] = {}
         self._lock = asyncio.Lock()  # one change of this proxy's state at a time
         self._drains: set[asyncio.Task] = set()
-        self.session: aiohttp.ClientSession | None = None
+        proxy_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.flight = InFlight(DrainMarks(state_path, proxy_id))
+        self.in_flight = self.flight.counts  # requests in flight here, by served name
         # Seconds between checks of the replicas; 0: no watch.
         self.check_interval = check_interval
         # Seconds between looks at the shared state; 0: follow nobody. Another proxy
@@ -101,61 +117,96 @@ class AdapterRegistry:
         self._stamp = self.shared.stamp()
         self._take(self.shared.read())
 
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        return self.lora.session
+
+    @session.setter
+    def session(self, session: aiohttp.ClientSession) -> None:  # set by the app at start
+        self.lora.session = session
+
     # -- routing (hot path) ------------------------------------------------------------
 
     @property
     def current(self) -> Adapter | None:
         return self.stack[-1] if self.stack else None
 
-    def route(self, requested: str | None) -> Route:
-        """Resolve the model name and count the request in flight on it."""
+    def route(self, requested: str | None, key: str | None = None) -> Route:
+        """Resolve the model name and count the request in flight on it. `key` (the
+        rollout id, else the group id) decides whether the alias's canary serves it."""
         if requested == self.alias:
-            current = self.current
-            if current is not None:
+            current, canary = self.current, self.canary
+            if canary is not None and key is not None and in_canary(key, self.canary_fraction):
+                route = Route(canary.name, canary.version)
+            elif current is not None:
                 route = Route(current.name, current.version)
             else:
                 route = Route(self.base_model or requested, None)
         else:
             route = Route(requested or self.base_model or "", None)
-        self.in_flight[route.served] += 1
+        self.flight.add(route.served)
         return route
 
     def release(self, route: Route) -> None:
-        left = self.in_flight[route.served] - 1
-        if left <= 0:
-            del self.in_flight[route.served]
-            idle = self._idle.get(route.served)
-            if idle is not None:
-                idle.set()
-        else:
-            self.in_flight[route.served] = left
+        self.flight.done(route.served)
 
     # -- administration ----------------------------------------------------------------
 
-    async def promote(self, path: str, reason: str = "promote") -> Adapter:
+    async def promote(self, path: str, canary: float | None = None, why: str = "") -> Adapter:
+        """Serve `path` under the alias (loaded everywhere first), or with `canary` (a share
+        in (0, 1)) only to that share of its rollouts. Promoting the canary's own path makes
+        it the alias's adapter as it is loaded; promoting another path drops the canary."""
         path = str(Path(path).expanduser().resolve())
         if not (Path(path) / "adapter_config.json").is_file():
             raise AdapterError(f"{path} is not a peft adapter directory (no adapter_config.json)")
+        if canary is not None and not 0 < canary < 1:
+            raise AdapterError(f"a canary's share must be between 0 and 1, got {canary}")
         async with self._lock, self.shared.locked():
             self._adopt(self.shared.read())  # another proxy may have promoted meanwhile
-            adapter = await self._load_everywhere(path, reason)
-            self._switch([*self.stack, adapter])
+            old = self.canary
+            if old is not None and old.path != path:  # say so: it ends unsettled
+                why = "; ".join(filter(None, [why, f"replaces the canary {old.name}"]))
+            if canary is not None:
+                adapter = await self._load_everywhere(path, "canary")
+                self.canary_fraction = canary
+                event = f"canary at {canary:.0%}"
+                self._switch(self.stack, adapter, self._event(event, adapter, why, self.current))
+                log.info(
+                    "alias %s sends %.0f%% to %s (%s)", self.alias, 100 * canary, adapter.name, path
+                )
+                return adapter
+            if old is not None and old.path == path:
+                adapter, event = old, "canary promoted"
+            else:
+                adapter, event = await self._load_everywhere(path, "promote"), "promote"
+            self._switch([*self.stack, adapter], None, self._event(event, adapter, why, adapter))
             log.info("alias %s now serves %s (%s)", self.alias, adapter.name, path)
             return adapter
 
-    async def rollback(self) -> Adapter | None:
-        """Serve the previous adapter again (or the base model); returns what serves now."""
+    async def rollback(self, why: str = "", canary: bool = False) -> Adapter | None:
+        """Serve the previous adapter again (or the base model), or with `canary` only stop
+        the canary; returns what the alias serves now. `why` is kept with the event."""
         async with self._lock, self.shared.locked():
             self._adopt(self.shared.read())
+            if canary:
+                if self.canary is None:
+                    raise AdapterError("no canary runs: nothing to drop")
+                event = self._event("canary dropped", self.canary, why, self.current)
+                self._switch(self.stack, None, event)
+                log.info("dropped the canary: %s", why or "no reason given")
+                return self.current
             if not self.stack:
                 raise AdapterError("nothing to roll back: the alias already serves the base model")
             stack = self.stack[:-1]
             previous = stack.pop() if stack else None
             if previous is not None:
                 stack.append(await self._load_everywhere(previous.path, "rollback"))
-            self._switch(stack)
+            event = self._event("rollback", self.stack[-1], why, stack[-1] if stack else None)
+            self._switch(stack, self.canary, event)
             now = self.current
-            log.info("rolled back: alias now serves %s", now.name if now else "the base model")
+            log.info(
+                "rolled back: alias now serves %s (%s)", now.name if now else "the base model", why
+            )
             return now
 
     async def restore(self) -> None:
@@ -173,8 +224,7 @@ class AdapterRegistry:
     def notice_missing(self, served: str) -> None:
         """A request routed to `served` got a 404 from vLLM: check now, not at the next tick.
         (Call from the relay; cheap and safe to call for any name.)"""
-        current = self.current
-        if current is not None and current.name == served:
+        if served in {a.name for a in (self.current, self.canary) if a is not None}:
             self._wake.set()
 
     async def check_upstream(self) -> bool:
@@ -194,9 +244,9 @@ class AdapterRegistry:
             state = self.shared.read()
             if state.get("version", 0) == self.version:
                 return False
-            old = self.current
+            old = (self.current, self.canary)
             self._adopt(state)
-            if self.current != old:
+            if (self.current, self.canary) != old:
                 await self._check_replicas()  # what the other proxy loaded is there already
                 # Its own name everywhere: a new one would be a new state for the others
                 # to follow, and proxies with replicas of their own would never settle.
@@ -217,8 +267,11 @@ class AdapterRegistry:
             "base_model_path": self.base_model_path,
             "current": asdict(current) if current else None,
             "stack": [a.name for a in self.stack],
+            "canary": self._canary_state(),
             "adapters": [asdict(a) for a in self.history],
+            "events": self.events,
             "in_flight": dict(self.in_flight),
+            "draining_elsewhere": self.flight.marks.elsewhere(),
             "state_version": self.version,
             "replicas": [r.describe() for r in self.balancer.replicas],
         }
@@ -228,6 +281,7 @@ class AdapterRegistry:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._drains, return_exceptions=True)
         self._tasks = []
+        self.flight.close()
 
     # -- the state, shared and local ---------------------------------------------------
 
@@ -235,34 +289,62 @@ class AdapterRegistry:
         self.history = [Adapter(**a) for a in state.get("adapters", [])]
         by_name = {a.name: a for a in self.history}
         self.stack = [by_name[n] for n in state.get("stack", []) if n in by_name]
+        canary = state.get("canary") or {}
+        self.canary = by_name.get(canary.get("name", ""))
+        self.canary_fraction = float(canary.get("fraction", 0.0))
+        self.events = list(state.get("events", []))
         self.version = state.get("version", 0)
 
     def _adopt(self, state: dict) -> None:
-        """Take the shared state; drain the adapter this proxy served if it changed."""
+        """Take the shared state; drain what this proxy served that it no longer serves."""
         if state.get("version", 0) == self.version:
             return
-        old = self.current
+        old = (self.current, self.canary)
         self._take(state)
-        if old is not None and (self.current is None or self.current.name != old.name):
-            self._start_drain(old)
+        self._retire(*old)
 
-    def _switch(self, stack: list[Adapter]) -> None:
-        """Serve the top of `stack` (loaded on the replicas already) and write it down;
-        call with the file lock held."""
-        old = self.current
-        self.stack = stack
+    def _switch(self, stack: list[Adapter], canary: Adapter | None, event: dict) -> None:
+        """Serve the top of `stack` and `canary` (loaded on the replicas already) and write
+        it down with `event`; call with the file lock held."""
+        old = (self.current, self.canary)
+        self.stack, self.canary = stack, canary
+        self.events = [*self.events, event][-EVENTS_KEPT:]
         written = self.shared.write(
             {
                 "alias": self.alias,
                 "stack": [a.name for a in self.stack],
+                "canary": self._canary_state(),
                 "adapters": [asdict(a) for a in self.history],
+                "events": self.events,
             }
         )
         self.version = written["version"]
         self._stamp = self.shared.stamp()
         self._mark_synced()
-        if old is not None and (self.current is None or self.current.name != old.name):
-            self._start_drain(old)
+        self._retire(*old)
+
+    def _retire(self, *served: Adapter | None) -> None:
+        """Drain, then unload, each of `served` that neither serves the alias nor is its canary."""
+        keep = {a.name for a in (self.current, self.canary) if a is not None}
+        for adapter in served:
+            if adapter is not None and adapter.name not in keep:
+                self._start_drain(adapter)
+
+    def _canary_state(self) -> dict | None:
+        if self.canary is None:
+            return None
+        return {"name": self.canary.name, "fraction": self.canary_fraction}
+
+    def _event(self, action: str, adapter: Adapter, why: str, serves: Adapter | None) -> dict:
+        """One line of the history of what the alias served (`serves`: after it), and why."""
+        return {
+            "at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
+            "action": action,
+            "adapter": adapter.name,
+            "path": adapter.path,
+            "serves": serves.name if serves else None,
+            "reason": why,
+        }
 
     def _mark_synced(self) -> None:
         current = self.current
@@ -275,7 +357,9 @@ class AdapterRegistry:
     async def _check_replicas(self) -> None:
         """Health and served models of every replica; a replica is live only once it
         serves the current adapter (set here, before it can take traffic)."""
-        answers = await asyncio.gather(*(self._served_models(r) for r in self.balancer.replicas))
+        answers = await asyncio.gather(
+            *(self.lora.served_models(r) for r in self.balancer.replicas)
+        )
         for replica, served in zip(self.balancer.replicas, answers, strict=True):
             if served is None:
                 if replica.healthy:
@@ -300,25 +384,30 @@ class AdapterRegistry:
             )
 
     async def _sync(self, restore: bool = True) -> bool:
-        """Load the current adapter on each healthy replica that lacks it (call under
-        `_lock`, after `_check_replicas`). When none has it (vLLM restarted) and `restore`,
-        load it under a new name and write that down: True."""
+        """Load the current adapter and the canary on each healthy replica that lacks them
+        (call under `_lock`, after `_check_replicas`). When none has the current adapter
+        (vLLM restarted) and `restore`, load it under a new name and write that down: True."""
         current = self.current
         healthy = [r for r in self.balancer.replicas if r.healthy]
-        if current is None or not healthy:
+        if not healthy:
             return False
-        if restore and not any(current.name in r.served for r in healthy):
+        if restore and current is not None and not any(current.name in r.served for r in healthy):
             return await self._restore(current, healthy)
-        missing = [r for r in healthy if current.name not in r.served]
-        results = await asyncio.gather(
-            *(self._load_on(r, current.name, current.path) for r in missing),
-            return_exceptions=True,
-        )
-        for replica, result in zip(missing, results, strict=True):
-            if isinstance(result, BaseException):
-                log.error("replica %s stays out: %s", replica.url, result)
-            else:
-                log.warning("replica %s lacked %s (restarted?): loaded", replica.url, current.name)
+        for adapter in (current, self.canary):
+            if adapter is None:
+                continue
+            missing = [r for r in healthy if adapter.name not in r.served]
+            results = await asyncio.gather(
+                *(self.lora.load_on(r, adapter.name, adapter.path) for r in missing),
+                return_exceptions=True,
+            )
+            for replica, result in zip(missing, results, strict=True):
+                if isinstance(result, BaseException):
+                    log.error("replica %s could not load %s: %s", replica.url, adapter.name, result)
+                else:
+                    log.warning(
+                        "replica %s lacked %s (restarted?): loaded", replica.url, adapter.name
+                    )
         self._mark_synced()
         return False
 
@@ -334,7 +423,12 @@ class AdapterRegistry:
             except AdapterError as e:  # vLLM came back but refused: say so, try again later
                 log.error("could not load the promoted adapter again: %s", e)
                 return False
-            self._switch([*self.stack[:-1], adapter])
+            why = f"no replica served {current.name} any more (vLLM restarted?)"
+            self._switch(
+                [*self.stack[:-1], adapter],
+                self.canary,
+                self._event("restore", adapter, why, adapter),
+            )
         log.warning(
             "vLLM no longer served %s (restarted?): loaded %s again as %s",
             current.name,
@@ -379,12 +473,12 @@ class AdapterRegistry:
         replicas = self.balancer.replicas
         targets = targets or [r for r in replicas if r.healthy] or list(replicas)
         results = await asyncio.gather(
-            *(self._load_on(r, name, path) for r in targets), return_exceptions=True
+            *(self.lora.load_on(r, name, path) for r in targets), return_exceptions=True
         )
         failed = [(r, e) for r, e in zip(targets, results, strict=True) if e is not None]
         if failed:
             loaded = [r for r, e in zip(targets, results, strict=True) if e is None]
-            await asyncio.gather(*(self._unload_on(r, name) for r in loaded))
+            await asyncio.gather(*(self.lora.unload_on(r, name) for r in loaded))
             for _, e in failed:
                 if not isinstance(e, AdapterError):
                     raise e
@@ -401,92 +495,25 @@ class AdapterRegistry:
         self.history.append(adapter)
         return adapter
 
-    async def _load_on(self, replica: Replica, name: str, path: str) -> None:
-        status, text = await self._post(
-            replica, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}
-        )
-        # Loaded already: by another proxy in front of the same replica, or by a first try
-        # whose answer was lost. Names are never reused, so it is this adapter.
-        if status != 200 and "already" not in text:
-            raise AdapterError(
-                f"vLLM refused to load {path} as {name} (HTTP {status}): {text[:500]}",
-                status=502 if status >= 500 else 400,
-            )
-        replica.served.add(name)
-
-    async def _unload_on(self, replica: Replica, name: str) -> None:
-        """Unload, logging what fails (a 404: gone already, e.g. unloaded by another proxy)."""
-        try:
-            status, text = await self._post(replica, "/v1/unload_lora_adapter", {"lora_name": name})
-        except AdapterError as e:
-            log.warning("could not unload %s from %s: %s", name, replica.url, e)
-            return
-        replica.served.discard(name)
-        if status == 200:
-            log.info("unloaded %s from %s", name, replica.url)
-        elif status != 404:
-            log.warning("vLLM did not unload %s (HTTP %d): %s", name, status, text[:300])
-
     def _start_drain(self, old: Adapter) -> None:
+        self.flight.replaced(old.name)
         task = asyncio.create_task(self._drain_and_unload(old))
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
 
     async def _drain_and_unload(self, old: Adapter) -> None:
-        if self.in_flight.get(old.name):
-            idle = self._idle.setdefault(old.name, asyncio.Event())
-            try:
-                await asyncio.wait_for(idle.wait(), self.drain_timeout)
-            except TimeoutError:
-                log.warning(
-                    "%s still had %d request(s) after %.0f s; unloading anyway",
-                    old.name,
-                    self.in_flight.get(old.name, 0),
-                    self.drain_timeout,
-                )
-            finally:
-                self._idle.pop(old.name, None)
-        # Other proxies on this data directory switch within `follow_interval`.
+        await self.flight.drained(old.name, self.drain_timeout)
+        # Other proxies on this data directory switch within `follow_interval`; those
+        # that still had requests on it then say so (in_flight.py) until those finish.
         await asyncio.sleep(2 * self.follow_interval)
-        if self.current is not None and self.current.name == old.name:
+        tick = max(min(self.follow_interval, 1.0), 0.05)
+        await self.flight.elsewhere_drained(old.name, self.drain_timeout, tick)
+        if old.name in {a.name for a in (self.current, self.canary) if a is not None}:
             return  # serving again (a follower adopted an older state); keep it
-        await asyncio.gather(*(self._unload_on(r, old.name) for r in self.balancer.replicas))
-
-    async def _post(self, replica: Replica, path: str, payload: dict) -> tuple[int, str]:
-        assert self.session is not None, "registry used before the app started"
-        for attempt in (1, 2):
-            try:
-                async with self.session.post(
-                    replica.url + path, json=payload, headers=self.headers
-                ) as r:
-                    return r.status, await r.text()
-            except aiohttp.ServerDisconnectedError as e:
-                # A pooled connection the server closed: once more on a new one
-                # (docs/architecture.md; a load that did arrive answers "already loaded").
-                if attempt == 2:
-                    raise AdapterError(f"vLLM unreachable at {replica.url}: {e}", 502) from e
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise AdapterError(f"vLLM unreachable at {replica.url}: {e}", status=502) from e
-        raise AssertionError("unreachable")
-
-    async def _served_models(self, replica: Replica) -> list[dict] | None:
-        """vLLM's /v1/models entries; None when it cannot be asked (down, restarting)."""
-        assert self.session is not None
-        try:
-            async with self.session.get(
-                replica.url + "/v1/models",
-                headers=self.headers,
-                timeout=aiohttp.ClientTimeout(total=10),
-            ) as r:
-                if r.status == 200:
-                    return (await r.json()).get("data", [])
-                log.warning("listing the models of %s answered HTTP %d", replica.url, r.status)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            log.warning("could not list the models of %s: %s", replica.url, e)
-        return None
+        await asyncio.gather(*(self.lora.unload_on(r, old.name) for r in self.balancer.replicas))
 
 
-def rollback_on_disk(state_path: Path) -> Adapter | None:
+def rollback_on_disk(state_path: Path, why: str = "") -> Adapter | None:
     """The rollback for when no proxy runs on this data directory: drop the newest
     promotion from `adapters.json`, so the next `overnight serve` restores the one
     before it (or serves the base model). Returns what will serve. (A proxy that does
@@ -498,7 +525,11 @@ def rollback_on_disk(state_path: Path) -> Adapter | None:
             raise AdapterError("nothing to roll back: no adapter was ever promoted here")
         if not state.get("stack"):
             raise AdapterError("nothing to roll back: the alias already serves the base model")
-        state["stack"].pop()
+        gone = state["stack"].pop()
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+        event = {"at": now, "action": "rollback", "adapter": gone, "reason": why}
+        event["serves"] = state["stack"][-1] if state["stack"] else None
+        state["events"] = [*state.get("events", []), event][-EVENTS_KEPT:]
         shared.write(state)
     by_name = {a["name"]: a for a in state.get("adapters", [])}
     current = by_name.get(state["stack"][-1]) if state["stack"] else None

@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import secrets
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -95,3 +96,64 @@ class StateFile:
             yield
         finally:
             os.close(fd)
+
+
+class DrainMarks:
+    """Which replaced adapters each proxy still has requests in flight on.
+
+    After a promotion every proxy switches away from the old adapter within its poll
+    interval, but a request that one proxy routed to it just before may still be running
+    when another proxy, done with its own, would unload it from the shared replicas. So a
+    proxy that switches away from an adapter with requests still in flight on it lists
+    that name in its own file, `adapters.json.draining/<proxy>.json`, until they finish;
+    a proxy about to unload an adapter waits (bounded by its drain timeout) until no other
+    proxy lists it. One file per proxy: no lock, no version bump, nothing for the others
+    to re-read unless they are about to unload. A file left by a process that died on this
+    host is removed by the first reader; one from a dead process on another host can only
+    hold an unload back until the drain timeout.
+    """
+
+    def __init__(self, state_path: Path, proxy_id: str):
+        self.dir = Path(state_path).with_name(Path(state_path).name + ".draining")
+        self.proxy_id = proxy_id
+        self.path = self.dir / f"{proxy_id}.json"
+
+    def publish(self, names: set[str]) -> None:
+        """This proxy's draining names (none: its file goes)."""
+        if not names:
+            self.path.unlink(missing_ok=True)
+            return
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        mark = {"proxy": self.proxy_id, "host": socket.gethostname(), "pid": os.getpid()}
+        tmp = self.dir / f".{self.proxy_id}.{secrets.token_hex(3)}.tmp"
+        tmp.write_text(json.dumps({**mark, "names": sorted(names)}))
+        os.replace(tmp, self.path)
+
+    def elsewhere(self) -> dict[str, list[str]]:
+        """name -> the other live proxies that still have requests in flight on it."""
+        out: dict[str, list[str]] = {}
+        for path in self.dir.glob("*.json") if self.dir.is_dir() else ():
+            if path == self.path:
+                continue
+            try:
+                mark = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # gone meanwhile (its proxy drained), or being replaced
+            if mark.get("host") == socket.gethostname() and not _alive(mark.get("pid")):
+                path.unlink(missing_ok=True)
+                continue
+            for name in mark.get("names", []):
+                out.setdefault(name, []).append(mark.get("proxy", path.stem))
+        return out
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -136,6 +136,61 @@ async def test_offline_rollback_is_restored_by_the_next_proxy(make_proxy, receiv
     assert result.exit_code != 0 and "already serves the base model" in result.output
 
 
+async def test_a_rollback_keeps_its_reason_in_the_state_the_ui_and_overnight_runs(
+    make_proxy, tmp_path
+):
+    from click.testing import CliRunner
+
+    from overnight.cli import main
+    from overnight.storage import open_db
+    from overnight.view.display import adapter_events, list_runs
+
+    data = tmp_path / "data"
+    proxy = await make_proxy(data_dir=data)
+    url = str(proxy.make_url(""))
+    a1 = adapter_dir(tmp_path, "a1")
+    await proxy.post("/admin/adapters/promote", json={"path": a1})
+    r = await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a2")})
+    v2 = (await r.json())["promoted"]
+    args = ["rollback", "--data", str(data), "--proxy", url, "--reason", "answers got longer"]
+    result = await asyncio.to_thread(CliRunner().invoke, main, args)
+    assert result.exit_code == 0, result.output
+    assert "now serves policy-v3" in result.output and "(answers got longer)" in result.output
+    state = await (await proxy.get("/admin/adapters")).json()
+    event = state["events"][-1]
+    assert (event["action"], event["adapter"], event["reason"]) == (
+        "rollback",
+        v2,
+        "answers got longer",
+    )
+    assert event["serves"] == state["current"]["name"] and state["current"]["path"] == a1
+    on_disk = json.loads((data / "adapters.json").read_text())["events"]
+    assert [e["action"] for e in on_disk] == ["promote", "promote", "rollback"]
+    page = await (await proxy.get("/ui/adapters")).text()
+    assert "answers got longer" in page and f"<td>{v2}</td>" in page
+    con = open_db(data)
+    try:
+        text = list_runs(con, 10, adapter_events(data))
+    finally:
+        con.close()
+    assert f"rollback {v2}, then served {state['current']['name']}: answers got longer" in text
+    # A reason that is not a string is refused, and nothing is rolled back.
+    r = await proxy.post("/admin/adapters/rollback", json={"reason": 3})
+    assert r.status == 400 and "'reason'" in (await r.json())["error"]["message"]
+    assert (await (await proxy.get("/admin/adapters")).json())["current"] == state["current"]
+    # Offline, the reason goes into the same history.
+    await proxy.close()
+    args = ["rollback", "--data", str(data), "--offline", "--reason", "vLLM is down for upgrade"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and "(vLLM is down for upgrade)" in result.output
+    last = json.loads((data / "adapters.json").read_text())["events"][-1]
+    assert (last["action"], last["reason"], last["serves"]) == (
+        "rollback",
+        "vLLM is down for upgrade",
+        None,
+    )
+
+
 async def test_bad_promotions_are_refused(make_proxy, tmp_path):
     proxy = await make_proxy()
     r = await proxy.post("/admin/adapters/promote", json={"path": str(tmp_path)})

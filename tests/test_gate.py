@@ -191,8 +191,17 @@ async def test_the_watch_rolls_back_an_adapter_that_does_worse_on_live_traffic(
         (8 * 0.85 + 24 * 0.35) / 32 - 0.8
     )
     assert lines[0].startswith(f"watch: rolled back {state['current']['name']}"), lines
-    now = (await (await proxy.get("/admin/adapters")).json())["current"]
+    after = await (await proxy.get("/admin/adapters")).json()
+    now = after["current"]
     assert now["path"] == first["current"]["path"], "the predecessor serves again"
+    # Why, kept with the rollback in the shared state and shown on /ui's adapters page.
+    (event,) = [e for e in after["events"] if e["action"] == "rollback"]
+    assert event["adapter"] == state["current"]["name"] and event["serves"] == now["name"]
+    assert event["reason"] == f"watch: {state['current']['name']} worse on live traffic: " + (
+        verdict.reason
+    )
+    page = await (await proxy.get("/ui/adapters")).text()
+    assert "worse on live traffic" in page and f"{verdict.new_mean:.3f} on 32 rollouts" in page
     # Run again, the predecessor now serves: it has no predecessor of its own to lose to.
     again = await asyncio.to_thread(
         CliRunner().invoke, main, ["watch", "--data", str(data), "--proxy", url]

@@ -232,6 +232,78 @@ async def test_two_proxies_on_one_data_directory(aiohttp_client, aiohttp_server,
     assert version == 2
 
 
+def holding(arrived: asyncio.Event, release: asyncio.Event):
+    """A fake's middleware that holds a request marked `X-Hold` until `release`."""
+
+    @web.middleware
+    async def hold(request: web.Request, handler):
+        if request.headers.get("X-Hold"):
+            arrived.set()
+            await release.wait()
+        return await handler(request)
+
+    return hold
+
+
+async def test_an_adapter_is_not_unloaded_under_another_proxys_request(
+    aiohttp_client, aiohttp_server, tmp_path
+):
+    """Issue 14: proxy B routed a request to v1 before it saw the promotion of v2 that
+    proxy A made; A, with nothing of its own in flight, must not unload v1 from the shared
+    replica until B's request is done (B says so in adapters.json.draining/)."""
+    arrived, release = asyncio.Event(), asyncio.Event()
+    app = create_fake_upstream()
+    app.middlewares.append(holding(arrived, release))
+    fake = await aiohttp_server(app)
+    data, poll = tmp_path / "data", 0.05
+    a, b = [
+        await aiohttp_client(
+            create_app(
+                ProxyConfig(
+                    upstream=str(fake.make_url("")),
+                    data_dir=data,
+                    commit_interval=0.0,
+                    state_poll_interval=poll,
+                    drain_timeout=120,
+                )
+            )
+        )
+        for _ in range(2)
+    ]
+    r = await a.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a1")})
+    v1 = (await r.json())["promoted"]
+    await await_until(lambda: b.app[ADAPTERS].stack and b.app[ADAPTERS].current.name == v1)
+    held = asyncio.create_task(
+        b.post("/v1/chat/completions", json=chat("long"), headers={"X-Hold": "1"})
+    )
+    await arrived.wait()  # in flight on v1, through B
+    r = await a.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a2")})
+    v2 = (await r.json())["promoted"]
+    await await_until(lambda: b.app[ADAPTERS].current.name == v2, what="B follows")
+    b_id = b.app[ADAPTERS].flight.marks.proxy_id
+
+    async def a_sees_b_draining() -> bool:
+        state = await (await a.get("/admin/adapters")).json()
+        return state["draining_elsewhere"] == {v1: [b_id]}
+
+    await await_until(a_sees_b_draining, what="A sees B's request on v1")
+    unloads = lambda: [  # noqa: E731
+        r["body"]["lora_name"]
+        for r in fake.app[RECEIVED]
+        if r["path"].endswith("unload_lora_adapter")
+    ]
+    await asyncio.sleep(20 * poll)  # ten times what A waited for before (2 polls)
+    assert unloads() == [] and v1 in fake.app[SETTINGS]["loras"]
+    release.set()
+    response = await held
+    assert response.status == 200 and (await response.json())["choices"]
+    await await_until(lambda: v1 in unloads(), what="v1 unloaded once B's request finished")
+    assert v1 not in fake.app[SETTINGS]["loras"] and v2 in fake.app[SETTINGS]["loras"]
+    assert not (data / "adapters.json.draining" / f"{b_id}.json").exists()
+    (row,) = await wait_for_rows(data, 1)
+    assert row["model_served"] == v1 and row["error"] is None
+
+
 def test_workers_share_the_port_and_the_promotion_state(tmp_path):
     """`overnight serve --workers 2`: two processes, one port, one truth."""
     upstream = spawn_fake_upstream()

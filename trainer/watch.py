@@ -46,21 +46,26 @@ class WatchVerdict:
         return asdict(self)
 
 
-def _names(state: dict, path: str | None) -> set[str]:
+def names_of(state: dict, path: str | None) -> set[str]:
     """Every name `path` was served under (None: the base model's names)."""
     if path is None:
         return {n for n in (state.get("base_model"), state.get("alias")) if n}
     return {a["name"] for a in state.get("adapters") or [] if a.get("path") == path}
 
 
-def live_rewards(data_dir: Path, sources: tuple[str, ...]) -> dict[str, list[float]]:
-    """Rewards of rollouts served by one model name throughout, by that name."""
+def live_rewards(
+    data_dir: Path, sources: tuple[str, ...], since: str | None = None
+) -> dict[str, list[float]]:
+    """Rewards of rollouts served by one model name throughout, by that name; with `since`
+    (an ISO time), only rollouts that began then or later."""
     con = open_db(data_dir)
     try:
         served = con.execute(
             "SELECT rollout_id, min(model_served) FROM completions "
             "WHERE logged AND error IS NULL AND rollout_id IS NOT NULL AND model_served IS NOT NULL "
-            "GROUP BY rollout_id HAVING min(model_served) = max(model_served)"
+            "GROUP BY rollout_id HAVING min(model_served) = max(model_served) "
+            "AND min(started_at) >= CAST(? AS TIMESTAMPTZ)",
+            [since or "1970-01-01T00:00:00+00:00"],
         ).fetchall()
         rewards = chosen_rewards(con, sources)
     finally:
@@ -85,8 +90,8 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> WatchVerdict:
         verdict.reason = "its predecessor is the same adapter"
         return verdict
     by_served = live_rewards(data_dir, config.reward_sources)
-    new = [r for n in _names(state, current["path"]) for r in by_served.get(n, [])]
-    old = [r for n in _names(state, before) for r in by_served.get(n, [])]
+    new = [r for n in names_of(state, current["path"]) for r in by_served.get(n, [])]
+    old = [r for n in names_of(state, before) for r in by_served.get(n, [])]
     verdict.new, verdict.old = len(new), len(old)
     least = config.watch_min_rollouts
     if min(len(new), len(old)) < least:
@@ -116,7 +121,11 @@ def watch(
     say=print,
     act: bool = True,
 ) -> WatchVerdict:
-    """Check the served adapter; roll it back when it is worse (unless `act` is False)."""
+    """Settle a canary (trainer/canary.py), then check the served adapter; roll it back
+    when it is worse (unless `act` is False)."""
+    from .canary import settle
+
+    settle(data_dir, proxy_url, token, config, say, act)
     verdict = check(data_dir, serving_state(proxy_url, token), config)
     if not verdict.worse:
         say(f"watch: {verdict.current or 'base model'} keeps serving: {verdict.reason}")
@@ -124,7 +133,8 @@ def watch(
     if not act:
         say(f"watch: {verdict.current} is worse, not rolled back (--dry-run): {verdict.reason}")
         return verdict
-    now = admin_call(proxy_url, "/admin/adapters/rollback", token, {}).get("current")
+    why = f"watch: {verdict.current} worse on live traffic: {verdict.reason}"
+    now = admin_call(proxy_url, "/admin/adapters/rollback", token, {"reason": why}).get("current")
     verdict.rolled_back_to = now["name"] if now else None
     say(
         f"watch: rolled back {verdict.current}: {verdict.reason}; the alias now serves "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,17 +35,58 @@ def _cell(value) -> str:
     return text if len(text) <= 48 else text[:45] + "..."
 
 
-def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -> str:
-    where = "WHERE group_id = ?" if group else ""
-    params = [group] if group else []
-    groups = con.execute(
-        f"SELECT group_id, rollouts, turns, tokens, mean_reward, finished, models_served, ended_at "
-        f"FROM groups {where} ORDER BY ended_at DESC LIMIT {int(limit)}",
-        params,
+# How far back from the newest turn the newest-first listings look, widening until they
+# have enough groups: a time filter skips older files by their Parquet statistics, so a
+# listing of the newest groups costs about the same at a year of history as at a day.
+NEWEST_WINDOWS = (dt.timedelta(days=1), dt.timedelta(days=7), dt.timedelta(days=30))
+
+
+def newest_groups(
+    con: duckdb.DuckDBPyConnection,
+    columns: str,
+    order: str,
+    limit: int,
+    where: Sequence[str] = (),
+    args: Sequence = (),
+) -> list[tuple]:
+    """`columns` of the `limit` groups newest by `order` (the `groups` view's started_at
+    or ended_at) that match `where`, newest first. Only groups with a turn in a window
+    back from now are aggregated (any group newer than the window's start has one); the
+    window widens until it holds `limit`, and at last is everything."""
+    condition = " AND ".join(["TRUE", *where])
+    now = dt.datetime.now(dt.UTC)
+    for window in NEWEST_WINDOWS:
+        since = now - window
+        ids = con.execute(
+            f"SELECT DISTINCT group_id FROM completions WHERE {order} >= ?", [since]
+        ).fetchall()
+        # Literal values, not a subquery: a constant list is pushed down to the scan.
+        marks = ",".join("?" * len(ids)) or "NULL"
+        rows = con.execute(
+            f"SELECT {columns} FROM groups WHERE group_id IN ({marks}) AND {order} >= ? "
+            f"AND {condition} ORDER BY {order} DESC LIMIT {int(limit)}",
+            [g for (g,) in ids] + [since, *args],
+        ).fetchall()
+        if len(rows) >= limit:
+            return rows
+    return con.execute(
+        f"SELECT {columns} FROM groups WHERE {condition} ORDER BY {order} DESC LIMIT {int(limit)}",
+        list(args),
     ).fetchall()
+
+
+def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -> str:
+    columns = "group_id, rollouts, turns, tokens, mean_reward, finished, models_served, ended_at"
+    if group:
+        groups = con.execute(f"SELECT {columns} FROM groups WHERE group_id = ?", [group]).fetchall()
+    else:
+        groups = newest_groups(con, columns, "ended_at", limit)
     if not groups:
         return "no records yet" if not group else f"no group {group!r}"
-    total = con.execute("SELECT count(*), sum(rollouts) FROM groups").fetchone()
+    # Counted on the turns: the `groups` view would aggregate every rollout to count them.
+    total = con.execute(
+        "SELECT count(DISTINCT group_id), count(DISTINCT rollout_id) FROM completions"
+    ).fetchone()
     out = [f"{total[0]} group(s), {total[1]} rollout(s); newest {len(groups)} shown", ""]
     # One query for the rollouts of every shown group, not one per group: each query
     # aggregates the rewards and judgments again.
@@ -51,8 +94,8 @@ def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -
     for row in con.execute(
         "SELECT group_id, rollout_id, turns, prompt_tokens, completion_tokens, reward, "
         "reward_source, judge_score, finished_at IS NOT NULL, models_served, errors FROM rollouts "
-        "WHERE group_id IN (SELECT unnest(?)) ORDER BY started_at",
-        [list(by_group)],
+        f"WHERE group_id IN ({','.join('?' * len(by_group))}) ORDER BY started_at",
+        list(by_group),  # literal values: pushed down to the scan, as a subquery is not
     ).fetchall():
         by_group[row[0]].append(row[1:])
     for g in groups:
@@ -235,9 +278,18 @@ def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
     return "\n".join(out)
 
 
-def list_runs(con: duckdb.DuckDBPyConnection, limit: int) -> str:
+def adapter_events(data_dir: Path) -> list[dict]:
+    """Rollbacks and canary decisions with their reasons, from DATA/adapters.json."""
+    try:
+        return list(json.loads((Path(data_dir) / "adapters.json").read_text()).get("events", []))
+    except (OSError, ValueError):
+        return []
+
+
+def list_runs(con: duckdb.DuckDBPyConnection, limit: int, events: Sequence[dict] = ()) -> str:
     """`overnight runs`: the newest runs, with the gap between logged and recomputed
-    logprobs before each run's first update, and a note on the ones large enough to matter."""
+    logprobs before each run's first update, and a note on the ones large enough to matter;
+    then the latest rollbacks and canary decisions (`events`, adapter_events) and why."""
     rows = con.execute(
         "SELECT run_id, status, len(groups), rollouts, steps, trained_tokens, reward_mean, "
         "max_logprob_gap, promoted_as, started_at, json_extract_string(metrics, '$.gate.verdict'), "
@@ -250,6 +302,12 @@ def list_runs(con: duckdb.DuckDBPyConnection, limit: int) -> str:
     out = _table(headers, shown) + f"\n({len(rows)} row(s))"
     # Why the gate refused (trainer/gate.py): the candidate stays on disk, unserved.
     out += "".join(f"\n{r[0]}: gate refused: {r[11]}" for r in rows if r[10] == "refused")
+    shown_events = [e for e in events if e.get("action") != "promote"][-int(limit) :]
+    out += "".join(
+        f"\n{e.get('at')}: {e.get('action')} {e.get('adapter')}, then served "
+        f"{e.get('serves') or 'the base model'}: {e.get('reason') or 'no reason given'}"
+        for e in reversed(shown_events)
+    )
     large = [r[0] for r in rows if r[7] is not None and r[7] > LOGPROB_GAP_WARNING]
     if large:
         out += (

@@ -32,7 +32,7 @@ from aiohttp import web
 from overnight.errors import OvernightError
 from overnight.storage import open_db
 from overnight.view.charts import training_charts
-from overnight.view.display import load_rollout, message_parts
+from overnight.view.display import load_rollout, message_parts, newest_groups
 
 COOKIE = "overnight_ui"  # a session id the proxy's middleware issues and checks
 
@@ -212,17 +212,17 @@ async def groups_page(request: web.Request) -> web.Response:
     f = _group_filters(request)
 
     def render(con):
-        total = con.execute("SELECT count(*) FROM groups").fetchone()[0]
-        rows = con.execute(
-            "SELECT group_id, rollouts, finished, rewarded, mean_reward, turns, tokens, "
-            f"models_served, started_at FROM groups WHERE {' AND '.join(f.where)} "
-            f"ORDER BY started_at DESC LIMIT {f.limit}",
-            f.args,
-        ).fetchall()
-        served = [
-            m for (m,) in con.execute("SELECT DISTINCT model_served FROM completions").fetchall()
-        ]
-        return total, rows, sorted(m for m in served if m)
+        # Counted on the turns (one pass for both), newest first from the last days
+        # back (newest_groups): neither aggregates every group of the history.
+        total, served = con.execute(
+            "SELECT count(DISTINCT group_id), list(DISTINCT model_served) FROM completions"
+        ).fetchone()
+        columns = (
+            "group_id, rollouts, finished, rewarded, mean_reward, turns, tokens, "
+            "models_served, started_at"
+        )
+        rows = newest_groups(con, columns, "started_at", f.limit, f.where, f.args)
+        return total, rows, sorted(m for m in served or [] if m)
 
     total, rows, adapters = await _query(request, render)
     table = _table(
@@ -386,6 +386,22 @@ async def adapters_page(request: web.Request) -> web.Response:
         ],
         numeric={0},
     )
+    # Rollbacks (with the watch's or the operator's reason) and canary decisions.
+    events = _table(
+        ["at", "what", "adapter", "then served", "why"],
+        [
+            [_e(v.get("at")), _e(v.get("action")), _e(v.get("adapter")),
+             _e(v.get("serves") or "the base model"), _e(v.get("reason") or "-")]
+            for v in reversed(state.get("events") or [])
+        ],
+    )  # fmt: skip
+    canary = state.get("canary")
+    canary_line = (
+        f'<p id="canary">canary: <strong>{_e(canary["name"])}</strong> serves '
+        f"{canary['fraction']:.0%} of the alias's rollouts</p>"
+        if canary
+        else ""
+    )
     usage = _table(
         ["served by", "completions", "first", "last", "mean reward"],
         [[_e(m), _num(n), _time(a), _time(b), _num(r)] for m, n, a, b, r in served],
@@ -394,8 +410,9 @@ async def adapters_page(request: web.Request) -> web.Response:
     body = (
         f"<p>alias <strong>{_e(state.get('alias'))}</strong> now serves "
         f'<strong id="current">{_e(current.get("name") or "the base model")}</strong>'
-        f" (base model {_e(state.get('base_model'))})</p>"
+        f" (base model {_e(state.get('base_model'))})</p>{canary_line}"
         f"<h2>Promotions and rollbacks, newest first</h2>{history}"
+        f"<h2>Why it changed, newest first</h2>{events}"
         f"<h2>When each served</h2>{usage}"
     )
     return _page(request, "Adapters", body)
