@@ -119,7 +119,7 @@ def load_groups(con, group_ids: list[str], view: str = "completions") -> list[Gr
         f"""
         SELECT group_id, rollout_id, request, response FROM {view}
         WHERE group_id IN (SELECT group_id FROM _wanted) AND logged AND error IS NULL
-        ORDER BY group_id, rollout_id, turn_index, started_at, choice_index
+        ORDER BY group_id, rollout_id, started_at, turn_index, choice_index
         """
     ).fetchall()
     turns: dict[str, dict[str, list]] = {g: {} for g in group_ids}

@@ -99,6 +99,11 @@ def serve(**values: Any) -> None:
         raise click.UsageError("give exactly one of --model (start vLLM) or --upstream URL")
     from .proxy.launcher import free_port
     from .serve import serve_forever
+    from .storage import attach
+
+    # A bucket URL becomes this machine's local directory here, once: vLLM's log, the
+    # workers' proxy.json and everything else local go there (storage/location.py).
+    values["data_dir"] = attach(values["data_dir"], values["local_dir"])
 
     listen = build(ServeConfig, values)
     logging.basicConfig(
@@ -177,6 +182,11 @@ def judge(data_dir: Path, reward: str | None, combine: bool, **values: Any) -> N
 @click.option("--judge-model", help="Score unscored groups with this judge first.")
 @config_options(JudgeConfig, only=["base_url"])
 @click.option("--reward", help="Score unscored groups with this function first.")
+@click.option(
+    "--gate-reward",
+    help="Score the gate's held-out replies with this function (default: --reward), "
+    "without scoring any group with it.",
+)
 @click.option("--no-promote", is_flag=True, help="Save the adapter but keep serving the old one.")
 @click.option("--dry-run", is_flag=True, help="Show what would be trained, and stop.")
 @click.option(
@@ -200,6 +210,24 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     dry_run = values["dry_run"]
     model, base_url = values["judge_model"], values["judge_base_url"]
     judge = JudgeConfig(model=model, base_url=base_url) if model else None
+    since = values["since"].replace(tzinfo=dt.UTC) if values["since"] else None
+    if values["resample"] and not dry_run:
+        # Siblings of single calls first (trainer/resample.py): the judge below scores
+        # them, and the plan takes the per-turn groups they form.
+        from .trainer.resample import resample_turns
+
+        if not (values["judge_model"] or reward):
+            click.echo("warning: --resample without --reward or --judge-model: the siblings "
+                       "stay unscored until a judge run scores them", err=True)  # fmt: skip
+        resample_turns(
+            data_dir,
+            build(TrainConfig, values),
+            proxy_url=_proxy(data_dir, values["proxy_url"]),
+            admin_token=values["admin_token"],
+            settle_seconds=values["settle"],
+            since=since,
+            say=click.echo,
+        )
     if (values["judge_model"] or reward) and not dry_run:
         # Score first, with the judge's own batch (the trainer never calls the judge).
         from .judge.run import judge_step
@@ -214,7 +242,6 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     from .judge.scoring import pair_scorer
     from .trainer.train import train as run
 
-    since = values["since"]
     run(
         data_dir,
         build(TrainConfig, values),
@@ -223,10 +250,10 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
         promote=not values["no_promote"],
         dry_run=dry_run,
         settle_seconds=values["settle"],
-        since=since.replace(tzinfo=dt.UTC) if since else None,
+        since=since,
         max_groups=values["max_groups"],
         say=click.echo,
-        scorer=pair_scorer(reward, judge),
+        scorer=pair_scorer(values["gate_reward"] or reward, judge),
     )
 
 
@@ -303,30 +330,45 @@ def demo(data_dir: Path, port: int, model_dir: Path, days: int, **values: Any) -
     is_flag=True,
     help="No proxy runs: change DATA/adapters.json; the next serve restores the previous one.",
 )
-def rollback(data_dir: Path, proxy_url: str | None, admin_token: str | None, offline: bool) -> None:
+@click.option("--reason", default="", help="Why: kept with the rollback, shown in /ui.")
+@click.option("--canary", is_flag=True, help="Only stop the canary (the alias keeps serving).")
+def rollback(
+    data_dir: Path,
+    proxy_url: str | None,
+    admin_token: str | None,
+    offline: bool,
+    reason: str,
+    canary: bool,
+) -> None:
     """Serve the previous adapter again (or the base model).
 
     \b
     Example:
-      overnight rollback --proxy http://127.0.0.1:8000
+      overnight rollback --proxy http://127.0.0.1:8000 --reason "answers got longer"
       overnight rollback --data /var/lib/overnight --offline   # while the proxy is stopped
+      overnight rollback --canary --reason "not now"   # drop the canary only
     """
+    said = f" ({reason})" if reason else ""
     if offline:
+        if canary:
+            raise click.UsageError("--canary needs the proxy: without one no canary is served")
         from .proxy.adapters import rollback_on_disk
 
-        now = rollback_on_disk(data_dir / "adapters.json")
+        now = rollback_on_disk(data_dir / "adapters.json", reason)
         served = f"{now.path} (was {now.name})" if now else "the base model"
-        click.echo(f"the next overnight serve on {data_dir} will serve {served}")
+        click.echo(f"the next overnight serve on {data_dir} will serve {served}{said}")
         return
     from .trainer.proxy_client import admin_call
 
     url = _proxy(data_dir, proxy_url)
     if url is None:
         raise click.UsageError("--proxy is empty: give the proxy's URL, or use --offline")
-    state = admin_call(url, "/admin/adapters/rollback", admin_token, {})
+    payload = {"reason": reason, **({"canary": True} if canary else {})}
+    state = admin_call(url, "/admin/adapters/rollback", admin_token, payload)
     current = state.get("current")
     served = current["name"] if current else "the base model"
-    click.echo(f"the alias {state['alias']} now serves {served}")
+    what = "dropped the canary; " if canary else ""
+    click.echo(f"{what}the alias {state['alias']} now serves {served}{said}")
 
 
 @main.command(name="tiny-model")

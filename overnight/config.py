@@ -47,13 +47,25 @@ class ProxyConfig:
             "name": "upstream",
         },
     )
-    # Every command takes the same one.
+    # Every command takes the same one. A URL (s3://bucket/prefix) keeps the Parquet
+    # segments in a bucket and the rest in `local_dir` (storage/location.py).
     data_dir: Path = field(
         default=DEFAULT_DATA_DIR,
         metadata={
-            "help": "Data directory: records, logs, adapters.",
+            "help": "Data directory: records, logs, adapters; or a URL (s3://bucket/prefix) "
+            "where the Parquet records go, the rest staying in --local-dir.",
             "flag": "--data",
             "envvar": "OVERNIGHT_DATA",
+        },
+    )
+    # With --data a URL: this machine's log, runs, adapters and promotion state. The
+    # default is derived from the URL, so every command on one machine finds the same one.
+    local_dir: Path | None = field(
+        default=None,
+        metadata={
+            "help": "With --data a URL: the local directory for the log, runs, adapters "
+            "[default: ~/.local/state/overnight/SCHEME/BUCKET/PREFIX].",
+            "envvar": "OVERNIGHT_LOCAL_DIR",
         },
     )
     # The stable model name agents ask for.
@@ -178,9 +190,50 @@ class ProxyConfig:
             "another proxy (0: never)."
         },
     )
+    # Shadow sampling (proxy/shadow.py): off unless asked, it costs upstream compute.
+    shadow_samples: int = field(
+        default=0,
+        metadata={
+            "help": "Siblings asked of vLLM for a served single-call turn, after its answer "
+            "was sent, at low priority (0: no shadow sampling)."
+        },
+    )
+    shadow_rate: float = field(
+        default=1.0,
+        metadata={"help": "Fraction of eligible turns shadow-sampled (random per turn)."},
+    )
+    # A burst beyond this is dropped (and counted), never waited for.
+    shadow_queue: int = field(
+        default=256, metadata={"help": "Turns waiting for shadow sampling at most."}
+    )
+    # One request of K siblings at a time keeps vLLM's batch (CPU: each step's cost) small.
+    shadow_concurrency: int = field(
+        default=1, metadata={"help": "Shadow sibling requests in flight at once."}
+    )
+    # vLLM's priority orders only what waits; a running sibling shares every batch step
+    # with the served requests (on a CPU each step costs more with each sequence), so by
+    # default siblings run only while no served request is in flight on their replica.
+    shadow_max_served: int = field(
+        default=0,
+        metadata={
+            "help": "Shadow requests run while a replica has at most this many served requests "
+            "in flight; one running when more arrive is cancelled and asked again (raise it "
+            "on a GPU, where a batch costs little more than one request)."
+        },
+    )
+    # vLLM serves lower values first (`--scheduling-policy priority`; ignored under fcfs).
+    shadow_priority: int = field(
+        default=10, metadata={"help": "vLLM priority of shadow requests (served turns: 0)."}
+    )
 
     def __post_init__(self) -> None:
         self._check_upstreams()
+        if self.shadow_samples < 0 or not 0.0 <= self.shadow_rate <= 1.0:
+            raise ConfigError("shadow_samples must be >= 0 and shadow_rate within [0, 1]")
+        if self.shadow_queue < 1 or self.shadow_concurrency < 1 or self.shadow_max_served < 0:
+            raise ConfigError(
+                "shadow_queue and shadow_concurrency must be at least 1, shadow_max_served >= 0"
+            )
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if not _ALIAS.fullmatch(self.alias):
             raise ConfigError(
@@ -281,10 +334,23 @@ class VLLMConfig:
     log_path: Path | None = field(
         default=None, metadata={"help": "File vLLM's output goes to.", "flag": None}
     )
+    # One per GPU (or per --tensor-parallel-size GPUs) on one machine: the proxy balances
+    # over them as over several --upstream URLs (proxy/launcher.py, replica_configs).
+    replicas: int = field(
+        default=1,
+        metadata={
+            "help": "vLLM replicas to start, each on its own GPU(s) (CUDA_VISIBLE_DEVICES) "
+            "and port (from vLLM's, one up per replica); the proxy balances over them.",
+            "name": "vllm_replicas",
+            "flag": "--vllm-replicas",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1 or self.max_loras < 1:
             raise ConfigError("max_lora_rank and max_loras must be at least 1")
+        if self.replicas < 1:
+            raise ConfigError("vllm replicas must be at least 1")
 
     @property
     def url(self) -> str:
@@ -589,6 +655,46 @@ class TrainConfig:
         default=30,
         metadata={"help": "Rewarded live rollouts each adapter needs before the watch compares."},
     )
+    # 0: promote at once. A share serves the candidate to that many of the alias's
+    # rollouts until `overnight watch` settles it on live rewards (trainer/canary.py).
+    canary: float = field(
+        default=0.0,
+        metadata={
+            "help": "Serve a candidate that passed the gate to this share of the alias's "
+            "rollouts first (sticky per rollout); the watch promotes or drops it on live rewards."
+        },
+    )
+    # Off by default: a night looks only at groups that changed since the last run's
+    # selection (trainer/plan.py); a full look is for recovered logs or restored data.
+    rescan: bool = field(
+        default=False,
+        metadata={
+            "help": "Look at every untrained group, not only those changed since the last "
+            "run's selection (after restoring data, or a proxy log recovered days later)."
+        },
+    )
+    # Off by default: it costs K more generations per turn (bench/resample_cost.py).
+    resample: int = field(
+        default=0,
+        metadata={
+            "help": "Before scoring, ask vLLM for this many more samples of each logged turn "
+            "that is not in a group of two or more (same context token for token, same "
+            "adapter and sampling): each turn and its samples form a group (docs/grpo.md)."
+        },
+    )
+    # A night's generation budget: the newest turns first.
+    resample_max_turns: int = field(
+        default=256, metadata={"help": "Resample at most this many turns a night."}
+    )
+    resample_all_turns: bool = field(
+        default=False,
+        metadata={"help": "Resample turns of groups of two or more too (not only single calls)."},
+    )
+    # Empty: the upstream the proxy reports (its /admin/adapters replicas).
+    resample_upstream: str = field(
+        default="",
+        metadata={"help": "vLLM URL to resample from (default: the proxy's upstream)."},
+    )
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:
@@ -604,6 +710,10 @@ class TrainConfig:
             )
         if self.watch_min_rollouts < 2:
             raise ConfigError("watch_min_rollouts must be at least 2")
+        if not 0 <= self.canary < 1:
+            raise ConfigError(f"canary must be a share in [0, 1) of the traffic, got {self.canary}")
+        if self.resample < 0 or self.resample_max_turns < 0:
+            raise ConfigError("resample and resample_max_turns must be at least 0")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.lora_alpha is None:

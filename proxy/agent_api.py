@@ -91,7 +91,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     )
     app = request.app
     adapters = app[ADAPTERS]
-    route = adapters.route(body.get("model"))
+    # A canary takes a sticky share of the alias: keyed by the rollout (or its group).
+    route = adapters.route(body.get("model"), who.rollout_id or who.group_id)
     capture = Capture(endpoint, bool(body.get("stream")), request_body=body, route=route)
     try:
         upstream_body = dict(body, model=route.served)

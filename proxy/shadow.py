@@ -26,8 +26,10 @@ vLLM facts (0.32, read in its source and measured, see /admin/stats and BENCHMAR
 - /v1/completions is cancelled when its client disconnects (`with_cancellation`): a
   cancelled sibling request stops generating.
 - /v1/completions takes a token-id list as `prompt` and returns it per choice as
-  `prompt_token_ids` with `return_token_ids`; `max_tokens` is clamped to the context
-  left (so "as much as the model allows", a chat turn's default, is a large number).
+  `prompt_token_ids` with `return_token_ids`. Its unset `max_tokens` is 16 (the chat
+  endpoint's: the rest of the context), and a `max_tokens` above `max_model_len` is
+  refused with a 400, so a chat turn without a limit gets the context left, from the
+  model's card in /v1/models (an adapter's card has no length: its parent's).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from overnight.storage.siblings import TABLE as SIBLINGS
 from overnight.storage.siblings import (
     SiblingError,
     completion_request,
+    context_lengths,
     resample_unsupported,
     sibling_rows,
 )
@@ -59,8 +62,6 @@ from .redact import Redactor
 
 log = logging.getLogger("overnight.proxy")
 
-# vLLM clamps max_tokens to the context left: a chat turn without a limit had all of it.
-NO_LIMIT = 1 << 30
 # How often a running sibling request looks at its replica's served requests: the
 # longest a served request shares the replica with it, before vLLM's abort (a step).
 WATCH_S = 0.002
@@ -97,14 +98,18 @@ class ShadowJob:
     key: str
 
 
-def sibling_request(served: dict, samples: int, priority: int) -> dict:
+def sibling_request(
+    served: dict, samples: int, priority: int, max_model_len: int | None = None
+) -> dict:
     """The /v1/completions body that asks for `samples` siblings of a served turn: the
     resampling stage's body (storage.siblings: token-id prompt, the turn's sampling
-    parameters, its adapter), at low priority."""
-    body = completion_request(served, samples)
-    if served["endpoint"] == CHAT:
-        # Without a limit the chat endpoint gives the rest of the context, completions 16.
-        body.setdefault("max_tokens", NO_LIMIT)
+    parameters, its adapter), at low priority. Without a limit the chat endpoint gave
+    the served turn the rest of the context (`max_model_len` less the prompt), text
+    completions 16, which /v1/completions gives too."""
+    chat = served["endpoint"] == CHAT
+    body = completion_request(served, samples, max_model_len=max_model_len if chat else None)
+    if chat and "max_tokens" not in body:
+        raise SiblingError("the model's context length is unknown (vLLM lists no card for it)")
     body["priority"] = priority
     return body
 
@@ -137,6 +142,8 @@ class ShadowSampler:
         self.writer: LogWriter | None = None
         self.workers: list[asyncio.Task] = []
         self.mine: dict[Replica, int] = {}  # our requests outstanding, per replica
+        self.context: dict[str, int | None] = {}  # model name -> max_model_len (/v1/models)
+        self.session: aiohttp.ClientSession | None = None  # for /v1/models, made on first use
         self._warned = False
 
     @property
@@ -155,6 +162,8 @@ class ShadowSampler:
             task.cancel()
         await asyncio.gather(*self.workers, return_exceptions=True)
         self.workers = []
+        if self.session is not None:
+            await self.session.close()
 
     def snapshot(self) -> dict:
         return {
@@ -223,7 +232,8 @@ class ShadowSampler:
     async def _sample(self, job: ShadowJob) -> list[dict]:
         """K siblings of the turn as `siblings` rows. A failure is only counted: no error
         row, so the nightly stage may still resample the turn."""
-        sent = sibling_request(job.served, self.samples, self.priority)
+        context = await self._context_length(job)
+        sent = sibling_request(job.served, self.samples, self.priority, context)
         data = json_dumps(sent)
         started = now_us()
         for _ in range(ATTEMPTS):
@@ -278,6 +288,21 @@ class ShadowSampler:
                     return response.status, await response.read()
         finally:
             self.mine[replica] -= 1
+
+    async def _context_length(self, job: ShadowJob) -> int | None:
+        """The served model's max_model_len, asked of vLLM once per model (again when a
+        new adapter appears); every replica serves the same base model."""
+        model = job.served["model_served"]
+        if model not in self.context:
+            replica = self.balancer.pick(job.key)
+            assert replica is not None
+            if self.session is None:
+                self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+            async with self.session.get(replica.url + "/v1/models", headers=self.headers) as r:
+                if r.status != 200:
+                    raise SiblingError(f"listing vLLM's models answered HTTP {r.status}")
+                self.context.update(context_lengths((await r.json()).get("data") or []))
+        return self.context.get(model)
 
     def _served(self, replica: Replica) -> int:
         """Served requests in flight on `replica`: all it has outstanding but ours."""

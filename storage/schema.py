@@ -42,7 +42,7 @@ COMPLETIONS = pa.schema(
         ("group_id", pa.string()),
         ("rollout_id", pa.string()),
         ("attribution", pa.string()),  # header | url | metadata | choices | none
-        ("turn_index", pa.int32()),  # per rollout, in the order this proxy saw turns
+        ("turn_index", pa.int32()),  # model turns before it in its conversation (proxy/records.py)
         ("choice_index", pa.int32()),
         ("endpoint", pa.string()),  # chat.completions | completions
         ("model_requested", pa.string()),

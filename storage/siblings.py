@@ -110,6 +110,15 @@ def requested_limit(request: Mapping) -> int | None:
     return request.get("max_tokens") if limit is None else limit
 
 
+def context_lengths(cards: list[Mapping]) -> dict[str, int | None]:
+    """Each model vLLM lists (its /v1/models `data`) -> its context length. vLLM 0.32
+    gives `max_model_len` on the base model's card only; an adapter runs in its parent's
+    context, so it takes the parent's."""
+    cards = [card for card in cards if "id" in card]
+    lengths = {card["id"]: card.get("max_model_len") for card in cards}
+    return {card["id"]: lengths[card["id"]] or lengths.get(card.get("parent")) for card in cards}
+
+
 def completion_request(
     served: Mapping,
     k: int,

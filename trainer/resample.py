@@ -40,6 +40,7 @@ from overnight.storage.siblings import (
     TABLE,
     SiblingError,
     completion_request,
+    context_lengths,
     decoding_unsupported,
     error_row,
     requested_limit,
@@ -168,12 +169,8 @@ def _proxy_upstream(proxy_url: str | None, token: str | None) -> str:
 
 
 def served_models(url: str, key: str | None) -> dict[str, int | None]:
-    """The models and adapters vLLM serves now, with their context length. vLLM 0.32
-    lists `max_model_len` on the base model's card only; an adapter runs in its parent's
-    context."""
-    cards = [m for m in _call(url + "/v1/models", key, None, 30.0).get("data", []) if "id" in m]
-    lengths = {m["id"]: m.get("max_model_len") for m in cards}
-    return {m["id"]: lengths[m["id"]] or lengths.get(m.get("parent")) for m in cards}
+    """The models and adapters vLLM serves now, with their context length."""
+    return context_lengths(_call(url + "/v1/models", key, None, 30.0).get("data", []))
 
 
 # The turns not resampled yet, each with the reason it cannot be (null: it can), from

@@ -28,6 +28,7 @@ from overnight.errors import OvernightError
 from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, open_db
 from overnight.view.report import write_report
 
+from .canary import start as start_canary
 from .checkpoint import (
     RunDir,
     kill_point,
@@ -158,7 +159,11 @@ def train(
         if promote and proxy_url:
             result.gate = _gate(config, scorer, base_model, adapter_dir, gate_prompts, result, say,
                                 proxy_url, admin_token)  # fmt: skip
-            if result.gate.promote:
+            if result.gate.promote and config.canary:
+                # Live traffic decides: the next watch promotes or drops it (canary.py).
+                name = start_canary(proxy_url, admin_token, adapter_dir, config.canary, say)
+                result.gate.reason += f"; serving it first as canary {name} to {config.canary:.0%}"
+            elif result.gate.promote:
                 result.promoted_as = _promote_once(proxy_url, admin_token, adapter_dir, say)
         kill_point("promoting")
     except Exception as e:

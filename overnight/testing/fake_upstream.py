@@ -365,6 +365,7 @@ async def models(request: web.Request) -> web.Response:
             "owned_by": "vllm",
             "root": "fake-base",
             "parent": None,
+            "max_model_len": 4096,  # vLLM gives it on the base model's card only
         }
     ]
     for name, path in request.app[SETTINGS]["loras"].items():
