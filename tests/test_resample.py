@@ -505,6 +505,7 @@ async def test_the_stage_resamples_single_calls_once_within_its_budget(
     from overnight.testing.fake_upstream import RECEIVED
     from overnight.trainer.resample import resample_turns
 
+    fake_settings["max_model_len"] = None  # as an adapter's card in vLLM 0.32 (see below)
     proxy = await make_proxy()
     url, data = str(proxy.make_url("")), tmp_path / "data"
     body = {"model": "policy", "messages": REQUEST["messages"], "max_tokens": 4, "seed": 3}

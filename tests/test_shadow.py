@@ -269,3 +269,26 @@ async def test_siblings_continue_exactly_the_served_prompt_on_vllm(
                 )
             ]
             assert scored == pytest.approx(sibling["completion_logprobs"], abs=1e-4)
+
+
+async def test_a_chat_turn_without_a_limit_gets_the_context_left_from_the_model_card(
+    make_proxy, received, fake_settings, tmp_path
+):
+    # The chat endpoint gave the served turn the rest of the context; /v1/completions
+    # would stop at 16 tokens, and refuses a max_tokens above max_model_len with a 400.
+    proxy = await make_proxy(**SHADOW)
+    unlimited = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    await proxy.post("/v1/chat/completions", json=unlimited, headers={"X-Rollout-Id": "r1"})
+    await settled(proxy, requests=1, siblings=3, in_flight=0)
+    (served,) = await wait_for_rows(tmp_path / "data", 1)
+    (asked,) = [r["body"] for r in received if r["path"] == "/v1/completions"]
+    assert asked["max_tokens"] == 4096 - len(served["prompt_token_ids"])
+
+    # A model whose card gives no length (an adapter's, in vLLM 0.32, before its base
+    # was listed): no request is sent, the failure is counted, the client saw nothing.
+    fake_settings["max_model_len"] = None
+    proxy = await make_proxy(**SHADOW)
+    r = await proxy.post("/v1/chat/completions", json=unlimited, headers={"X-Rollout-Id": "r2"})
+    assert r.status == 200
+    await settled(proxy, requests=1, failed=1, siblings=0, in_flight=0)
+    assert len([r for r in received if r["path"] == "/v1/completions"]) == 1

@@ -365,7 +365,8 @@ async def models(request: web.Request) -> web.Response:
             "owned_by": "vllm",
             "root": "fake-base",
             "parent": None,
-            "max_model_len": 4096,  # vLLM gives it on the base model's card only
+            # vLLM gives it on the base model's card only; None: a card without it
+            "max_model_len": request.app[SETTINGS]["max_model_len"],
         }
     ]
     for name, path in request.app[SETTINGS]["loras"].items():
@@ -412,6 +413,7 @@ def create_fake_upstream(
         "jitter": jitter,
         "tokens": tokens,
         "loras": {},
+        "max_model_len": 4096,
         "scripted": scripted,
         # path -> an X-Fake behaviour for requests without the header (requests the
         # proxy makes itself, such as shadow samples, carry no client header)
