@@ -65,7 +65,7 @@ def find_proxy(data_dir: Path) -> dict | None:
     record = _read(Path(data_dir) / ADDRESS_FILE)
     if record is None or not isinstance(record.get("url"), str):
         return None
-    if record.get("host") != socket.gethostname() or not _alive(record.get("pid")):
+    if record.get("host") != socket.gethostname() or not pid_alive(record.get("pid")):
         return None
     return record
 
@@ -95,7 +95,8 @@ def _read(path: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def _alive(pid: object) -> bool:
+def pid_alive(pid: object) -> bool:
+    """Whether a process of this host runs under `pid` (a file's writer may be gone)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:

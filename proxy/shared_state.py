@@ -27,6 +27,8 @@ from pathlib import Path
 
 from overnight.storage import fsync_path
 
+from .address import pid_alive
+
 Stamp = tuple[int, int, int] | None  # (inode, size, mtime_ns); None: no file
 
 
@@ -139,21 +141,9 @@ class DrainMarks:
                 mark = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue  # gone meanwhile (its proxy drained), or being replaced
-            if mark.get("host") == socket.gethostname() and not _alive(mark.get("pid")):
+            if mark.get("host") == socket.gethostname() and not pid_alive(mark.get("pid")):
                 path.unlink(missing_ok=True)
                 continue
             for name in mark.get("names", []):
                 out.setdefault(name, []).append(mark.get("proxy", path.stem))
         return out
-
-
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -95,6 +95,23 @@ def version_of(name: str | None) -> str | None:
     return re.sub(r"-[0-9a-f]{6}$", "", name) if name else name
 
 
+def adapter_dir(tmp_path, name: str) -> str:
+    """A directory that passes for a peft adapter (the fake vLLM loads anything)."""
+    path = tmp_path / name
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    return str(path)
+
+
+def lora_calls(received) -> list[tuple[str, str]]:
+    """The fake vLLM's load/unload calls, as (endpoint, adapter version)."""
+    return [
+        (r["path"].rsplit("/", 1)[-1], version_of(r["body"]["lora_name"]))
+        for r in received
+        if "lora" in r["path"]
+    ]
+
+
 def completion_row(rollout_id: str, group_id: str, **fields) -> dict:
     """A one-turn `completions` row as the proxy writes one, for records written
     directly (tests and benchmarks); `fields` fill in or override."""

@@ -7,24 +7,9 @@ import json
 
 import pytest
 
-from .helpers import await_until, version_of, wait_for_rows
+from .helpers import adapter_dir, await_until, lora_calls, version_of, wait_for_rows
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-
-
-def adapter_dir(tmp_path, name: str):
-    path = tmp_path / name
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({"r": 8}))
-    return str(path)
-
-
-def lora_calls(received) -> list[tuple[str, str]]:
-    return [
-        (r["path"].rsplit("/", 1)[-1], version_of(r["body"]["lora_name"]))
-        for r in received
-        if "lora" in r["path"]
-    ]
 
 
 async def test_promote_switches_the_alias_and_records_the_adapter(make_proxy, received, tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import shutil
 
 import pytest
@@ -20,22 +19,7 @@ from overnight.proxy.state import ADAPTERS
 from overnight.storage import LogWriter, WriterConfig
 from overnight.trainer import canary
 
-from .helpers import await_until, completion_row, version_of
-
-
-def adapter_dir(tmp_path, name: str) -> str:
-    path = tmp_path / name
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({"r": 8}))
-    return str(path)
-
-
-def lora_calls(received) -> list[tuple[str, str]]:
-    return [
-        (r["path"].rsplit("/", 1)[-1], version_of(r["body"]["lora_name"]))
-        for r in received
-        if "lora" in r["path"]
-    ]
+from .helpers import adapter_dir, await_until, completion_row, lora_calls, version_of
 
 
 async def state_of(proxy) -> dict:

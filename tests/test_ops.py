@@ -20,17 +20,10 @@ from overnight.proxy.state import ADAPTERS
 from overnight.testing.fake_upstream import SETTINGS, create_fake_upstream
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
-from .helpers import await_until, completion_row, rows, wait_for_rows, wait_until
+from .helpers import adapter_dir, await_until, completion_row, rows, wait_for_rows, wait_until
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-
-
-def adapter_dir(tmp_path, name: str) -> str:
-    path = tmp_path / name
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({"r": 8}))
-    return str(path)
 
 
 # -- vLLM restarted under a running proxy -----------------------------------------------

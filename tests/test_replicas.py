@@ -20,20 +20,13 @@ from overnight.proxy.state import ADAPTERS, UPSTREAM
 from overnight.testing.fake_upstream import RECEIVED, SETTINGS, create_fake_upstream
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
-from .helpers import await_until, rows, wait_for_rows, wait_until
+from .helpers import adapter_dir, await_until, rows, wait_for_rows, wait_until
 
 CHAT = {"model": "policy", "max_tokens": 2}
 
 
 def chat(text: str, **extra) -> dict:
     return {**CHAT, "messages": [{"role": "user", "content": text}], **extra}
-
-
-def adapter_dir(tmp_path, name: str) -> str:
-    path = tmp_path / name
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({"r": 8}))
-    return str(path)
 
 
 async def start_fakes(aiohttp_server, n: int, refuse_loads: int | None = None) -> list:
