@@ -19,6 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from .shared_state import pid_alive
 from .state import CONFIG
 
 log = logging.getLogger("overnight.proxy")
@@ -93,16 +94,3 @@ def _read(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
-
-
-def pid_alive(pid: object) -> bool:
-    """Whether a process of this host runs under `pid` (a file's writer may be gone)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process, alive
-    return True

@@ -27,8 +27,6 @@ from pathlib import Path
 
 from overnight.storage import fsync_path
 
-from .address import pid_alive
-
 Stamp = tuple[int, int, int] | None  # (inode, size, mtime_ns); None: no file
 
 
@@ -147,3 +145,16 @@ class DrainMarks:
             for name in mark.get("names", []):
                 out.setdefault(name, []).append(mark.get("proxy", path.stem))
         return out
+
+
+def pid_alive(pid: object) -> bool:
+    """Whether a process of this host runs under `pid` (a file's writer may be gone)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, alive
+    return True
