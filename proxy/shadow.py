@@ -23,8 +23,12 @@ vLLM facts (0.32, read in its source and measured, see /admin/stats and BENCHMAR
   ignored. It never pauses a running request: once admitted, a sibling shares each
   batch step with the served requests (on a CPU, every sequence makes the step
   longer), which is what the proxy's own yielding is for.
-- /v1/completions is cancelled when its client disconnects (`with_cancellation`): a
-  cancelled sibling request stops generating.
+- /v1/completions is cancelled when its client disconnects, but a whole (non-streamed)
+  response notices only when vLLM next polls for the disconnect, so its K sequences
+  kept decoding in the served requests' batches (BENCHMARKS.md, shadow sampling, run
+  6: served p99 1.47x). A streamed one is aborted at its next write after the client
+  left, a step later: sibling requests are streamed, and assembled back into the whole
+  response's shape here (`assemble_stream`; the nightly stage asks for whole ones).
 - /v1/completions takes a token-id list as `prompt` and returns it per choice as
   `prompt_token_ids` with `return_token_ids`. Its unset `max_tokens` is 16 (the chat
   endpoint's: the rest of the context), and a `max_tokens` above `max_model_len` is
@@ -111,7 +115,68 @@ def sibling_request(
     if chat and "max_tokens" not in body:
         raise SiblingError("the model's context length is unknown (vLLM lists no card for it)")
     body["priority"] = priority
+    # Streamed so that a cancelled request stops at once: vLLM 0.32 aborts a stream at
+    # its next write after the client left, a whole response only when it next polls.
+    body["stream"] = True
     return body
+
+
+async def assemble_stream(response) -> dict:
+    """The whole /v1/completions response (the `choices` that storage.siblings reads)
+    from vLLM's stream of it, read from `response.content.iter_any()` (an aiohttp
+    response or the proxy's own upstream one).
+
+    vLLM 0.32 (read in its serving code and checked against its whole answer, seeded:
+    tests/test_shadow.py) sends one choice per chunk, the choices of n > 1 interleaved
+    by `index`; a chunk has the choice's new text, `token_ids` and `logprobs`
+    (`token_logprobs`, one per new token), its first also the `prompt_token_ids` (with
+    `return_token_ids`), its last the `finish_reason`; `stream_options` add only usage,
+    not needed. An `{"error": ...}` event or a stream cut before `[DONE]` raises
+    SiblingError."""
+    choices: dict[int, dict] = {}
+    buffer = b""
+    async for chunk in response.content.iter_any():
+        *lines, buffer = (buffer + chunk).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # the blank line between events
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return {"choices": [_whole_choice(choices[i]) for i in sorted(choices)]}
+            event = orjson.loads(payload)
+            if "error" in event:
+                raise SiblingError(f"vLLM failed mid-stream: {str(event['error'])[:200]}")
+            for part in event.get("choices") or ():
+                _add_part(choices.setdefault(part["index"], _empty_choice(part["index"])), part)
+    raise SiblingError("the stream ended before [DONE]")
+
+
+def _empty_choice(index: int) -> dict:
+    return {"index": index, "text": [], "token_ids": [], "token_logprobs": [], "prompt": None}
+
+
+def _add_part(choice: dict, part: dict) -> None:
+    choice["text"].append(part.get("text") or "")
+    choice["token_ids"].extend(part.get("token_ids") or ())
+    # A chunk without logprobs leaves the choice one short: sibling_rows refuses it.
+    choice["token_logprobs"].extend((part.get("logprobs") or {}).get("token_logprobs") or ())
+    if part.get("prompt_token_ids") is not None:
+        choice["prompt"] = part["prompt_token_ids"]
+    if part.get("finish_reason") is not None:
+        choice["finish_reason"] = part["finish_reason"]
+
+
+def _whole_choice(choice: dict) -> dict:
+    if choice["prompt"] is None:  # else sibling_rows could not check the context
+        raise SiblingError("vLLM streamed a choice without its prompt_token_ids")
+    return {
+        "index": choice["index"],
+        "text": "".join(choice["text"]),
+        "token_ids": choice["token_ids"],
+        "logprobs": {"token_logprobs": choice["token_logprobs"]},
+        "finish_reason": choice.get("finish_reason"),
+        "prompt_token_ids": choice["prompt"],
+    }
 
 
 class ShadowSampler:
@@ -243,11 +308,7 @@ class ShadowSampler:
             self.stats.preempted += 1
         else:
             raise SiblingError(f"served requests arrived during each of {ATTEMPTS} attempts")
-        status, raw = answer
-        if status != 200:
-            raise SiblingError(f"upstream HTTP {status}: {raw[:200]!r}")
-        answer = orjson.loads(raw)
-        if len(answer.get("choices") or ()) != self.samples:
+        if len(answer["choices"]) != self.samples:
             raise SiblingError(f"asked for {self.samples} siblings, got another number")
         assert self.writer is not None
         return sibling_rows(
@@ -260,10 +321,10 @@ class ShadowSampler:
             sent=sent,
         )
 
-    async def _attempt(self, key: str, data: bytes) -> tuple[int, bytes] | None:
-        """One sibling request, sent once its replica is quiet enough: (status, body), or
-        None when served requests arrived meanwhile and it was cancelled (closing the
-        connection makes vLLM stop generating it)."""
+    async def _attempt(self, key: str, data: bytes) -> dict | None:
+        """One sibling request, sent once its replica is quiet enough: the whole response
+        assembled from its stream, or None when served requests arrived meanwhile and it
+        was cancelled (closing the connection makes vLLM stop generating it)."""
         replica = self.balancer.pick(key)
         assert replica is not None
         while self._served(replica) > self.max_served:
@@ -279,13 +340,16 @@ class ShadowSampler:
         finally:
             call.cancel()  # a no-op once it is done
 
-    async def _call(self, replica: Replica, key: str, data: bytes) -> tuple[int, bytes]:
+    async def _call(self, replica: Replica, key: str, data: bytes) -> dict:
         self.mine[replica] = self.mine.get(replica, 0) + 1
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self.balancer.post("/v1/completions", data, self.headers, key)
                 async with response:
-                    return response.status, await response.read()
+                    if response.status != 200:
+                        raw = await response.read()
+                        raise SiblingError(f"upstream HTTP {response.status}: {raw[:200]!r}")
+                    return await assemble_stream(response)
         finally:
             self.mine[replica] -= 1
 

@@ -13,6 +13,7 @@ import json
 import aiohttp
 import pytest
 
+from overnight.proxy.shadow import assemble_stream
 from overnight.storage import open_db
 from overnight.storage.siblings import add_turn_views, turn_group_id
 
@@ -78,7 +79,8 @@ async def test_siblings_are_asked_for_only_after_the_answer_and_stored_as_siblin
     assert body["prompt"] == served["prompt_token_ids"]
     assert body["model"] == served["model_served"] == "fake-base"
     assert (body["n"], body["max_tokens"], body["temperature"], body["top_p"]) == (3, 3, 0.7, 0.9)
-    assert body["logprobs"] == 0 and body["return_token_ids"] is True and not body["stream"]
+    # Streamed, so that a cancelled request stops at once (test_a_cancelled_...).
+    assert body["logprobs"] == 0 and body["return_token_ids"] is True and body["stream"]
     assert body["priority"] == 10 and "seed" not in body
     assert "X-Fake" not in asked["headers"]  # nothing of the client's request goes along
 
@@ -179,6 +181,56 @@ async def test_siblings_yield_to_served_requests(make_proxy, received, fake_sett
     assert paths(received) == [chat, text, chat, text, text]
 
 
+async def test_a_cancelled_sibling_stream_is_left_and_its_retry_assembled_whole(
+    make_proxy, received, fake, fake_settings, tmp_path
+):
+    behaviours = fake_settings["behaviour_by_path"]
+    behaviours["/v1/completions"] = "slow-chunks-0.5"  # 9 chunks: still streaming when...
+    proxy = await make_proxy(**SHADOW)
+    await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
+    await await_until(lambda: paths(received).count("/v1/completions") == 1)
+    # ... a served request arrives: the proxy closes the sibling stream, and the
+    # upstream sees its client gone at its next write (where vLLM aborts a stream).
+    r = await proxy.post(
+        "/v1/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"X-Fake": "slow-chunks-0.05"},
+    )
+    del behaviours["/v1/completions"]
+    await r.read()
+    await await_until(lambda: received[1].get("client_left"), what="the fake to see the client go")
+    got = await settled(proxy, requests=2, siblings=6, in_flight=0)
+    assert (got["preempted"], got["failed"]) == (1, 0)
+    retried = [r for r in received if r["path"] == "/v1/completions"][1:]
+    assert [r.get("client_left") for r in retried] == [None, None]
+
+    # Each stream (n=3: chunks interleaved by index), assembled, is the whole answer.
+    async with aiohttp.ClientSession() as session:
+        url = str(fake.make_url("/v1/completions"))
+        async with session.post(url, json={**retried[0]["body"], "stream": False}) as answer:
+            whole = (await answer.json())["choices"]
+    siblings = await wait_for_rows(tmp_path / "data", 6, table="siblings")
+    for turn in {s["sibling_of"] for s in siblings}:
+        mine = sorted((s for s in siblings if s["sibling_of"] == turn), key=_choice_index)
+        for sibling, choice in zip(mine, whole, strict=True):
+            assert _sibling_choice(sibling) == (
+                choice["token_ids"],
+                choice["text"],
+                choice["finish_reason"],
+            )
+            lps = choice["logprobs"]["token_logprobs"]  # stored as float32
+            assert sibling["completion_logprobs"] == pytest.approx(lps, rel=1e-6)
+
+
+def _choice_index(sibling: dict) -> int:
+    return sibling["choice_index"]
+
+
+def _sibling_choice(sibling: dict) -> tuple:
+    (choice,) = json.loads(sibling["response"])["choices"]
+    return sibling["completion_token_ids"], choice["message"]["content"], choice["finish_reason"]
+
+
 @pytest.mark.parametrize("behaviour", ["status-500", "garbage", "stall"])
 async def test_a_failing_sibling_request_never_reaches_the_client(
     make_proxy, fake_settings, tmp_path, behaviour
@@ -269,6 +321,40 @@ async def test_siblings_continue_exactly_the_served_prompt_on_vllm(
                 )
             ]
             assert scored == pytest.approx(sibling["completion_logprobs"], abs=1e-4)
+
+
+@pytest.mark.vllm
+async def test_a_streamed_sibling_request_assembles_to_the_whole_answer_on_vllm(vllm_server):
+    # What vLLM 0.32 streams for a token-id prompt with n=3 (one choice per chunk,
+    # interleaved; the prompt ids in each choice's first chunk; no stream_options),
+    # assembled, is what the whole response says: same seed, same samples.
+    body = {
+        "model": "tiny",
+        "prompt": list(range(10, 40)),
+        "n": 3,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 11,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "priority": 10,
+    }
+    url = vllm_server.url + "/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=body) as answer:
+            assert answer.status == 200, await answer.text()
+            whole = await answer.json()
+        async with session.post(url, json={**body, "stream": True}) as answer:
+            assert answer.status == 200, await answer.text()
+            streamed = await assemble_stream(answer)
+    assert [c["index"] for c in streamed["choices"]] == [0, 1, 2]
+    for got, want in zip(streamed["choices"], whole["choices"], strict=True):
+        keys = ("index", "text", "token_ids", "finish_reason", "prompt_token_ids")
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+        # The second request's prefill comes from the prefix cache: float noise only.
+        lps = want["logprobs"]["token_logprobs"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(lps, abs=1e-4)
+    assert len({tuple(c["token_ids"]) for c in streamed["choices"]}) > 1  # n=3 samples
 
 
 async def test_a_chat_turn_without_a_limit_gets_the_context_left_from_the_model_card(

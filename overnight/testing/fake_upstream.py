@@ -9,7 +9,9 @@ claim to exercise vLLM use the real one. Asked to judge (a RULER request, with t
 JSON), `reset-after-N` (stream N chunks then drop the connection), `stall` (never
 answer), `stall-after-N` (stream N chunks, then go silent), `slow-chunks-S` (S seconds between chunks), `no-done` (end the stream without [DONE]), `tool-call`; or
 `SETTINGS["behaviour_by_path"]` gives one to every request on a path. A token-id
-`prompt` (a list of ints) is its own `prompt_token_ids`, as in vLLM.
+`prompt` (a list of ints) is its own `prompt_token_ids`, as in vLLM. A stream whose
+client left stops (at its next write, as vLLM's, or when aiohttp cancels the handler)
+and its received entry gets `client_left: True`.
 
 `/v1/responses` and `/v1/messages` (the Responses and Anthropic Messages APIs) answer
 as the scripted agent of scripted.py does; with `scripted=True` (`--scripted`) chat
@@ -87,9 +89,8 @@ def _usage(prompt: list[int], completion: int) -> dict:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await request.json()
-    request.app[RECEIVED].append(
-        {"path": request.path, "body": body, "headers": dict(request.headers)}
-    )
+    entry = {"path": request.path, "body": body, "headers": dict(request.headers)}
+    request.app[RECEIVED].append(entry)
     settings = request.app[SETTINGS]
     behaviour = request.headers.get("X-Fake") or settings["behaviour_by_path"].get(request.path, "")
     if behaviour == "stall":
@@ -115,7 +116,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt = _prompt_ids(body)
     choices = [_tokens(max_tokens, i, tool_call) for i in range(n)]
     if body.get("stream"):
-        return await _stream(request, body, chat, prompt, choices, behaviour)
+        try:
+            return await _stream(request, body, chat, prompt, choices, behaviour)
+        except (ConnectionResetError, asyncio.CancelledError):
+            # A stream whose client left is stopped (vLLM: at its next write; here, at
+            # the write or when the server cancels the handler); tests read the entry.
+            entry["client_left"] = True
+            raise
     return web.Response(
         body=_dumps(_whole(body, chat, prompt, choices, tool_call)), content_type="application/json"
     )
