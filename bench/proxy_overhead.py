@@ -297,8 +297,10 @@ def run_all(args, work: Path, stops: list[Callable[[], object]]) -> dict:
     for name in ("direct", "overnight"):
         measure(f"json-asking/c1/{name}", targets[name], asking, 1)
         measure(f"json-asking/c16/{name}", targets[name], asking, 16)
-    # The other chat APIs agents use (the fake answers them as the scripted agent):
-    # relayed verbatim, recorded in the chat shape (docs/wire.md).
+    # The other chat APIs agents use (the fake answers them as the scripted agent),
+    # recorded in the chat shape (docs/wire.md): Messages relayed verbatim; Responses
+    # with the token-id fields added and hidden again (the fake ignores them, so this
+    # measures adding them and the hiding pass over an answer that needs none).
     apis = {
         "responses": {
             "model": "policy",
