@@ -63,6 +63,7 @@ from .capture import CHAT
 from .capture_state import GroupRollouts
 from .jsonio import json_dumps
 from .redact import Redactor
+from .sse import SSEParser
 
 log = logging.getLogger("overnight.proxy")
 
@@ -134,13 +135,12 @@ async def assemble_stream(response) -> dict:
     not needed. An `{"error": ...}` event or a stream cut before `[DONE]` raises
     SiblingError."""
     choices: dict[int, dict] = {}
-    buffer = b""
+    parser = SSEParser()
     async for chunk in response.content.iter_any():
-        *lines, buffer = (buffer + chunk).split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue  # the blank line between events
-            payload = line[5:].strip()
+        for raw in parser.feed(chunk):
+            payload = SSEParser.data_of(raw)
+            if payload is None:
+                continue
             if payload == b"[DONE]":
                 return {"choices": [_whole_choice(choices[i]) for i in sorted(choices)]}
             event = orjson.loads(payload)

@@ -156,20 +156,28 @@ async def test_a_full_queue_drops_and_counts(make_proxy, received, fake_settings
     await proxy.close()
 
 
-async def test_siblings_yield_to_served_requests(make_proxy, received, fake_settings):
+async def served_during_a_sibling(make_proxy, received, fake_settings, behaviour: str):
+    """A served turn, its first sibling request answered with `behaviour` (still running),
+    then a served stream arriving: (the proxy, that stream's response). The fake answers
+    sibling requests normally again from then on."""
     behaviours = fake_settings["behaviour_by_path"]
-    behaviours["/v1/completions"] = "stall"  # the first sibling request runs until cancelled
+    behaviours["/v1/completions"] = behaviour
     proxy = await make_proxy(**SHADOW)
     await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
     await await_until(lambda: paths(received).count("/v1/completions") == 1)
-    # A served request arrives: the running sibling request is cancelled, and asked again
-    # only once the served one is done.
     r = await proxy.post(
         "/v1/chat/completions",
         json={**CHAT, "stream": True},
         headers={"X-Fake": "slow-chunks-0.05"},
     )
     del behaviours["/v1/completions"]
+    return proxy, r
+
+
+async def test_siblings_yield_to_served_requests(make_proxy, received, fake_settings):
+    # The first sibling request runs until cancelled; a served request arrives: it is
+    # cancelled, and asked again only once the served one is done.
+    proxy, r = await served_during_a_sibling(make_proxy, received, fake_settings, "stall")
     async for line in r.content:
         if line.startswith(b"data: [DONE]"):
             break
@@ -184,19 +192,10 @@ async def test_siblings_yield_to_served_requests(make_proxy, received, fake_sett
 async def test_a_cancelled_sibling_stream_is_left_and_its_retry_assembled_whole(
     make_proxy, received, fake, fake_settings, tmp_path
 ):
-    behaviours = fake_settings["behaviour_by_path"]
-    behaviours["/v1/completions"] = "slow-chunks-0.5"  # 9 chunks: still streaming when...
-    proxy = await make_proxy(**SHADOW)
-    await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
-    await await_until(lambda: paths(received).count("/v1/completions") == 1)
-    # ... a served request arrives: the proxy closes the sibling stream, and the
-    # upstream sees its client gone at its next write (where vLLM aborts a stream).
-    r = await proxy.post(
-        "/v1/chat/completions",
-        json={**CHAT, "stream": True},
-        headers={"X-Fake": "slow-chunks-0.05"},
-    )
-    del behaviours["/v1/completions"]
+    # The sibling stream (9 chunks, 0.5 s apart) is still running when a served request
+    # arrives: the proxy closes it, and the upstream sees its client gone at its next
+    # write (where vLLM aborts a stream).
+    proxy, r = await served_during_a_sibling(make_proxy, received, fake_settings, "slow-chunks-0.5")
     await r.read()
     await await_until(lambda: received[1].get("client_left"), what="the fake to see the client go")
     got = await settled(proxy, requests=2, siblings=6, in_flight=0)

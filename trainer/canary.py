@@ -31,7 +31,7 @@ from overnight.errors import OvernightError
 
 from .gate import CONFIDENCE, bootstrap_means
 from .proxy_client import admin_call, serving_state
-from .watch import live_rewards, names_of
+from .watch import live_rewards, rewards_of
 
 
 @dataclass
@@ -63,8 +63,7 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> CanaryVerdict:
     since = by_name.get(canary["name"], {}).get("promoted_at")
     by_served = live_rewards(data_dir, config.reward_sources, since)
     new = by_served.get(canary["name"], [])
-    old = [r for n in names_of(state, current["path"] if current else None)
-           for r in by_served.get(n, [])]  # fmt: skip
+    old = rewards_of(state, current["path"] if current else None, by_served)
     verdict = CanaryVerdict(canary["name"], served, "wait", len(new), len(old))
     least = config.watch_min_rollouts
     if min(len(new), len(old)) < least:

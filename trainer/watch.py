@@ -53,6 +53,11 @@ def names_of(state: dict, path: str | None) -> set[str]:
     return {a["name"] for a in state.get("adapters") or [] if a.get("path") == path}
 
 
+def rewards_of(state: dict, path: str | None, by_served: dict[str, list[float]]) -> list[float]:
+    """The live rewards of `path` (None: the base model) under every name it served as."""
+    return [r for name in names_of(state, path) for r in by_served.get(name, [])]
+
+
 def live_rewards(
     data_dir: Path, sources: tuple[str, ...], since: str | None = None
 ) -> dict[str, list[float]]:
@@ -90,8 +95,8 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> WatchVerdict:
         verdict.reason = "its predecessor is the same adapter"
         return verdict
     by_served = live_rewards(data_dir, config.reward_sources)
-    new = [r for n in names_of(state, current["path"]) for r in by_served.get(n, [])]
-    old = [r for n in names_of(state, before) for r in by_served.get(n, [])]
+    new = rewards_of(state, current["path"], by_served)
+    old = rewards_of(state, before, by_served)
     verdict.new, verdict.old = len(new), len(old)
     least = config.watch_min_rollouts
     if min(len(new), len(old)) < least:
