@@ -12,8 +12,10 @@ the alias switches; if any refuses, it is unloaded from the others and the alias
 A replica that was down, or restarted, gets the promoted adapter (under the same name:
 a name always means one path) before it is live again (balancer.py).
 
-One truth for every proxy: the state lives in DATA/adapters.json (shared_state.py).
-Each proxy polls it every `follow_interval` seconds; when another proxy promoted, it
+One truth for every proxy: the state lives in DATA/adapters.json (shared_state.py), or
+in the bucket with `--data s3://...` (bucket_state.py: the promoting proxy uploads the
+adapter, the others fetch a checked copy before they follow). Each proxy polls it every
+`follow_interval` seconds; when another proxy promoted, it
 loads the adapter where its replicas lack it and switches its alias. A watch checks
 the replicas every `check_interval` seconds (or at once after a 404 for the alias,
 `notice_missing`): health, and whether they still serve the adapter. When none does
@@ -35,44 +37,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import hashlib
 import logging
 import os
 import secrets
 import socket
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
+from . import promotions
 from .balancer import Balancer, Replica
+from .bucket_state import AdapterFiles, StateUnreachable
 from .in_flight import InFlight
 from .lora_client import AdapterError, LoraClient
-from .shared_state import DrainMarks, StateFile
+from .promotions import EVENTS_KEPT, Adapter, Route, in_canary, rollback_on_disk
+from .replica_check import base_model_of, check_replicas
+from .shared_state import DrainMarks, open_state
 
+__all__ = ["Adapter", "AdapterRegistry", "Route", "in_canary", "rollback_on_disk"]
 log = logging.getLogger("overnight.proxy")
-EVENTS_KEPT = 200  # promotions, rollbacks and canary decisions kept in adapters.json
-
-
-@dataclass(frozen=True)
-class Adapter:
-    name: str  # the name vLLM serves it under
-    version: int
-    path: str
-    promoted_at: str
-    reason: str = "promote"  # promote | rollback | restore | canary
-
-
-def in_canary(key: str, fraction: float) -> bool:
-    """Whether the rollout `key` is in the canary's share: a hash, the same in every process."""
-    point = int.from_bytes(hashlib.blake2b(b"canary\0" + key.encode(), digest_size=8).digest())
-    return point < fraction * 2**64
-
-
-@dataclass(frozen=True)
-class Route:
-    served: str  # model name sent upstream
-    version: int | None  # adapter version, None for the base model or a pass-through
 
 
 class AdapterRegistry:
@@ -88,7 +73,8 @@ class AdapterRegistry:
         follow_interval: float = 1.0,
     ):
         self.alias = alias
-        self.shared = StateFile(state_path)
+        self.shared = open_state(state_path)
+        self.files = AdapterFiles.of(self.shared)  # where replicas load an adapter from
         self.balancer = balancer
         self.lora = LoraClient(session_headers)
         self.drain_timeout = drain_timeout
@@ -114,8 +100,9 @@ class AdapterRegistry:
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
         balancer.on_down = lambda _replica: self._wake.set()
-        self._stamp = self.shared.stamp()
-        self._take(self.shared.read())
+        self._stamp, state = self.shared.initial()
+        self._take(state)
+        self._unreachable = False  # the shared state could not be read at the last look
 
     @property
     def session(self) -> aiohttp.ClientSession | None:
@@ -156,21 +143,21 @@ class AdapterRegistry:
         """Serve `path` under the alias (loaded everywhere first), or with `canary` (a share
         in (0, 1)) only to that share of its rollouts. Promoting the canary's own path makes
         it the alias's adapter as it is loaded; promoting another path drops the canary."""
-        path = str(Path(path).expanduser().resolve())
-        if not (Path(path) / "adapter_config.json").is_file():
-            raise AdapterError(f"{path} is not a peft adapter directory (no adapter_config.json)")
         if canary is not None and not 0 < canary < 1:
             raise AdapterError(f"a canary's share must be between 0 and 1, got {canary}")
+        path, source = await self.files.prepare(path)  # with a bucket: uploaded too
         async with self._lock, self.shared.locked():
-            self._adopt(self.shared.read())  # another proxy may have promoted meanwhile
+            # another proxy may have promoted meanwhile
+            self._adopt(await self._io(self.shared.read))
             old = self.canary
             if old is not None and old.path != path:  # say so: it ends unsettled
                 why = "; ".join(filter(None, [why, f"replaces the canary {old.name}"]))
             if canary is not None:
-                adapter = await self._load_everywhere(path, "canary")
-                self.canary_fraction = canary
-                event = f"canary at {canary:.0%}"
-                self._switch(self.stack, adapter, self._event(event, adapter, why, self.current))
+                adapter = await self._load_everywhere(path, "canary", source=source)
+                event = promotions.history_event(
+                    f"canary at {canary:.0%}", adapter, why, self.current
+                )
+                await self._switch(self.stack, adapter, event, fraction=canary)
                 log.info(
                     "alias %s sends %.0f%% to %s (%s)", self.alias, 100 * canary, adapter.name, path
                 )
@@ -178,8 +165,11 @@ class AdapterRegistry:
             if old is not None and old.path == path:
                 adapter, event = old, "canary promoted"
             else:
-                adapter, event = await self._load_everywhere(path, "promote"), "promote"
-            self._switch([*self.stack, adapter], None, self._event(event, adapter, why, adapter))
+                adapter = await self._load_everywhere(path, "promote", source=source)
+                event = "promote"
+            await self._switch(
+                [*self.stack, adapter], None, promotions.history_event(event, adapter, why, adapter)
+            )
             log.info("alias %s now serves %s (%s)", self.alias, adapter.name, path)
             return adapter
 
@@ -187,12 +177,12 @@ class AdapterRegistry:
         """Serve the previous adapter again (or the base model), or with `canary` only stop
         the canary; returns what the alias serves now. `why` is kept with the event."""
         async with self._lock, self.shared.locked():
-            self._adopt(self.shared.read())
+            self._adopt(await self._io(self.shared.read))
             if canary:
                 if self.canary is None:
                     raise AdapterError("no canary runs: nothing to drop")
-                event = self._event("canary dropped", self.canary, why, self.current)
-                self._switch(self.stack, None, event)
+                event = promotions.history_event("canary dropped", self.canary, why, self.current)
+                await self._switch(self.stack, None, event)
                 log.info("dropped the canary: %s", why or "no reason given")
                 return self.current
             if not self.stack:
@@ -200,9 +190,12 @@ class AdapterRegistry:
             stack = self.stack[:-1]
             previous = stack.pop() if stack else None
             if previous is not None:
-                stack.append(await self._load_everywhere(previous.path, "rollback"))
-            event = self._event("rollback", self.stack[-1], why, stack[-1] if stack else None)
-            self._switch(stack, self.canary, event)
+                again = self._load_everywhere(previous.path, "rollback", source=previous.source)
+                stack.append(await again)
+            event = promotions.history_event(
+                "rollback", self.stack[-1], why, stack[-1] if stack else None
+            )
+            await self._switch(stack, self.canary, event)
             now = self.current
             log.info(
                 "rolled back: alias now serves %s (%s)", now.name if now else "the base model", why
@@ -236,21 +229,28 @@ class AdapterRegistry:
 
     async def follow(self) -> bool:
         """Adopt what another proxy wrote to the shared state; True when it changed."""
-        stamp = self.shared.stamp()
+        stamp = await self._io(self.shared.stamp)
         if stamp == self._stamp:
             return False
         async with self._lock:
-            self._stamp = self.shared.stamp()
-            state = self.shared.read()
+            seen, self._stamp = self._stamp, await self._io(self.shared.stamp)
+            state = await self._io(self.shared.read)
             if state.get("version", 0) == self.version:
                 return False
-            old = (self.current, self.canary)
-            self._adopt(state)
-            if (self.current, self.canary) != old:
+            if not await self.files.ready(state):  # its adapter is not here: keep serving
+                self._stamp = seen  # and look again at the next poll
+                return False
+            old, new = (self.current, self.canary), promotions.serving(state)
+            if new != old:
                 await self._check_replicas()  # what the other proxy loaded is there already
-                # Its own name everywhere: a new one would be a new state for the others
+                # Loaded before the switch, so that no request goes to a name its replica
+                # lacks; under its own name: a new one would be a new state for the others
                 # to follow, and proxies with replicas of their own would never settle.
-                await self._sync(restore=False)
+                for adapter in new:
+                    await self._load_missing(adapter)
+            self._adopt(state)
+            self._mark_synced()
+            if new != old:
                 log.info(
                     "followed the shared state (version %d): alias %s serves %s",
                     self.version,
@@ -265,10 +265,10 @@ class AdapterRegistry:
             "alias": self.alias,
             "base_model": self.base_model,
             "base_model_path": self.base_model_path,
-            "current": asdict(current) if current else None,
+            "current": promotions.stored(current) if current else None,
             "stack": [a.name for a in self.stack],
-            "canary": self._canary_state(),
-            "adapters": [asdict(a) for a in self.history],
+            "canary": promotions.canary_state(self.canary, self.canary_fraction),
+            "adapters": [promotions.stored(a) for a in self.history],
             "events": self.events,
             "in_flight": dict(self.in_flight),
             "draining_elsewhere": self.flight.marks.elsewhere(),
@@ -303,25 +303,56 @@ class AdapterRegistry:
         self._take(state)
         self._retire(*old)
 
-    def _switch(self, stack: list[Adapter], canary: Adapter | None, event: dict) -> None:
-        """Serve the top of `stack` and `canary` (loaded on the replicas already) and write
-        it down with `event`; call with the file lock held."""
+    async def _switch(
+        self,
+        stack: list[Adapter],
+        canary: Adapter | None,
+        event: dict,
+        fraction: float | None = None,
+    ) -> None:
+        """Write down `stack` and `canary` (loaded on the replicas already) with `event`,
+        then serve them; call with the shared lock held. When the write fails (a bucket
+        refused it, or cannot be reached), nothing changes here and what this call
+        loaded is unloaded again."""
         old = (self.current, self.canary)
-        self.stack, self.canary = stack, canary
-        self.events = [*self.events, event][-EVENTS_KEPT:]
-        written = self.shared.write(
-            {
-                "alias": self.alias,
-                "stack": [a.name for a in self.stack],
-                "canary": self._canary_state(),
-                "adapters": [asdict(a) for a in self.history],
-                "events": self.events,
-            }
-        )
+        events = [*self.events, event][-EVENTS_KEPT:]
+        fraction = self.canary_fraction if fraction is None else fraction
+        state = {
+            "alias": self.alias,
+            "stack": [a.name for a in stack],
+            "canary": promotions.canary_state(canary, fraction),
+            "adapters": [promotions.stored(a) for a in self.history],
+            "events": events,
+        }
+        try:
+            written = await self._io(self.shared.write, state)
+        except BaseException:
+            await self._unload_new(stack, canary)
+            raise
+        self.stack, self.canary, self.canary_fraction = stack, canary, fraction
+        self.events = events
         self.version = written["version"]
-        self._stamp = self.shared.stamp()
+        self._stamp = await self._io(self.shared.stamp)
         self._mark_synced()
         self._retire(*old)
+
+    async def _unload_new(self, stack: list[Adapter], canary: Adapter | None) -> None:
+        """Unload what a failed switch loaded (served by neither the old state nor any
+        replica before) and forget it."""
+        before = {a.name for a in (*self.stack, self.canary) if a is not None}
+        new = [a for a in (*stack[-1:], canary) if a is not None and a.name not in before]
+        for adapter in new:
+            self.history = [a for a in self.history if a.name != adapter.name]
+            await asyncio.gather(
+                *(self.lora.unload_on(r, adapter.name) for r in self.balancer.replicas)
+            )
+
+    async def _io(self, call: Callable[..., Any], *args: Any) -> Any:
+        """A call on the shared state: off the event loop when it goes to a bucket (a
+        slow or unreachable one must not hold up serving)."""
+        if not self.shared.remote:
+            return call(*args)
+        return await asyncio.to_thread(call, *args)
 
     def _retire(self, *served: Adapter | None) -> None:
         """Drain, then unload, each of `served` that neither serves the alias nor is its canary."""
@@ -329,22 +360,6 @@ class AdapterRegistry:
         for adapter in served:
             if adapter is not None and adapter.name not in keep:
                 self._start_drain(adapter)
-
-    def _canary_state(self) -> dict | None:
-        if self.canary is None:
-            return None
-        return {"name": self.canary.name, "fraction": self.canary_fraction}
-
-    def _event(self, action: str, adapter: Adapter, why: str, serves: Adapter | None) -> dict:
-        """One line of the history of what the alias served (`serves`: after it), and why."""
-        return {
-            "at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
-            "action": action,
-            "adapter": adapter.name,
-            "path": adapter.path,
-            "serves": serves.name if serves else None,
-            "reason": why,
-        }
 
     def _mark_synced(self) -> None:
         current = self.current
@@ -357,31 +372,11 @@ class AdapterRegistry:
     async def _check_replicas(self) -> None:
         """Health and served models of every replica; a replica is live only once it
         serves the current adapter (set here, before it can take traffic)."""
-        answers = await asyncio.gather(
-            *(self.lora.served_models(r) for r in self.balancer.replicas)
-        )
-        for replica, served in zip(self.balancer.replicas, answers, strict=True):
-            if served is None:
-                if replica.healthy:
-                    log.warning("replica %s is out: it did not answer", replica.url)
-                replica.healthy = False
-                continue
-            if not replica.healthy:
-                log.info("replica %s answers again", replica.url)
-            replica.healthy = True
-            replica.served = {m.get("id") for m in served}
-            self._learn_base_model(served)
-        self._mark_synced()
-
-    def _learn_base_model(self, served: list[dict]) -> None:
-        bases = [m for m in served if not m.get("parent")]
-        if self.base_model is None and bases:
-            self.base_model = bases[0]["id"]
-        if self.base_model_path is None:
-            # Where vLLM loaded the base from: what a trainer must load too.
-            self.base_model_path = next(
-                (m.get("root") for m in bases if m["id"] == self.base_model), None
+        for served in await check_replicas(self.lora, self.balancer.replicas):
+            self.base_model, self.base_model_path = base_model_of(
+                served, self.base_model, self.base_model_path
             )
+        self._mark_synced()
 
     async def _sync(self, restore: bool = True) -> bool:
         """Load the current adapter and the canary on each healthy replica that lacks them
@@ -394,41 +389,55 @@ class AdapterRegistry:
         if restore and current is not None and not any(current.name in r.served for r in healthy):
             return await self._restore(current, healthy)
         for adapter in (current, self.canary):
-            if adapter is None:
-                continue
-            missing = [r for r in healthy if adapter.name not in r.served]
-            results = await asyncio.gather(
-                *(self.lora.load_on(r, adapter.name, adapter.path) for r in missing),
-                return_exceptions=True,
-            )
-            for replica, result in zip(missing, results, strict=True):
-                if isinstance(result, BaseException):
-                    log.error("replica %s could not load %s: %s", replica.url, adapter.name, result)
-                else:
-                    log.warning(
-                        "replica %s lacked %s (restarted?): loaded", replica.url, adapter.name
-                    )
+            await self._load_missing(adapter)
         self._mark_synced()
         return False
+
+    async def _load_missing(self, adapter: Adapter | None) -> None:
+        """Load `adapter` under its name on each healthy replica that lacks it."""
+        if adapter is None:
+            return
+        missing = [r for r in self.balancer.replicas if r.healthy and adapter.name not in r.served]
+        if not missing:
+            return
+        try:
+            path = await self.files.local(adapter.path, adapter.source)
+        except AdapterError as e:  # not here, and the bucket cannot give it now
+            log.error("cannot load %s on %d replica(s): %s", adapter.name, len(missing), e)
+            return
+        results = await asyncio.gather(
+            *(self.lora.load_on(r, adapter.name, path) for r in missing), return_exceptions=True
+        )
+        for replica, result in zip(missing, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("replica %s could not load %s: %s", replica.url, adapter.name, result)
+            else:
+                log.warning("replica %s lacked %s (restarted?): loaded", replica.url, adapter.name)
 
     async def _restore(self, current: Adapter, healthy: list[Replica]) -> bool:
         """No replica serves the current adapter (vLLM restarted): load it again under a
         new name and write that down, unless another proxy changed the state first."""
-        async with self.shared.locked():
-            state = self.shared.read()
-            if state.get("version", 0) != self.version:
-                return False  # another proxy promoted or restored: `follow` adopts it
-            try:
-                adapter = await self._load_everywhere(current.path, "restore", healthy)
-            except AdapterError as e:  # vLLM came back but refused: say so, try again later
-                log.error("could not load the promoted adapter again: %s", e)
-                return False
-            why = f"no replica served {current.name} any more (vLLM restarted?)"
-            self._switch(
-                [*self.stack[:-1], adapter],
-                self.canary,
-                self._event("restore", adapter, why, adapter),
-            )
+        try:
+            async with self.shared.locked():
+                state = await self._io(self.shared.read)
+                if state.get("version", 0) != self.version:
+                    return False  # another proxy promoted or restored: `follow` adopts it
+                again = self._load_everywhere(current.path, "restore", healthy, current.source)
+                adapter = await again
+                why = f"no replica served {current.name} any more (vLLM restarted?)"
+                await self._switch(
+                    [*self.stack[:-1], adapter],
+                    self.canary,
+                    promotions.history_event("restore", adapter, why, adapter),
+                )
+        except (StateUnreachable, OSError) as e:  # the bucket is down: serve it as it is
+            log.error("cannot write down a new name for %s (%s): loading it again", current.name, e)
+            await self._load_missing(current)
+            self._mark_synced()
+            return False
+        except AdapterError as e:  # vLLM came back but refused: say so, try again later
+            log.error("could not load the promoted adapter again: %s", e)
+            return False
         log.warning(
             "vLLM no longer served %s (restarted?): loaded %s again as %s",
             current.name,
@@ -452,8 +461,16 @@ class AdapterRegistry:
             await asyncio.sleep(self.follow_interval)
             try:
                 await self.follow()
+            except OSError as e:  # a bucket that is down: serve what is known, say so once
+                if not self._unreachable:
+                    log.warning("cannot follow %s (%s); serving what is known", self.shared.path, e)
+                self._unreachable = True
+                continue
             except Exception:  # a half-written file on a strange filesystem: next time
                 log.exception("following %s failed", self.shared.path)
+            if self._unreachable:
+                log.info("following %s again", self.shared.path)
+            self._unreachable = False
 
     # -- talking to vLLM ---------------------------------------------------------------
 
@@ -461,10 +478,16 @@ class AdapterRegistry:
         return max((a.version for a in self.history), default=0) + 1
 
     async def _load_everywhere(
-        self, path: str, reason: str, targets: list[Replica] | None = None
+        self,
+        path: str,
+        reason: str,
+        targets: list[Replica] | None = None,
+        source: str | None = None,
     ) -> Adapter:
-        """Load `path` under a new name on every healthy replica, or on none: if any
-        refuses, unload it from the others and raise."""
+        """Load `path` (the local copy of `source`, with a bucket) under a new name on
+        every healthy replica, or on none: if any refuses, unload it from the others and
+        raise."""
+        load = await self.files.local(path, source)
         version = self._next_version()
         # A random tail: vLLM serves stale weights for a name it loaded before, even after
         # an unload (seen when a new proxy reused "policy-v1" against a running vLLM), and
@@ -473,7 +496,7 @@ class AdapterRegistry:
         replicas = self.balancer.replicas
         targets = targets or [r for r in replicas if r.healthy] or list(replicas)
         results = await asyncio.gather(
-            *(self.lora.load_on(r, name, path) for r in targets), return_exceptions=True
+            *(self.lora.load_on(r, name, load) for r in targets), return_exceptions=True
         )
         failed = [(r, e) for r, e in zip(targets, results, strict=True) if e is not None]
         if failed:
@@ -491,7 +514,7 @@ class AdapterRegistry:
                 status=max(e.status for _, e in failed),
             )
         now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
-        adapter = Adapter(name=name, version=version, path=path, promoted_at=now, reason=reason)
+        adapter = Adapter(name, version, path, now, reason, source)
         self.history.append(adapter)
         return adapter
 
@@ -511,26 +534,3 @@ class AdapterRegistry:
         if old.name in {a.name for a in (self.current, self.canary) if a is not None}:
             return  # serving again (a follower adopted an older state); keep it
         await asyncio.gather(*(self.lora.unload_on(r, old.name) for r in self.balancer.replicas))
-
-
-def rollback_on_disk(state_path: Path, why: str = "") -> Adapter | None:
-    """The rollback for when no proxy runs on this data directory: drop the newest
-    promotion from `adapters.json`, so the next `overnight serve` restores the one
-    before it (or serves the base model). Returns what will serve. (A proxy that does
-    run follows the change too, loading that adapter again.)"""
-    shared = StateFile(state_path)
-    with shared.locked_blocking():
-        state = shared.read()
-        if not state:
-            raise AdapterError("nothing to roll back: no adapter was ever promoted here")
-        if not state.get("stack"):
-            raise AdapterError("nothing to roll back: the alias already serves the base model")
-        gone = state["stack"].pop()
-        now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
-        event = {"at": now, "action": "rollback", "adapter": gone, "reason": why}
-        event["serves"] = state["stack"][-1] if state["stack"] else None
-        state["events"] = [*state.get("events", []), event][-EVENTS_KEPT:]
-        shared.write(state)
-    by_name = {a["name"]: a for a in state.get("adapters", [])}
-    current = by_name.get(state["stack"][-1]) if state["stack"] else None
-    return Adapter(**current) if current else None

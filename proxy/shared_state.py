@@ -11,6 +11,9 @@ and re-read only when it changed.
 
 On NFS, `flock` is forwarded to the server (NFSv4, or v3 with lockd), and a change
 is seen once the client's attribute cache expires (`actimeo`): see docs/deployment.md.
+
+With `--data s3://...` the state lives in the bucket instead (bucket_state.BucketState,
+the same interface); `open_state` picks the one the data directory needs.
 """
 
 from __future__ import annotations
@@ -24,13 +27,31 @@ import secrets
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from overnight.storage import fsync_path
+from overnight.storage.location import segment_store
+
+if TYPE_CHECKING:
+    from .bucket_state import BucketState
 
 Stamp = tuple[int, int, int] | None  # (inode, size, mtime_ns); None: no file
 
 
+def open_state(path: Path) -> StateFile | BucketState:
+    """The promotion state at `path` (DATA/adapters.json): that file, or, when the data
+    directory's segments are in a bucket, the bucket's `adapters.json`."""
+    store = segment_store(Path(path).parent)
+    if not store.remote:
+        return StateFile(path)
+    from .bucket_state import BucketState
+
+    return BucketState(store, path)
+
+
 class StateFile:
+    remote = False  # a local (or NFS) file: no call needs to leave the event loop
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
@@ -42,6 +63,10 @@ class StateFile:
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def initial(self) -> tuple[Stamp, dict]:
+        """The stamp and the state a starting proxy takes."""
+        return self.stamp(), self.read()
 
     def read(self) -> dict:
         """The state ({} when nothing was ever promoted here); `version` 0 if unversioned."""

@@ -319,3 +319,48 @@ def test_prune_deletes_old_days_from_the_bucket(s3, tmp_path):
     assert "deleted 1 day partition(s)" in cli(*args, "--yes")
     assert len([k for k in objects(client, "prune") if k.startswith("completions/")]) == 1
     assert rows(local, "SELECT count(*) AS n FROM completions") == [{"n": 1}]
+
+
+@pytest.mark.slow
+def test_two_overnight_serve_processes_on_one_bucket_share_a_promotion(s3, tmp_path):
+    """Two `overnight serve --data s3://...` processes, each with its own local directory
+    and its own vLLM (fake, in its own process): a promotion through one is loaded on the
+    other's vLLM from that machine's own copy, downloaded from the bucket."""
+    from pathlib import Path
+
+    from overnight.storage.adapter_sync import CACHE
+    from overnight.testing.processes import spawn_fake_upstream, spawn_serve
+
+    url = f"s3://{BUCKET}/two-serves"
+    adapter = tmp_path / "night-1"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x07" * 4096)
+
+    def get(base: str, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return json.loads(r.read())
+
+    def loras(fake) -> dict:
+        return {m["id"]: m["root"] for m in get(fake.url, "/v1/models")["data"] if m["parent"]}
+
+    with spawn_fake_upstream() as fake_a, spawn_fake_upstream() as fake_b:
+        serves = []
+        for name, fake in (("a", fake_a), ("b", fake_b)):
+            local = ("--local-dir", str(tmp_path / name), "--state-poll-interval", "0.1")
+            log = tmp_path / f"{name}.log"
+            serves.append(spawn_serve(url, "--upstream", fake.url, *local, log_path=log))
+        with serves[0] as a, serves[1] as b:
+            promoted = get(a.url, "/admin/adapters/promote", {"path": str(adapter)})["promoted"]
+            deadline = time.monotonic() + 30
+            while get(b.url, "/admin/adapters")["stack"] != [promoted]:
+                assert time.monotonic() < deadline, "the second proxy did not follow"
+                time.sleep(0.1)
+            for name, fake in (("a", fake_a), ("b", fake_b)):
+                (path,) = loras(fake).values()
+                assert list(loras(fake)) == [promoted]
+                assert Path(path).parent == tmp_path / name / CACHE
+                assert (Path(path) / "adapter_model.safetensors").read_bytes() == b"\x07" * 4096
+            assert a.stop() == 0 and b.stop() == 0

@@ -1,0 +1,170 @@
+"""Trained adapters through a bucket, for proxies on machines that share no disk.
+
+vLLM loads a LoRA adapter from a path on its own machine, so with `--data s3://...`
+the proxy that promotes an adapter uploads its directory to the bucket and every proxy
+that follows the promotion downloads it into its local data directory first.
+
+In the bucket an adapter is `adapters/<key>/<its files>` plus `adapters/<key>.json`,
+its manifest (every file's name, size and sha256), written last: an adapter without
+a manifest is an upload that has not finished (or died) and is never fetched. `<key>`
+is a hash of the manifest, so the same weights are uploaded once, and a manifest that
+does not hash to its key is refused. A download goes to a temporary directory, each
+file is checked against the manifest, and only then is the directory renamed into
+`adapter-cache/<key>` in the local data directory: a proxy loads only whole, checked
+copies. The promoting proxy puts its own copy there too, so that every proxy, on every
+machine, loads an adapter from the same kind of place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path, PurePosixPath
+
+from .conditional import etag, get, on_bucket, put
+from .location import SegmentStore
+
+FOLDER = "adapters"  # in the bucket, beside the tables
+CACHE = "adapter-cache"  # in the local data directory
+_CHUNK = 1 << 20
+
+
+class AdapterSyncError(OSError):
+    """An adapter in the bucket is missing, unfinished or does not match its manifest."""
+
+
+def manifest_of(path: Path) -> dict:
+    """Every file under `path` (relative POSIX names, sorted) with its size and sha256."""
+    files = []
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        files.append(
+            {
+                "name": file.relative_to(path).as_posix(),
+                "size": file.stat().st_size,
+                "sha256": _sha256(file),
+            }
+        )
+    if not files:
+        raise AdapterSyncError(f"{path}: no files to upload")
+    return {"files": files}
+
+
+def key_of(manifest: dict) -> str:
+    canonical = json.dumps(manifest["files"], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:24]
+
+
+def publish(store: SegmentStore, path: Path) -> tuple[str, Path]:
+    """Upload the adapter at `path` (unless the bucket has it whole already) and keep a
+    copy in the local cache. Returns its URL in the bucket and the local copy."""
+    assert store.url is not None, "a local data directory shares adapters by path"
+    manifest = manifest_of(path)
+    key = key_of(manifest)
+    root = _root(store)
+    if etag(store.fs, store.url, f"{root}/{key}.json") is None:
+        with on_bucket(store.url, f"uploading the adapter {path}"):
+            for f in manifest["files"]:
+                store.fs.put_file(str(path / f["name"]), f"{root}/{key}/{f['name']}")
+        put(store.fs, store.url, f"{root}/{key}.json", json.dumps(manifest).encode())
+    local = cache_dir(store) / key
+    if not local.is_dir():
+        tmp = _scratch(local)
+        shutil.copytree(path, tmp)
+        _check(tmp, manifest, f"the copy of {path}")
+        _settle(tmp, local)
+    return f"{store.url}/{FOLDER}/{key}", local
+
+
+def fetch(store: SegmentStore, source: str) -> Path:
+    """The local copy of the adapter at `source` (a URL `publish` returned), downloaded
+    and checked first if this machine does not have it yet."""
+    assert store.url is not None
+    # Only this store's uploads: a URL given to the admin API must not make a proxy read
+    # whatever else its credentials reach.
+    folder = f"{store.url}/{FOLDER}/"
+    key = source.rstrip("/").removeprefix(folder)
+    if not source.startswith(folder) or not re.fullmatch(r"[0-9a-f]{24}", key):
+        raise AdapterSyncError(f"{source}: not an adapter uploaded to {folder}")
+    local = cache_dir(store) / key
+    if local.is_dir():
+        return local
+    remote = source.split("://", 1)[-1].rstrip("/")
+    data, _ = get(store.fs, store.url, f"{remote}.json")
+    if data is None:
+        raise AdapterSyncError(f"{source}: no manifest: its upload has not finished")
+    try:
+        manifest = json.loads(data)
+        names = [_safe_name(f["name"]) for f in manifest["files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise AdapterSyncError(f"{source}: its manifest is damaged: {e}") from e
+    if key_of(manifest) != key:
+        raise AdapterSyncError(f"{source}: its manifest does not hash to its name")
+    tmp = _scratch(local)
+    try:
+        with on_bucket(store.url, f"downloading the adapter {source}"):
+            for name in names:
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                store.fs.get_file(f"{remote}/{name}", str(tmp / name))
+        _check(tmp, manifest, source)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _settle(tmp, local)
+    return local
+
+
+def cache_dir(store: SegmentStore) -> Path:
+    return store.data_dir / CACHE
+
+
+def _root(store: SegmentStore) -> str:
+    return f"{store.url.split('://', 1)[1]}/{FOLDER}"  # type: ignore[union-attr]
+
+
+def _check(directory: Path, manifest: dict, what: str) -> None:
+    """Every file of the manifest is there with its size and hash; nothing else is."""
+    want = {f["name"]: f for f in manifest["files"]}
+    found = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+    if found != set(want):
+        raise AdapterSyncError(
+            f"{what}: files {sorted(found ^ set(want))} differ from its manifest"
+        )
+    for name, f in want.items():
+        file = directory / name
+        if file.stat().st_size != f["size"] or _sha256(file) != f["sha256"]:
+            raise AdapterSyncError(f"{what}: {name} does not match its manifest")
+
+
+def _scratch(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+
+
+def _settle(tmp: Path, final: Path) -> None:
+    """Rename the checked copy into place; another process that got there first wins."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _safe_name(name: str) -> str:
+    """A manifest names files inside the adapter only (no `..`, no absolute path)."""
+    parts = PurePosixPath(name).parts
+    if not parts or name.startswith("/") or ".." in parts:
+        raise AdapterSyncError(f"a manifest names {name!r}, outside the adapter")
+    return name
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
