@@ -120,14 +120,15 @@ def settle(
     return verdict
 
 
-def start(proxy_url: str, token: str | None, adapter_dir: Path, fraction: float, say=print) -> str:
-    """Serve the candidate to `fraction` of the alias's rollouts; the canary's name. A run
-    resumed after it started the canary finds it running and starts nothing."""
+def start(proxy_url: str, token: str | None, adapter: str, fraction: float, say=print) -> str:
+    """Serve the candidate (`adapter`: its path, or its upload with a bucket) to
+    `fraction` of the alias's rollouts; the canary's name. A run resumed after it started
+    the canary finds it running and starts nothing."""
     if not 0 < fraction < 1:
         raise OvernightError(
             f"--canary must be between 0 and 1 (a share of traffic), got {fraction}"
         )
-    path = str(Path(adapter_dir).resolve())
+    path = str(adapter)
     state = serving_state(proxy_url, token)
     canary = state.get("canary")
     by_name = {a["name"]: a for a in state.get("adapters") or []}

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from overnight.errors import OvernightError
+from overnight.storage import adapter_sync, data_url, segment_store
 
 
 class ProxyError(OvernightError):
@@ -61,3 +63,22 @@ def promote_adapter(proxy_url: str, token: str | None, adapter_dir) -> str:
     return admin_call(proxy_url, "/admin/adapters/promote", token, {"path": str(adapter_dir)})[
         "promoted"
     ]
+
+
+def shared_adapter(data_dir: Path, adapter_dir: Path) -> str:
+    """How the proxies are told of an adapter trained here, and how their state names it:
+    its path with a local data directory; with a bucket, its upload (published now), so
+    a trainer on a GPU node that shares no disk with the proxies can promote it."""
+    store = segment_store(data_dir)
+    if store.url is None:
+        return str(Path(adapter_dir).resolve())
+    url, _ = adapter_sync.publish(store, Path(adapter_dir))
+    return url
+
+
+def local_adapter(data_dir: Path, adapter: str | None) -> str | None:
+    """A path this machine loads `adapter` (as the proxies' state names it) from: an
+    upload in the bucket is downloaded and checked first (storage/adapter_sync.py)."""
+    if adapter is None or data_url(adapter) is None:
+        return adapter
+    return str(adapter_sync.fetch(segment_store(data_dir), adapter))

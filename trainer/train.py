@@ -43,9 +43,11 @@ from .plan import Plan, plan_run
 from .proxy_client import (
     admin_call,
     base_model_of,
+    local_adapter,
     promote_adapter,
     served_adapter,
     serving_state,
+    shared_adapter,
 )
 from .resample import resample_turns
 from .sampling import server_defaults
@@ -143,7 +145,10 @@ def train(
         if not plan.groups:
             say("nothing to train on")
         return result
-    start_adapter = saved["start_adapter"] if only is not None else served_adapter(state)
+    start_adapter = (
+        saved["start_adapter"] if only is not None
+        else local_adapter(data_dir, served_adapter(state))
+    )  # fmt: skip
     say(f"training on {base_model}, starting from {start_adapter or 'a fresh LoRA adapter'}")
     if parallel.rank == 0:
         run_dir.begin(plan.groups, start_adapter)
@@ -157,14 +162,15 @@ def train(
         result.adapter_path = adapter_dir
         say(f"saved the adapter to {adapter_dir}")
         if promote and proxy_url:
-            result.gate = _gate(config, scorer, base_model, adapter_dir, gate_prompts, result, say,
-                                proxy_url, admin_token)  # fmt: skip
+            shared = shared_adapter(data_dir, adapter_dir)  # with a bucket: uploaded
+            result.gate = _gate(config, scorer, base_model, adapter_dir, shared, gate_prompts,
+                                result, say, data_dir, proxy_url, admin_token)  # fmt: skip
             if result.gate.promote and config.canary:
                 # Live traffic decides: the next watch promotes or drops it (canary.py).
-                name = start_canary(proxy_url, admin_token, adapter_dir, config.canary, say)
+                name = start_canary(proxy_url, admin_token, shared, config.canary, say)
                 result.gate.reason += f"; serving it first as canary {name} to {config.canary:.0%}"
             elif result.gate.promote:
-                result.promoted_as = _promote_once(proxy_url, admin_token, adapter_dir, say)
+                result.promoted_as = _promote_once(proxy_url, admin_token, shared, say)
         kill_point("promoting")
     except Exception as e:
         if parallel.rank == 0:  # failed runs are recorded too: the report shows them
@@ -186,20 +192,24 @@ def _gate(
     scorer: Scorer | None,
     base_model: str,
     adapter_dir: Path,
+    shared: str,
     prompts: list,
     result: RunResult,
     say,
+    data_dir: Path,
     proxy_url: str,
     token: str | None,
 ) -> Verdict:
     """The gate's verdict on the new adapter against the one served now; a resumed run
-    whose adapter is served already passed it before it was interrupted."""
+    whose adapter (`shared`: as the proxies name it) is served already passed it before
+    it was interrupted."""
     served = served_adapter(serving_state(proxy_url, token))
-    if served == str(adapter_dir.resolve()):
+    if served == shared:
         return Verdict(config.gate, True, "promoted before the run was interrupted")
     verdict = skipped(config, scorer) or run_gate(
-        config, base_model, adapter_dir, served, prompts, scorer, result.held_out
-    )
+        config, base_model, adapter_dir, local_adapter(data_dir, served), prompts, scorer,
+        result.held_out,
+    )  # fmt: skip
     say(verdict.line())
     if not verdict.promote:
         say(f"not promoted: the adapter stays in {adapter_dir}; the proxy keeps serving "
@@ -207,14 +217,14 @@ def _gate(
     return verdict
 
 
-def _promote_once(proxy_url: str, token: str | None, adapter_dir: Path, say) -> str:
-    """Promote the adapter unless the proxy serves it already (a resumed run that was
-    killed after its promotion); the name it is served under."""
+def _promote_once(proxy_url: str, token: str | None, shared: str, say) -> str:
+    """Promote the adapter (`shared`: its path, or its upload with a bucket) unless the
+    proxy serves it already (a resumed run killed after its promotion); its name."""
     current = serving_state(proxy_url, token).get("current") or {}
-    if current.get("path") == str(adapter_dir.resolve()):
+    if current.get("path") == shared:
         say(f"the proxy already serves it as {current['name']}")
         return current["name"]
-    promoted = promote_adapter(proxy_url, token, adapter_dir)
+    promoted = promote_adapter(proxy_url, token, shared)
     say(f"promoted: the proxy now serves it as {promoted}")
     return promoted
 
