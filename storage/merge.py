@@ -1,13 +1,22 @@
-"""Closed days merged into one file per table, without a reader ever counting a row twice.
+"""Closed days and months merged into one file per table, without a reader ever
+counting a row twice.
 
 The writer leaves one segment per log and day (a 5-minute roll: ~200 a busy day per
-table, ~70k in a year), and every query opens each of them. Once a day is closed (every
-segment in it older than `MERGE_AFTER`, the day itself over), its segments are merged
-into one file `date=D/m-{id}.parquet`, sorted by group and rollout so that a lookup of
-a few groups reads few row groups.
+table, ~70k in a year), and every query opens each of them. Today's segments are merged
+a batch at a time (`OPEN_DAY_BATCH` of them older than `MERGE_AFTER`); once a day is
+closed (every segment in it older than `MERGE_AFTER`, the day itself over), its files
+are merged into one `date=D/m-{id}.parquet`; once a week of the month (days 1-7, 8-14,
+...) is over, its days into one; once the month is over, its weeks into one. Each
+lands in the folder of its unit's last day, so that a reader skipping folders before a
+day never skips one of its rows (reader.py filters out the earlier days'). A year is
+then a dozen files per table, a few weeks, a few days and today's batches. Each day's
+rows are sorted by group and rollout, so that a lookup of a few groups reads few row
+groups.
 
 The commit is one atomic rename of the table's manifest, `{table}/_merged.json`:
-`{"merged": {"date=D/m-X.parquet": {"replaces": ["date=D/a.parquet", ...], "at": t}}}`.
+`{"merged": {"date=D/m-X.parquet": {"replaces": ["date=D/a.parquet", ...], "at": t,
+"rows": n, "version": v, "schema": fingerprint, "from": first day}}}`; what the entry
+says of the file lets readers bind it without opening its footer (`Segments.describe`).
 Readers list the folders first, then read the manifest: a file named `m-*` counts only
 once the manifest names it, and the files it replaces stop counting at that same
 moment. The replaced files are deleted `GRACE_SECONDS` later, so that a reader that
@@ -35,8 +44,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from .location import SegmentStore, segment_store
-from .schema import SCHEMA_VERSION, TABLES
-from .segments import PARTITION_COLUMN, _create_private, _replace_durably, put_segment
+from .schema import SCHEMA_VERSION, TABLES, schema_fingerprint
+from .segments import PARTITION_COLUMN, _create_private, _replace_durably, put_segment_parts
 
 log = logging.getLogger("overnight.storage")
 
@@ -45,6 +54,10 @@ MERGED_PREFIX = "m-"
 # A segment younger than this may belong to a log a reader has just read live; a day is
 # merged only when all its segments are older (and the day is over).
 MERGE_AFTER = 600.0
+# Segments of a day not over yet are merged a batch at a time, once this many are older
+# than MERGE_AFTER: a reader opens about a dozen of today's files, not ~200 (the 5-minute
+# roll), and each row is rewritten once more at most (when its day closes).
+OPEN_DAY_BATCH = 12
 # How long a replaced segment stays on disk for readers that listed it before the commit.
 GRACE_SECONDS = 3600.0
 # Sort order of a merged file: lookups by group (the trainer, the judge) read few row groups.
@@ -63,6 +76,9 @@ class Segments:
     compacted: set[tuple[str, str]] = field(default_factory=set)
     mtimes: dict[str, float] = field(default_factory=dict)  # of the files listed
     sizes: dict[str, int] = field(default_factory=dict)
+    # The manifest's entries of the merged files that count (`_described`: rows, schema
+    # version, columns' fingerprint, first day), so that a reader need not open them.
+    entries: dict[str, dict] = field(default_factory=dict)
 
     @property
     def paths(self) -> list[Path | str]:
@@ -74,13 +90,24 @@ class Segments:
         without a day, `date=unknown`, always)."""
         return [self.store.uri(self.table, rel) for rel in self._since(day)]
 
-    def readable(self, day: dt.date | None) -> list[Path]:
-        """`since`, as local files DuckDB reads: in a bucket, this machine's copies
-        (location.py: fetched once, kept while the bucket keeps them)."""
+    def readable(self, day: dt.date | None) -> list[tuple[Path, dict]]:
+        """`since`, as local files DuckDB reads (in a bucket, this machine's copies,
+        location.py: fetched once, kept while the bucket keeps them), each with what
+        the manifest says of it (`{}` for a segment not merged, or merged before
+        manifests described files)."""
         rels = self._since(day)
         if not self.store.remote:
-            return [self.store.local_path(self.table, rel) for rel in rels]
-        return self.store.local_copies(self.table, rels, self.sizes)
+            paths = [self.store.local_path(self.table, rel) for rel in rels]
+        else:
+            paths = self.store.local_copies(self.table, rels, self.sizes)
+        return [(path, self.describe(rel)) for path, rel in zip(paths, rels, strict=True)]
+
+    def describe(self, rel: str) -> dict:
+        """The manifest's entry of `rel` with its first day (`from`) always set."""
+        entry = self.entries.get(rel)
+        if entry is None or "schema" not in entry:
+            return {}
+        return {"from": _folder(rel).removeprefix("date="), **entry}
 
     def _since(self, day: dt.date | None) -> list[str]:
         if day is None:
@@ -148,6 +175,7 @@ def list_segments(
     unlisted = [r for r in committed - names if not store.remote or _folder(r) in folders]
     keep |= {rel for rel in unlisted if store.exists(table, rel)}
     out.rels = sorted(keep)
+    out.entries = {rel: manifest["merged"][rel] for rel in out.rels if rel in committed}
     return out
 
 
@@ -164,8 +192,9 @@ def _key(rel: str) -> tuple[str, str]:
 
 
 def merge_closed_days(data_dir: Path, now: float | None = None) -> int:
-    """Merge every closed day that has more than one segment, in every table, and delete
-    what earlier merges replaced more than `GRACE_SECONDS` ago. Returns the days merged."""
+    """Merge what is due in every table (today's batches, closed days, weeks and months
+    of more than one file; the name predates the batches, weeks and months), and delete
+    what earlier merges replaced more than `GRACE_SECONDS` ago. Returns the merges made."""
     now = time.time() if now is None else now
     store = segment_store(data_dir)
     merged = 0
@@ -173,62 +202,141 @@ def merge_closed_days(data_dir: Path, now: float | None = None) -> int:
         if store.remote or store.local_path(table).is_dir():
             with store.lock(table):
                 _delete_replaced(store, table, now)
+                _describe_merged(store, table)
                 merged += _merge_table(store, table, now)
     return merged
 
 
 def _merge_table(store: SegmentStore, table: str, now: float) -> int:
-    """Merge the table's closed days one at a time, each from a fresh look: in a bucket
-    the commit is checked against the manifest version its sources were chosen from, so
-    a merger on another machine that committed meanwhile makes it fail, never count a
-    row twice."""
+    """Merge the table's units (today's batches, closed days, weeks, months) one at a
+    time, each from a fresh look: in a bucket the commit is checked against the manifest
+    version its sources were chosen from, so a merger on another machine that committed
+    meanwhile makes it fail, never count a row twice."""
     today = dt.datetime.fromtimestamp(now, dt.UTC).strftime("%Y-%m-%d")
     merged, tried = 0, set()
     while True:
         manifest, ref = read_manifest(store, table)
         found = list_segments(store.data_dir, table, store, manifest)
-        by_day: dict[str, list[str]] = defaultdict(list)
-        for rel in found.rels:
-            by_day[_folder(rel)].append(rel)
-        for folder, rels in sorted(by_day.items()):
-            day = folder.removeprefix("date=")
-            if folder in tried or day == "unknown" or day >= today or len(rels) < 2:
+        units = {**_closed_units(found.rels, today), **_open_day_batches(found, today, now)}
+        for target, rels in sorted(units.items()):
+            if target in tried or len(rels) < 2:
                 continue
             if any(now - found.mtimes.get(rel, now) < MERGE_AFTER for rel in rels):
                 continue  # a late segment (a log that rolled after midnight): next time
-            tried.add(folder)
-            merged += _merge_day(store, table, rels, now, (manifest, ref))
+            tried.add(target)
+            merged += _merge_files(store, table, target, rels, now, (manifest, ref))
             break
         else:
             return merged
 
 
-def _merge_day(
+def _closed_units(rels: list[str], today: str) -> dict[str, list[str]]:
+    """The files of closed days, weeks and months, by the folder each unit is merged
+    into, the folder of its last day: a month before this one; a week of this month
+    (days 1-7, 8-14, 15-21, 22-28, 29 on) that is over; else a day. A reader that skips
+    folders before a day (`Segments.since`) so never skips one of a unit's rows
+    (reader.py filters the earlier days' rows out)."""
+    units: dict[str, list[str]] = defaultdict(list)
+    for rel in rels:
+        day = _folder(rel).removeprefix("date=")
+        if day == "unknown" or day >= today:
+            continue
+        if day[:7] < today[:7]:  # a closed month
+            units[f"date={_month_end(day)}"].append(rel)
+        elif (end := _week_end(day)) < today:  # a closed week of this month
+            units[f"date={end}"].append(rel)
+        else:
+            units[_folder(rel)].append(rel)
+    return units
+
+
+def _week_end(day: str) -> str:
+    """The last day of `day`'s week of its month (7, 14, 21, 28, or the month's end)."""
+    last = min((int(day[8:]) + 6) // 7 * 7, 28)
+    return _month_end(day) if last == 28 and int(day[8:]) > 28 else f"{day[:8]}{last:02d}"
+
+
+def _open_day_batches(found: Segments, today: str, now: float) -> dict[str, list[str]]:
+    """Segments not merged yet of days not over (today), older than `MERGE_AFTER`, by
+    folder, where there are at least `OPEN_DAY_BATCH`: merged beside the day's earlier
+    batches, which its close merges with the rest."""
+    batches: dict[str, list[str]] = defaultdict(list)
+    for rel in found.rels:
+        day = _folder(rel).removeprefix("date=")
+        if day == "unknown" or day < today or _name(rel).startswith(MERGED_PREFIX):
+            continue
+        if now - found.mtimes.get(rel, now) >= MERGE_AFTER:
+            batches[_folder(rel)].append(rel)
+    return {folder: rels for folder, rels in batches.items() if len(rels) >= OPEN_DAY_BATCH}
+
+
+def _month_end(day: str) -> str:
+    first = dt.date.fromisoformat(day).replace(day=1)
+    return ((first + dt.timedelta(days=32)).replace(day=1) - dt.timedelta(days=1)).isoformat()
+
+
+def _merge_files(
     store: SegmentStore,
     table: str,
+    target: str,
     rels: list[str],
     now: float,
     read: tuple[dict, ManifestRef],
 ) -> bool:
-    schema = TABLES[table]
-    parts = []
+    """Merge `rels` into one file in folder `target`, a day at a time (each day's rows
+    sorted, its own row groups: a month is never in memory whole), and commit it."""
+    version = 1
     for rel in rels:
         meta = store.read_metadata(table, rel).metadata or {}
-        if int(meta.get(b"overnight.schema_version", b"1")) > SCHEMA_VERSION:
+        found = int(meta.get(b"overnight.schema_version", b"1"))
+        if found > SCHEMA_VERSION:
             return False  # written by a newer overnight: leave it to that one
-        parts.append(_conform(store.read_table(table, rel), schema))
-    merged = pa.concat_tables(parts)
-    keys = [k for k in SORT_KEYS.get(table, [PARTITION_COLUMN[table]]) if k in schema.names]
-    merged = merged.sort_by([(k, "ascending") for k in keys])
-    out = f"{_folder(rels[0])}/{MERGED_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
-    put_segment(store, table, out, merged)  # not counted yet: the manifest does not name it
+        version = max(version, found)
+    by_day: dict[str, list[str]] = defaultdict(list)
+    for rel in rels:
+        by_day[_folder(rel)].append(rel)
+    out = f"{target}/{MERGED_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
+    parts = (_sorted_day(store, table, day_rels) for _, day_rels in sorted(by_day.items()))
+    # Not counted yet: the manifest does not name it.
+    rows = put_segment_parts(store, table, out, parts, version)
     manifest, ref = read
-    manifest["merged"][out] = {"replaces": list(rels), "at": now}
+    first = min(manifest["merged"].get(rel, {}).get("from", _folder(rel)[5:]) for rel in rels)
+    entry = {"replaces": list(rels), "at": now, "from": first, **_described(table, rows, version)}
+    manifest["merged"][out] = entry
     if _write_manifest(ref, manifest) is False:  # the commit
         log.warning("%s/%s: another merger committed first; merged again later", table, out)
         return False
-    log.info("merged %d segment(s) of %s/%s", len(rels), table, _folder(out))
+    log.info("merged %d segment(s) of %s into %s", len(rels), table, out)
     return True
+
+
+def _sorted_day(store: SegmentStore, table: str, rels: list[str]) -> pa.Table:
+    schema = TABLES[table]
+    merged = pa.concat_tables([_conform(store.read_table(table, rel), schema) for rel in rels])
+    keys = [k for k in SORT_KEYS.get(table, [PARTITION_COLUMN[table]]) if k in schema.names]
+    return merged.sort_by([(k, "ascending") for k in keys])
+
+
+def _described(table: str, rows: int, version: int) -> dict:
+    """What a reader needs of a merged file without opening it: its rows, the newest
+    schema version among them, and its columns' fingerprint (`schema_fingerprint`)."""
+    return {"rows": rows, "version": version, "schema": schema_fingerprint(TABLES[table])}
+
+
+def _describe_merged(store: SegmentStore, table: str) -> None:
+    """Add `_described` to merged files committed before manifests carried it (one
+    footer each, once), so that readers stop opening their footers."""
+    manifest, ref = read_manifest(store, table)
+    committed, _ = _committed(manifest)
+    missing = [rel for rel in committed if "schema" not in manifest["merged"][rel]]
+    for rel in missing:
+        meta = store.read_metadata(table, rel)
+        version = int((meta.metadata or {}).get(b"overnight.schema_version", b"1"))
+        entry = manifest["merged"][rel]
+        entry.update(rows=meta.num_rows, version=version)
+        entry["schema"] = schema_fingerprint(meta.schema.to_arrow_schema())
+    if missing:
+        _write_manifest(ref, manifest)  # lost to another merger: described next time
 
 
 def _conform(arrow: pa.Table, schema: pa.Schema) -> pa.Table:

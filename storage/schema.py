@@ -16,6 +16,7 @@ its JSON text in a string column, null elsewhere, with a note in the row's `note
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 from collections.abc import Iterator
@@ -201,6 +202,14 @@ TIMESTAMP_COLUMNS = {
     name: [f.name for f in schema if pa.types.is_timestamp(f.type)]
     for name, schema in TABLES.items()
 }
+
+
+def schema_fingerprint(schema: pa.Schema) -> str:
+    """A short name for a schema's columns (names and types, in order). A merged file
+    whose manifest entry carries the reader's own fingerprint is read with the others
+    like it, without a look at its footer or unioning columns by name (reader.py)."""
+    text = ";".join(f"{f.name}:{f.type}" for f in schema)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class SchemaVersionError(Exception):

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -256,6 +257,35 @@ def put_segment(store: SegmentStore, name: str, rel: str, table: pa.Table) -> No
         rel,
         lambda sink: pq.write_table(table, sink, compression="zstd", row_group_size=ROW_GROUP_SIZE),
     )
+
+
+def put_segment_parts(
+    store: SegmentStore, name: str, rel: str, parts: Iterable[pa.Table], version: int
+) -> int:
+    """Write segment `rel` from `parts` (each in the table's schema) one at a time, each
+    part its own row groups, so that a month merged from its days is never in memory
+    whole; `version` is the newest schema version of its rows (for the footer). Atomic
+    as `put_segment`. Returns the rows written."""
+    schema = TABLES[name].with_metadata({b"overnight.schema_version": str(version).encode()})
+    rows = 0
+
+    def write(sink) -> None:
+        nonlocal rows
+        with pq.ParquetWriter(sink, schema, compression="zstd") as writer:
+            for part in parts:
+                writer.write_table(part.replace_schema_metadata(schema.metadata), ROW_GROUP_SIZE)
+                rows += part.num_rows
+
+    if store.remote:
+        store.write_parquet(name, rel, write)
+        return rows
+    path = store.local_path(name, rel)
+    private_dir(path.parent)
+    tmp = path.with_name(f".{path.name}.tmp")
+    _create_private(tmp)
+    write(str(tmp))
+    _replace_durably(tmp, path)
+    return rows
 
 
 def quarantine(data_dir: Path, log_path: Path, lines: list[tuple[bytes, str]]) -> Path:
