@@ -207,6 +207,8 @@ def prune(data_dir: Path, older_than: str, yes: bool) -> None:
         click.echo("nothing to delete")
     elif yes:
         click.echo(f"deleted {delete(plan)} day partition(s)")
+        if plan.rewritten:
+            click.echo(f"rewrote {plan.rewritten} merged week(s)/month(s) without the older days")
     else:
         click.echo("nothing deleted: run again with --yes to delete these")
 

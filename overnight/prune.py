@@ -48,6 +48,7 @@ class TableDays:
     rows: int = 0
     bytes: int = 0
     objects: dict[str, list[str]] = field(default_factory=dict)  # in a bucket: day -> files
+    straddling: int = 0  # merged weeks/months with earlier and later days: rewritten
 
 
 @dataclass
@@ -56,10 +57,11 @@ class PrunePlan:
     before: dt.date  # partitions of days strictly before this one go
     tables: dict[str, TableDays] = field(default_factory=dict)
     store: Any = None  # storage.location.SegmentStore: where the days are
+    rewritten: int = 0  # merged weeks and months that kept later days, rewritten without the rest
 
     @property
     def empty(self) -> bool:
-        return not any(t.days for t in self.tables.values())
+        return not any(t.days or t.straddling for t in self.tables.values())
 
     def lines(self) -> list[str]:
         where = self.store.describe() if self.store is not None else self.data_dir
@@ -69,6 +71,9 @@ class PrunePlan:
                 f"  {name:<12} {len(t.days):>4} day(s) {t.files:>6} file(s) "
                 f"{t.rows:>12,} row(s) {_size(t.bytes):>10}"
             )
+            if t.straddling:
+                out.append(f"  {'':<12} and {t.straddling} merged week(s)/month(s) rewritten "
+                           "without those days")  # fmt: skip
         total = sum(t.bytes for t in self.tables.values())
         out.append(f"  {'total':<12} {_size(total):>47}")
         return out
@@ -79,6 +84,7 @@ def plan_prune(
 ) -> PrunePlan:
     """What `prune` would delete: the days that ended more than `older_than` ago, never today."""
     from .storage.location import segment_store
+    from .storage.merge import read_manifest, straddling
 
     now = now or dt.datetime.now(dt.UTC)
     today = now.date()
@@ -86,6 +92,7 @@ def plan_prune(
     plan = PrunePlan(Path(data_dir), before, store=segment_store(data_dir))
     for table in PRUNED_TABLES:
         days = plan.tables[table] = TableDays()
+        days.straddling = len(straddling(read_manifest(plan.store, table, False)[0], before))
         if plan.store.remote:
             _plan_bucket(plan, table, days)
             continue
@@ -121,6 +128,8 @@ def prune(plan: PrunePlan) -> int:
     the readers' view in one rename before its files are deleted; in a bucket (no rename)
     its objects are deleted in one request, and a reader that had already listed one
     fails once and can be run again."""
+    from .storage.merge import drop_rows_before
+
     removed = 0
     for table, t in plan.tables.items():
         for day_dir in t.days:
@@ -135,6 +144,9 @@ def prune(plan: PrunePlan) -> int:
                 continue  # another prune took it
             shutil.rmtree(doomed)
             removed += 1
+    # A merged week or month lives in its last day's folder: one that began before the
+    # cutoff keeps its earlier days' rows until rewritten without them.
+    plan.rewritten = drop_rows_before(plan.data_dir, tuple(plan.tables), plan.before)
     return removed
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .location import SegmentStore, segment_store
 from .schema import SCHEMA_VERSION, TABLES, schema_fingerprint
@@ -307,6 +308,58 @@ def _merge_files(
         log.warning("%s/%s: another merger committed first; merged again later", table, out)
         return False
     log.info("merged %d segment(s) of %s into %s", len(rels), table, out)
+    return True
+
+
+def drop_rows_before(data_dir: Path, tables: tuple[str, ...], before: dt.date) -> int:
+    """Rewrite each merged file that holds rows of days before `before` and after it (a
+    week or month straddling a prune's cutoff: it sits in its last day's folder, which
+    the prune keeps) without the earlier rows, so that retention deletes what it was
+    asked to, not up to a month later. Committed like a merge: the new file replaces the
+    old one in the manifest, at once for readers; the old file is deleted with the
+    replaced segments (`GRACE_SECONDS`). Returns the files rewritten."""
+    store = segment_store(data_dir)
+    rewritten = 0
+    for table in tables:
+        if not (store.remote or store.local_path(table).is_dir()):
+            continue
+        with store.lock(table):
+            manifest, ref = read_manifest(store, table)
+            for rel in straddling(manifest, before):
+                rewritten += _rewrite_from(store, table, rel, before, (manifest, ref))
+                manifest, ref = read_manifest(store, table)
+    return rewritten
+
+
+def straddling(manifest: dict, before: dt.date) -> list[str]:
+    """The merged files that count and hold rows of days before `before` and after it."""
+    cutoff = before.isoformat()
+    committed, _ = _committed(manifest)
+    return [
+        rel for rel in sorted(committed)
+        if manifest["merged"][rel].get("from", _folder(rel)[5:]) < cutoff <= _folder(rel)[5:]
+    ]  # fmt: skip
+
+
+def _rewrite_from(
+    store: SegmentStore, table: str, rel: str, before: dt.date, read: tuple[dict, ManifestRef]
+) -> bool:
+    column = PARTITION_COLUMN[table]
+    kept = store.read_table(table, rel)
+    start = pa.scalar(
+        dt.datetime.combine(before, dt.time(), dt.UTC), kept.schema.field(column).type
+    )
+    kept = kept.filter(pc.greater_equal(kept[column], start))
+    manifest, ref = read
+    version = manifest["merged"][rel].get("version", SCHEMA_VERSION)
+    out = f"{_folder(rel)}/{MERGED_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
+    rows = put_segment_parts(store, table, out, [_conform(kept, TABLES[table])], version)
+    entry = {"replaces": [rel], "at": time.time(), "from": before.isoformat()}
+    manifest["merged"][out] = {**entry, **_described(table, rows, version)}
+    if _write_manifest(ref, manifest) is False:
+        log.warning("%s/%s: another merger committed first; pruned again later", table, rel)
+        return False
+    log.info("rewrote %s of %s from %s (%d row(s) kept)", rel, table, before, rows)
     return True
 
 

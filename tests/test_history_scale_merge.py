@@ -360,3 +360,38 @@ def test_closed_weeks_and_months_are_merged_into_their_last_days_folder():
     }
     assert merge._week_end("2026-11-29") == "2026-11-30"
     assert merge._week_end("2024-02-29") == "2024-02-29"
+
+
+def test_a_prune_rewrites_a_merged_month_without_the_days_it_deletes(tmp_path):
+    """A closed month is one file in its last day's folder, which a prune with a cutoff
+    inside the month keeps: the file is rewritten without the earlier days' rows, so
+    retention deletes what it was asked to, not up to a month later."""
+    from overnight.prune import plan_prune, prune
+
+    today = dt.datetime.fromtimestamp(merge_at(), dt.UTC).date()
+    last = today.replace(day=1) - dt.timedelta(days=1)
+    days = [last.replace(day=2), last.replace(day=9), last.replace(day=20)]
+    write_history(tmp_path, days)
+    merge.merge_closed_days(tmp_path, now=merge_at())
+    assert [p.parent.name for p in merged_files(tmp_path, "completions")] == [f"date={last}"]
+    everything = answers(tmp_path)
+    cutoff = last.replace(day=10)
+    noon = dt.datetime.combine(cutoff, dt.time(12), dt.UTC)
+    plan = plan_prune(tmp_path, dt.timedelta(0), now=noon)
+    assert plan.tables["completions"].straddling == 1
+    assert any("1 merged week(s)/month(s) rewritten" in line for line in plan.lines())
+    prune(plan)
+    assert plan.rewritten == 3  # completions, rewards, finishes
+    kept = answers(tmp_path)
+    assert [r[0] for r in kept["completions"]] == [
+        r[0] for r in everything["completions"] if r[3].date() >= cutoff
+    ]
+    assert {r[0] for r in kept["rewards"]} == {f"w{n}" for n in range(9, 13)}
+    assert kept["count"] == [(2,)]  # the two groups of the 20th
+    # Nothing left to rewrite: a second prune with the same cutoff changes nothing.
+    again = plan_prune(tmp_path, dt.timedelta(0), now=noon)
+    assert again.tables["completions"].straddling == 0
+    # The old month file is gone with the replaced segments, after their grace.
+    merge.merge_closed_days(tmp_path, now=merge_at(merge.GRACE_SECONDS + 1))
+    files = list((tmp_path / "completions").rglob("*.parquet"))
+    assert len(files) == 1 and answers(tmp_path) == kept
