@@ -263,6 +263,10 @@ async def test_an_offline_rollback_on_a_bucket_reaches_the_proxies(machines, tmp
     for proxy in (a, b):
         await await_until(lambda p=proxy: _is(serves(p), one), what="rolled back")
         assert one in proxy.fake.app[SETTINGS]["loras"]
+    # `overnight runs` on a machine that never ran a proxy reads the reason from the bucket.
+    args = ["runs", "--data", f"s3://{BUCKET}/offline", "--local-dir", str(tmp_path / "laptop")]
+    shown = await asyncio.to_thread(CliRunner().invoke, main, args)
+    assert shown.exit_code == 0 and "worse" in shown.output, shown.output
 
 
 async def test_an_adapter_uploaded_where_it_was_trained_is_promoted_by_its_url(machines, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as dt
 import io
@@ -14,6 +15,7 @@ import duckdb
 
 from overnight.config import LOGPROB_GAP_WARNING
 from overnight.errors import OvernightError
+from overnight.storage import conditional, segment_store
 
 
 def _table(headers: list[str], rows: list[tuple]) -> str:
@@ -279,9 +281,18 @@ def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
 
 
 def adapter_events(data_dir: Path) -> list[dict]:
-    """Rollbacks and canary decisions with their reasons, from DATA/adapters.json."""
+    """Rollbacks and canary decisions with their reasons, from DATA/adapters.json: with a
+    bucket its `adapters.json` (a machine that never ran a proxy has no local copy), the
+    local copy when the bucket cannot be read."""
+    text = None
+    store = segment_store(data_dir)
+    if store.remote:
+        root = store.url.split("://", 1)[1]  # type: ignore[union-attr]
+        with contextlib.suppress(OSError):
+            text, _ = conditional.get(store.fs, store.url, f"{root}/adapters.json")
     try:
-        return list(json.loads((Path(data_dir) / "adapters.json").read_text()).get("events", []))
+        text = text if text is not None else (Path(data_dir) / "adapters.json").read_bytes()
+        return list(json.loads(text).get("events", []))
     except (OSError, ValueError):
         return []
 
