@@ -45,15 +45,6 @@ def same_files(copy: Path, original: Path) -> bool:
     return files(copy) == files(original)
 
 
-@pytest.fixture(autouse=True)
-def fresh_clients(s3):  # noqa: F811
-    """fsspec keeps one S3 filesystem per set of arguments, with the endpoint it was made
-    with: another module's server (another port) must not answer for this one."""
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-
-
 @pytest.fixture
 def machines(aiohttp_client, aiohttp_server, tmp_path, s3):  # noqa: F811
     """`a, b = await machines(prefix, n=2, **config)`: proxies on one bucket, each with

@@ -71,11 +71,17 @@ def s3():
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the compaction child inherits them
     import boto3
+    import s3fs
+
+    # fsspec keeps one S3 filesystem per set of arguments, with the endpoint it was made
+    # with: another module's server (another port, stopped since) must not answer here.
+    s3fs.S3FileSystem.clear_instance_cache()
 
     client = boto3.client("s3")
     client.create_bucket(Bucket=BUCKET)
     yield bucket, client
     bucket.stop()
+    s3fs.S3FileSystem.clear_instance_cache()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
