@@ -187,7 +187,7 @@ class ProxyConfig:
         default=1.0,
         metadata={
             "help": "Seconds between looks at DATA/adapters.json for promotions made through "
-            "another proxy (0: never)."
+            "another proxy (0: never); with a bucket, one HEAD request each."
         },
     )
     # Shadow sampling (proxy/shadow.py): off unless asked, it costs upstream compute.
@@ -219,6 +219,18 @@ class ProxyConfig:
             "help": "Shadow requests run while a replica has at most this many served requests "
             "in flight; one running when more arrive is cancelled and asked again (raise it "
             "on a GPU, where a batch costs little more than one request)."
+        },
+    )
+    # Started the instant an answer is written, a sibling request competes with that
+    # answer's delivery and with a served request the proxy has read but not yet
+    # forwarded (measured: bench/shadow_latency.py); an agent's next call often
+    # comes moments after its answer, too.
+    shadow_quiet: float = field(
+        default=0.02,
+        metadata={
+            "help": "Seconds a replica must have been without served requests (beyond "
+            "--shadow-max-served), and no served turn answered, before a shadow request "
+            "starts on it (0: at once)."
         },
     )
     # vLLM serves lower values first (`--scheduling-policy priority`; ignored under fcfs).

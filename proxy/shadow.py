@@ -13,8 +13,10 @@ Bounded so that serving never waits on it: `offer` only puts the turn on a queue
 workers send the requests, and nothing here can raise into a request handler. Served
 traffic comes first twice over: vLLM's priority orders what waits in its queue, and
 the proxy sends a sibling request only while the replica has at most
-`--shadow-max-served` served requests in flight (0: none), cancelling it (vLLM aborts
-on the closed connection) and trying again later when more arrive meanwhile.
+`--shadow-max-served` served requests in flight (0: none), and has had so for
+`--shadow-quiet` seconds with no served turn answered meanwhile (an agent's next call
+often follows its answer within moments), cancelling it (vLLM aborts on the closed
+connection) and trying again later when more arrive meanwhile.
 
 vLLM facts (0.32, read in its source and measured, see /admin/stats and BENCHMARKS.md):
 - `priority` (request field, or the `X-Vllm-Priority` header) orders the waiting queue
@@ -26,9 +28,18 @@ vLLM facts (0.32, read in its source and measured, see /admin/stats and BENCHMAR
 - /v1/completions is cancelled when its client disconnects, but a whole (non-streamed)
   response notices only when vLLM next polls for the disconnect, so its K sequences
   kept decoding in the served requests' batches (BENCHMARKS.md, shadow sampling, run
-  6: served p99 1.47x). A streamed one is aborted at its next write after the client
-  left, a step later: sibling requests are streamed, and assembled back into the whole
-  response's shape here (`assemble_stream`; the nightly stage asks for whole ones).
+  6: served p99 1.47x). A streamed one is aborted as soon as vLLM's server sees the
+  connection close (uvicorn reports ASGI 2.3, so starlette listens for the disconnect
+  and cancels the stream): 2.2 ms after the proxy's cancel at the median, measured
+  with `bench/shadow_latency.py --vllm-log`. Sibling requests are streamed, and
+  assembled back into the whole response's shape (proxy/shadow_stream.py; the nightly
+  stage asks for whole ones).
+- What cost served requests was when siblings started, not vLLM: started the instant
+  an answer was written, a sibling competed on a CPU upstream's cores with that
+  answer's delivery, and with a served request already read but not yet forwarded
+  (`replica.outstanding` counts from the forward). `--shadow-quiet` (0.02 s) waits
+  past both; a sibling cancelled as a served request arrives costs it nothing at the
+  median (bench/shadow_collision.py).
 - /v1/completions takes a token-id list as `prompt` and returns it per choice as
   `prompt_token_ids` with `return_token_ids`. Its unset `max_tokens` is 16 (the chat
   endpoint's: the rest of the context), and a `max_tokens` above `max_model_len` is
@@ -40,14 +51,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import time
 from dataclasses import asdict, dataclass
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from overnight.config import ProxyConfig
+from overnight.config import ConfigError, ProxyConfig
 from overnight.storage import LogWriter, now_us
 from overnight.storage.siblings import TABLE as SIBLINGS
 from overnight.storage.siblings import (
@@ -63,7 +76,7 @@ from .capture import CHAT
 from .capture_state import GroupRollouts
 from .jsonio import json_dumps
 from .redact import Redactor
-from .sse import SSEParser
+from .shadow_stream import assemble_stream
 
 log = logging.getLogger("overnight.proxy")
 
@@ -74,6 +87,10 @@ WATCH_S = 0.002
 WAIT_S = 0.01
 # Tries of a turn whose sibling request served traffic cancelled; then it is given up.
 ATTEMPTS = 3
+# A file to write a JSON line per sibling request event to (time.monotonic(), shared by
+# every process on the machine): bench/shadow_latency.py reads it to tell what was in
+# flight when a served request was slow. A diagnostic, not an option.
+TRACE_ENV = "OVERNIGHT_SHADOW_TRACE"
 
 
 @dataclass(slots=True)
@@ -122,63 +139,6 @@ def sibling_request(
     return body
 
 
-async def assemble_stream(response) -> dict:
-    """The whole /v1/completions response (the `choices` that storage.siblings reads)
-    from vLLM's stream of it, read from `response.content.iter_any()` (an aiohttp
-    response or the proxy's own upstream one).
-
-    vLLM 0.32 (read in its serving code and checked against its whole answer, seeded:
-    tests/test_shadow.py) sends one choice per chunk, the choices of n > 1 interleaved
-    by `index`; a chunk has the choice's new text, `token_ids` and `logprobs`
-    (`token_logprobs`, one per new token), its first also the `prompt_token_ids` (with
-    `return_token_ids`), its last the `finish_reason`; `stream_options` add only usage,
-    not needed. An `{"error": ...}` event or a stream cut before `[DONE]` raises
-    SiblingError."""
-    choices: dict[int, dict] = {}
-    parser = SSEParser()
-    async for chunk in response.content.iter_any():
-        for raw in parser.feed(chunk):
-            payload = SSEParser.data_of(raw)
-            if payload is None:
-                continue
-            if payload == b"[DONE]":
-                return {"choices": [_whole_choice(choices[i]) for i in sorted(choices)]}
-            event = orjson.loads(payload)
-            if "error" in event:
-                raise SiblingError(f"vLLM failed mid-stream: {str(event['error'])[:200]}")
-            for part in event.get("choices") or ():
-                _add_part(choices.setdefault(part["index"], _empty_choice(part["index"])), part)
-    raise SiblingError("the stream ended before [DONE]")
-
-
-def _empty_choice(index: int) -> dict:
-    return {"index": index, "text": [], "token_ids": [], "token_logprobs": [], "prompt": None}
-
-
-def _add_part(choice: dict, part: dict) -> None:
-    choice["text"].append(part.get("text") or "")
-    choice["token_ids"].extend(part.get("token_ids") or ())
-    # A chunk without logprobs leaves the choice one short: sibling_rows refuses it.
-    choice["token_logprobs"].extend((part.get("logprobs") or {}).get("token_logprobs") or ())
-    if part.get("prompt_token_ids") is not None:
-        choice["prompt"] = part["prompt_token_ids"]
-    if part.get("finish_reason") is not None:
-        choice["finish_reason"] = part["finish_reason"]
-
-
-def _whole_choice(choice: dict) -> dict:
-    if choice["prompt"] is None:  # else sibling_rows could not check the context
-        raise SiblingError("vLLM streamed a choice without its prompt_token_ids")
-    return {
-        "index": choice["index"],
-        "text": "".join(choice["text"]),
-        "token_ids": choice["token_ids"],
-        "logprobs": {"token_logprobs": choice["token_logprobs"]},
-        "finish_reason": choice.get("finish_reason"),
-        "prompt_token_ids": choice["prompt"],
-    }
-
-
 class ShadowSampler:
     """The queue of turns to sample and the workers that ask vLLM for their siblings."""
 
@@ -194,6 +154,10 @@ class ShadowSampler:
         self.concurrency = config.shadow_concurrency
         self.priority = config.shadow_priority
         self.max_served = config.shadow_max_served
+        if config.shadow_quiet < 0:
+            raise ConfigError(f"shadow_quiet must be >= 0 seconds, got {config.shadow_quiet}")
+        self.quiet = config.shadow_quiet
+        self.answered = 0.0  # loop time of the last served turn's answer (any turn)
         self.timeout = config.read_timeout
         self.balancer = balancer
         self.redactor = redactor
@@ -210,6 +174,8 @@ class ShadowSampler:
         self.context: dict[str, int | None] = {}  # model name -> max_model_len (/v1/models)
         self.session: aiohttp.ClientSession | None = None  # for /v1/models, made on first use
         self._warned = False
+        trace = os.environ.get(TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
 
     @property
     def enabled(self) -> bool:
@@ -219,6 +185,19 @@ class ShadowSampler:
         self.writer = writer
         if self.enabled:
             self.workers = [asyncio.create_task(self._work()) for _ in range(self.concurrency)]
+        if self._trace is not None:
+            self.workers.append(asyncio.create_task(self._watch_loop()))
+
+    async def _watch_loop(self) -> None:
+        """Traced only: the event loop's stalls (a 5 ms sleep that took 10 ms more), when
+        no served request nor sibling could make progress in this proxy."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.005)
+            late = loop.time() - t - 0.005
+            if late > 0.010:
+                self._event("stall", "", ms=round(late * 1000, 1))
 
     async def close(self) -> None:
         """Stops the workers; a sibling request in flight is abandoned (its connection
@@ -229,6 +208,8 @@ class ShadowSampler:
         self.workers = []
         if self.session is not None:
             await self.session.close()
+        if self._trace is not None:
+            self._trace.close()
 
     def snapshot(self) -> dict:
         return {
@@ -245,8 +226,9 @@ class ShadowSampler:
         """Queue a served turn (its completions rows, as written) for sampling if it
         qualifies. Called once the answer was written to the client (the record is built
         then); never raises, never waits."""
-        if not self.workers:  # off, or not started
+        if not self.enabled or not self.workers:  # off, or not started
             return
+        self.answered = asyncio.get_running_loop().time()
         try:
             job = self._job(rows)
         except Exception:  # a row of a shape not foreseen: the served turn must not notice
@@ -291,6 +273,7 @@ class ShadowSampler:
                 self._warn(job, e)
             else:
                 self._store(rows)
+                self._event("stored", job.key)
             finally:
                 self.stats.in_flight -= 1
 
@@ -327,21 +310,39 @@ class ShadowSampler:
         was cancelled (closing the connection makes vLLM stop generating it)."""
         replica = self.balancer.pick(key)
         assert replica is not None
-        while self._served(replica) > self.max_served:
-            await asyncio.sleep(WAIT_S)
+        await self._quiet(replica)
         call = asyncio.ensure_future(self._call(replica, key, data))
         try:
             while True:
                 done, _ = await asyncio.wait([call], timeout=WATCH_S)
                 if done:
+                    self._event("done", key)
                     return call.result()
                 if self._served(replica) > self.max_served:
+                    self._event("cancel", key, served=self._served(replica))
                     return None
         finally:
             call.cancel()  # a no-op once it is done
 
+    async def _quiet(self, replica: Replica) -> None:
+        """Returns once `replica` has had at most `max_served` served requests in flight
+        for `quiet` seconds, no served turn answered meanwhile (at once when quiet is 0
+        and the replica is free enough)."""
+        loop = asyncio.get_running_loop()
+        since: float | None = None  # since when the replica has been free enough
+        while True:
+            now = loop.time()
+            if self._served(replica) > self.max_served:
+                since = None
+            else:
+                since = max(now if since is None else since, self.answered)
+                if now - since >= self.quiet:
+                    return
+            await asyncio.sleep(WAIT_S)
+
     async def _call(self, replica: Replica, key: str, data: bytes) -> dict:
         self.mine[replica] = self.mine.get(replica, 0) + 1
+        self._event("send", key)
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self.balancer.post("/v1/completions", data, self.headers, key)
@@ -349,9 +350,10 @@ class ShadowSampler:
                     if response.status != 200:
                         raw = await response.read()
                         raise SiblingError(f"upstream HTTP {response.status}: {raw[:200]!r}")
-                    return await assemble_stream(response)
+                    return await assemble_stream(response, lambda: self._event("first", key))
         finally:
             self.mine[replica] -= 1
+            self._event("closed", key)
 
     async def _context_length(self, job: ShadowJob) -> int | None:
         """The served model's max_model_len, asked of vLLM once per model (again when a
@@ -371,6 +373,11 @@ class ShadowSampler:
     def _served(self, replica: Replica) -> int:
         """Served requests in flight on `replica`: all it has outstanding but ours."""
         return replica.outstanding - self.mine.get(replica, 0)
+
+    def _event(self, event: str, key: str, **extra: object) -> None:
+        if self._trace is not None:
+            line = {"t": time.monotonic(), "event": event, "key": key, **extra}
+            self._trace.write(orjson.dumps(line).decode() + "\n")
 
     def _store(self, rows: list[dict]) -> None:
         assert self.writer is not None

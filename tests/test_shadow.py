@@ -8,12 +8,13 @@ the served prompt's token ids.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
 import pytest
 
-from overnight.proxy.shadow import assemble_stream
+from overnight.proxy.shadow import TRACE_ENV, assemble_stream
 from overnight.storage import open_db
 from overnight.storage.siblings import add_turn_views, turn_group_id
 
@@ -141,8 +142,9 @@ async def test_only_single_calls_outside_groups_are_sampled(make_proxy, tmp_path
 
 async def test_a_full_queue_drops_and_counts(make_proxy, received, fake_settings):
     fake_settings["behaviour_by_path"]["/v1/completions"] = "stall"  # siblings never come
-    # Served requests do not cancel it here (test_siblings_yield_to_served_requests).
-    proxy = await make_proxy(shadow_queue=1, shadow_max_served=100, **SHADOW)
+    # Served requests neither cancel it nor hold it back here (test_siblings_yield_to_
+    # served_requests, test_siblings_wait_for_a_quiet_replica).
+    proxy = await make_proxy(shadow_queue=1, shadow_max_served=100, shadow_quiet=0, **SHADOW)
     await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
     await settled(proxy, in_flight=1)  # the one worker waits on the first turn's siblings
     for _ in range(3):
@@ -187,6 +189,37 @@ async def test_siblings_yield_to_served_requests(make_proxy, received, fake_sett
     assert (got["preempted"], got["failed"]) == (1, 0)
     chat, text = "/v1/chat/completions", "/v1/completions"
     assert paths(received) == [chat, text, chat, text, text]
+
+
+async def test_siblings_wait_for_a_quiet_replica(make_proxy, received):
+    # An agent's next call right after its answer: with --shadow-quiet the first turn's
+    # siblings are not asked for in between (at once, they would meet the second call).
+    proxy = await make_proxy(shadow_quiet=3.0, **SHADOW)
+    await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
+    await asyncio.sleep(0.5)  # without the quiet time, the first siblings are asked by now
+    await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
+    got = await settled(proxy, requests=2, siblings=6, in_flight=0)
+    assert (got["preempted"], got["failed"]) == (0, 0)
+    chat, text = "/v1/chat/completions", "/v1/completions"
+    assert paths(received) == [chat, chat, text, text]
+
+
+async def test_the_trace_tells_each_sibling_requests_events_in_order(
+    make_proxy, tmp_path, monkeypatch
+):
+    # bench/shadow_latency.py's diagnosis reads this file (bench/shadow_trace.py).
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(TRACE_ENV, str(trace))
+    proxy = await make_proxy(**SHADOW)
+    r = await proxy.post("/v1/chat/completions", json=CHAT, headers={"X-Rollout-Id": "r1"})
+    await r.read()
+    await settled(proxy, requests=1, siblings=3, in_flight=0)
+    await proxy.close()  # closes the trace
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    mine = [e["event"] for e in events if e["key"] == "r1"]
+    assert mine == ["send", "first", "closed", "done", "stored"]
+    times = [e["t"] for e in events if e["key"] == "r1"]
+    assert times == sorted(times)
 
 
 async def test_a_cancelled_sibling_stream_is_left_and_its_retry_assembled_whole(
