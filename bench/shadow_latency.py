@@ -78,7 +78,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--max-others", type=float, default=0.25, help="quiet rounds: others used at most (cores)"
     )
-    p.add_argument("--quiet", type=float, help="--shadow-quiet seconds (default: the proxy's, 0)")
+    p.add_argument(
+        "--quiet", type=float, help="--shadow-quiet seconds (default: the proxy's, 0.02)"
+    )
     p.add_argument("--also-quiet", type=float, help="a fourth arm, shadowq: --shadow-quiet S")
     p.add_argument(
         "--vllm-log", action="store_true", help="vLLM logs each request (timed) for the diagnosis"
