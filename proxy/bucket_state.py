@@ -61,8 +61,7 @@ class BucketState:
         self.store = store
         self.url = store.url or ""
         self.path = Path(mirror)  # the local copy; what log lines name
-        root = self.url.split("://", 1)[1]
-        self.key = f"{root}/{self.path.name}"
+        self.key = store.key(self.path.name)
         self.lock_key = f"{self.key}.lock"
         self._seen: str | None = ABSENT  # the ETag the last read saw, for write's If-Match
         self._seen_version = 0
@@ -118,12 +117,8 @@ class BucketState:
 
     @contextlib.asynccontextmanager
     async def locked(self) -> AsyncIterator[None]:
-        lease = _Lease(self)
-        deadline = time.monotonic() + 2 * LEASE_SECONDS
-        while not await asyncio.to_thread(lease.take):
-            if time.monotonic() > deadline:
-                raise StateUnreachable(f"{self.lock_key}: {lease.holder} keeps the lease")
-            await asyncio.sleep(_LEASE_POLL)
+        # The wait runs in a thread: it holds one only while another promotion runs.
+        lease = await asyncio.to_thread(self._lease)
         try:
             yield
         finally:
@@ -131,16 +126,22 @@ class BucketState:
 
     @contextlib.contextmanager
     def locked_blocking(self) -> Iterator[None]:
+        lease = self._lease()
+        try:
+            yield
+        finally:
+            lease.give_back()
+
+    def _lease(self) -> _Lease:
+        """The lease, once taken (polling while another holder has it, up to twice its
+        length: an expired one is taken over)."""
         lease = _Lease(self)
         deadline = time.monotonic() + 2 * LEASE_SECONDS
         while not lease.take():
             if time.monotonic() > deadline:
                 raise StateUnreachable(f"{self.lock_key}: {lease.holder} keeps the lease")
             time.sleep(_LEASE_POLL)
-        try:
-            yield
-        finally:
-            lease.give_back()
+        return lease
 
     def _mirror(self, state: dict) -> None:
         """Keep the local copy at the newest version seen (workers race harmlessly)."""

@@ -64,7 +64,7 @@ def publish(store: SegmentStore, path: Path) -> tuple[str, Path]:
     assert store.url is not None, "a local data directory shares adapters by path"
     manifest = manifest_of(path)
     key = key_of(manifest)
-    root = _root(store)
+    root = store.key(FOLDER)
     if etag(store.fs, store.url, f"{root}/{key}.json") is None:
         with on_bucket(store.url, f"uploading the adapter {path}"):
             for f in manifest["files"]:
@@ -92,7 +92,7 @@ def fetch(store: SegmentStore, source: str) -> Path:
     local = cache_dir(store) / key
     if local.is_dir():
         return local
-    remote = source.split("://", 1)[-1].rstrip("/")
+    remote = f"{store.key(FOLDER)}/{key}"
     data, _ = get(store.fs, store.url, f"{remote}.json")
     if data is None:
         raise AdapterSyncError(f"{source}: no manifest: its upload has not finished")
@@ -119,10 +119,6 @@ def fetch(store: SegmentStore, source: str) -> Path:
 
 def cache_dir(store: SegmentStore) -> Path:
     return store.data_dir / CACHE
-
-
-def _root(store: SegmentStore) -> str:
-    return f"{store.url.split('://', 1)[1]}/{FOLDER}"  # type: ignore[union-attr]
 
 
 def _check(directory: Path, manifest: dict, what: str) -> None:

@@ -1,8 +1,8 @@
 """Small objects in a bucket with optimistic concurrency: ETags and conditional PUTs.
 
-What the shared promotion state (proxy/bucket_state.py) and the adapters' manifests
-(adapter_sync.py) need from a bucket, on top of `SegmentStore.fs` (fsspec; s3fs for S3
-and its compatibles). An object's ETag changes with every write, so a HEAD is a cheap
+What the merge manifests (location.py's `SegmentStore`), the shared promotion state
+(proxy/bucket_state.py) and the adapters' manifests (adapter_sync.py) need from a
+bucket, on top of an fsspec filesystem (s3fs for S3 and its compatibles). An object's ETag changes with every write, so a HEAD is a cheap
 "has it changed?"; a PUT with `If-Match: <etag>` succeeds only if nobody wrote since
 that ETag was read, and one with `If-None-Match: *` only if the object does not exist
 yet (S3 since 2024, MinIO, moto). s3fs passes both through to `put_object` and raises
@@ -20,10 +20,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .location import BucketError
-
 ABSENT = None  # `put_if(..., expect=ABSENT)`: only if the object does not exist yet
 _REFUSED = ("PreconditionFailed", "ConditionalRequestConflict")
+
+
+class BucketError(OSError):
+    """The bucket could not be reached, or refused a request (credentials, permissions)."""
 
 
 def conditional(url: str) -> bool:
@@ -32,9 +34,10 @@ def conditional(url: str) -> bool:
 
 
 @contextmanager
-def on_bucket(url: str, what: str) -> Iterator[None]:
+def on_bucket(url: str | None, what: str) -> Iterator[None]:
     """botocore's own exceptions (no connection, no credentials) as a BucketError (an
-    OSError); FileNotFoundError passes through, a refused condition too (see `refused`)."""
+    OSError, for callers that already handle a failing disk); FileNotFoundError passes
+    through, a refused condition too (see `refused`)."""
     try:
         yield
     except (FileNotFoundError, BucketError):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .conditional import get, on_bucket, put_if
 from .segments import _create_private, _replace_durably, private_dir
 
 MARKER = "store.json"
@@ -108,37 +109,6 @@ def segment_store(data_dir: str | os.PathLike) -> SegmentStore:
     return SegmentStore(data_dir, url)
 
 
-class BucketError(OSError):
-    """The bucket could not be reached, or refused a request (credentials, permissions)."""
-
-
-@contextmanager
-def _bucket(url: str | None, what: str) -> Iterator[None]:
-    """botocore and friends raise their own exceptions (no credentials, no connection):
-    one kind, an OSError, for callers that already handle a failing disk."""
-    try:
-        yield
-    except (FileNotFoundError, BucketError):
-        raise
-    except Exception as e:
-        if isinstance(e, OSError) and _precondition_failed(e):
-            raise
-        raise BucketError(f"{url}: {what}: {type(e).__name__}: {e}") from e
-
-
-def _precondition_failed(e: BaseException) -> bool:
-    """A conditional write refused (HTTP 412): s3fs raises an OSError from botocore's
-    ClientError whose code says so."""
-    for _ in range(8):  # the chain is short; never follow a cycle forever
-        code = getattr(e, "response", {}).get("Error", {}).get("Code")
-        if code == "PreconditionFailed" or "pre-condition" in str(e).lower():
-            return True
-        e = e.__cause__ or e.__context__  # type: ignore[assignment]
-        if e is None:
-            break
-    return False
-
-
 class SegmentStore:
     """The few operations the segments, the merge, the reader and prune need, on a local
     directory (with fsync, owner-only files, renames) or on a bucket (whole-object PUTs,
@@ -163,8 +133,9 @@ class SegmentStore:
             self._fs = fsspec.filesystem(protocol, use_listings_cache=False)
         return self._fs
 
-    def _key(self, table: str, rel: str = "") -> str:
-        """The bucket path (`bucket/prefix/table/rel`, no scheme) of a name."""
+    def key(self, table: str, rel: str = "") -> str:
+        """The bucket path (`bucket/prefix/table/rel`, no scheme) of a name; `table`
+        alone names any object or folder under the prefix (`adapters.json`)."""
         root = self.url.split("://", 1)[1]  # type: ignore[union-attr]
         return "/".join(p for p in (root, table, rel) if p)
 
@@ -198,9 +169,9 @@ class SegmentStore:
                     continue
                 out.append(SegmentFile(f"{p.parent.name}/{p.name}", st.st_mtime, st.st_size))
             return sorted(out, key=lambda f: f.rel)
-        prefix = self._key(table) + "/"
+        prefix = self.key(table) + "/"
         try:
-            with _bucket(self.url, "listing"):
+            with on_bucket(self.url, "listing"):
                 found = self.fs.find(prefix, detail=True)
         except FileNotFoundError:
             return []
@@ -215,23 +186,26 @@ class SegmentStore:
     def exists(self, table: str, rel: str) -> bool:
         if not self.remote:
             return self.local_path(table, rel).exists()
-        with _bucket(self.url, "looking up a segment"):
-            return self.fs.exists(self._key(table, rel))
+        with on_bucket(self.url, "looking up a segment"):
+            return self.fs.exists(self.key(table, rel))
 
     def read_table(self, table: str, rel: str) -> Any:
         import pyarrow.parquet as pq
 
         if not self.remote:
             return pq.read_table(self.local_path(table, rel))
-        with _bucket(self.url, "reading a segment"):
-            return pq.read_table(self._key(table, rel), filesystem=self.fs)
+        with on_bucket(self.url, "reading a segment"):
+            return pq.read_table(self.key(table, rel), filesystem=self.fs)
 
     def read_metadata(self, table: str, rel: str) -> Any:
         import pyarrow.parquet as pq
 
         if not self.remote:
             return pq.read_metadata(self.local_path(table, rel))
-        with _bucket(self.url, "reading a footer"), self.fs.open(self._key(table, rel), "rb") as f:
+        with (
+            on_bucket(self.url, "reading a footer"),
+            self.fs.open(self.key(table, rel), "rb") as f,
+        ):
             return pq.read_metadata(f)
 
     def local_copies(self, table: str, rels: list[str], sizes: dict[str, int]) -> list[Path]:
@@ -250,8 +224,8 @@ class SegmentStore:
             for _, path in missing:
                 private_dir(path.parent)
             tmps = [p.with_name(f".{p.name}.{os.getpid()}.tmp") for _, p in missing]
-            with _bucket(self.url, "fetching segments"):
-                self.fs.get([self._key(table, rel) for rel, _ in missing], [str(t) for t in tmps])
+            with on_bucket(self.url, "fetching segments"):
+                self.fs.get([self.key(table, rel) for rel, _ in missing], [str(t) for t in tmps])
             for tmp, (_, path) in zip(tmps, missing, strict=True):
                 os.replace(tmp, path)
         self._forget(cache, set(rels) | set(sizes))
@@ -273,8 +247,8 @@ class SegmentStore:
 
         sink = pa.BufferOutputStream()
         write(sink)
-        with _bucket(self.url, "uploading a segment"):
-            self.fs.pipe_file(self._key(table, rel), sink.getvalue().to_pybytes())
+        with on_bucket(self.url, "uploading a segment"):
+            self.fs.pipe_file(self.key(table, rel), sink.getvalue().to_pybytes())
 
     def delete(self, table: str, rels: list[str]) -> None:
         if not rels:
@@ -283,9 +257,9 @@ class SegmentStore:
             for rel in rels:
                 self.local_path(table, rel).unlink(missing_ok=True)
             return
-        keys = [self._key(table, rel) for rel in rels]
+        keys = [self.key(table, rel) for rel in rels]
         try:
-            with _bucket(self.url, "deleting"):
+            with on_bucket(self.url, "deleting"):
                 self.fs.rm(keys)
         except FileNotFoundError:
             pass
@@ -293,39 +267,20 @@ class SegmentStore:
     def read_object(self, table: str, name: str) -> bytes | None:
         """A small object of the table's folder (None when absent): one GET."""
         try:
-            with _bucket(self.url, f"reading {name}"):
-                return self.fs.cat_file(self._key(table, name))
+            with on_bucket(self.url, f"reading {name}"):
+                return self.fs.cat_file(self.key(table, name))
         except FileNotFoundError:
             return None
 
     def read_versioned(self, table: str, name: str) -> tuple[bytes | None, str | None]:
         """A small object and its version (ETag) for `write_if`; (None, None) if absent."""
-        key = self._key(table, name)
-        try:
-            with _bucket(self.url, f"reading {name}"):
-                version = self.fs.info(key).get("ETag")
-                return self.fs.cat_file(key), version
-        except FileNotFoundError:
-            return None, None
+        return get(self.fs, self.url, self.key(table, name))
 
     def write_if(self, table: str, name: str, data: bytes, version: str | None) -> bool:
         """Write `data` only if the object is still at `version` (None: still absent):
-        S3's conditional writes. False when another writer got there first."""
-        key = self._key(table, name)
-        condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
-        if not self._conditional():
-            condition = {}  # not S3: the merge lock is all there is (see docs)
-        try:
-            with _bucket(self.url, f"writing {name}"):
-                self.fs.pipe_file(key, data, **condition)
-        except OSError as e:
-            if _precondition_failed(e):
-                return False
-            raise
-        return True
-
-    def _conditional(self) -> bool:
-        return self.url.split("://", 1)[0] in ("s3", "s3a")  # type: ignore[union-attr]
+        S3's conditional writes (not S3: unconditional, the merge lock is all there is,
+        see docs). False when another writer got there first."""
+        return put_if(self.fs, self.url, self.key(table, name), data, version) is not None
 
     @contextmanager
     def lock(self, table: str) -> Iterator[None]:

@@ -287,9 +287,8 @@ def adapter_events(data_dir: Path) -> list[dict]:
     text = None
     store = segment_store(data_dir)
     if store.remote:
-        root = store.url.split("://", 1)[1]  # type: ignore[union-attr]
         with contextlib.suppress(OSError):
-            text, _ = conditional.get(store.fs, store.url, f"{root}/adapters.json")
+            text, _ = conditional.get(store.fs, store.url, store.key("adapters.json"))
     try:
         text = text if text is not None else (Path(data_dir) / "adapters.json").read_bytes()
         return list(json.loads(text).get("events", []))
