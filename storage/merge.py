@@ -38,6 +38,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,13 +200,19 @@ def merge_closed_days(data_dir: Path, now: float | None = None) -> int:
     now = time.time() if now is None else now
     store = segment_store(data_dir)
     merged = 0
-    for table in TABLES:
+    for table in _locked(store, tuple(TABLES)):
+        _delete_replaced(store, table, now)
+        _describe_merged(store, table)
+        merged += _merge_table(store, table, now)
+    return merged
+
+
+def _locked(store: SegmentStore, tables: tuple[str, ...]) -> Iterator[str]:
+    """Each of `tables` that has segments here, under its merge lock while it is used."""
+    for table in tables:
         if store.remote or store.local_path(table).is_dir():
             with store.lock(table):
-                _delete_replaced(store, table, now)
-                _describe_merged(store, table)
-                merged += _merge_table(store, table, now)
-    return merged
+                yield table
 
 
 def _merge_table(store: SegmentStore, table: str, now: float) -> int:
@@ -296,18 +303,35 @@ def _merge_files(
     by_day: dict[str, list[str]] = defaultdict(list)
     for rel in rels:
         by_day[_folder(rel)].append(rel)
-    out = f"{target}/{MERGED_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
     parts = (_sorted_day(store, table, day_rels) for _, day_rels in sorted(by_day.items()))
+    merged = read[0]["merged"]
+    first = min(merged.get(rel, {}).get("from", _folder(rel)[5:]) for rel in rels)
+    return _commit_file(store, table, target, parts, version, rels, first, now, read)
+
+
+def _commit_file(
+    store: SegmentStore,
+    table: str,
+    folder: str,
+    parts: Iterable[pa.Table],
+    version: int,
+    replaces: list[str],
+    first: str,
+    now: float,
+    read: tuple[dict, ManifestRef],
+) -> bool:
+    """Write `parts` as one merged file in `folder` and commit it in place of `replaces`
+    (its rows from day `first` on); False when another merger committed first."""
+    out = f"{folder}/{MERGED_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
     # Not counted yet: the manifest does not name it.
     rows = put_segment_parts(store, table, out, parts, version)
     manifest, ref = read
-    first = min(manifest["merged"].get(rel, {}).get("from", _folder(rel)[5:]) for rel in rels)
-    entry = {"replaces": list(rels), "at": now, "from": first, **_described(table, rows, version)}
-    manifest["merged"][out] = entry
+    entry = {"replaces": list(replaces), "at": now, "from": first}
+    manifest["merged"][out] = {**entry, **_described(table, rows, version)}
     if _write_manifest(ref, manifest) is False:  # the commit
-        log.warning("%s/%s: another merger committed first; merged again later", table, out)
+        log.warning("%s/%s: another merger committed first; done again later", table, out)
         return False
-    log.info("merged %d segment(s) of %s into %s", len(rels), table, out)
+    log.info("%s: %s replaces %d file(s), %d row(s)", table, out, len(replaces), rows)
     return True
 
 
@@ -320,14 +344,9 @@ def drop_rows_before(data_dir: Path, tables: tuple[str, ...], before: dt.date) -
     replaced segments (`GRACE_SECONDS`). Returns the files rewritten."""
     store = segment_store(data_dir)
     rewritten = 0
-    for table in tables:
-        if not (store.remote or store.local_path(table).is_dir()):
-            continue
-        with store.lock(table):
-            manifest, ref = read_manifest(store, table)
-            for rel in straddling(manifest, before):
-                rewritten += _rewrite_from(store, table, rel, before, (manifest, ref))
-                manifest, ref = read_manifest(store, table)
+    for table in _locked(store, tables):
+        for rel in straddling(read_manifest(store, table)[0], before):
+            rewritten += _rewrite_from(store, table, rel, before, read_manifest(store, table))
     return rewritten
 
 
@@ -350,17 +369,10 @@ def _rewrite_from(
         dt.datetime.combine(before, dt.time(), dt.UTC), kept.schema.field(column).type
     )
     kept = kept.filter(pc.greater_equal(kept[column], start))
-    manifest, ref = read
-    version = manifest["merged"][rel].get("version", SCHEMA_VERSION)
-    out = f"{_folder(rel)}/{MERGED_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
-    rows = put_segment_parts(store, table, out, [_conform(kept, TABLES[table])], version)
-    entry = {"replaces": [rel], "at": time.time(), "from": before.isoformat()}
-    manifest["merged"][out] = {**entry, **_described(table, rows, version)}
-    if _write_manifest(ref, manifest) is False:
-        log.warning("%s/%s: another merger committed first; pruned again later", table, rel)
-        return False
-    log.info("rewrote %s of %s from %s (%d row(s) kept)", rel, table, before, rows)
-    return True
+    version = read[0]["merged"][rel].get("version", SCHEMA_VERSION)
+    parts = [_conform(kept, TABLES[table])]
+    return _commit_file(store, table, _folder(rel), parts, version, [rel], before.isoformat(),
+                        time.time(), read)  # fmt: skip
 
 
 def _sorted_day(store: SegmentStore, table: str, rels: list[str]) -> pa.Table:
