@@ -53,6 +53,28 @@ LOGS_PER_DAY = 65
 ROLL_SECONDS = 300
 DAY_US = 86_400_000_000
 
+# The web view in a test server, for the /ui paths; `timed` measures one request alone,
+# not the server's start or stop.
+WEB_VIEW = """
+import asyncio, re
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from overnight.view.web import DATA_DIR, create_web_view
+
+def web_view():
+    app = web.Application()
+    app[DATA_DIR] = Path(DATA)
+    app.add_subapp("/ui", create_web_view())
+    return TestClient(TestServer(app))
+
+async def timed(client, path):
+    start = start_clock()
+    response = await client.get(path)
+    page = await response.text()
+    assert response.status == 200, page[:300]
+    return time.perf_counter() - start, page
+"""
+
 # One measured path: Python run in a fresh process; it prints {"seconds": s}.
 PATHS = {
     "count_groups": """
@@ -94,47 +116,25 @@ info = {"groups": len(plan.groups)}
 """,
     # The web view in-process (what the proxy mounts at /ui): its first page, the groups
     # newest first, then the newest group's page.
-    "ui": """
-import asyncio
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-from overnight.view.web import DATA_DIR, create_web_view
-
+    "ui": WEB_VIEW
+    + """
 async def main():
     global t, page
-    app = web.Application()
-    app[DATA_DIR] = Path(DATA)
-    app.add_subapp("/ui", create_web_view())
-    async with TestClient(TestServer(app)) as client:
-        start = start_clock()
-        response = await client.get("/ui")
-        page = await response.text()
-        assert response.status == 200, page[:300]
-        t = time.perf_counter() - start  # the request alone, not the server's start or stop
+    async with web_view() as client:
+        t, page = await timed(client, "/ui")
 
 asyncio.run(main())
-t = time.perf_counter() - t
+t = time.perf_counter() - t  # so that the runner's `seconds` is the request's alone
 info = {"bytes": len(page)}
 """,
-    "ui_group": """
-import asyncio, re
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-from overnight.view.web import DATA_DIR, create_web_view
-
+    "ui_group": WEB_VIEW
+    + """
 async def main():
     global t, page
-    app = web.Application()
-    app[DATA_DIR] = Path(DATA)
-    app.add_subapp("/ui", create_web_view())
-    async with TestClient(TestServer(app)) as client:
+    async with web_view() as client:
         first = await (await client.get("/ui?limit=1")).text()
         group = re.search(r'href="/ui/groups/([^"]+)"', first).group(1)
-        start = start_clock()
-        response = await client.get(f"/ui/groups/{group}")
-        page = await response.text()
-        assert response.status == 200, page[:300]
-        t = time.perf_counter() - start
+        t, page = await timed(client, f"/ui/groups/{group}")
 
 asyncio.run(main())
 t = time.perf_counter() - t

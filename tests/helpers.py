@@ -160,3 +160,22 @@ def completion(i: int, rollout: str = "r", group: str = "g", **extra) -> dict:
         "completion_tokens": 3,
         **extra,
     }
+
+
+def merge_looking(data_dir: Path, now: float, look: Callable[[], T]) -> tuple[int, list[T]]:
+    """`merge_closed_days(data_dir, now)`, calling `look` at each commit just before it
+    (the merged file written, not counted yet): what a reader saw meanwhile. Returns the
+    merges made and what each look saw."""
+    from overnight.storage import merge
+
+    commit, seen = merge._write_manifest, []
+
+    def look_then_commit(ref, manifest):
+        seen.append(look())
+        return commit(ref, manifest)
+
+    merge._write_manifest = look_then_commit
+    try:
+        return merge.merge_closed_days(data_dir, now=now), seen
+    finally:
+        merge._write_manifest = commit

@@ -25,7 +25,7 @@ from overnight.storage import (
 )
 from overnight.storage.schema import TABLES, schema_fingerprint
 
-from .helpers import completion
+from .helpers import completion, merge_looking
 
 DAY_US = 86_400_000_000
 # What a reader asks: the stored tables, and the views built on them.
@@ -113,19 +113,8 @@ def test_closed_months_merge_into_one_file_each_and_answer_the_same(tmp_path):
     mid = days[1]  # a reader that starts in the middle of a closed month
     before, before_since = answers(tmp_path), answers(tmp_path, days_from=mid)
     assert len(before["completions"]) == 4 * len(days)
-    during = []
-    commit = merge._write_manifest
-
-    def check_then_commit(ref, manifest):  # the merged file written, not yet committed
-        during.append(answers(tmp_path))
-        return commit(ref, manifest)
-
-    merge._write_manifest = check_then_commit
-    try:
-        later = merge_at()
-        merge.merge_closed_days(tmp_path, now=later)
-    finally:
-        merge._write_manifest = commit
+    later = merge_at()
+    _, during = merge_looking(tmp_path, later, lambda: answers(tmp_path))
     assert during and all(d == before for d in during)
     assert answers(tmp_path) == before and answers(tmp_path, days_from=mid) == before_since
     merge.merge_closed_days(tmp_path, now=later + merge.GRACE_SECONDS + 1)  # sources deleted
