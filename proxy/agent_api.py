@@ -81,6 +81,19 @@ def check_fields(body: dict) -> None:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    """A served completion, forwarded and recorded. It counts as in flight for shadow
+    sampling from the moment it is accepted, before its body is read: a sibling request
+    must not start (and one running is cancelled) while a served request is on its way
+    to the upstream, not only once it was forwarded."""
+    shadow = request.app[SHADOW]
+    shadow.accept()
+    try:
+        return await _completion(request)
+    finally:
+        shadow.release()
+
+
+async def _completion(request: web.Request) -> web.StreamResponse:
     tail = request.match_info.get("tail", request.path.removeprefix("/v1/"))
     endpoint = ENDPOINTS[tail]
     started = now_us()

@@ -16,7 +16,9 @@ the proxy sends a sibling request only while the replica has at most
 `--shadow-max-served` served requests in flight (0: none), and has had so for
 `--shadow-quiet` seconds with no served turn answered meanwhile (an agent's next call
 often follows its answer within moments), cancelling it (vLLM aborts on the closed
-connection) and trying again later when more arrive meanwhile.
+connection) and trying again later when more arrive meanwhile. A served request counts
+from the moment the proxy accepts it (`accept`, before its body is read), and its
+arrival wakes a running sibling request at once.
 
 vLLM facts (0.32, read in its source and measured, see /admin/stats and BENCHMARKS.md):
 - `priority` (request field, or the `X-Vllm-Priority` header) orders the waiting queue
@@ -37,9 +39,9 @@ vLLM facts (0.32, read in its source and measured, see /admin/stats and BENCHMAR
 - What cost served requests was when siblings started, not vLLM: started the instant
   an answer was written, a sibling competed on a CPU upstream's cores with that
   answer's delivery, and with a served request already read but not yet forwarded
-  (`replica.outstanding` counts from the forward). `--shadow-quiet` (0.02 s) waits
-  past both; a sibling cancelled as a served request arrives costs it nothing at the
-  median (bench/shadow_collision.py).
+  (`replica.outstanding` counts from the forward; hence `accept`). `--shadow-quiet`
+  (0.02 s) waits past the first; a sibling cancelled as a served request arrives costs
+  it nothing at the median (bench/shadow_collision.py).
 - /v1/completions takes a token-id list as `prompt` and returns it per choice as
   `prompt_token_ids` with `return_token_ids`. Its unset `max_tokens` is 16 (the chat
   endpoint's: the rest of the context), and a `max_tokens` above `max_model_len` is
@@ -80,9 +82,10 @@ from .shadow_stream import assemble_stream
 
 log = logging.getLogger("overnight.proxy")
 
-# How often a running sibling request looks at its replica's served requests: the
-# longest a served request shares the replica with it, before vLLM's abort (a step).
-WATCH_S = 0.002
+# A running sibling request is woken the moment a served request is accepted
+# (`accept`); it also looks at its replica this often, for a served request that was
+# accepted while another replica was still a choice and routed to its replica later.
+WATCH_S = 0.01
 # How often a sibling request waiting for its replica to be quiet looks again.
 WAIT_S = 0.01
 # Tries of a turn whose sibling request served traffic cancelled; then it is given up.
@@ -171,6 +174,8 @@ class ShadowSampler:
         self.writer: LogWriter | None = None
         self.workers: list[asyncio.Task] = []
         self.mine: dict[Replica, int] = {}  # our requests outstanding, per replica
+        self.accepted = 0  # served completions in the proxy's handlers (`accept`)
+        self._arrival: asyncio.Future[None] | None = None  # resolved by the next `accept`
         self.context: dict[str, int | None] = {}  # model name -> max_model_len (/v1/models)
         self.session: aiohttp.ClientSession | None = None  # for /v1/models, made on first use
         self._warned = False
@@ -220,7 +225,24 @@ class ShadowSampler:
             "queued": self.queue.qsize(),
         }
 
-    # -- the request side: called once a served turn's rows are built -------------------
+    # -- the request side ---------------------------------------------------------------
+
+    def accept(self) -> None:
+        """A served completion was accepted (its body not read yet): it counts as served
+        from now, and a running sibling request is woken to give way."""
+        self.accepted += 1
+        arrival, self._arrival = self._arrival, None
+        if arrival is not None and not arrival.done():
+            arrival.set_result(None)
+
+    def release(self) -> None:
+        """The served completion `accept` counted has ended (answered, failed or left)."""
+        self.accepted -= 1
+
+    def _next_arrival(self) -> asyncio.Future[None]:
+        if self._arrival is None:
+            self._arrival = asyncio.get_running_loop().create_future()
+        return self._arrival
 
     def offer(self, rows: list[dict]) -> None:
         """Queue a served turn (its completions rows, as written) for sampling if it
@@ -314,8 +336,9 @@ class ShadowSampler:
         call = asyncio.ensure_future(self._call(replica, key, data))
         try:
             while True:
-                done, _ = await asyncio.wait([call], timeout=WATCH_S)
-                if done:
+                arrival = self._next_arrival()
+                await asyncio.wait([call, arrival], timeout=WATCH_S, return_when="FIRST_COMPLETED")
+                if call.done():
                     self._event("done", key)
                     return call.result()
                 if self._served(replica) > self.max_served:
@@ -371,8 +394,12 @@ class ShadowSampler:
         return self.context.get(model)
 
     def _served(self, replica: Replica) -> int:
-        """Served requests in flight on `replica`: all it has outstanding but ours."""
-        return replica.outstanding - self.mine.get(replica, 0)
+        """Served requests in flight on `replica`: all it has outstanding but ours, and
+        those accepted but not yet forwarded anywhere (reading their body, routing),
+        which may still come to it."""
+        routed = {r: r.outstanding - self.mine.get(r, 0) for r in self.balancer.replicas}
+        unrouted = self.accepted - sum(routed.values())
+        return routed.get(replica, 0) + max(unrouted, 0)
 
     def _event(self, event: str, key: str, **extra: object) -> None:
         if self._trace is not None:

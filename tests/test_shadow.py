@@ -191,6 +191,37 @@ async def test_siblings_yield_to_served_requests(make_proxy, received, fake_sett
     assert paths(received) == [chat, text, chat, text, text]
 
 
+async def test_a_served_request_counts_from_its_acceptance_not_its_forward(
+    make_proxy, received, fake_settings
+):
+    # A client has sent a served request's head but not yet its body: the proxy has not
+    # forwarded it, yet the running sibling request gives way to it at once (counted
+    # from the forward, the sibling would run on and meet it at the upstream).
+    fake_settings["behaviour_by_path"]["/v1/completions"] = "stall"
+    proxy = await make_proxy(**SHADOW)
+    await (await proxy.post("/v1/chat/completions", json=CHAT)).read()
+    await await_until(lambda: paths(received).count("/v1/completions") == 1)
+    body = json.dumps(CHAT).encode()
+    reader, writer = await asyncio.open_connection(proxy.server.host, proxy.server.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    await writer.drain()
+    got = await settled(proxy, preempted=1)
+    assert got["in_flight"] == 1  # the turn waits for its next attempt
+    del fake_settings["behaviour_by_path"]["/v1/completions"]
+    await asyncio.sleep(0.3)  # quiet time (0.02 s) many times over: still not re-sent
+    assert paths(received) == ["/v1/chat/completions", "/v1/completions"]
+    writer.write(body)
+    await writer.drain()
+    assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+    got = await settled(proxy, requests=2, siblings=6, in_flight=0)
+    writer.close()
+    chat, text = "/v1/chat/completions", "/v1/completions"
+    assert paths(received) == [chat, text, chat, text, text]
+
+
 async def test_siblings_wait_for_a_quiet_replica(make_proxy, received):
     # An agent's next call right after its answer: with --shadow-quiet the first turn's
     # siblings are not asked for in between (at once, they would meet the second call).
