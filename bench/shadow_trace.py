@@ -6,7 +6,9 @@ stored), timed by time.monotonic(), the clock the benchmark times served request
 Each served request of the shadow arm is put in one of these states by what its
 replica was doing when the request was sent:
 
-- idle: no sibling request open;
+- idle: no sibling request open, none closed in the last AFTER_S;
+- after: no sibling request open, one closed within AFTER_S before (its rows being
+  built and written by the proxy, vLLM freeing it);
 - prefill: a sibling request sent, no token of it back yet (vLLM's prefill, a step
   that cannot be cut short, or the request still on its way in);
 - decode: a sibling request streaming tokens (cancelled once the proxy sees the
@@ -79,11 +81,21 @@ def vllm_requests(log: Path) -> tuple[list[float], list[float], list[float]]:
     return served, siblings, aborted
 
 
+# How long after a sibling request closed a served request counts as sent "after" it.
+AFTER_S = 0.1
+
+
 def state_at(t: float, runs: list[dict]) -> tuple[str, dict | None]:
-    """What the sibling side was doing at `t`: idle, prefill or decode, and the request."""
+    """What the sibling side was doing at `t`: idle, after, prefill or decode, and the
+    sibling request concerned."""
+    latest = None
     for a in runs:
         if a["send"] <= t < a["closed"]:
             return ("prefill" if a["first"] is None or t < a["first"] else "decode"), a
+        if a["closed"] <= t and (latest is None or a["closed"] > latest["closed"]):
+            latest = a
+    if latest is not None and t - latest["closed"] < AFTER_S:
+        return "after", latest
     return "idle", None
 
 
@@ -120,7 +132,7 @@ def _shadow_arm(requests: list[dict], arm: str, runs: list[dict], limit: float) 
     """A shadow arm's served requests by state, and its siblings sent while a served
     request was on its way: in its first half (the proxy had not forwarded it yet) or
     its second (its answer was written, not yet read by the client)."""
-    states: dict[str, list[float]] = {"idle": [], "prefill": [], "decode": []}
+    states: dict[str, list[float]] = {"idle": [], "after": [], "prefill": [], "decode": []}
     halves = {"first": 0, "second": 0}
     slow: list[dict] = []
     for r in requests:
@@ -134,7 +146,11 @@ def _shadow_arm(requests: list[dict], arm: str, runs: list[dict], limit: float) 
                 halves["first" if x["send"] - r["sent"] < r["ended"] - x["send"] else "second"] += 1
         if r["ms"] > limit:
             slow.append(
-                {"arm": arm, **_describe(r, state, a), "stall_ms": round(r["stall"] * 1000, 1)}
+                {
+                    "arm": arm,
+                    **_describe(r, state, a, runs),
+                    "stall_ms": round(r["stall"] * 1000, 1),
+                }
             )
     cancels = [a["closed"] - a["cancel"] for a in runs if a["cancel"] is not None]
     return {
@@ -178,7 +194,7 @@ def _engine(requests: list[dict], runs: list[dict], aborted: list[float]) -> dic
             [r["engine"] * 1000 for r in requests if r.get("state") == state and "engine" in r],
             None,
         )
-        for state in ("idle", "prefill", "decode")
+        for state in ("idle", "after", "prefill", "decode")
     }
     return {
         "cancel_to_abort_ms": _figures(delays, None),
@@ -202,7 +218,7 @@ def _figures(values: list[float], limit: float | None) -> dict:
     return out
 
 
-def _describe(r: dict, state: str, a: dict | None) -> dict:
+def _describe(r: dict, state: str, a: dict | None, runs: list[dict]) -> dict:
     ms = lambda x: None if x is None else round((x - r["sent"]) * 1000, 1)  # noqa: E731
     out = {"ms": round(r["ms"], 1), "state": state, "round": r["round"]}
     if "engine" in r:
@@ -211,6 +227,9 @@ def _describe(r: dict, state: str, a: dict | None) -> dict:
         out["first_ms"] = ms(r["first"])
     if a is not None:  # the sibling request's events, relative to the served request's send
         out["sibling"] = {k: ms(a[k]) for k in ("send", "first", "cancel", "closed")}
+    during = [ms(x["send"]) for x in runs if r["sent"] < x["send"] < r["ended"]]
+    if during:  # sibling requests sent while it was on its way
+        out["siblings_sent_at_ms"] = during
     near = [ms(t) for t in a["stored"] if r["sent"] <= t <= r["ended"]] if a else []
     if near:
         out["rows_stored_at_ms"] = near
