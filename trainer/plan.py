@@ -14,6 +14,17 @@ that arrive late): a new turn, finish, reward or judgment. A group skipped for e
 missing rewards is not read again until one of those arrives; then it is decided
 again, and trained if it now can be. `--rescan` looks at every untrained group (after
 restoring data, or a log recovered more than the overlap late).
+
+Per-turn groups (`turn:<record>`, turn_groups.py) are selected the same way: the changed
+ones found here (a new sibling, or a reward or judgment of a member) go to the plan as
+`Plan.turn_pool`, with those the last record left pending (`turn_pending`, written by
+`add_turn_groups`); a record without that key (from before per-turn groups were
+selected so) makes them all be looked at once.
+
+A served turn trains once (docs/grpo.md, "Groups made from single calls"): its own
+group comes first; a group one of whose turns an earlier run trained as a per-turn
+group is not trained (`TRAINED_AS_TURNS`), and turn_groups.py leaves out the per-turn
+groups of turns whose own group is trained or trainable.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import pyarrow as pa
 
 from overnight.config import TrainConfig
 from overnight.storage import finished_groups, now_us, open_db
+from overnight.storage.siblings import TURN_PREFIX
 
 from .data import GroupAdvantages, Sample, group_advantages
 from .records import Loaded, load_samples
@@ -39,6 +51,10 @@ SELECTION_KEY = "selection"
 # machines' clocks differ, a request's row is written when it ends. A group looked at
 # twice is only decided twice.
 OVERLAP_SECONDS = 3600.0
+# The selection record's list of per-turn groups left undecided (turn_groups.py).
+TURN_PENDING_KEY = "turn_pending"
+# Why a served group is left out when a turn of it already trained in its per-turn group.
+TRAINED_AS_TURNS = "a turn of it was trained in its per-turn group (a turn trains once)"
 
 
 @dataclass
@@ -57,6 +73,9 @@ class Plan:
     # What the next night starts from (see the module's docstring); None when this plan
     # did not look at everything it should decide (a resumed run, --since).
     selection: dict | None = None
+    # The per-turn groups add_turn_groups looks at: changed since the last selection or
+    # left pending by it. None: all of them (no usable record, --rescan, a full look).
+    turn_pool: set[str] | None = None
 
     @property
     def loaded(self) -> dict:
@@ -167,6 +186,8 @@ def plan_run(
     try:
         full = only is not None or since is not None or config.rescan
         last = None if full else last_selection(con, config)
+        done = trained_groups(con)
+        turn_pool = None
         if last is None:
             candidates = candidate_groups(con, settle_seconds, since, only)
             rollouts = _group_rollouts(con, candidates, settle_seconds)
@@ -175,14 +196,19 @@ def plan_run(
             # by the longer of the two.
             settle = max(settle_seconds, float(last.get("settle_seconds") or 0))
             changed = changed_groups(data_dir, con, last["watermark"], settle)
-            done = trained_groups(con)
-            pool = [g for g in changed | set(last.get("pending", [])) if g not in done]
+            turns = {g for g in changed if g.startswith(TURN_PREFIX)}
+            if isinstance(last.get(TURN_PENDING_KEY), list):
+                turn_pool = turns | set(last[TURN_PENDING_KEY])
+            pool = [g for g in (changed - turns) | set(last.get("pending", [])) if g not in done]
             rollouts = _group_rollouts(con, pool, settle_seconds, finished_only=True)
             candidates = list(rollouts)
         rewards = chosen_rewards(
             con, config.reward_sources, [r for rs in rollouts.values() for r in rs]
         )
         verdicts = _reward_verdicts(rollouts, rewards, config)
+        if only is None:  # a resumed run trains exactly what it began with
+            undecided = [g for g in candidates if g not in verdicts]
+            verdicts.update(dict.fromkeys(trained_as_turns(con, undecided, done), TRAINED_AS_TURNS))
         wanted = [g for g in candidates if verdicts.get(g) is None]
         loaded = load_samples(con, wanted, tokenizer, sampling_defaults)
     finally:
@@ -190,6 +216,7 @@ def plan_run(
     plan = _plan_from(loaded)
     plan.considered, plan.loaded_groups = candidates, wanted
     plan.looked_since = last["watermark"] if last is not None else None
+    plan.turn_pool = turn_pool
     by_group: dict[str, list[Sample]] = {}
     for s in loaded.samples:
         by_group.setdefault(s.group_id, []).append(s)
@@ -246,7 +273,8 @@ def last_selection(con, config: TrainConfig) -> dict | None:
 
 def changed_groups(data_dir: Path, con, watermark: int, settle_seconds: float) -> set[str]:
     """Groups with a row newer than `watermark`, less the settle time (a group still
-    open then was not decided) and the overlap: a turn, finish, reward or judgment.
+    open then was not decided) and the overlap: a turn, finish, reward or judgment; and
+    per-turn groups with a new sibling, or a reward or judgment of one of their members.
 
     Only the days since are read (a separate, pruned DuckDB); a rollout whose late
     reward or finish has no turn in those days is looked up in `con` (all days)."""
@@ -259,7 +287,8 @@ def changed_groups(data_dir: Path, con, watermark: int, settle_seconds: float) -
             g
             for (g,) in recent.execute(
                 "SELECT group_id FROM completions WHERE coalesce(ended_at, started_at) >= $t "
-                "UNION SELECT group_id FROM judgments WHERE created_at >= $t",
+                "UNION SELECT group_id FROM judgments WHERE created_at >= $t "
+                "UNION SELECT group_id FROM siblings WHERE coalesce(ended_at, started_at) >= $t",
                 {"t": since},
             ).fetchall()
         }
@@ -271,11 +300,32 @@ def changed_groups(data_dir: Path, con, watermark: int, settle_seconds: float) -
                 {"t": since},
             ).fetchall()
         }
+        # A per-turn group's member is named after it (storage/siblings.py):
+        # `turn:<record>:served` or `turn:<record>:<sibling record>`.
+        members = {r for r in rollouts if r.startswith(TURN_PREFIX)}
+        groups |= {r.rsplit(":", 1)[0] for r in members}
+        rollouts -= members
         found = _groups_of(recent, rollouts)
     finally:
         recent.close()
     late = rollouts - found.keys()
     return groups | set(found.values()) | set(_groups_of(con, late).values())
+
+
+def trained_as_turns(con, groups: list[str], done: set[str]) -> set[str]:
+    """Of the served `groups`, those one of whose turns a run trained (`done`) as a
+    per-turn group: training the group would train that turn a second time."""
+    records = [g[len(TURN_PREFIX) :] for g in done if g.startswith(TURN_PREFIX)]
+    if not groups or not records:
+        return set()
+    con.register("_plan_undecided", pa.table({"group_id": pa.array(groups, pa.string())}))
+    con.register("_plan_turns", pa.table({"record_id": pa.array(records, pa.string())}))
+    rows = con.execute(
+        "SELECT DISTINCT group_id FROM completions "
+        "WHERE group_id IN (SELECT group_id FROM _plan_undecided) "
+        "AND record_id IN (SELECT record_id FROM _plan_turns)"
+    ).fetchall()
+    return {g for (g,) in rows}
 
 
 def _groups_of(con, rollouts: set[str]) -> dict[str, str]:
