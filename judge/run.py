@@ -45,6 +45,8 @@ from .ruler import (
     prompt_for,
     rubric_hash,
 )
+from .tool_calls import DEFAULT as DEFAULT_TOOL_CALL_PARSER
+from .tool_calls import ToolCallParser, reparsed, sibling_parser
 from .trajectories import Group, rollout_from_turns
 
 
@@ -55,6 +57,7 @@ class Summary:
     skipped: Counter = field(default_factory=Counter)  # reason -> groups
     scored_by_function: int = 0
     turn_groups: int = 0  # of the groups scored: per-turn groups (a turn and its siblings)
+    tool_calls: str = ""  # how siblings' tool calls were read, when there were siblings
     shortened: int = 0  # groups cut to fit the judge's budget
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -79,6 +82,8 @@ class Summary:
             out.append(f"scored {self.scored_by_function} group(s) with the reward function")
         if self.turn_groups:
             out.append(f"{self.turn_groups} of the groups: per-turn (a turn and its siblings)")
+        if self.tool_calls:
+            out.append(f"siblings' tool calls read with {self.tool_calls}")
         out += [f"  skipped {n}: {reason}" for reason, n in self.skipped.most_common()]
         out += [f"  failed {group}: {why}" for group, why in self.failures[:10]]
         return out
@@ -107,26 +112,33 @@ def judge_step(
 VIEWS = ("completions", "turn_completions")
 
 
-def load_groups(con, group_ids: list[str], view: str = "completions") -> list[Group]:
+def load_groups(
+    con, group_ids: list[str], view: str = "completions", tool_calls: ToolCallParser | None = None
+) -> list[Group]:
     """The groups' rollouts, each from all of its successful turns, in order. A per-turn
-    group's members are each the conversation so far plus one alternative reply."""
+    group's members are each the conversation so far plus one alternative reply; with
+    `tool_calls`, each sibling's reply is read with that parser (judge/tool_calls.py),
+    the served one stays as vLLM parsed it."""
     if view not in VIEWS:
         raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
     if not group_ids:
         return []
     con.register("_wanted", pa.table({"group_id": pa.array(group_ids, pa.string())}))
+    origin = "origin" if view == "turn_completions" else "'served'"
     rows = con.execute(
         f"""
-        SELECT group_id, rollout_id, request, response FROM {view}
+        SELECT group_id, rollout_id, request, response, {origin} FROM {view}
         WHERE group_id IN (SELECT group_id FROM _wanted) AND logged AND error IS NULL
         ORDER BY group_id, rollout_id, started_at, turn_index, choice_index
         """
     ).fetchall()
     turns: dict[str, dict[str, list]] = {g: {} for g in group_ids}
-    for group_id, rollout, request, response in rows:
-        turns[group_id].setdefault(rollout, []).append(
-            (json.loads(request) if request else None, json.loads(response) if response else None)
-        )
+    for group_id, rollout, request_text, response_text, source in rows:
+        request = json.loads(request_text) if request_text else None
+        response = json.loads(response_text) if response_text else None
+        if tool_calls is not None and source != "served":
+            response = reparsed(response, request, tool_calls)
+        turns[group_id].setdefault(rollout, []).append((request, response))
     return [
         Group(g, [rollout_from_turns(r, ts) for r, ts in by_rollout.items()])
         for g, by_rollout in turns.items()
@@ -191,7 +203,13 @@ async def run_judge(
     groups: list[str] | None = None,
     max_groups: int | None = None,
     progress: bool = True,
+    tool_call_parser: str | None = None,
+    tool_parser_tokenizer: str | None = None,
 ) -> Summary:
+    """Score the finished groups and per-turn groups not scored yet. Siblings' tool
+    calls are read with `tool_call_parser` (the server's `--tool-call-parser`; '' for
+    none; None: the judge config's, else hermes), built with `tool_parser_tokenizer`
+    (the served model's; None: the config's) when it needs one."""
     started = time.perf_counter()
     summary = Summary()
     rubric = (config.rubric if config else "") or DEFAULT_RUBRIC
@@ -217,7 +235,9 @@ async def run_judge(
         if max_groups is not None:
             wanted = wanted[:max_groups]
             turns = turns[: max(max_groups - len(wanted), 0)]
-        work = load_groups(con, wanted) + load_groups(con, turns, "turn_completions")
+        parser = _tool_calls(config, tool_call_parser, tool_parser_tokenizer) if turns else None
+        summary.tool_calls = parser.how if parser else ""
+        work = load_groups(con, wanted) + load_groups(con, turns, "turn_completions", parser)
         summary.turn_groups = len(turns)
     finally:
         con.close()
@@ -240,6 +260,16 @@ async def run_judge(
         await asyncio.get_running_loop().run_in_executor(None, writer.close)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _tool_calls(config: JudgeConfig | None, name: str | None, tokenizer: str | None):
+    """The parser siblings' tool calls are read with; built (vLLM imported) only when a
+    run has per-turn groups, before any is scored, so a bad name stops it first."""
+    if name is None:
+        name = config.tool_call_parser if config else DEFAULT_TOOL_CALL_PARSER
+    if tokenizer is None and config is not None:
+        tokenizer = config.tool_parser_tokenizer
+    return sibling_parser(name, tokenizer)
 
 
 def _skip(

@@ -168,6 +168,8 @@ def judge(data_dir: Path, reward: str | None, combine: bool, **values: Any) -> N
         settle_seconds=values["settle"],
         groups=list(values["groups"]) or None,
         max_groups=values["max_groups"],
+        tool_call_parser=values["tool_call_parser"],
+        tool_parser_tokenizer=values["tool_parser_tokenizer"],
     )
 
 
@@ -180,7 +182,7 @@ def judge(data_dir: Path, reward: str | None, combine: bool, **values: Any) -> N
 @click.option("--since", type=click.DateTime(), help="Only groups started at or after this time.")
 @settle_option
 @click.option("--judge-model", help="Score unscored groups with this judge first.")
-@config_options(JudgeConfig, only=["base_url"])
+@config_options(JudgeConfig, only=["base_url", "tool_call_parser", "tool_parser_tokenizer"])
 @click.option("--reward", help="Score unscored groups with this function first.")
 @click.option(
     "--gate-reward",
@@ -211,6 +213,12 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     model, base_url = values["judge_model"], values["judge_base_url"]
     judge = JudgeConfig(model=model, base_url=base_url) if model else None
     since = values["since"].replace(tzinfo=dt.UTC) if values["since"] else None
+    # Siblings' tool calls are read with the server's parser, built with the served
+    # model's tokenizer (judge/tool_calls.py).
+    tool_calls = {
+        "tool_call_parser": values["tool_call_parser"],
+        "tool_parser_tokenizer": values["tool_parser_tokenizer"] or values["base_model"],
+    }
     if values["resample"] and not dry_run:
         # Siblings of single calls first (trainer/resample.py): the judge below scores
         # them, and the plan takes the per-turn groups they form.
@@ -219,6 +227,10 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
         if not (values["judge_model"] or reward):
             click.echo("warning: --resample without --reward or --judge-model: the siblings "
                        "stay unscored until a judge run scores them", err=True)  # fmt: skip
+        else:  # a parser that cannot be built stops the night before any sampling
+            from .judge.tool_calls import sibling_parser
+
+            sibling_parser(tool_calls["tool_call_parser"], tool_calls["tool_parser_tokenizer"])
         resample_turns(
             data_dir,
             build(TrainConfig, values),
@@ -232,7 +244,9 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
         # Score first, with the judge's own batch (the trainer never calls the judge).
         from .judge.run import judge_step
 
-        judge_step(data_dir, judge, reward, say=click.echo, settle_seconds=values["settle"])
+        judge_step(
+            data_dir, judge, reward, say=click.echo, settle_seconds=values["settle"], **tool_calls
+        )
     if values["preset"] == "tiny-cpu":
         from .config import TINY_CPU_PRESET
 

@@ -452,6 +452,20 @@ class JudgeConfig:
             "flag": "--judge-arg",
         },
     )
+    # Siblings come back from vLLM as text; the served turn's calls were parsed by the
+    # server's parser, so the scorer reads siblings with the same (judge/tool_calls.py).
+    tool_call_parser: str = field(
+        default="hermes",
+        metadata={
+            "help": "The serving vLLM's --tool-call-parser: siblings' tool calls are read "
+            "with it, as the served turn's were ('' for none)."
+        },
+    )
+    # Most parsers read text only; llama3_json and mistral look tokens up in the vocabulary.
+    tool_parser_tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "The served model's tokenizer (path or name), for parsers that need it."},
+    )
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -153,6 +153,11 @@ def completion_request(
         limit = max_tokens_cap if limit is None else min(limit, max_tokens_cap)
     if limit is not None:
         body["max_tokens"] = int(limit)
+    if parses_tool_calls(request):
+        # The chat endpoint decodes a reply to tools with its special tokens when the
+        # server's parser asks (hermes and most do: a call's markers may be special
+        # tokens). Keep them all; the scorer drops what that parser would not have seen.
+        body["skip_special_tokens"] = False
     return body
 
 
@@ -193,7 +198,7 @@ def sibling_rows(
         text, finish = choice.get("text") or "", choice.get("finish_reason")
         row.update(
             choice_index=choice.get("index", len(rows)),
-            response=_response_shape(served, text, finish),
+            response=_response_shape(served, text, finish, sent),
             completion_token_ids=list(tokens),
             completion_logprobs=[float(lp) for lp in logprobs],
             finish_reason=finish,
@@ -248,38 +253,81 @@ def _base_row(
     }
 
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+# vLLM's hermes parser's pattern: a closed call, or one the reply ended inside of.
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_TOOL_CALL_START = "<tool_call>"
 
 
-def _response_shape(served: Mapping, text: str, finish: str | None) -> dict:
+def _response_shape(served: Mapping, text: str, finish: str | None, sent: Mapping | None) -> dict:
     """The alternative as the served endpoint would have answered it (what the judge and
-    reward functions read), marked as a sibling."""
+    reward functions read), marked as a sibling.
+
+    A chat turn with tools keeps what vLLM sampled under `raw` (the text, decoded with
+    the special tokens `sent` kept, and the finish reason): the served turn's calls were
+    parsed by the server's `--tool-call-parser`, which this module cannot know, so the
+    scorer parses `raw` again with the same parser (judge/tool_calls.py). The message
+    stored here is the hermes reading, as a scorer without vLLM sees it."""
     if served.get("endpoint") != "chat.completions":
         choice = {"index": 0, "text": text, "finish_reason": finish}
         return {"object": "overnight.sibling", "choices": [choice]}
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    calls = _tool_calls(text) if _request(served).get("tools") else []
-    if calls:  # hermes-style markup, as vLLM's hermes parser reads it
-        message = {"role": "assistant", "content": _TOOL_CALL.sub("", text).strip() or None,
-                   "tool_calls": calls}  # fmt: skip
-        finish = "tool_calls"
-    choice = {"index": 0, "message": message, "finish_reason": finish}
+    request = _request(served)
+    if not parses_tool_calls(request):
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "finish_reason": finish}
+        return {"object": "overnight.sibling", "choices": [choice]}
+    message, parsed_finish = assistant_message(text, finish, hermes_tool_calls(text))
+    skipped = (sent or {}).get("skip_special_tokens", True)  # vLLM's default: skip
+    raw = {"text": text, "finish_reason": finish, "skip_special_tokens": skipped}
+    choice = {"index": 0, "message": message, "finish_reason": parsed_finish, "raw": raw}
     return {"object": "overnight.sibling", "choices": [choice]}
 
 
-def _tool_calls(text: str) -> list[dict]:
+def parses_tool_calls(request: Mapping | None) -> bool:
+    """Whether vLLM's chat endpoint runs its tool parser on a reply to `request`: it
+    offers tools and does not forbid calling them (`required` and named choices are
+    never resampled: see `decoding_unsupported`)."""
+    return bool((request or {}).get("tools")) and (request or {}).get("tool_choice") != "none"
+
+
+def assistant_message(
+    text: str, finish: str | None, parsed: tuple[str | None, list[dict]] | None
+) -> tuple[dict, str | None]:
+    """The chat message and finish reason of a reply sampled as `text`, given what a tool
+    parser found in it: (content, calls), or None for no call (the text as it is)."""
+    if parsed is None:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parsed
+    if content is not None and not content.strip():
+        content = None  # as vLLM's chat endpoint: only whitespace around the calls
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+def tool_call(index: int, name: str, arguments: str) -> dict:
+    """A parsed call in the chat shape. The id is the call's place, not vLLM's random
+    one, so that two siblings making the same call are the same reply to the judge."""
+    return {"id": f"call_{index}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def hermes_tool_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """Hermes-style calls (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`) read
+    as vLLM 0.32's hermes parser reads them, without vLLM: (the text before the first
+    call, the calls), or None when there is no call or one does not parse (then the
+    whole reply is text, as vLLM leaves it)."""
+    if _TOOL_CALL_START not in text:
+        return None
     calls = []
-    for i, match in enumerate(_TOOL_CALL.finditer(text)):
+    for i, (closed, open_) in enumerate(_TOOL_CALL.findall(text)):
         try:
-            call = json.loads(match.group(1))
+            call = json.loads(closed or open_)
         except ValueError:
-            return []  # not a well-formed call: the scorer sees the text as it is
+            return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return []
-        arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
-        calls.append({"id": f"call_{i}", "type": "function",
-                      "function": {"name": call["name"], "arguments": arguments}})  # fmt: skip
-    return calls
+            return None
+        if "arguments" not in call:  # vLLM reads call["arguments"]: its absence fails
+            return None
+        calls.append(tool_call(i, call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
+    return text[: text.find(_TOOL_CALL_START)] or None, calls
 
 
 # -- reading per-turn groups ---------------------------------------------------------------

@@ -201,11 +201,38 @@ def test_train_and_judge_build_their_configs(monkeypatch, tmp_path):
     assert judged.pop() == (
         JudgeConfig(model="j", base_url="http://h/v1"),
         None,
-        {"say": click.echo, "settle_seconds": 600.0},
+        {
+            "say": click.echo,
+            "settle_seconds": 600.0,
+            "tool_call_parser": "hermes",
+            "tool_parser_tokenizer": None,
+        },
     )
+    # Siblings' tool calls are read with the server's parser, with the base model's
+    # tokenizer unless another is named.
+    run("train", "--data", data, "--reward", "examples/rewards.py:weather_reward", "--tool-call-parser", "pythonic",
+        "--base-model", "/models/m")  # fmt: skip
+    _, _, how = judged.pop()
+    assert (how["tool_call_parser"], how["tool_parser_tokenizer"]) == ("pythonic", "/models/m")
     rubric = tmp_path / "rubric.txt"
     rubric.write_text("shorter is better")
     run("judge", "--data", data, "--judge-model", "j", "--rubric", str(rubric), "--max-tokens", "9")
     config, reward, how = judged.pop()
     assert config == JudgeConfig(model="j", rubric="shorter is better", max_tokens=9)
     assert reward is None and how["use_posted"] and how["groups"] is None
+    assert (how["tool_call_parser"], how["tool_parser_tokenizer"]) == ("hermes", None)
+
+
+def test_a_tool_call_parser_vllm_lacks_stops_the_night_before_any_sampling(monkeypatch, tmp_path):
+    import overnight.trainer.resample
+
+    sampled = []
+    monkeypatch.setattr(
+        overnight.trainer.resample, "resample_turns", lambda *a, **k: sampled.append(1)
+    )
+    out = run_failing(
+        "train", "--data", str(tmp_path), "--resample", "2", "--reward", "examples/rewards.py:weather_reward",
+        "--tool-call-parser", "no-such-parser",
+    )  # fmt: skip
+    assert "vLLM has no tool call parser 'no-such-parser'" in out and "hermes" in out
+    assert sampled == []
