@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from overnight.config import DEFAULT_TOOL_CALL_PARSER
 from overnight.errors import ConfigError
 from overnight.storage.siblings import (
     assistant_message,
@@ -34,7 +35,7 @@ from overnight.storage.siblings import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT = "hermes"
+DEFAULT = DEFAULT_TOOL_CALL_PARSER
 # What a tool parser found in a reply: (content, calls), or None for no call.
 Parsed = tuple[str | None, list[dict]] | None
 # A reader: (the reply's text as sampled, the served request, whether the text kept
@@ -108,7 +109,8 @@ def sibling_parser(name: str = DEFAULT, tokenizer: str | None = None) -> ToolCal
             f"vLLM's {name} tool call parser cannot be built with {given}: {e} "
             "(give the served model's tokenizer, e.g. its base model path)"
         ) from e
-    read = functools.partial(_vllm_read, parser_class, vocabulary)
+    special = tuple(sorted(_special_tokens(vocabulary), key=len, reverse=True))
+    read = functools.partial(_vllm_read, parser_class, vocabulary, special)
     return ToolCallParser(name, f"vLLM's {name} parser", read)
 
 
@@ -134,12 +136,18 @@ class _NoTokenizer:
 
 
 def _vllm_read(
-    parser_class: type, vocabulary: Any, text: str, request: dict, special_tokens: bool
+    parser_class: type,
+    vocabulary: Any,
+    special: tuple[str, ...],
+    text: str,
+    request: dict,
+    special_tokens: bool,
 ) -> tuple[str, Parsed]:
-    """One reply through a fresh parser instance, as the server builds one per request:
+    """One reply through a fresh parser instance, built as the server builds one per
+    request (with the request's tools: some parsers cast arguments by their schema),
     the request adjusted by the parser first (which may keep special tokens), then the
-    reply's text parsed."""
-    from pydantic import ValidationError
+    reply's text parsed. Whatever fails leaves the reply as text: the tools came from a
+    client, and one odd request must not stop a night's scoring."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     try:
@@ -152,16 +160,13 @@ def _vllm_read(
             tool_choice=request.get("tool_choice") or "auto",
             skip_special_tokens=request.get("skip_special_tokens", True),
         )
-    except ValidationError:
-        return text, None  # tools vLLM would have refused: the served turn had none parsed
-    parser = parser_class(vocabulary)
-    chat = parser.adjust_request(chat)
-    if special_tokens and chat.skip_special_tokens:
-        text = _without_special_tokens(text, vocabulary)
-    try:
+        parser = parser_class(vocabulary, chat.tools)
+        chat = parser.adjust_request(chat)
+        if special_tokens and chat.skip_special_tokens:
+            text = _without_special_tokens(text, special)
         found = parser.extract_tool_calls(text, chat)
-    except Exception:  # the chat endpoint would have failed the turn; keep the text
-        log.debug("tool call parser failed on a sibling", exc_info=True)
+    except Exception as e:  # tools vLLM refuses, or the chat endpoint would have failed
+        _warn_once(parser_class, e)
         return text, None
     if not found.tools_called:
         return text, None
@@ -171,11 +176,23 @@ def _vllm_read(
     return text, (found.content, calls)
 
 
-def _without_special_tokens(text: str, vocabulary: Any) -> str:
-    """`text` less the tokenizer's special tokens, as decoding with them skipped gives
-    (near enough: the reply's text, not its token ids, is at hand). Without the model's
-    tokenizer none are known, and the text stays as sampled."""
-    for token in sorted(_special_tokens(vocabulary), key=len, reverse=True):
+_warned: set[type] = set()
+
+
+def _warn_once(parser_class: type, error: Exception) -> None:
+    """A sibling the parser could not read is scored as text: said once per parser at
+    warning (it biases a comparison with served tool calls), then at debug."""
+    level = logging.DEBUG if parser_class in _warned else logging.WARNING
+    _warned.add(parser_class)
+    log.log(level, "vLLM's %s could not read a sibling's reply (%r); scored as text",
+            parser_class.__name__, error, exc_info=level == logging.DEBUG)  # fmt: skip
+
+
+def _without_special_tokens(text: str, special: tuple[str, ...]) -> str:
+    """`text` less the tokenizer's special tokens (`special`, longest first), as
+    decoding with them skipped gives (near enough: the reply's text, not its token ids,
+    is at hand). Without the model's tokenizer none are known: the text stays."""
+    for token in special:
         text = text.replace(token, "")
     return text
 

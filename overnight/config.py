@@ -29,6 +29,12 @@ LOGPROB_GAP_WARNING = 0.02
 _ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
+# The tool call parser `overnight serve --model` starts vLLM with, and the one the judge
+# reads siblings' tool calls with unless told otherwise (judge/tool_calls.py): one name,
+# so that the two agree by default.
+DEFAULT_TOOL_CALL_PARSER = "hermes"
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     # The first of `upstreams`: the one upstream of a proxy that fronts one, as
@@ -317,7 +323,8 @@ class VLLMConfig:
     max_loras: int = field(default=2, metadata={"help": "vLLM's --max-loras."})
     # Hermes covers Qwen-family chat templates; other families need their own parser.
     tool_call_parser: str | None = field(
-        default="hermes", metadata={"help": "vLLM's tool call parser ('' for none)."}
+        default=DEFAULT_TOOL_CALL_PARSER,
+        metadata={"help": "vLLM's tool call parser ('' for none)."},
     )
     # The logged logprobs are compared with the trainer's: serve in the dtype it computes
     # in. On a CPU that is float32 (vLLM would pick bfloat16: 0.077 nats apart on the tiny
@@ -455,7 +462,7 @@ class JudgeConfig:
     # Siblings come back from vLLM as text; the served turn's calls were parsed by the
     # server's parser, so the scorer reads siblings with the same (judge/tool_calls.py).
     tool_call_parser: str = field(
-        default="hermes",
+        default=DEFAULT_TOOL_CALL_PARSER,
         metadata={
             "help": "The serving vLLM's --tool-call-parser: siblings' tool calls are read "
             "with it, as the served turn's were ('' for none)."

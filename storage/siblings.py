@@ -320,7 +320,7 @@ def hermes_tool_calls(text: str) -> tuple[str | None, list[dict]] | None:
     for i, (closed, open_) in enumerate(_TOOL_CALL.findall(text)):
         try:
             call = json.loads(closed or open_)
-        except ValueError:
+        except (ValueError, RecursionError):  # a reply nested past the parser's depth too
             return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
+
+import pytest
 
 from overnight.storage import SCHEMA_VERSION, open_db
 
@@ -179,3 +183,11 @@ def merge_looking(data_dir: Path, now: float, look: Callable[[], T]) -> tuple[in
         return merge.merge_closed_days(data_dir, now=now), seen
     finally:
         merge._write_manifest = commit
+
+
+# Tests of vLLM's own classes (its tool parsers), not of a server: skipped where vLLM is
+# not installed, except in CI (OVERNIGHT_REQUIRE_VLLM=1), where they fail without it.
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and os.environ.get("OVERNIGHT_REQUIRE_VLLM") != "1",
+    reason="vLLM is not installed (pip install -e '.[cpu]')",
+)

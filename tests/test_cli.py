@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from overnight.cli import main
 
-from .helpers import wait_for_rows
+from .helpers import needs_vllm, wait_for_rows
 
 SYSTEM = {"role": "system", "content": "Be brief."}
 
@@ -223,6 +223,7 @@ def test_train_and_judge_build_their_configs(monkeypatch, tmp_path):
     assert (how["tool_call_parser"], how["tool_parser_tokenizer"]) == ("hermes", None)
 
 
+@needs_vllm
 def test_a_tool_call_parser_vllm_lacks_stops_the_night_before_any_sampling(monkeypatch, tmp_path):
     import overnight.trainer.resample
 

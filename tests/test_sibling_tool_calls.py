@@ -11,10 +11,8 @@ is built here: models cannot be downloaded.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -32,13 +30,7 @@ from overnight.storage.siblings import (
     sibling_rows,
 )
 
-from .helpers import completion_row, rows
-
-# vLLM's parser classes; CI (OVERNIGHT_REQUIRE_VLLM=1) runs these and fails without them.
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None and os.environ.get("OVERNIGHT_REQUIRE_VLLM") != "1",
-    reason="vLLM is not installed (pip install -e '.[cpu]')",
-)
+from .helpers import completion_row, needs_vllm, rows
 
 TOOLS = [
     {
@@ -298,6 +290,21 @@ def test_our_hermes_reader_reads_as_vllms(text):
     vllm_hermes = sibling_parser("hermes")
     assert vllm_hermes.how == "vLLM's hermes parser"
     assert hermes_tool_calls(text) == vllm_hermes.parse(text, REQUEST)
+
+
+@needs_vllm
+def test_what_a_client_or_the_model_can_send_leaves_a_sibling_as_text(caplog):
+    # Tools vLLM's request model refuses (a function without its body, named by
+    # tool_choice), and a reply nested deeper than JSON parsers go: each reads as text,
+    # none stops the judge; the first failure is said at warning.
+    odd = {**REQUEST, "tools": [{"type": "function"}],
+           "tool_choice": {"type": "function", "function": {"name": "lookup"}}}  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="overnight.judge.tool_calls"):
+        assert sibling_parser("hermes").parse(HERMES, odd) is None
+    assert "could not read a sibling's reply" in caplog.text
+    deep = "<tool_call>" + "[" * 200_000
+    assert hermes_tool_calls(deep) is None
+    assert sibling_parser("hermes").parse(deep, REQUEST) is None
 
 
 def test_a_row_written_before_siblings_kept_their_text_is_read_as_stored():
