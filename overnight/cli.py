@@ -213,12 +213,7 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     model, base_url = values["judge_model"], values["judge_base_url"]
     judge = JudgeConfig(model=model, base_url=base_url) if model else None
     since = values["since"].replace(tzinfo=dt.UTC) if values["since"] else None
-    # Siblings' tool calls are read with the server's parser, built with the served
-    # model's tokenizer (judge/tool_calls.py).
-    tool_calls = {
-        "tool_call_parser": values["tool_call_parser"],
-        "tool_parser_tokenizer": values["tool_parser_tokenizer"] or values["base_model"],
-    }
+    tool_calls = _tool_call_options(values)
     if values["resample"] and not dry_run:
         # Siblings of single calls first (trainer/resample.py): the judge below scores
         # them, and the plan takes the per-turn groups they form.
@@ -230,7 +225,7 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
         else:  # a parser that cannot be built stops the night before any sampling
             from .judge.tool_calls import sibling_parser
 
-            sibling_parser(tool_calls["tool_call_parser"], tool_calls["tool_parser_tokenizer"])
+            sibling_parser(*tool_calls.values())
         resample_turns(
             data_dir,
             build(TrainConfig, values),
@@ -269,6 +264,15 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
         say=click.echo,
         scorer=pair_scorer(values["gate_reward"] or reward, judge),
     )
+
+
+def _tool_call_options(values: dict[str, Any]) -> dict[str, Any]:
+    """How the judge step reads siblings' tool calls: with the server's parser, built
+    with the served model's tokenizer (judge/tool_calls.py; the base model by default)."""
+    return {
+        "tool_call_parser": values["tool_call_parser"],
+        "tool_parser_tokenizer": values["tool_parser_tokenizer"] or values["base_model"],
+    }
 
 
 @main.command()

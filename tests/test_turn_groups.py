@@ -9,6 +9,7 @@ recorded as it records a run that trained.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from overnight.storage.siblings import (
     sibling_rows,
     turn_group_id,
 )
+from overnight.trainer.gate import without
 from overnight.trainer.plan import TRAINED_AS_TURNS, TURN_PENDING_KEY, Plan, plan_run
 from overnight.trainer.train import RunResult, record_run
 from overnight.trainer.turn_groups import (
@@ -243,3 +245,20 @@ def test_a_selection_recorded_without_per_turn_groups_makes_the_next_night_read_
     assert set(plan.considered) == {turn_group_id(record), turn_group_id(other)}
     assert plan.groups == [turn_group_id(other)]
     assert night(data).considered == []  # that night's record speaks for them
+
+
+def test_a_since_run_keeps_the_turns_of_a_group_the_gate_holds_out_for_that_group(tmp_path):
+    """`--since` makes no selection record; the gate holding a served group out of
+    tonight's training still keeps its turns' per-turn groups waiting for it."""
+    data = tmp_path / "data"
+    first, second = serve(data, "first", [1.0, 0.0]), serve(data, "second", [1.0, 0.0])
+    for record in first + second:
+        members = resample(data, record, ["7", "a cat"])
+        score(data, dict(zip(members, [0.0, 1.0, 0.0], strict=True)), at=EARLIER)
+    since = dt.datetime.fromtimestamp(EARLIER / 1e6 - 3600, dt.UTC)
+    config = TrainConfig()
+    plan = without(plan_run(data, config, 600, since=since), ["second"])  # as the gate does
+    plan = add_turn_groups(data, plan, config, since=since)
+    assert plan.selection is None and plan.groups == ["first"], plan.lines()
+    assert plan.skipped[f"per-turn groups: {OWN_GROUP_TRAINED}"] == 2
+    assert plan.skipped[f"per-turn groups: {OWN_GROUP_WAITS}"] == 2

@@ -76,6 +76,10 @@ class Plan:
     # The per-turn groups add_turn_groups looks at: changed since the last selection or
     # left pending by it. None: all of them (no usable record, --rescan, a full look).
     turn_pool: set[str] | None = None
+    # Served groups trainable but perhaps not trained tonight: past --max-groups, or
+    # taken (the gate may hold them out). Their turns' per-turn groups wait for them
+    # (turn_groups.py), with or without a selection record (--since makes none).
+    waiting: list[str] = field(default_factory=list)
 
     @property
     def loaded(self) -> dict:
@@ -187,20 +191,12 @@ def plan_run(
         full = only is not None or since is not None or config.rescan
         last = None if full else last_selection(con, config)
         done = trained_groups(con)
-        turn_pool = None
+        turn_pool = None  # per-turn groups: all
         if last is None:
             candidates = candidate_groups(con, settle_seconds, since, only)
             rollouts = _group_rollouts(con, candidates, settle_seconds)
         else:
-            # A group open then (by the settle time it used) was not decided: look back
-            # by the longer of the two.
-            settle = max(settle_seconds, float(last.get("settle_seconds") or 0))
-            changed = changed_groups(data_dir, con, last["watermark"], settle)
-            turns = {g for g in changed if g.startswith(TURN_PREFIX)}
-            if isinstance(last.get(TURN_PENDING_KEY), list):
-                turn_pool = turns | set(last[TURN_PENDING_KEY])
-            pool = [g for g in (changed - turns) | set(last.get("pending", [])) if g not in done]
-            rollouts = _group_rollouts(con, pool, settle_seconds, finished_only=True)
+            rollouts, turn_pool = _changed_since(data_dir, con, last, settle_seconds, done)
             candidates = list(rollouts)
         rewards = chosen_rewards(
             con, config.reward_sources, [r for rs in rollouts.values() for r in rs]
@@ -232,15 +228,35 @@ def plan_run(
             continue
         rollouts_taken = {s.rollout_id for s in samples}
         plan.take(group_id, samples, {r: rewards[r] for r in rollouts_taken}, verdict)
+    # The groups taken are pending too: the gate may hold some out of training.
+    plan.waiting = plan.groups + pending
     if only is None and since is None:
-        # The groups taken are pending too: the gate may hold some out of training.
         plan.selection = {
             "watermark": looked_at,
-            "pending": plan.groups + pending,
+            "pending": plan.waiting,
             "settle_seconds": settle_seconds,
             "basis": selection_basis(config),
         }
     return plan
+
+
+def _changed_since(
+    data_dir: Path, con, last: dict, settle_seconds: float, done: set[str]
+) -> tuple[dict[str, list[str]], set[str] | None]:
+    """What a night after `last` (a selection record) looks at: the finished served
+    groups that changed since or were left pending, with their rollouts; and the
+    per-turn groups likewise (None: all of them, for a record from before per-turn
+    groups were selected so)."""
+    # A group open then (by the settle time it used) was not decided: look back by the
+    # longer of the two.
+    settle = max(settle_seconds, float(last.get("settle_seconds") or 0))
+    changed = changed_groups(data_dir, con, last["watermark"], settle)
+    turns = {g for g in changed if g.startswith(TURN_PREFIX)}
+    turn_pool = None
+    if isinstance(last.get(TURN_PENDING_KEY), list):
+        turn_pool = turns | set(last[TURN_PENDING_KEY])
+    pool = [g for g in (changed - turns) | set(last.get("pending", [])) if g not in done]
+    return _group_rollouts(con, pool, settle_seconds, finished_only=True), turn_pool
 
 
 def selection_basis(config: TrainConfig) -> dict:

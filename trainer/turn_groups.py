@@ -120,7 +120,7 @@ def _own_group_verdict(
     trained, tonight or before, or trainable and waiting), or None. A resumed run
     (`only`) trains exactly the groups it began with, chosen by this rule then."""
     trained = done | set(plan.groups)
-    waiting = set((plan.selection or {}).get("pending", []))
+    waiting = set(plan.waiting)
 
     def why(own_group: str) -> str | None:
         if only is not None:
