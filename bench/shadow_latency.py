@@ -393,6 +393,8 @@ def main() -> None:
         work = Path(tmp)
         cores = sorted(os.sched_getaffinity(0))
         if args.split_cores:  # children inherit the affinity of the thread that starts them
+            if len(cores) < 2:
+                sys.exit("--split-cores needs two cores or more")
             os.sched_setaffinity(0, cores[-1:])
             args.vllm_cores = str(cores[-1])
         url, stop, upstream = start_upstream(args, work)

@@ -223,6 +223,7 @@ class ShadowSampler:
             "rate": self.rate,
             **asdict(self.stats),
             "queued": self.queue.qsize(),
+            "accepted": self.accepted,  # served completions in the proxy now
         }
 
     # -- the request side ---------------------------------------------------------------
@@ -369,6 +370,10 @@ class ShadowSampler:
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self.balancer.post("/v1/completions", data, self.headers, key)
+                if response.replica is not replica:  # the balancer failed over: ours is there
+                    self.mine[replica] -= 1
+                    replica = response.replica
+                    self.mine[replica] = self.mine.get(replica, 0) + 1
                 async with response:
                     if response.status != 200:
                         raw = await response.read()
@@ -396,8 +401,12 @@ class ShadowSampler:
     def _served(self, replica: Replica) -> int:
         """Served requests in flight on `replica`: all it has outstanding but ours, and
         those accepted but not yet forwarded anywhere (reading their body, routing),
-        which may still come to it."""
-        routed = {r: r.outstanding - self.mine.get(r, 0) for r in self.balancer.replicas}
+        which may still come to it. Where one goes is known only once its body is read
+        (its rollout id may be in it), so until then it counts on every replica: with
+        several, a sibling may give way to a request that goes elsewhere. A body takes
+        one read on a local network; a client that sends a head and stalls holds shadow
+        sampling back (`accepted` in /admin/stats), never served traffic."""
+        routed = {r: max(r.outstanding - self.mine.get(r, 0), 0) for r in self.balancer.replicas}
         unrouted = self.accepted - sum(routed.values())
         return routed.get(replica, 0) + max(unrouted, 0)
 

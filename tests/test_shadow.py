@@ -14,7 +14,11 @@ import json
 import aiohttp
 import pytest
 
-from overnight.proxy.shadow import TRACE_ENV, assemble_stream
+from overnight.config import ProxyConfig
+from overnight.proxy import shadow as shadow_module
+from overnight.proxy.balancer import Balancer
+from overnight.proxy.redact import Redactor
+from overnight.proxy.shadow import TRACE_ENV, ShadowSampler, assemble_stream
 from overnight.storage import open_db
 from overnight.storage.siblings import add_turn_views, turn_group_id
 
@@ -220,6 +224,38 @@ async def test_a_served_request_counts_from_its_acceptance_not_its_forward(
     writer.close()
     chat, text = "/v1/chat/completions", "/v1/completions"
     assert paths(received) == [chat, text, chat, text, text]
+
+
+async def test_a_served_request_wakes_a_running_sibling_at_once(
+    make_proxy, received, fake_settings, monkeypatch
+):
+    # The periodic look at the replica is made an hour long: only the arrival itself
+    # can cancel the running sibling within the test's time.
+    monkeypatch.setattr(shadow_module, "WATCH_S", 3600.0)
+    proxy, r = await served_during_a_sibling(make_proxy, received, fake_settings, "stall")
+    await settled(proxy, preempted=1)
+    await r.read()
+    got = await settled(proxy, requests=2, siblings=6, in_flight=0)
+    assert got["failed"] == 0
+
+
+def test_served_requests_per_replica_with_several_replicas(tmp_path):
+    # Routed requests count where they went; one accepted but not yet routed counts on
+    # every replica (its rollout id, in its body, decides where it goes). A sibling
+    # request the balancer failed over from b to a, until the sampler moves it to a,
+    # makes b count no less than zero (a counts it meanwhile: erring towards giving way).
+    config = ProxyConfig(upstreams=("http://a:1", "http://b:1"), data_dir=tmp_path, **SHADOW)
+    balancer = Balancer(config.upstreams, 1.0, 1.0)
+    sampler = ShadowSampler(config, balancer, Redactor(None))
+    a, b = balancer.replicas
+    a.outstanding, sampler.accepted = 1, 2  # one served request on a, one being read
+    assert (sampler._served(a), sampler._served(b)) == (2, 1)
+    sampler.accepted = 1  # read: it went to a as well
+    a.outstanding = 2
+    assert (sampler._served(a), sampler._served(b)) == (2, 0)
+    sampler.mine[b] = 1  # our sibling, counted on b, sent to a
+    a.outstanding, sampler.accepted = 3, 2
+    assert (sampler._served(a), sampler._served(b)) == (3, 0)
 
 
 async def test_siblings_wait_for_a_quiet_replica(make_proxy, received):
