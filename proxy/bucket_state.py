@@ -41,6 +41,7 @@ from overnight.storage.conditional import ABSENT, delete, etag, get, put_if
 from overnight.storage.location import SegmentStore, data_url
 
 from .lora_client import AdapterError
+from .shared_state import write_state
 
 log = logging.getLogger("overnight.proxy")
 # A lease outlives the loads of one promotion on every replica; a dead proxy's lease
@@ -151,12 +152,9 @@ class BucketState:
             known = -1
         if known == state["version"]:
             return
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
         try:
-            tmp.write_text(json.dumps(state, indent=2))
-            os.replace(tmp, self.path)
+            write_state(self.path, state)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             log.warning("could not keep a local copy of the promotion state: %s", e)
 
 

@@ -38,6 +38,25 @@ if TYPE_CHECKING:
 Stamp = tuple[int, int, int] | None  # (inode, size, mtime_ns); None: no file
 
 
+def write_state(path: Path, state: dict) -> None:
+    """`state` as `path`'s whole content, or `path` unchanged: owner-only, written to a
+    file of its own, synced, then renamed over `path` (a reader never sees half of it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(state, indent=2))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    # The rename itself made durable; not every filesystem lets a directory be opened.
+    with contextlib.suppress(OSError):
+        fsync_path(path.parent)
+
+
 def open_state(path: Path) -> StateFile | BucketState:
     """The promotion state at `path` (DATA/adapters.json): that file, or, when the data
     directory's segments are in a bucket, the bucket's `adapters.json`."""
@@ -80,20 +99,7 @@ class StateFile:
     def write(self, state: dict) -> dict:
         """Write `state` as the next version (call under `locked`); returns what was written."""
         state = dict(state, version=self.read().get("version", 0) + 1)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(state, indent=2))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        # The rename itself made durable; not every filesystem lets a directory be opened.
-        with contextlib.suppress(OSError):
-            fsync_path(self.path.parent)
+        write_state(self.path, state)
         return state
 
     @contextlib.asynccontextmanager
