@@ -47,7 +47,13 @@ import pyarrow.compute as pc
 
 from .location import SegmentStore, segment_store
 from .schema import SCHEMA_VERSION, TABLES, schema_fingerprint
-from .segments import PARTITION_COLUMN, _create_private, _replace_durably, put_segment_parts
+from .segments import (
+    PARTITION_COLUMN,
+    _create_private,
+    _replace_durably,
+    footer_version,
+    put_segment_parts,
+)
 
 log = logging.getLogger("overnight.storage")
 
@@ -109,7 +115,7 @@ class Segments:
         entry = self.entries.get(rel)
         if entry is None or "schema" not in entry:
             return {}
-        return {"from": _folder(rel).removeprefix("date="), **entry}
+        return {"from": _first_day(entry, rel), **entry}
 
     def _since(self, day: dt.date | None) -> list[str]:
         if day is None:
@@ -185,6 +191,17 @@ def _folder(rel: str) -> str:
     return rel.partition("/")[0]
 
 
+def _day(rel: str) -> str:
+    """The day of `rel`'s folder (`date=D/...` -> D; "unknown" for `date=unknown`)."""
+    return _folder(rel).removeprefix("date=")
+
+
+def _first_day(entry: dict, rel: str) -> str:
+    """The first day whose rows the file `rel` may hold: a merged week or month says so
+    in its manifest `entry` (it sits in its last day's folder); other files, their own."""
+    return entry.get("from", _day(rel))
+
+
 def _name(rel: str) -> str:
     return rel.rpartition("/")[2]
 
@@ -246,7 +263,7 @@ def _closed_units(rels: list[str], today: str) -> dict[str, list[str]]:
     (reader.py filters the earlier days' rows out)."""
     units: dict[str, list[str]] = defaultdict(list)
     for rel in rels:
-        day = _folder(rel).removeprefix("date=")
+        day = _day(rel)
         if day == "unknown" or day >= today:
             continue
         if day[:7] < today[:7]:  # a closed month
@@ -270,7 +287,7 @@ def _open_day_batches(found: Segments, today: str, now: float) -> dict[str, list
     batches, which its close merges with the rest."""
     batches: dict[str, list[str]] = defaultdict(list)
     for rel in found.rels:
-        day = _folder(rel).removeprefix("date=")
+        day = _day(rel)
         if day == "unknown" or day < today or _name(rel).startswith(MERGED_PREFIX):
             continue
         if now - found.mtimes.get(rel, now) >= MERGE_AFTER:
@@ -295,8 +312,7 @@ def _merge_files(
     sorted, its own row groups: a month is never in memory whole), and commit it."""
     version = 1
     for rel in rels:
-        meta = store.read_metadata(table, rel).metadata or {}
-        found = int(meta.get(b"overnight.schema_version", b"1"))
+        found = footer_version(store.read_metadata(table, rel).metadata)
         if found > SCHEMA_VERSION:
             return False  # written by a newer overnight: leave it to that one
         version = max(version, found)
@@ -305,7 +321,7 @@ def _merge_files(
         by_day[_folder(rel)].append(rel)
     parts = (_sorted_day(store, table, day_rels) for _, day_rels in sorted(by_day.items()))
     merged = read[0]["merged"]
-    first = min(merged.get(rel, {}).get("from", _folder(rel)[5:]) for rel in rels)
+    first = min(_first_day(merged.get(rel, {}), rel) for rel in rels)
     return _commit_file(store, table, target, parts, version, rels, first, now, read)
 
 
@@ -356,7 +372,7 @@ def straddling(manifest: dict, before: dt.date) -> list[str]:
     committed, _ = _committed(manifest)
     return [
         rel for rel in sorted(committed)
-        if manifest["merged"][rel].get("from", _folder(rel)[5:]) < cutoff <= _folder(rel)[5:]
+        if _first_day(manifest["merged"][rel], rel) < cutoff <= _day(rel)
     ]  # fmt: skip
 
 
@@ -396,7 +412,7 @@ def _describe_merged(store: SegmentStore, table: str) -> None:
     missing = [rel for rel in committed if "schema" not in manifest["merged"][rel]]
     for rel in missing:
         meta = store.read_metadata(table, rel)
-        version = int((meta.metadata or {}).get(b"overnight.schema_version", b"1"))
+        version = footer_version(meta.metadata)
         entry = manifest["merged"][rel]
         entry.update(rows=meta.num_rows, version=version)
         entry["schema"] = schema_fingerprint(meta.schema.to_arrow_schema())

@@ -29,7 +29,7 @@ import pyarrow as pa
 from .location import segment_store
 from .merge import list_segments
 from .schema import TABLES, check_versions, schema_fingerprint
-from .segments import PARTITION_COLUMN, log_files, read_log, row_day, to_arrow
+from .segments import PARTITION_COLUMN, VERSION_KEY, log_files, read_log, row_day, to_arrow
 
 log = logging.getLogger("overnight.storage")
 
@@ -245,9 +245,8 @@ def file_versions(con: duckdb.DuckDBPyConnection, files: list[str]) -> list[int]
     """The schema version each segment was written with, from its Parquet footer (no
     scan of the data); a segment without one predates the key: version 1."""
     rows = con.execute(
-        "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) "
-        "WHERE decode(key) = 'overnight.schema_version'",
-        [files],
+        "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
+        [files, VERSION_KEY.decode()],
     ).fetchall()
     found = {name: int(v) for name, v in rows}
     return [found.get(f, 1) for f in files]

@@ -237,11 +237,21 @@ def write_segment(table: pa.Table, path: Path) -> None:
     _replace_durably(tmp, path)
 
 
+# The footer key of a segment's newest schema version: a reader learns it without a scan.
+VERSION_KEY = b"overnight.schema_version"
+
+
+def footer_version(metadata: dict[bytes, bytes] | None) -> int:
+    """The schema version a segment's footer metadata names; a segment written before
+    the key existed is version 1."""
+    return int((metadata or {}).get(VERSION_KEY, b"1"))
+
+
 def _with_version(table: pa.Table) -> pa.Table:
     """`table` with the newest version of its rows in the footer, read by `open_db` from
     there (no scan)."""
     newest = pc.max(table.column("schema_version")).as_py() if table.num_rows else None
-    metadata = {b"overnight.schema_version": str(newest or SCHEMA_VERSION).encode()}
+    metadata = {VERSION_KEY: str(newest or SCHEMA_VERSION).encode()}
     return table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
 
 
@@ -266,7 +276,7 @@ def put_segment_parts(
     part its own row groups, so that a month merged from its days is never in memory
     whole; `version` is the newest schema version of its rows (for the footer). Atomic
     as `put_segment`. Returns the rows written."""
-    schema = TABLES[name].with_metadata({b"overnight.schema_version": str(version).encode()})
+    schema = TABLES[name].with_metadata({VERSION_KEY: str(version).encode()})
     rows = 0
 
     def write(sink) -> None:
