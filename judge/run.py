@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from overnight.config import SETTLE_SECONDS, JudgeConfig
+from overnight.config import DEFAULT_TOOL_CALL_PARSER, SETTLE_SECONDS, JudgeConfig
 from overnight.storage import (
     SCHEMA_VERSION,
     LogWriter,
@@ -45,7 +45,6 @@ from .ruler import (
     prompt_for,
     rubric_hash,
 )
-from .tool_calls import DEFAULT as DEFAULT_TOOL_CALL_PARSER
 from .tool_calls import ToolCallParser, reparsed, sibling_parser
 from .trajectories import Group, rollout_from_turns
 

@@ -35,7 +35,6 @@ from overnight.storage.siblings import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT = DEFAULT_TOOL_CALL_PARSER
 # What a tool parser found in a reply: (content, calls), or None for no call.
 Parsed = tuple[str | None, list[dict]] | None
 # A reader: (the reply's text as sampled, the served request, whether the text kept
@@ -76,7 +75,9 @@ def _hermes(text: str, request: dict, special_tokens: bool) -> tuple[str, Parsed
 
 
 @functools.cache
-def sibling_parser(name: str = DEFAULT, tokenizer: str | None = None) -> ToolCallParser:
+def sibling_parser(
+    name: str = DEFAULT_TOOL_CALL_PARSER, tokenizer: str | None = None
+) -> ToolCallParser:
     """The parser named as the server's `--tool-call-parser` ('' for none), built with
     the served model's tokenizer (a path or name) when the parser needs one. Raises
     ConfigError for a name vLLM does not know or a parser that cannot be built."""
@@ -85,10 +86,10 @@ def sibling_parser(name: str = DEFAULT, tokenizer: str | None = None) -> ToolCal
     try:
         from vllm.tool_parsers import ToolParserManager
     except ImportError:
-        if name != DEFAULT:
+        if name != DEFAULT_TOOL_CALL_PARSER:
             raise ConfigError(
                 f"tool call parser {name!r} needs vLLM installed where the judge runs "
-                f"(pip install vllm); without it only {DEFAULT!r} (read without vLLM) or ''"
+                f"(pip install vllm); without it only {DEFAULT_TOOL_CALL_PARSER!r} (read without vLLM) or ''"
             ) from None
         log.warning(
             "vLLM is not importable: siblings' tool calls are read with overnight's own "

@@ -89,6 +89,4 @@ def rollback_on_disk(state_path: Path, why: str = "") -> Adapter | None:
         event["serves"] = state["stack"][-1] if state["stack"] else None
         state["events"] = [*state.get("events", []), event][-EVENTS_KEPT:]
         shared.write(state)
-    by_name = {a["name"]: a for a in state.get("adapters", [])}
-    current = by_name.get(state["stack"][-1]) if state["stack"] else None
-    return Adapter(**current) if current else None
+    return serving(state)[0]
