@@ -191,3 +191,25 @@ needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None and os.environ.get("OVERNIGHT_REQUIRE_VLLM") != "1",
     reason="vLLM is not installed (pip install -e '.[cpu]')",
 )
+
+
+async def served_turn_and_its_sibling(proxy, vllm_url: str, data: Path, request: dict):
+    """A chat turn served through `proxy` (logging under `data`) and one sibling of it
+    sampled at vLLM as the resampling stage asks (/v1/completions on the logged prompt
+    ids), given the served turn's `seed` back: (the turn's row, the sibling's row)."""
+    import aiohttp
+
+    from overnight.storage.siblings import completion_request, sibling_rows
+
+    assert (await proxy.post("/v1/chat/completions", json=request)).status == 200
+    await wait_for_rows(data, 1)
+    (turn,) = rows(data, "SELECT * FROM completions")
+    body = {**completion_request(turn, 1), "seed": request["seed"]}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{vllm_url}/v1/completions", json=body) as r,
+    ):
+        answer = await r.json()
+    (sibling,) = sibling_rows(turn, answer, origin="resample", writer_id="w", started_at=0,
+                              ended_at=0, sent=body)  # fmt: skip
+    return turn, sibling

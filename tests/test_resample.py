@@ -34,7 +34,13 @@ from overnight.storage.siblings import (
 from overnight.trainer.plan import Plan, plan_run
 from overnight.trainer.turn_groups import add_turn_groups, trained_turn_sources
 
-from .helpers import chat_response, completion_row, rows, wait_for_rows
+from .helpers import (
+    chat_response,
+    completion_row,
+    rows,
+    served_turn_and_its_sibling,
+    wait_for_rows,
+)
 
 PROMPT = [11, 12, 13, 14]
 REQUEST = {
@@ -413,8 +419,6 @@ async def test_a_sibling_is_sampled_as_the_served_chat_turn_was(vllm_server, mak
     """The stage's /v1/completions call on the logged prompt ids, given the served turn's
     seed back, reproduces the served chat turn token for token and logprob for logprob,
     its end-of-turn token included: served and siblings are one policy's samples."""
-    import aiohttp
-
     proxy = await make_proxy(upstream=vllm_server.url)
     request = {
         "model": "policy",
@@ -426,16 +430,8 @@ async def test_a_sibling_is_sampled_as_the_served_chat_turn_was(vllm_server, mak
         "logit_bias": {"2": 8.0},
         "min_tokens": 2,
     }  # ends on <|im_end|> (id 2) soon
-    assert (await proxy.post("/v1/chat/completions", json=request)).status == 200
     data = tmp_path / "data"
-    await wait_for_rows(data, 1)
-    (turn,) = rows(data, "SELECT * FROM completions")
-    body = {**completion_request(turn, 1), "seed": 3}
-    url = f"{vllm_server.url}/v1/completions"
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
-        answer = await r.json()
-    (sibling,) = sibling_rows(turn, answer, origin="resample", writer_id="w", started_at=0,
-                              ended_at=0)  # fmt: skip
+    turn, sibling = await served_turn_and_its_sibling(proxy, vllm_server.url, data, request)
     assert turn["finish_reason"] == "stop" and turn["completion_token_ids"][-1] == 2, turn
     assert sibling["completion_token_ids"] == turn["completion_token_ids"]
     assert sibling["completion_logprobs"] == pytest.approx(turn["completion_logprobs"], rel=1e-6)

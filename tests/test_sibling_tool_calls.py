@@ -30,7 +30,7 @@ from overnight.storage.siblings import (
     sibling_rows,
 )
 
-from .helpers import completion_row, needs_vllm, rows
+from .helpers import completion_row, needs_vllm, rows, served_turn_and_its_sibling
 
 TOOLS = [
     {
@@ -322,23 +322,11 @@ async def test_a_sibling_reads_as_the_served_chat_turn_did(vllm_server, make_pro
     """The chat endpoint under the hermes parser keeps a reply's special tokens; so does
     the sibling's /v1/completions call on the logged prompt ids (given the served turn's
     seed back), and the judge's reading of it is the served message, word for word."""
-    import aiohttp
-
-    from .helpers import wait_for_rows
-
     proxy = await make_proxy(upstream=vllm_server.url)
     # <|im_start|> (id 1, a special token) now and then.
     request = {**REQUEST, "max_tokens": 24, "seed": 5, "min_tokens": 4, "logit_bias": {"1": 6.0}}
-    assert (await proxy.post("/v1/chat/completions", json=request)).status == 200
     data = tmp_path / "data"
-    await wait_for_rows(data, 1)
-    (turn,) = rows(data, "SELECT * FROM completions")
-    body = {**completion_request(turn, 1), "seed": 5}
-    url = f"{vllm_server.url}/v1/completions"
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
-        answer = await r.json()
-    (sibling,) = sibling_rows(turn, answer, origin="resample", writer_id="w", started_at=0,
-                              ended_at=0, sent=body)  # fmt: skip
+    turn, sibling = await served_turn_and_its_sibling(proxy, vllm_server.url, data, request)
     assert sibling["completion_token_ids"] == turn["completion_token_ids"]
     served = json.loads(turn["response"])["choices"][0]["message"]
     assert "<|im_start|>" in (served.get("content") or ""), served  # skipped, it would differ
