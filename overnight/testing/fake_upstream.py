@@ -36,6 +36,10 @@ from aiohttp import web
 from . import scripted, scripted_apis
 
 FINGERPRINT = "vllm-fake"
+# Every choice of an answer is built in memory: a fuzzed `n` or `max_tokens` in the
+# billions (tests/test_fuzz_proxy.py) once took the test process to 21 GB and the OOM
+# killer. vLLM refuses a max_tokens beyond its context; the fake refuses past this.
+MAX_TOKENS_BUILT = 1_000_000
 RECEIVED = web.AppKey("received", list)
 SETTINGS = web.AppKey("settings", dict)
 # Responses answered, by id: the items a `previous_response_id` continues from.
@@ -112,6 +116,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return web.Response(body=_dumps(_ruler_answer(body)), content_type="application/json")
     n = int(body.get("n") or 1)
     max_tokens = int(body.get("max_tokens") or settings["tokens"])
+    if n * max_tokens > MAX_TOKENS_BUILT:  # as vLLM refuses a max_tokens past its context
+        message = f"n x max_tokens is {n * max_tokens}: the fake builds at most {MAX_TOKENS_BUILT}"
+        error = {"message": message, "type": "BadRequestError", "code": 400}
+        return web.json_response({"error": error}, status=400)
     tool_call = behaviour == "tool-call"
     prompt = _prompt_ids(body)
     choices = [_tokens(max_tokens, i, tool_call) for i in range(n)]
