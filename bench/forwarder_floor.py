@@ -2,7 +2,7 @@
 by side in one run, against the same fake vLLM (its own process, core 1, with wrk).
 
 - bare-aiohttp: aiohttp server + aiohttp client (bench/bare_forwarder.py)
-- raw-client:   aiohttp server + the proxy's own client, proxy/upstream.py (bench/raw_client_forwarder.py)
+- raw-client:   aiohttp server + the proxy's own client, proxy/forward/upstream.py (bench/raw_client_forwarder.py)
 
 Both pinned to core 0, as in bench/proxy_overhead.py, at concurrency 1 (added p50) and
 at concurrency 16 with a 20 ms upstream (throughput vs direct): the two targets of the
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import proxy_overhead as po  # noqa: E402
 
-from overnight.proxy.launcher import free_port  # noqa: E402
+from overnight.proxy.launch.launcher import free_port  # noqa: E402
 
 FORWARDERS = {
     "bare-aiohttp": ROOT / "bench" / "bare_forwarder.py",

@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from overnight.config import TrainConfig  # noqa: E402
 from overnight.testing.tiny_model import build_tiny_model  # noqa: E402
-from overnight.trainer.data import Sample, Turn, merge_turns  # noqa: E402
-from overnight.trainer.loss import LossConfig, policy_loss, token_weights  # noqa: E402
-from overnight.trainer.policy import load_policy, pack  # noqa: E402
-from overnight.trainer.step import fresh_adapter, micro_batch_loss  # noqa: E402
+from overnight.trainer.grpo.data import Sample, Turn, merge_turns  # noqa: E402
+from overnight.trainer.grpo.loss import LossConfig, policy_loss, token_weights  # noqa: E402
+from overnight.trainer.grpo.policy import load_policy, pack  # noqa: E402
+from overnight.trainer.grpo.step import fresh_adapter, micro_batch_loss  # noqa: E402
 
 
 def workload(vocab: int, seed: int = 0) -> list[Sample]:

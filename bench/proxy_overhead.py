@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from overnight.proxy.launcher import free_port, wait_healthy  # noqa: E402
+from overnight.proxy.launch.launcher import free_port, wait_healthy  # noqa: E402
 from overnight.testing.processes import spawn_serve  # noqa: E402
 
 LITELLM_VERSION = "1.110.2"

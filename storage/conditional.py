@@ -1,7 +1,7 @@
 """Small objects in a bucket with optimistic concurrency: ETags and conditional PUTs.
 
 What the merge manifests (location.py's `SegmentStore`), the shared promotion state
-(proxy/bucket_state.py) and the adapters' manifests (adapter_sync.py) need from a
+(proxy/adapters/bucket_state.py) and the adapters' manifests (adapter_sync.py) need from a
 bucket, on top of an fsspec filesystem (s3fs for S3 and its compatibles). An object's ETag changes with every write, so a HEAD is a cheap
 "has it changed?"; a PUT with `If-Match: <etag>` succeeds only if nobody wrote since
 that ETag was read, and one with `If-None-Match: *` only if the object does not exist

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .conditional import get, on_bucket, put_if
-from .segments import _create_private, _replace_durably, private_dir
+from .files import create_private, private_dir, replace_durably
 
 MARKER = "store.json"
 # Where readers keep their copies of a bucket's segments, in the local directory.
@@ -78,9 +78,9 @@ def attach(data: str | os.PathLike, local_dir: str | os.PathLike | None = None) 
         )
     if known is None:
         tmp = marker.with_name(f".{marker.name}.tmp")
-        _create_private(tmp)
+        create_private(tmp)
         tmp.write_text(json.dumps({"segments": url}) + "\n")
-        _replace_durably(tmp, marker)
+        replace_durably(tmp, marker)
     return local
 
 

@@ -49,10 +49,10 @@ from .location import SegmentStore, segment_store
 from .schema import SCHEMA_VERSION, TABLES, schema_fingerprint
 from .segments import (
     PARTITION_COLUMN,
-    _create_private,
-    _replace_durably,
+    create_private,
     footer_version,
     put_segment_parts,
+    replace_durably,
 )
 
 log = logging.getLogger("overnight.storage")
@@ -185,6 +185,12 @@ def list_segments(
     out.rels = sorted(keep)
     out.entries = {rel: manifest["merged"][rel] for rel in out.rels if rel in committed}
     return out
+
+
+def segment_files(data_dir: Path, table: str) -> list[Path | str]:
+    """The segments a reader reads now (merged days: their merged files):
+    local paths, or URLs in a bucket."""
+    return list_segments(data_dir, table).since(None)
 
 
 def _folder(rel: str) -> str:
@@ -466,7 +472,7 @@ def _write_manifest(ref: ManifestRef, manifest: dict) -> bool:
         return ref.store.write_if(ref.table, MANIFEST, text.encode(), ref.version)
     path = ref.store.local_path(ref.table) / MANIFEST
     tmp = path.with_name(f".{path.name}.tmp")
-    _create_private(tmp)
+    create_private(tmp)
     tmp.write_text(text)
-    _replace_durably(tmp, path)
+    replace_durably(tmp, path)
     return True

@@ -43,7 +43,10 @@ COMPLETIONS = pa.schema(
         ("group_id", pa.string()),
         ("rollout_id", pa.string()),
         ("attribution", pa.string()),  # header | url | metadata | choices | none
-        ("turn_index", pa.int32()),  # model turns before it in its conversation (proxy/records.py)
+        (
+            "turn_index",
+            pa.int32(),
+        ),  # model turns before it in its conversation (proxy/capture/records.py)
         ("choice_index", pa.int32()),
         ("endpoint", pa.string()),  # chat.completions | completions
         ("model_requested", pa.string()),

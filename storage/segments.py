@@ -17,11 +17,9 @@ with the reason, counted and logged. Every file and directory made here is owner
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import logging
-import os
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .files import create_private, private_dir, replace_durably
 from .schema import (
     ARROW_ERRORS,
     JSON_COLUMNS,
@@ -44,7 +43,7 @@ from .schema import (
     json_text,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # only for hints: location.py builds on files.py, not on this module
     from .location import SegmentStore
 
 log = logging.getLogger("overnight.storage")
@@ -192,49 +191,14 @@ def _day(micros: object) -> str:
         return "unknown"
 
 
-def private_dir(path: Path) -> None:
-    """Make `path` and its missing parents owner-only (0o700); existing ones are kept as
-    they are (the operator may have chosen their mode)."""
-    missing = []
-    while not path.is_dir():
-        missing.append(path)
-        path = path.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # made by another process meanwhile
-            directory.mkdir(mode=0o700)
-
-
-def _create_private(path: Path) -> None:
-    """An empty owner-only file at `path`, so that what is written there is never
-    readable by others, not even for a moment."""
-    path.unlink(missing_ok=True)  # a leftover keeps its mode: start over
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file, or a directory (which makes a rename in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_durably(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
 def write_segment(table: pa.Table, path: Path) -> None:
     """Write atomically: a reader sees the whole file or none of it."""
     private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.tmp")
     table = _with_version(table)
-    _create_private(tmp)
+    create_private(tmp)
     pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP_SIZE)
-    _replace_durably(tmp, path)
+    replace_durably(tmp, path)
 
 
 # The footer key of a segment's newest schema version: a reader learns it without a scan.
@@ -292,84 +256,10 @@ def put_segment_parts(
     path = store.local_path(name, rel)
     private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.tmp")
-    _create_private(tmp)
+    create_private(tmp)
     write(str(tmp))
-    _replace_durably(tmp, path)
+    replace_durably(tmp, path)
     return rows
-
-
-def quarantine(data_dir: Path, log_path: Path, lines: list[tuple[bytes, str]]) -> Path:
-    """Set `lines` aside in `quarantine/{log stem}.jsonl`, one JSON object per line:
-    `{"log": name, "reason": why, "line": the line as text}`. Written whole or not at
-    all, so compacting the same log again (after a crash) leaves the same file."""
-    path = data_dir / QUARANTINE_DIR / f"{log_path.stem}{LOG_SUFFIX}"
-    private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp")
-    _create_private(tmp)
-    with open(tmp, "wb") as f:
-        for line, why in lines:
-            text = line.decode("utf-8", "replace")
-            f.write(json_text({"log": log_path.name, "reason": why, "line": text}).encode() + b"\n")
-    _replace_durably(tmp, path)
-    return path
-
-
-@dataclass
-class Compacted:
-    rows: int  # written to segments
-    quarantined: int  # lines set aside
-
-
-def compact(data_dir: Path, log_path: Path) -> Compacted:
-    """Turn one sealed log into Parquet segments and delete it."""
-    from .location import segment_store  # location.py builds on this module
-
-    store = segment_store(data_dir)
-    parsed = parse_log(log_path)
-    set_aside = list(parsed.damaged)
-    written = 0
-    for table, pairs in parsed.rows.items():
-        by_day: dict[str, list[tuple[dict, bytes]]] = defaultdict(list)
-        for row, line in pairs:
-            by_day[_day(row.get(PARTITION_COLUMN[table]))].append((row, line))
-        for day, day_pairs in by_day.items():
-            arrow, rejected = to_arrow(table, [row for row, _ in day_pairs])
-            set_aside += [(day_pairs[i][1], why) for i, why in rejected]
-            if arrow.num_rows:  # a bucket that is down raises: the log stays, tried again
-                put_segment(store, table, f"date={day}/{log_path.stem}.parquet", arrow)
-                written += arrow.num_rows
-    if parsed.torn or parsed.damaged:
-        log.warning(
-            "%s: skipped %d damaged or torn line(s) (%d torn last line, never committed)",
-            log_path.name,
-            parsed.torn + len(parsed.damaged),
-            parsed.torn,
-        )
-    if set_aside:
-        where = quarantine(data_dir, log_path, set_aside)
-        log.error(
-            "%s: %d line(s) could not be stored and were set aside in %s; first reason: %s",
-            log_path.name,
-            len(set_aside),
-            where,
-            set_aside[0][1],
-        )
-    log_path.unlink()
-    fsync_path(log_path.parent)
-    return Compacted(written, len(set_aside))
-
-
-def compact_log(data_dir: Path, log_path: Path) -> int:
-    """`compact`, returning the rows written."""
-    return compact(data_dir, log_path).rows
-
-
-def segment_files(data_dir: Path, table: str) -> list[Path | str]:
-    """The segments a reader reads now (merged days: their merged files, see merge.py):
-    local paths, or URLs in a bucket."""
-    from .merge import list_segments  # merge.py builds on this module
-
-    return list_segments(data_dir, table).since(None)
 
 
 def log_files(data_dir: Path) -> list[Path]:
@@ -378,23 +268,3 @@ def log_files(data_dir: Path) -> list[Path]:
 
 def quarantine_files(data_dir: Path) -> list[Path]:
     return sorted((data_dir / QUARANTINE_DIR).glob(f"*{LOG_SUFFIX}"))
-
-
-def main(argv: list[str]) -> None:
-    """`main([DATA_DIR, LOG])`: what the writer runs in a child. It prints
-    `rows N quarantined M`; what it logs goes to stderr, which the writer passes on."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    done = compact(Path(argv[0]), Path(argv[1]))
-    print("rows", done.rows, "quarantined", done.quarantined, flush=True)
-    from .merge import merge_closed_days  # merge.py builds on this module
-
-    try:  # closed days into one file each: cheap when there is nothing to merge
-        merge_closed_days(Path(argv[0]))
-    except Exception:  # the log is compacted; a merge not done now is done next time
-        log.exception("could not merge closed days; tried again after the next roll")
-
-
-if __name__ == "__main__":  # python -m overnight.storage.segments DATA_DIR LOG
-    import sys
-
-    main(sys.argv[1:])

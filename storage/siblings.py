@@ -8,7 +8,7 @@ of `completions`: nothing that reads served traffic sees them. The served choice
 its siblings form the per-turn group `turn:<served record id>`; the served choice is a
 member by reference (`turn:<id>:served`), not copied.
 
-Two writers use these functions: the nightly stage (trainer/resample.py) and the
+Two writers use these functions: the nightly stage (trainer/night/resample.py) and the
 proxy's shadow sampler, which asks right after the served answer. Both build the
 request with `completion_request` and the rows with `sibling_rows`. No request field or
 header makes the proxy write a sibling row.

@@ -45,8 +45,10 @@ import orjson
 
 from overnight.errors import OvernightError
 
+from .compaction import compact
+from .files import private_dir
 from .schema import JSON_COLUMNS, TABLES, add_note, fit_row, fit_value, json_text
-from .segments import LOG_DIR, LOG_SUFFIX, compact, log_files, private_dir
+from .segments import LOG_DIR, LOG_SUFFIX, log_files
 
 log = logging.getLogger("overnight.storage")
 NICE = shutil.which("nice")
@@ -494,7 +496,7 @@ class LogWriter:
             return True
         # In a child process: parsing a big log and building Parquet holds the GIL for
         # seconds, which would stall the proxy's event loop. We keep the lock meanwhile.
-        child = "import sys; from overnight.storage.segments import main; main(sys.argv[1:])"
+        child = "import sys; from overnight.storage.compaction import main; main(sys.argv[1:])"
         command = [sys.executable, "-c", child, str(self.config.data_dir), str(locked.path)]
         if NICE is not None:  # lower priority: the proxy's requests come first
             command = [NICE, "-n", "10", *command]

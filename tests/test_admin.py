@@ -211,7 +211,7 @@ async def test_promoted_adapter_survives_a_restart(make_proxy, fake_settings, re
 
 @pytest.mark.parametrize("path", ["/admin/adapters", "/admin/stats"])
 async def test_admin_is_loopback_only_without_a_token(make_proxy, path):
-    from overnight.proxy.auth import is_loopback
+    from overnight.proxy.routes.auth import is_loopback
 
     proxy = await make_proxy()
     assert (await proxy.get(path)).status == 200  # the test client is on loopback

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from overnight.cli import main
 from overnight.config import ProxyConfig
 from overnight.proxy import create_app
-from overnight.proxy.bucket_state import BucketState
-from overnight.proxy.lora_client import AdapterError
+from overnight.proxy.adapters.bucket_state import BucketState
+from overnight.proxy.adapters.lora_client import AdapterError
 from overnight.proxy.state import ADAPTERS
 from overnight.storage import attach
 from overnight.storage.adapter_sync import CACHE, key_of, manifest_of, publish
@@ -321,7 +321,7 @@ async def test_a_trainer_that_shares_no_disk_with_the_proxies_promotes_and_resum
     """`overnight train` on a GPU node: what it trained reaches the proxies through the
     bucket (never by its own path), a resumed run finds it served, and the next night,
     on another node, starts from a checked copy of the served adapter."""
-    from overnight.trainer.proxy_client import local_adapter, served_adapter, serving_state
+    from overnight.trainer.night.proxy_client import local_adapter, served_adapter, serving_state
     from overnight.trainer.train import _promote_once, shared_adapter
 
     a, b = await machines("trainer")

@@ -14,10 +14,10 @@ from click.testing import CliRunner
 from overnight.cli import main
 from overnight.config import ProxyConfig, TrainConfig
 from overnight.proxy import create_app
-from overnight.proxy.adapters import in_canary
+from overnight.proxy.adapters.registry import in_canary
 from overnight.proxy.state import ADAPTERS
 from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer import canary
+from overnight.trainer.night import canary
 
 from .helpers import adapter_dir, await_until, completion_row, lora_calls, version_of
 

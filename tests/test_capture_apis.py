@@ -12,7 +12,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from overnight.proxy.conversation import ResponseChains, carried_over, resolve_responses_request
+from overnight.proxy.capture.conversation import (
+    ResponseChains,
+    carried_over,
+    resolve_responses_request,
+)
 
 from .helpers import rows, wait_for_rows
 
@@ -254,7 +258,7 @@ async def test_messages_are_recorded_in_the_chat_shape(make_proxy, fake, tmp_pat
 
 
 def test_tool_results_in_messages_become_tool_messages():
-    from overnight.proxy.conversation import anthropic_messages
+    from overnight.proxy.capture.conversation import anthropic_messages
 
     use = {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}
     result = {
@@ -392,7 +396,7 @@ async def test_responses_and_messages_rows_are_trained_from_their_text(
     from transformers import AutoTokenizer
 
     from overnight.config import TrainConfig
-    from overnight.trainer.plan import plan_run
+    from overnight.trainer.night.plan import plan_run
 
     proxy = await make_proxy()
     json_type = {"Content-Type": "application/json"}

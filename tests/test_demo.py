@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from overnight.proxy.launcher import free_port
+from overnight.proxy.launch.launcher import free_port
 
 from .helpers import rows, version_of
 

@@ -14,8 +14,8 @@ from overnight.cli import main
 from overnight.config import TrainConfig
 from overnight.judge.scoring import pair_scorer
 from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.gate import bootstrap_means, decide, paired_interval
-from overnight.trainer.watch import check, watch
+from overnight.trainer.night.gate import bootstrap_means, decide, paired_interval
+from overnight.trainer.night.watch import check, watch
 
 from .helpers import chat_response, completion_row, rows, wait_for_rows
 

@@ -199,7 +199,7 @@ async def test_header_values_outside_latin_1_are_forwarded_as_sent(make_proxy, r
 async def test_an_unexpected_failure_is_a_500_json_error_with_a_record(
     make_proxy, monkeypatch, tmp_path, caplog
 ):
-    from overnight.proxy import agent_api
+    from overnight.proxy.routes import agent_api
 
     def broken(body, endpoint):
         raise RuntimeError("a bug")

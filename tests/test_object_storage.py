@@ -23,8 +23,9 @@ from overnight.storage import LogWriter, WriterConfig, attach, open_db, recover
 from overnight.storage import merge as merge_module
 from overnight.storage.conditional import BucketError
 from overnight.storage.location import CACHE_DIR, MARKER, segment_store
-from overnight.storage.segments import log_files, segment_files
-from overnight.trainer.plan import plan_run
+from overnight.storage.merge import segment_files
+from overnight.storage.segments import log_files
+from overnight.trainer.night.plan import plan_run
 
 from .helpers import completion, merge_looking, rows
 

@@ -227,7 +227,7 @@ async def test_a_failing_redaction_hook_stores_no_body_and_is_counted(make_proxy
 
 def test_a_redaction_hook_that_cannot_be_loaded_stops_the_start(tmp_path):
     from overnight.errors import ConfigError
-    from overnight.proxy.redact import Redactor
+    from overnight.proxy.capture.redact import Redactor
 
     with pytest.raises(ConfigError, match="no_such_module"):
         Redactor("no_such_module:redact")
@@ -305,7 +305,7 @@ def test_serve_leaves_its_address_and_rollback_finds_it(fake_process, tmp_path):
 
 
 def test_the_cpu_kv_cache_is_sized_from_the_model(monkeypatch):
-    from overnight.proxy import vllm_cpu
+    from overnight.proxy.launch import vllm_cpu
 
     qwen7b = {
         "num_hidden_layers": 28,

@@ -255,7 +255,7 @@ def test_the_proxy_never_imports_torch_or_litellm():
     import sys
 
     code = (
-        "import sys, overnight.cli, overnight.proxy, overnight.serve, overnight.proxy.launcher; "
+        "import sys, overnight.cli, overnight.proxy, overnight.serve, overnight.proxy.launch.launcher; "
         "bad = [m for m in ('torch', 'litellm', 'transformers', 'peft') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -287,7 +287,7 @@ async def test_turns_alternating_between_two_proxies_are_numbered_once(make_prox
 
 
 def test_a_turn_is_numbered_by_the_model_turns_in_its_conversation():
-    from overnight.proxy.records import conversation_turns
+    from overnight.proxy.capture.records import conversation_turns
 
     user, assistant = {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}
     reasoning = {"role": "assistant", "content": None, "reasoning": "r"}  # one Responses reply

@@ -8,7 +8,7 @@ import aiohttp
 import psutil
 import pytest
 
-from overnight.proxy.launcher import free_port
+from overnight.proxy.launch.launcher import free_port
 
 from .helpers import await_until, sse_events, wait_for_rows
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from overnight.config import ProxyConfig
 from overnight.proxy import create_app
-from overnight.proxy.balancer import Balancer
+from overnight.proxy.forward.balancer import Balancer
 from overnight.proxy.state import ADAPTERS, UPSTREAM
 from overnight.testing.fake_upstream import RECEIVED, SETTINGS, create_fake_upstream
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve

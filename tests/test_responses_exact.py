@@ -79,7 +79,7 @@ async def test_a_model_that_refuses_the_additions_is_asked_as_the_client_asked(
 
 
 def test_with_data_keeps_an_events_other_fields():
-    from overnight.proxy.sse import with_data
+    from overnight.proxy.forward.sse import with_data
 
     event = b'event: response.output_text.delta\nid: 7\ndata: {"a":\ndata: 1}\n\n'
     assert with_data(event, b"{}") == b"event: response.output_text.delta\nid: 7\ndata: {}\n\n"
@@ -91,12 +91,12 @@ async def test_responses_token_fields_can_be_asked_for_and_hidden(vllm_server, s
     """What the proxy would add to a Responses request for token ids (api_capture.py),
     hidden again, gives the client vLLM's answer to the plain request; and the answer
     with them is what the accumulator records token-exact from."""
-    from overnight.proxy.api_capture import (
+    from overnight.proxy.capture.apis import (
         ResponsesAccumulator,
         add_responses_fields,
         hide_responses_additions,
     )
-    from overnight.proxy.jsonio import json_dumps
+    from overnight.proxy.forward.jsonio import json_dumps
 
     from .compat.test_real_vllm import coalesced, normalise
 

@@ -1,4 +1,4 @@
-"""The distribution vLLM sampled from (trainer/sampling.py), against numbers worked by hand.
+"""The distribution vLLM sampled from (trainer/grpo/sampling.py), against numbers worked by hand.
 
 Logits [2, 1, 0, -1] over a four-token vocabulary throughout. At temperature 1 the
 probabilities are 0.6439, 0.2369, 0.0871, 0.0321.
@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from overnight.trainer.sampling import (  # noqa: E402
+from overnight.trainer.grpo.sampling import (  # noqa: E402
     SamplingParams,
     from_request,
     processed_logprobs,
@@ -185,7 +185,7 @@ def test_serve_upstream_checks_the_logprobs_mode(logprob, verdict, says):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from overnight.proxy.launcher import check_logprobs_mode
+    from overnight.proxy.launch.launcher import check_logprobs_mode
 
     asked = []
 

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from overnight.storage.segments import log_files, segment_files
+from overnight.storage.merge import segment_files
+from overnight.storage.segments import log_files
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
 from .helpers import rows, wait_until
@@ -115,7 +116,7 @@ def served_requests(vllm_url: str) -> float:
 @pytest.mark.vllm
 def test_serve_starts_two_local_vllm_replicas_and_balances_over_them(tiny_model_dir, tmp_path):
     pytest.importorskip("vllm")
-    from overnight.proxy.balancer import Balancer
+    from overnight.proxy.forward.balancer import Balancer
 
     args = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--vllm-replicas", "2"]
     args += ["--vllm-arg=--max-model-len=2048", "--vllm-arg=--max-num-seqs=4"]

@@ -1,4 +1,4 @@
-"""Shadow sampling (proxy/shadow.py): siblings of served turns, asked for after the answer.
+"""Shadow sampling (proxy/shadow/sampler.py): siblings of served turns, asked for after the answer.
 
 Against the in-process fake vLLM: when the siblings are asked for, what is asked, where
 they are stored, what the client sees, and that nothing on the shadow side can reach
@@ -15,10 +15,10 @@ import aiohttp
 import pytest
 
 from overnight.config import ProxyConfig
-from overnight.proxy import shadow as shadow_module
-from overnight.proxy.balancer import Balancer
-from overnight.proxy.redact import Redactor
-from overnight.proxy.shadow import TRACE_ENV, ShadowSampler, assemble_stream
+from overnight.proxy.capture.redact import Redactor
+from overnight.proxy.forward.balancer import Balancer
+from overnight.proxy.shadow import sampler as shadow_module
+from overnight.proxy.shadow.sampler import TRACE_ENV, ShadowSampler, assemble_stream
 from overnight.storage import open_db
 from overnight.storage.siblings import add_turn_views, turn_group_id
 

@@ -16,7 +16,8 @@ from overnight.storage import (
     open_db,
     recover,
 )
-from overnight.storage.segments import log_files, segment_files
+from overnight.storage.merge import segment_files
+from overnight.storage.segments import log_files
 from overnight.storage.writer import try_lock
 
 from .helpers import completion, merge_looking, rows, wait_until
@@ -196,7 +197,7 @@ def test_several_writers_share_one_directory(tmp_path):
 
 async def test_a_request_with_n_choices_is_stored_once(make_proxy, tmp_path):
     """Defect 10: n=200 with a 100 KB body wrote 20 MB (the request once per choice)."""
-    from overnight.trainer.records import load_samples
+    from overnight.trainer.grpo.records import load_samples
 
     proxy = await make_proxy()
     text = "x" * 100_000

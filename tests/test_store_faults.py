@@ -25,8 +25,9 @@ from overnight.storage import (
     WriterConfig,
     recover,
 )
+from overnight.storage.merge import segment_files
 from overnight.storage.schema import COMPLETIONS
-from overnight.storage.segments import log_files, quarantine_files, segment_files
+from overnight.storage.segments import log_files, quarantine_files
 
 from .helpers import completion, rows
 

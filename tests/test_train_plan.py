@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from overnight.cli import main
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, now_us
-from overnight.trainer.plan import Plan
+from overnight.trainer.night.plan import Plan
 from overnight.trainer.train import RunResult, plan_run, record_run
 
 from .helpers import chat_response, completion_row

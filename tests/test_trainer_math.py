@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from overnight.trainer.data import DataError, Turn, group_advantages, merge_turns
-from overnight.trainer.loss import LossConfig, Normalisation, policy_loss, token_weights
+from overnight.trainer.grpo.data import DataError, Turn, group_advantages, merge_turns
+from overnight.trainer.grpo.loss import LossConfig, Normalisation, policy_loss, token_weights
 
 # -- samples from logged turns ---------------------------------------------------------
 

@@ -41,7 +41,7 @@ def models(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from overnight.config import TrainConfig
-    from overnight.trainer.step import fresh_adapter
+    from overnight.trainer.grpo.step import fresh_adapter
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     config = TrainConfig(lora_rank=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj"))
@@ -70,8 +70,8 @@ def _full_logprobs(model, ids: list[int], temperature: float, adapter: bool = Tr
 def make_batch(model, temperature: float = 1.0):
     """Samples whose logged logprobs are the model's (at `temperature`), shifted by
     -1.5..+0.7 nats."""
-    from overnight.trainer.data import Turn, merge_turns
-    from overnight.trainer.sampling import SamplingParams
+    from overnight.trainer.grpo.data import Turn, merge_turns
+    from overnight.trainer.grpo.sampling import SamplingParams
 
     vocab = model.config.vocab_size
     rng = random.Random(1)
@@ -94,8 +94,8 @@ def batch(models):
 
 
 def _ours(model, samples, loss_config):
-    from overnight.trainer.loss import token_weights
-    from overnight.trainer.step import micro_batch_loss
+    from overnight.trainer.grpo.loss import token_weights
+    from overnight.trainer.grpo.step import micro_batch_loss
 
     model.zero_grad(set_to_none=True)
     weights = token_weights([s.trained_tokens for s in samples], loss_config)
@@ -174,7 +174,7 @@ CASES = [
 def test_loss_and_lora_gradients_equal_trl(
     models, batch, tiny_model_dir, tmp_path, variant, level, kl_coef
 ):
-    from overnight.trainer.loss import LossConfig
+    from overnight.trainer.grpo.loss import LossConfig
 
     config = LossConfig(variant=variant, level=level, kl_coef=kl_coef, max_tokens=64)
     ours_model, trl_model = models
@@ -194,7 +194,7 @@ def test_loss_and_lora_gradients_equal_trl(
 
 
 def test_without_dual_clip_equals_trl_without_delta(models, batch, tiny_model_dir, tmp_path):
-    from overnight.trainer.loss import LossConfig
+    from overnight.trainer.grpo.loss import LossConfig
 
     config = LossConfig(variant="dapo", dual_clip=None)
     ours_loss, ours_grads, _ = _ours(models[0], batch, config)
@@ -209,7 +209,7 @@ def test_without_dual_clip_equals_trl_without_delta(models, batch, tiny_model_di
 def test_a_sampling_temperature_equals_trls_temperature(models, tiny_model_dir, tmp_path, level):
     """Records sampled at temperature 0.7: our per-record temperature is TRL's `temperature`
     (TRL has no top-k/top-p in its loss; ours has, tests/test_sampling.py)."""
-    from overnight.trainer.loss import LossConfig
+    from overnight.trainer.grpo.loss import LossConfig
 
     samples = make_batch(models[0], temperature=0.7)
     config = LossConfig(variant="dapo", level=level, kl_coef=0.05)

@@ -22,14 +22,14 @@ from overnight.storage.siblings import (
     sibling_rows,
     turn_group_id,
 )
-from overnight.trainer.gate import without
-from overnight.trainer.plan import TRAINED_AS_TURNS, TURN_PENDING_KEY, Plan, plan_run
-from overnight.trainer.train import RunResult, record_run
-from overnight.trainer.turn_groups import (
+from overnight.trainer.night.gate import without
+from overnight.trainer.night.plan import TRAINED_AS_TURNS, TURN_PENDING_KEY, Plan, plan_run
+from overnight.trainer.night.turn_groups import (
     OWN_GROUP_TRAINED,
     OWN_GROUP_WAITS,
     add_turn_groups,
 )
+from overnight.trainer.train import RunResult, record_run
 
 from .helpers import chat_response, completion_row
 from .test_resample import PROMPT, REQUEST, vllm_response

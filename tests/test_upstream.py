@@ -1,4 +1,4 @@
-"""The proxy's own client for the hop to vLLM (proxy/upstream.py), against a real
+"""The proxy's own client for the hop to vLLM (proxy/forward/upstream.py), against a real
 aiohttp server on a real socket: keep-alive reuse, idle expiry, a stale pooled
 connection, streamed bodies, errors in aiohttp's types."""
 
@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from overnight.proxy.upstream import UpstreamPool
+from overnight.proxy.forward.upstream import UpstreamPool
 
 
 @pytest.fixture

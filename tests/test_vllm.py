@@ -275,7 +275,7 @@ SAMPLED_AS = [
 
 def _vllms_processing(model, row: dict) -> tuple[list[float], list[float]]:
     """(processed, raw) logprobs of a record's completion, from the model's logits with
-    vLLM's own top-k/top-p function: independent of trainer/sampling.py."""
+    vLLM's own top-k/top-p function: independent of trainer/grpo/sampling.py."""
     import torch
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 

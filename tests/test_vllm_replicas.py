@@ -11,7 +11,7 @@ import pytest
 
 from overnight.config import ProxyConfig, VLLMConfig
 from overnight.errors import ConfigError
-from overnight.proxy.launcher import LaunchError, replica_configs, vllm_command
+from overnight.proxy.launch.launcher import LaunchError, replica_configs, vllm_command
 from overnight.serve import with_priority_scheduling, with_replicas
 
 

@@ -35,7 +35,7 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir, tmp_path_factory):
     _require_vllm()
-    from overnight.proxy.launcher import VLLMConfig, VLLMProcess
+    from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tiny model needs little
     log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"

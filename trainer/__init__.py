@@ -1,9 +1,9 @@
 """Trainer: GRPO on LoRA from logged records.
 
-records -> token sequences and masks (`data`, `records`), which groups a run takes and
-why not others (`plan`), the GRPO loss with its normalisation variants (`loss`, math in
-docs/grpo.md), packed policy logprobs (`policy`), one optimizer step over micro-batches
-(`step`), one or many processes (`parallel`), what a run keeps on disk to resume
-(`checkpoint`), the proxy's admin API (`proxy_client`), and the nightly run that ties
-them together (`train`).
+`train` tells the night's story top to bottom: plan, score, resample, train, gate,
+promote, watch. What it decides lives in `night/` (the plan, per-turn groups, the gate,
+the canary and the watch, checkpoints, the proxy's admin API); the numerics in `grpo/`
+(records to token sequences, vLLM's sampling redone, the loss, the policy's logprobs,
+one optimizer step, one process or many). `night` imports `grpo`, never the reverse;
+nothing here imports the proxy or the judge (the CLI hands a scorer over).
 """

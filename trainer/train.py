@@ -28,8 +28,11 @@ from overnight.errors import OvernightError
 from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, open_db
 from overnight.view.report import write_report
 
-from .canary import start as start_canary
-from .checkpoint import (
+from .grpo.parallel import Parallel
+from .grpo.sampling import server_defaults
+from .grpo.step import fresh_adapter, micro_batch_loss, optimizer_step, with_behaviour
+from .night.canary import start as start_canary
+from .night.checkpoint import (
     RunDir,
     kill_point,
     load_checkpoint,
@@ -37,10 +40,9 @@ from .checkpoint import (
     save_checkpoint,
     unfinished_run,
 )
-from .gate import Scorer, Verdict, held_out_prompts, run_gate, skipped
-from .parallel import Parallel
-from .plan import Plan, plan_run
-from .proxy_client import (
+from .night.gate import Scorer, Verdict, held_out_prompts, run_gate, skipped
+from .night.plan import Plan, plan_run
+from .night.proxy_client import (
     admin_call,
     base_model_of,
     local_adapter,
@@ -49,11 +51,9 @@ from .proxy_client import (
     serving_state,
     shared_adapter,
 )
-from .resample import resample_turns
-from .sampling import server_defaults
-from .step import fresh_adapter, micro_batch_loss, optimizer_step, with_behaviour
-from .turn_groups import add_turn_groups, is_turn_group
-from .watch import watch as watch_served
+from .night.resample import resample_turns
+from .night.turn_groups import add_turn_groups, is_turn_group
+from .night.watch import watch as watch_served
 
 # Re-exported: the CLI, the tests and the benchmarks import these from here.
 __all__ = [
@@ -277,7 +277,7 @@ def run_training(
     """
     import torch
 
-    from .loss import LossConfig
+    from .grpo.loss import LossConfig
 
     torch.manual_seed(config.seed)  # before the fresh adapter's initialisation
     parallel = Parallel.start(fsdp=config.fsdp)
@@ -345,7 +345,7 @@ def _start_policy(
     """(model on this process's device, its optimizer, the checkpoint's state or None)."""
     import torch
 
-    from .policy import load_policy, torch_dtype
+    from .grpo.policy import load_policy, torch_dtype
 
     state = load_checkpoint(checkpoint)
     dtype = torch_dtype(config.dtype)

@@ -310,7 +310,7 @@ def list_runs(con: duckdb.DuckDBPyConnection, limit: int, events: Sequence[dict]
     headers += ["reward_mean", "logprob_gap", "promoted_as", "started_at", "gate"]
     shown = [r[:7] + (_gap(r[7]),) + r[8:11] for r in rows]
     out = _table(headers, shown) + f"\n({len(rows)} row(s))"
-    # Why the gate refused (trainer/gate.py): the candidate stays on disk, unserved.
+    # Why the gate refused (trainer/night/gate.py): the candidate stays on disk, unserved.
     out += "".join(f"\n{r[0]}: gate refused: {r[11]}" for r in rows if r[10] == "refused")
     shown_events = [e for e in events if e.get("action") != "promote"][-int(limit) :]
     out += "".join(

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from overnight.proxy.launcher import LaunchError, free_port, wait_healthy
+from overnight.proxy.launch.launcher import LaunchError, free_port, wait_healthy
 
 # Beside vLLM's own log (logs/vllm.log, written by `serve --model`).
 SERVE_LOG = Path("logs") / "serve.log"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from overnight.trainer.data import Sample
-from overnight.trainer.loss import LossConfig
+from overnight.trainer.grpo.data import Sample
+from overnight.trainer.grpo.loss import LossConfig
 
 
 def grpo_config_options(loss: LossConfig) -> dict:

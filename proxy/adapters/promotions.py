@@ -1,0 +1,104 @@
+"""What the promotion state holds (adapters, routes, the canary's share) and the
+offline rollback, for the registry (adapters.py) and for the CLI when no proxy runs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from overnight.storage.location import segment_store
+
+from .bucket_state import BucketState
+from .lora_client import AdapterError
+from .state_file import StateFile
+
+EVENTS_KEPT = 200  # promotions, rollbacks and canary decisions kept in adapters.json
+
+
+def open_state(path: Path) -> StateFile | BucketState:
+    """The promotion state at `path` (DATA/adapters.json): that file, or, when the data
+    directory's segments are in a bucket, the bucket's `adapters.json`."""
+    store = segment_store(Path(path).parent)
+    if not store.remote:
+        return StateFile(path)
+    return BucketState(store, path)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str  # the name vLLM serves it under
+    version: int
+    path: str
+    promoted_at: str
+    reason: str = "promote"  # promote | rollback | restore | canary
+    # With a bucket: its upload (storage/adapter_sync.py), which every proxy loads a
+    # local copy of; None with a local data directory, where `path` is loaded.
+    source: str | None = None
+
+
+def stored(adapter: Adapter) -> dict:
+    """`adapter` as the state keeps it (no `source` key without a bucket, as before)."""
+    out = asdict(adapter)
+    if out["source"] is None:
+        del out["source"]
+    return out
+
+
+def serving(state: dict) -> tuple[Adapter | None, Adapter | None]:
+    """What `state` serves: the alias's adapter and the canary."""
+    by_name = {a["name"]: a for a in state.get("adapters", [])}
+    top = by_name.get(state["stack"][-1]) if state.get("stack") else None
+    canary = by_name.get((state.get("canary") or {}).get("name", ""))
+    return (Adapter(**top) if top else None, Adapter(**canary) if canary else None)
+
+
+def canary_state(canary: Adapter | None, fraction: float) -> dict | None:
+    return {"name": canary.name, "fraction": fraction} if canary else None
+
+
+def history_event(action: str, adapter: Adapter, why: str, serves: Adapter | None) -> dict:
+    """One line of the history of what the alias served (`serves`: after it), and why."""
+    return {
+        "at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
+        "action": action,
+        "adapter": adapter.name,
+        "path": adapter.path,
+        "serves": serves.name if serves else None,
+        "reason": why,
+    }
+
+
+def in_canary(key: str, fraction: float) -> bool:
+    """Whether the rollout `key` is in the canary's share: a hash, the same in every process."""
+    point = int.from_bytes(hashlib.blake2b(b"canary\0" + key.encode(), digest_size=8).digest())
+    return point < fraction * 2**64
+
+
+@dataclass(frozen=True)
+class Route:
+    served: str  # model name sent upstream
+    version: int | None  # adapter version, None for the base model or a pass-through
+
+
+def rollback_on_disk(state_path: Path, why: str = "") -> Adapter | None:
+    """The rollback for when no proxy runs on this data directory: drop the newest
+    promotion from `adapters.json` (in the bucket, with `--data s3://...`), so the next
+    `overnight serve` restores the one before it (or serves the base model). Returns
+    what will serve. (A proxy that does run follows the change too, loading that adapter
+    again.)"""
+    shared = open_state(state_path)
+    with shared.locked_blocking():
+        state = shared.read()
+        if not state:
+            raise AdapterError("nothing to roll back: no adapter was ever promoted here")
+        if not state.get("stack"):
+            raise AdapterError("nothing to roll back: the alias already serves the base model")
+        gone = state["stack"].pop()
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+        event = {"at": now, "action": "rollback", "adapter": gone, "reason": why}
+        event["serves"] = state["stack"][-1] if state["stack"] else None
+        state["events"] = [*state.get("events", []), event][-EVENTS_KEPT:]
+        shared.write(state)
+    return serving(state)[0]

@@ -1,0 +1,96 @@
+"""What the proxy keeps while requests pass: one request's `Capture`, the rollouts' turns,
+the groups' sizes (for shadow sampling).
+
+Below `records` (which turns a Capture into rows) and above the pure `capture` module
+(the accumulator), so every layer imports downwards and the rows are built from typed
+objects.
+"""
+
+from __future__ import annotations
+
+import time
+
+from overnight.proxy.adapters.registry import Route
+from overnight.storage import new_id
+
+from .chat import Accumulator
+
+
+class Capture:
+    """What one request produced, filled in as the response goes by."""
+
+    # Slots: one Capture per request, its fields read and written on the hot path.
+    __slots__ = (
+        "request_id",
+        "endpoint",
+        "stream",
+        "request_body",
+        "route",
+        "acc",
+        "status",
+        "error",
+        "error_body",
+        "t0",
+        "ttft_ms",
+        "latency_ms",
+    )
+
+    def __init__(self, endpoint: str, stream: bool, request_body: dict, route: Route):
+        self.request_id = new_id()
+        self.endpoint = endpoint
+        self.stream = stream
+        self.request_body = request_body
+        self.route = route
+        self.acc = Accumulator(endpoint)
+        self.status = 0
+        self.error: str | None = None
+        self.error_body: str | None = None
+        self.t0 = time.perf_counter()
+        self.ttft_ms: float | None = None
+        self.latency_ms: float | None = None
+
+    def first_byte(self) -> None:
+        if self.ttft_ms is None:
+            self.ttft_ms = (time.perf_counter() - self.t0) * 1000
+
+    def done(self) -> None:
+        self.latency_ms = (time.perf_counter() - self.t0) * 1000
+
+
+class TurnCounter:
+    """Turn index per rollout, in the order this process saw them; bounded memory."""
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self.counts: dict[str, int] = {}
+
+    def next(self, rollout_id: str) -> int:
+        n = self.counts.pop(rollout_id, -1) + 1
+        self.counts[rollout_id] = n  # re-inserted: most recent last
+        if len(self.counts) > self.capacity:
+            del self.counts[next(iter(self.counts))]
+        return n
+
+
+class GroupRollouts:
+    """How many distinct rollouts this process has seen in each group; bounded memory.
+
+    A turn is in a group of two or more once a second rollout of its group arrives, so
+    the first rollout of a group is counted before its siblings exist (the proxy cannot
+    see the future); requests with n > 1 are groups of their own and never reach here.
+    """
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self.groups: dict[str, str | int] = {}  # group -> its one rollout id, or a count
+
+    def add(self, group_id: str, rollout_id: str) -> int:
+        """Note `rollout_id` in `group_id`; the number of rollouts seen in it (capped at 2)."""
+        seen = self.groups.pop(group_id, None)
+        if seen is None or seen == rollout_id:
+            self.groups[group_id] = rollout_id  # re-inserted: most recent last
+            if len(self.groups) > self.capacity:
+                del self.groups[next(iter(self.groups))]
+            return 1
+        self.groups[group_id] = 2
+        return 2

@@ -1,0 +1,84 @@
+"""The admin API under /admin/: the adapters behind the alias, and the proxy's counters.
+
+Access (the admin token, else loopback only) is checked by the app's middleware
+(auth.py) before any of these run.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from overnight.errors import OvernightError
+from overnight.proxy.capture.redact import REDACTOR
+from overnight.proxy.capture.uncaptured import UNCAPTURED
+from overnight.proxy.forward.jsonio import read_json_object
+from overnight.proxy.shadow.sampler import SHADOW
+from overnight.proxy.state import ADAPTERS, STATS, WRITER
+
+
+async def adapters(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ADAPTERS].describe())
+
+
+async def promote(request: web.Request) -> web.Response:
+    """{"path": ...}: serve it under the alias; with "canary": 0.1, only to that share of
+    the alias's rollouts (promoting the canary's path later serves it to all); "reason"
+    is kept with the event."""
+    body = await read_json_object(request)
+    _expect(body, {"path": "string", "canary": "number", "reason": "string"}, ("path",))
+    registry = request.app[ADAPTERS]
+    canary = body.get("canary")
+    adapter = await registry.promote(
+        body["path"], None if canary is None else float(canary), body.get("reason", "")
+    )
+    return web.json_response({"promoted": adapter.name, **registry.describe()})
+
+
+async def rollback(request: web.Request) -> web.Response:
+    """Serve the previous adapter again; {"canary": true} drops only the canary. An
+    optional "reason" (the watch's numbers, `overnight rollback --reason`) is kept."""
+    body = await read_json_object(request) if await request.read() else {}
+    _expect(body, {"reason": "string", "canary": "boolean"})
+    registry = request.app[ADAPTERS]
+    await registry.rollback(body.get("reason", ""), canary=body.get("canary", False))
+    return web.json_response(registry.describe())
+
+
+_KINDS = {
+    "string": lambda v: isinstance(v, str),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+}
+
+
+def _expect(body: dict, fields: dict[str, str], required: tuple[str, ...] = ()) -> None:
+    """A clear 400 for unknown fields, wrong types and missing required ones."""
+    bad = sorted(k for k, v in body.items() if k not in fields or not _KINDS[fields[k]](v))
+    missing = [k for k in required if k not in body]
+    if bad or missing:
+        shape = ", ".join(f'"{k}": {kind}' for k, kind in fields.items())
+        raise OvernightError(
+            f"expected {{{shape}}} (required: {', '.join(required) or 'none'}); "
+            f"unknown fields or wrong types: {bad}; missing: {missing}",
+            status=400,
+            code="invalid_request",
+        )
+
+
+async def stats(request: web.Request) -> web.Response:
+    writer = request.app[WRITER]
+    return web.json_response(
+        {
+            "requests": request.app[STATS].requests,
+            "rows_appended": writer.appended,
+            "rows_committed": writer.rows_committed,
+            # status and reason; rows written, lost, fitted; failed batches; rows
+            # compacted, lines quarantined, failed compactions (storage.WriterHealth)
+            **writer.health().as_dict(),
+            "redaction_failures": request.app[REDACTOR].failures,
+            # path -> POSTs whose model output was forwarded but not recorded
+            "uncaptured": request.app[UNCAPTURED].snapshot(),
+            "shadow": request.app[SHADOW].snapshot(),  # shadow sampling's counts
+            "writer_id": writer.writer_id,
+        }
+    )

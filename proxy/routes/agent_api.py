@@ -1,0 +1,218 @@
+"""What agents call: completions (forwarded and recorded), rewards, finishing a rollout.
+
+Request path for chat and text completions:
+  read body (size-capped) -> parse -> attribute to a rollout -> resolve the alias ->
+  ask upstream for token ids/logprobs/usage -> forward -> tee the answer to the
+  client (hiding what we added) and into an Accumulator -> one record per choice.
+Responses take the same path, asking vLLM for its token ids and logprobs
+(api_capture.py); Messages are relayed as sent. Both are recorded in the chat shape.
+The record is appended to the write-ahead log after the client has its answer, so
+logging adds no latency. Rewards and finishes are durable before they are answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from overnight.errors import OvernightError
+from overnight.proxy.capture.apis import (
+    ResponsesAdditions,
+    add_responses_fields,
+    api_accumulator,
+    refused_additions,
+)
+from overnight.proxy.capture.attribution import Attribution, attribute, logging_enabled
+from overnight.proxy.capture.chat import CHAT, TEXT, Additions, add_training_fields
+from overnight.proxy.capture.conversation import (
+    CHAINS,
+    MESSAGES,
+    RESPONSES,
+    messages_request,
+    resolve_responses_request,
+)
+from overnight.proxy.capture.records import completion_rows, finish_row, parse_reward, reward_row
+from overnight.proxy.capture.redact import REDACTOR
+from overnight.proxy.capture.state import Capture
+from overnight.proxy.forward.jsonio import read_json_object
+from overnight.proxy.shadow.sampler import SHADOW
+from overnight.proxy.state import ADAPTERS, STATS, TURNS, WRITER
+from overnight.storage import now_us
+
+from .relay import CLIENT_LEFT_EARLY, forward, passthrough
+
+log = logging.getLogger("overnight.proxy")
+
+ENDPOINTS = {
+    "chat/completions": CHAT,
+    "completions": TEXT,
+    "responses": RESPONSES,
+    "messages": MESSAGES,
+}
+
+
+# The fields the proxy itself reads, and the JSON type it reads each as (null is fine).
+# Anything else is the upstream's to judge; a wrong type here would fail in the proxy.
+FIELD_TYPES: dict[str, type] = {"model": str, "stream": bool, "stream_options": dict}
+JSON_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+
+
+class InternalError(OvernightError):
+    """What the client is told of a failure of the proxy's own; the log has the traceback."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, request_id: str):
+        super().__init__(f"the proxy failed on this request (request id {request_id})")
+        self.request_id = request_id
+
+
+def check_fields(body: dict) -> None:
+    for name, kind in FIELD_TYPES.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            got = JSON_NAMES.get(type(value), "a number")
+            raise OvernightError(
+                f"'{name}' must be {JSON_NAMES[kind]}, got {got}", status=400, code="invalid_type"
+            )
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """A served completion, forwarded and recorded. It counts as in flight for shadow
+    sampling from the moment it is accepted, before its body is read: a sibling request
+    must not start (and one running is cancelled) while a served request is on its way
+    to the upstream, not only once it was forwarded."""
+    shadow = request.app[SHADOW]
+    shadow.accept()
+    try:
+        return await _completion(request)
+    finally:
+        shadow.release()
+
+
+async def _completion(request: web.Request) -> web.StreamResponse:
+    tail = request.match_info.get("tail", request.path.removeprefix("/v1/"))
+    endpoint = ENDPOINTS[tail]
+    started = now_us()
+    body = await read_json_object(request)
+    check_fields(body)
+    who = attribute(
+        request.headers, request.match_info.get("group"), request.match_info.get("rollout"), body
+    )
+    app = request.app
+    adapters = app[ADAPTERS]
+    # A canary takes a sticky share of the alias: keyed by the rollout (or its group).
+    route = adapters.route(body.get("model"), who.rollout_id or who.group_id)
+    capture = Capture(endpoint, bool(body.get("stream")), request_body=body, route=route)
+    try:
+        upstream_body = dict(body, model=route.served)
+        added: Additions | ResponsesAdditions
+        if endpoint in (CHAT, TEXT):
+            added = add_training_fields(upstream_body, endpoint)
+        else:  # recorded in the chat shape (docs/wire.md)
+            # Responses: vLLM's token ids and logprobs, asked for and hidden again;
+            # Messages: nothing to ask for, relayed verbatim.
+            log_it = endpoint == RESPONSES and logging_enabled(request.headers)
+            log_it = log_it and route.served not in refused_additions(app)
+            added = add_responses_fields(upstream_body) if log_it else Additions()
+            hidden = added if isinstance(added, ResponsesAdditions) else None
+            capture.acc = api_accumulator(endpoint, hidden)
+            capture.request_body = await _as_chat(app, endpoint, body)
+        affinity = who.rollout_id or who.group_id  # every turn of a rollout on one replica
+        return await forward(request, endpoint, upstream_body, added, capture, affinity)
+    except (OvernightError, web.HTTPException):
+        raise
+    except asyncio.CancelledError:  # aiohttp cancels a handler whose client left
+        if capture.error is None:
+            capture.error = CLIENT_LEFT_EARLY
+            capture.done()
+        raise
+    except Exception as e:
+        # A bug of the proxy's: the record says so, the log has the traceback, the client
+        # gets a 500 JSON error naming the request (auth.make_guard would catch it too,
+        # but without a record).
+        log.exception("completion %s failed", capture.request_id)
+        if capture.status < 400:
+            capture.status = 500
+        capture.error = f"internal error: {e!r}"[:4096]
+        capture.done()
+        raise InternalError(capture.request_id) from e
+    finally:
+        adapters.release(route)
+        if capture.status == 404:  # vLLM restarted and lost the adapter? check now
+            adapters.notice_missing(route.served)
+        app[STATS].requests += 1
+        if endpoint == RESPONSES:
+            _remember_chain(app, capture)
+        # Built once the response is on its way (aiohttp writes it before this task next
+        # yields), so a burst of answers is not held up by the records of the earlier ones.
+        asyncio.get_running_loop().call_soon(
+            _record, app, capture, who, started, logging_enabled(request.headers)
+        )
+
+
+async def _as_chat(app: web.Application, endpoint: str, body: dict) -> dict:
+    if endpoint == RESPONSES:  # a chain unknown here is looked up in the store
+        return await resolve_responses_request(body, app[CHAINS])
+    return messages_request(body)
+
+
+def _remember_chain(app: web.Application, capture: Capture) -> None:
+    """What a later `previous_response_id` continues: this conversation and its reply."""
+    response_id = capture.acc.meta.get("id")
+    state = capture.acc.choices.get(0)
+    if response_id is None or state is None or capture.error is not None:
+        return
+    reply = capture.acc.response(0)["choices"][0]["message"]
+    missing = capture.request_body.get("history_missing")
+    app[CHAINS].remember(response_id, [*capture.request_body["messages"], reply], missing)
+
+
+def _record(
+    app: web.Application, capture: Capture, who: Attribution, started: int, logged: bool
+) -> None:
+    writer = app[WRITER]
+    try:
+        rows = completion_rows(
+            capture,
+            who,
+            started=started,
+            turn_counter=app[TURNS],
+            logged=logged,
+            proxy_id=writer.writer_id,
+        )
+    except Exception:  # a response of a shape the capture did not foresee: say so loudly
+        log.exception("could not build the record of request %s", capture.request_id)
+        return
+    for row in app[REDACTOR].apply(rows):  # the user's --redact hook (redact.py)
+        writer.append("completions", row)
+    app[SHADOW].offer(rows)  # siblings of the turn, asked for now that its answer was sent
+
+
+async def prefixed(request: web.Request) -> web.StreamResponse:
+    """/rollouts/{group}/{rollout}/v1/... for clients that can only set a base URL."""
+    if request.match_info["tail"] in ENDPOINTS and request.method == "POST":
+        return await completions(request)
+    return await passthrough(request)
+
+
+async def post_reward(request: web.Request) -> web.Response:
+    rollout_id = request.match_info["rollout_id"]
+    reward, metrics = parse_reward(await read_json_object(request))
+    writer = request.app[WRITER]
+    row = reward_row(rollout_id, reward, metrics, writer.writer_id)
+    await writer.wait_committed(writer.append("rewards", row))
+    return web.json_response({"rollout_id": rollout_id, "reward": reward, "recorded": True})
+
+
+async def post_finish(request: web.Request) -> web.Response:
+    rollout_id = request.match_info["rollout_id"]
+    if request.body_exists:
+        await read_json_object(request)  # must be JSON if present; nothing in it is used
+    writer = request.app[WRITER]
+    row = finish_row(rollout_id, writer.writer_id)
+    await writer.wait_committed(writer.append("finishes", row))
+    return web.json_response({"rollout_id": rollout_id, "finished": True})

@@ -1,0 +1,262 @@
+"""The policy being trained: the base model with a LoRA adapter, and its logprobs.
+
+Sequences are packed end to end into rows, with position ids restarting at each
+sequence; transformers (5.x) turns such position ids into a block-diagonal causal
+mask, so no token attends across sequences, and only row ends are padded.
+
+The rollouts of a group share their prompt. With `share_prompts`, a row holds that
+prompt once, followed by each rollout's remaining tokens; position ids continue from
+the prompt's end in every branch, and an explicit mask lets each branch see the prompt
+and itself only, so every logprob is the one the sequence would get alone. Such a
+mask needs an attention kernel that takes one (sdpa, eager); with flash attention,
+prompts are repeated instead.
+
+The vocabulary projection is applied only where a sampled token is predicted: context
+positions (system, user, tool output) never materialise their logits, which for a
+real vocabulary are most of the memory of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .data import Sample
+from .sampling import NEUTRAL, SamplingParams, processed_logprobs, sampling_tensors
+
+# A shared prompt shorter than this is repeated: the mask costs more than it saves.
+MIN_SHARED_PROMPT = 8
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """TrainConfig.dtype as a torch dtype. auto: bfloat16 where the GPU has it (half the
+    memory, tensor cores), else float32 (the CPU, and where logprobs must match vLLM's)."""
+    if name == "auto":
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, name)
+
+
+def load_policy(
+    base_model: str | Path,
+    adapter: str | Path | None = None,
+    *,
+    trainable: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
+    """The base model, with `adapter` (a peft directory) applied if given."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+    return model
+
+
+def _parts(model):
+    """(decoder stack, output projection) of a causal LM, peft-wrapped or not."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model, inner.get_output_embeddings()
+
+
+def takes_custom_mask(model) -> bool:
+    """Whether the model's attention kernel accepts an arbitrary (B, 1, L, L) mask."""
+    return getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
+
+
+@dataclass
+class _Unit:
+    """What is placed in a row together: a prompt (maybe empty) and branches after it."""
+
+    prefix: int  # tokens of the first member that every member shares
+    members: list[int]  # sample indices
+
+    def size(self, samples: list[Sample]) -> int:
+        return self.prefix + sum(len(samples[i].tokens) - self.prefix for i in self.members)
+
+
+def _common_prefix(sequences: list[list[int]]) -> int:
+    shortest = min(len(s) for s in sequences)
+    for n in range(shortest):
+        if any(s[n] != sequences[0][n] for s in sequences[1:]):
+            return n
+    return shortest
+
+
+def _units(samples: list[Sample], capacity: int, share_prompts: bool) -> list[_Unit]:
+    """Each sample alone, or (sharing) the samples of a group under their common prompt.
+
+    A group's branches are split into as many units as keep each within `capacity`
+    (the longest sample), so rows stay as short as without sharing: attention costs
+    the square of a row's length.
+    """
+    if not share_prompts:
+        return [_Unit(0, [i]) for i in range(len(samples))]
+    by_group: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_group.setdefault(s.group_id, []).append(i)
+    units = []
+    for members in by_group.values():
+        # Every branch keeps at least one token after the prompt (the one it predicts).
+        prefix = min(
+            _common_prefix([samples[i].tokens for i in members]),
+            min(len(samples[i].tokens) for i in members) - 1,
+        )
+        if len(members) < 2 or prefix < MIN_SHARED_PROMPT:
+            units += [_Unit(0, [i]) for i in members]
+            continue
+        parts: list[list[int]] = [[]]
+        for i in members:
+            size = prefix + sum(len(samples[m].tokens) - prefix for m in parts[-1] + [i])
+            if parts[-1] and size > capacity:
+                parts.append([])
+            parts[-1].append(i)
+        units += [_Unit(prefix, part) if len(part) > 1 else _Unit(0, part) for part in parts]
+    return units
+
+
+def pack(
+    samples: list[Sample], row_tokens: int = 0, share_prompts: bool = False
+) -> dict[str, torch.Tensor]:
+    """Samples packed into rows of `row_tokens` (at least the longest sample): (B, L).
+
+    Attention on the CPU (and in any kernel without variable-length support) costs the
+    square of a row's length, so one long row of everything would cost far more than
+    padding; rows about as long as the longest sequence keep both attention and padding
+    small. Units are placed first-fit, largest first; padding goes at row ends, as a
+    block of its own that nothing attends to and nothing is trained on.
+    """
+    capacity = max(row_tokens, max(len(s.tokens) for s in samples))
+    units = _units(samples, capacity, share_prompts)
+    rows = _first_fit(units, samples, capacity)
+    layout = _Layout(samples, len(rows), max(sum(u.size(samples) for u in row) for row in rows))
+    for r, row in enumerate(rows):
+        layout.fill_row(r, row)
+    return layout.batch(masked=any(u.prefix for u in units))
+
+
+def _first_fit(units: list[_Unit], samples: list[Sample], capacity: int) -> list[list[_Unit]]:
+    """Units in rows of `capacity` tokens (a longer unit gets a row of its own size)."""
+    rows: list[list[_Unit]] = []
+    room: list[int] = []
+    for unit in sorted(units, key=lambda u: -u.size(samples)):
+        n = unit.size(samples)
+        slot = next((r for r, free in enumerate(room) if free >= n), None)
+        if slot is None:
+            rows.append([])
+            room.append(max(capacity, n))
+            slot = len(rows) - 1
+        rows[slot].append(unit)
+        room[slot] -= n
+    return rows
+
+
+class _Layout:
+    """The packed tensors, filled a row at a time."""
+
+    def __init__(self, samples: list[Sample], rows: int, width: int) -> None:
+        self.samples, self.width = samples, width
+        self.ids = torch.zeros(rows, width, dtype=torch.long)
+        self.positions = torch.zeros(rows, width, dtype=torch.long)
+        # Who may attend to whom, for the explicit mask: each token's block, and the
+        # block of the prompt it hangs off (-1: none).
+        self.block = torch.zeros(rows, width, dtype=torch.long)
+        self.parent = torch.full((rows, width), -1, dtype=torch.long)
+        self.blocks = 0
+        # (sample, token position, flat index, flat index of its predictor, logprob,
+        # how the token was sampled)
+        self.entries: list[tuple[int, int, int, int, float, SamplingParams]] = []
+
+    def fill_row(self, r: int, row: list[_Unit]) -> None:
+        col = 0
+        for unit in row:
+            prompt_block = -1
+            if unit.prefix:
+                first = self.samples[unit.members[0]]
+                self.ids[r, col : col + unit.prefix] = torch.tensor(first.tokens[: unit.prefix])
+                self.positions[r, col : col + unit.prefix] = torch.arange(unit.prefix)
+                self.block[r, col : col + unit.prefix] = prompt_block = self.blocks
+                self.blocks += 1
+            prompt_col = col
+            col += unit.prefix
+            for i in unit.members:
+                col = self._branch(r, col, i, unit.prefix, prompt_col, prompt_block)
+        self.positions[r, col:] = torch.arange(self.width - col)  # padding: its own block
+        self.block[r, col:] = self.blocks
+        self.blocks += 1
+
+    def _branch(
+        self, r: int, col: int, i: int, prefix: int, prompt_col: int, prompt_block: int
+    ) -> int:
+        """Sample i's tokens after the shared `prefix` at `col`; the column after them."""
+        s = self.samples[i]
+        assert not s.trained[0], "a sequence cannot start with a trained token (it is prompt)"
+        branch = s.tokens[prefix:]
+        n = len(branch)
+        self.ids[r, col : col + n] = torch.tensor(branch)
+        self.positions[r, col : col + n] = torch.arange(prefix, prefix + n)
+        self.block[r, col : col + n] = self.blocks
+        self.parent[r, col : col + n] = prompt_block
+        self.blocks += 1
+        base = r * self.width
+        for j, (t, lp) in enumerate(zip(s.trained, s.behaviour_logprobs, strict=True)):
+            if not t:
+                continue
+            params = s.sampling[j] if s.sampling else NEUTRAL
+            if j < prefix:  # a sampled token every member shares
+                flat = base + prompt_col + j
+                self.entries.append((i, j, flat, flat - 1, lp, params))
+            else:
+                flat = base + col + j - prefix
+                # A branch's first token is predicted from the prompt's last.
+                before = flat - 1 if j > prefix else base + prompt_col + j - 1
+                self.entries.append((i, j, flat, before, lp, params))
+        return col + n
+
+    def batch(self, masked: bool) -> dict[str, torch.Tensor]:
+        # Trained tokens in sample order, whatever the row (the first two fields are unique).
+        entries = sorted(self.entries, key=lambda e: e[:2])
+        batch = {
+            "input_ids": self.ids,  # (B, L)
+            "position_ids": self.positions,  # (B, L)
+            "trained_index": torch.tensor([e[2] for e in entries], dtype=torch.long),  # (N,) flat
+            "predictor_index": torch.tensor([e[3] for e in entries], dtype=torch.long),  # (N,)
+            "behaviour_logprobs": torch.tensor([e[4] for e in entries]),  # (N,)
+            "sequence_index": torch.tensor(
+                [e[0] for e in entries], dtype=torch.long
+            ),  # (N,) sample
+            **sampling_tensors([e[5] for e in entries]),  # (N,) each: temperature, top_k, ...
+        }
+        if masked:
+            block, parent = self.block, self.parent
+            causal = torch.ones(self.width, self.width, dtype=torch.bool).tril()  # (L, L)
+            same = block[:, :, None] == block[:, None, :]  # (B, L, L): query, key
+            into_prompt = parent[:, :, None] == block[:, None, :]
+            batch["attention_mask"] = ((same & causal) | into_prompt)[:, None]  # (B, 1, L, L)
+        return batch
+
+
+def trained_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logprob under `model` of each trained token of a packed batch: (N,), in the
+    distribution it was sampled from (temperature, top-k, top-p: trainer/grpo/sampling.py)."""
+    decoder, head = _parts(model)
+    mask = batch.get("attention_mask")
+    if mask is not None and model.config._attn_implementation == "eager":
+        # eager adds the mask to the scores; sdpa takes booleans.
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    hidden = decoder(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        attention_mask=mask,
+        use_cache=False,
+    ).last_hidden_state  # (B, L, H)
+    hidden = hidden.reshape(-1, hidden.shape[-1])  # (B * L, H)
+    logits = head(hidden[batch["predictor_index"]]).float()  # (N, V)
+    targets = batch["input_ids"].reshape(-1)[batch["trained_index"]]  # (N,)
+    return processed_logprobs(
+        logits, targets, batch["temperature"], batch["top_k"], batch["top_p"], batch["min_p"]
+    )

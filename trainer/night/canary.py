@@ -1,0 +1,143 @@
+"""The canary: a candidate serves a share of live traffic before it is promoted.
+
+`overnight train --canary 0.1`: a candidate that passed the offline gate (trainer/night/gate.py)
+is not promoted at once; the proxy loads it on every replica and sends it that share of
+the alias's rollouts, sticky per rollout (a hash of the rollout id, the same in every
+proxy; proxy/adapters/registry.py). Its records name it (`model_served`), so once agents post
+rewards (or they are judged) each adapter's live reward is known.
+
+The next `overnight watch` (which every `overnight train` runs first) settles it, with
+the watch's statistics (trainer/night/watch.py, an unpaired bootstrap on the rollouts each
+adapter served since the canary began):
+
+  fewer than `--watch-min-rollouts` rewarded rollouts on either side -> keep it running
+  the interval's low end above the gate's bar (-margin for not-worse, 0 for better)
+      -> promote it (the proxy makes it the alias's adapter; nothing is loaded again)
+  the interval's high end below 0 (worse, as the watch rolls back) -> drop it
+  neither -> keep it running; a newer candidate replaces it
+
+Every decision says why, in the output and in the proxy's history (/ui's adapters page).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from overnight.config import TrainConfig
+from overnight.errors import OvernightError
+
+from .gate import CONFIDENCE, bootstrap_means
+from .live import live_rewards, rewards_of
+from .proxy_client import admin_call, serving_state
+
+
+@dataclass
+class CanaryVerdict:
+    canary: str | None  # the canary's name (None: no canary runs)
+    served: str | None  # what the alias serves to the rest (None: the base model)
+    action: str = "none"  # none | wait | promote | drop
+    canary_n: int = 0  # rewarded rollouts the canary served since it began
+    served_n: int = 0  # ... and the served adapter
+    canary_mean: float | None = None
+    served_mean: float | None = None
+    diff_mean: float | None = None  # canary - served
+    low: float | None = None  # the two-sided interval on the difference
+    high: float | None = None
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check(data_dir: Path, state: dict, config: TrainConfig) -> CanaryVerdict:
+    """What to do with the canary, from the live rewards since it began."""
+    canary = state.get("canary")
+    current = state.get("current")
+    served = current["name"] if current else None
+    if not canary:
+        return CanaryVerdict(None, served, reason="no canary runs")
+    by_name = {a["name"]: a for a in state.get("adapters") or []}
+    since = by_name.get(canary["name"], {}).get("promoted_at")
+    by_served = live_rewards(data_dir, config.reward_sources, since)
+    new = by_served.get(canary["name"], [])
+    old = rewards_of(state, current["path"] if current else None, by_served)
+    verdict = CanaryVerdict(canary["name"], served, "wait", len(new), len(old))
+    least = config.watch_min_rollouts
+    if min(len(new), len(old)) < least:
+        verdict.reason = (
+            f"too few rewarded rollouts to compare yet ({len(new)} served by the canary, "
+            f"{len(old)} by {served or 'the base model'} since it began; {least} each needed)"
+        )
+        return verdict
+    tail = (1 - CONFIDENCE) / 2
+    low, high = np.quantile(bootstrap_means(new, old, seed=config.seed), [tail, 1 - tail])
+    verdict.low, verdict.high = float(low), float(high)
+    verdict.canary_mean, verdict.served_mean = float(np.mean(new)), float(np.mean(old))
+    verdict.diff_mean = verdict.canary_mean - verdict.served_mean
+    bar = 0.0 if config.gate == "better" else -config.gate_margin
+    if low > bar:
+        verdict.action, outcome = "promote", f"low end above {bar:+.3f}: promote"
+    elif high < 0:
+        verdict.action, outcome = "drop", "high end below 0: worse, drop"
+    else:
+        outcome = f"low end not above {bar:+.3f} and high end not below 0: keep it running"
+    verdict.reason = (
+        f"live reward {verdict.canary_mean:.3f} on {len(new)} canary rollouts against "
+        f"{verdict.served_mean:.3f} on {len(old)} for {served or 'the base model'}: difference "
+        f"{verdict.diff_mean:+.3f}, {CONFIDENCE:.0%} interval [{low:+.3f}, {high:+.3f}], {outcome}"
+    )
+    return verdict
+
+
+def settle(
+    data_dir: Path, proxy_url: str, token: str | None, config: TrainConfig, say=print,
+    act: bool = True,
+) -> CanaryVerdict:  # fmt: skip
+    """Check the canary and promote or drop it through the proxy (unless `act` is False)."""
+    state = serving_state(proxy_url, token)
+    verdict = check(data_dir, state, config)
+    if verdict.canary is None:
+        return verdict
+    if verdict.action == "wait":
+        say(f"canary: {verdict.canary} keeps running: {verdict.reason}")
+        return verdict
+    if not act:
+        done = "promoted" if verdict.action == "promote" else "dropped"
+        say(f"canary: {verdict.canary} would be {done} (--dry-run): {verdict.reason}")
+        return verdict
+    if verdict.action == "promote":
+        path = next(a["path"] for a in state["adapters"] if a["name"] == verdict.canary)
+        admin_call(proxy_url, "/admin/adapters/promote", token,
+                   {"path": path, "reason": f"canary: {verdict.reason}"})  # fmt: skip
+        say(f"canary: promoted {verdict.canary}: {verdict.reason}")
+    else:
+        payload = {"canary": True, "reason": f"canary: {verdict.reason}"}
+        admin_call(proxy_url, "/admin/adapters/rollback", token, payload)
+        say(f"canary: dropped {verdict.canary}: {verdict.reason}")
+    return verdict
+
+
+def start(proxy_url: str, token: str | None, adapter: str, fraction: float, say=print) -> str:
+    """Serve the candidate (`adapter`: its path, or its upload with a bucket) to
+    `fraction` of the alias's rollouts; the canary's name. A run resumed after it started
+    the canary finds it running and starts nothing."""
+    if not 0 < fraction < 1:
+        raise OvernightError(
+            f"--canary must be between 0 and 1 (a share of traffic), got {fraction}"
+        )
+    path = str(adapter)
+    state = serving_state(proxy_url, token)
+    canary = state.get("canary")
+    by_name = {a["name"]: a for a in state.get("adapters") or []}
+    if canary and by_name.get(canary["name"], {}).get("path") == path:
+        say(f"canary: {canary['name']} runs already")
+        return canary["name"]
+    if canary:
+        say(f"canary: {canary['name']} is replaced by the new candidate before it was settled")
+    payload = {"path": path, "canary": fraction, "reason": "passed the gate"}
+    name = admin_call(proxy_url, "/admin/adapters/promote", token, payload)["promoted"]
+    say(f"canary: {name} serves {fraction:.0%} of the alias's rollouts until the watch settles it")
+    return name

@@ -1,0 +1,410 @@
+"""The promotion gate: a night's adapter is promoted only when it is not worse than the served one.
+
+  held-out prompts (recent first turns that no run trained on, outside tonight's plan;
+  when there are too few, the plan gives up a quarter of its groups) -> one reply per
+  prompt from each adapter, sampled here with transformers+peft, the same seed for both
+  -> scored by the same scorer (the reward function, or RULER seeing both replies
+  shuffled and unlabelled) -> a paired bootstrap interval on the mean difference
+  (candidate - served) -> promote, or keep the candidate on disk (docs/grpo.md).
+
+Sampled here, not through vLLM: the proxy's admin API loads an adapter only to serve it
+under the alias, and vLLM's LoRA routes are for the proxy alone. The trainer has the base
+model at hand, and sampling both adapters with the same code and seeds means that a
+difference comes from the adapters, not from two samplers. The cost: a few dozen prompts,
+generated 16 at a time, small next to a night's training.
+
+The watch (trainer/night/watch.py) uses the same bootstrap, unpaired, on live rewards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from overnight.config import GATE_MODES, TrainConfig
+from overnight.storage import open_db
+
+from .plan import Plan, trained_groups
+from .turn_groups import conversation_key, trained_turn_sources
+
+CONFIDENCE = 0.95  # two-sided for the gate's interval, one-sided for the watch
+RESAMPLES = 10_000  # bootstrap resamples: the interval's ends move by ~0.005 sd between seeds
+MIN_PROMPTS = 8  # fewer held-out prompts decide nothing: the gate refuses
+MAX_NEW_TOKENS = 512  # a reply's cap when its logged request set none
+EXAMPLES = 3  # side-by-side examples kept with the verdict
+_CHUNK = 2_000_000  # bootstrap indices drawn at once (memory: 16 MB)
+BATCH = 16  # held-out prompts generated together
+
+# async (messages, tools, replies) -> one score per reply, in the replies' order. The
+# caller shuffles the replies; the scorer never learns which adapter wrote which.
+Scorer = Callable[[list[dict], list[dict], list[dict]], Awaitable[list[float]]]
+
+
+# -- the statistics ----------------------------------------------------------------------
+
+
+def bootstrap_means(
+    a: Sequence[float],
+    b: Sequence[float] | None = None,
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> np.ndarray:
+    """The bootstrap distribution of mean(a) - mean(b), shape (resamples,).
+
+    Paired (`b` None): `a` holds per-prompt differences, resampled as whole pairs, which
+    cancels what the prompts share (an easy prompt is easy for both adapters). Unpaired:
+    `a` and `b` are resampled independently (live traffic: different requests)."""
+    rng = np.random.default_rng(seed)
+
+    def means(values: Sequence[float]) -> np.ndarray:
+        x = np.asarray(values, dtype=float)
+        rows = max(1, _CHUNK // max(len(x), 1))
+        parts = [
+            x[rng.integers(0, len(x), (min(rows, resamples - i), len(x)))].mean(axis=1)
+            for i in range(0, resamples, rows)
+        ]
+        return np.concatenate(parts)
+
+    out = means(a)
+    return out - means(b) if b is not None else out
+
+
+def paired_interval(
+    diffs: Sequence[float], confidence: float = CONFIDENCE, seed: int = 0
+) -> tuple[float, float, float]:
+    """(mean difference, low, high): the percentile bootstrap interval on the mean."""
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(bootstrap_means(diffs, seed=seed), [tail, 1 - tail])
+    return float(np.mean(diffs)), float(low), float(high)
+
+
+def decide(diffs: Sequence[float], mode: str, margin: float, seed: int = 0) -> tuple[bool, dict]:
+    """Whether to promote, and the numbers: `not-worse` wants the interval's low end above
+    -margin (any loss smaller than the margin), `better` above 0."""
+    mean, low, high = paired_interval(diffs, seed=seed)
+    bar = -margin if mode == "not-worse" else 0.0
+    return low > bar, {"diff_mean": mean, "low": low, "high": high, "bar": bar}
+
+
+# -- the verdict -------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    mode: str
+    promote: bool
+    reason: str
+    margin: float = 0.0
+    prompts: int = 0
+    candidate_mean: float | None = None
+    served_mean: float | None = None
+    diff_mean: float | None = None
+    low: float | None = None
+    high: float | None = None
+    failed: int = 0  # prompts the scorer failed on (left out)
+    held_out_from_plan: list[str] = field(default_factory=list)
+    examples: list[dict] = field(default_factory=list)
+
+    @property
+    def word(self) -> str:
+        return "promoted" if self.promote else "refused"
+
+    def line(self) -> str:
+        return f"gate ({self.mode}): {self.word}: {self.reason}"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "verdict": self.word}
+
+
+# -- the prompts -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatePrompt:
+    group_id: str
+    messages: list[dict]
+    tools: list[dict]
+    temperature: float
+    top_p: float
+    max_tokens: int
+    top_k: int = 0  # vLLM's extension, as the logged request asked (0: off)
+
+
+def _prompt(group_id: str, request_text: str | None) -> GatePrompt | None:
+    request = json.loads(request_text) if request_text else {}
+    if not isinstance(request, dict):
+        return None
+    messages = request.get("messages")
+    if not messages or not isinstance(messages, list):
+        return None  # text completions and redacted bodies: nothing to sample from
+    cap = request.get("max_completion_tokens") or request.get("max_tokens") or MAX_NEW_TOKENS
+    temperature = request.get("temperature")
+    return GatePrompt(
+        group_id,
+        messages,
+        list(request.get("tools") or []),
+        1.0 if temperature is None else float(temperature),
+        float(request.get("top_p") or 1.0),
+        min(int(cap), MAX_NEW_TOKENS),
+        max(int(request.get("top_k") or 0), 0),
+    )
+
+
+def _first_turns(con, groups: list[str] | None, limit: int) -> list[tuple[str, str]]:
+    """(group, request) of first turns, newest first; of `groups` only, when given."""
+    where = "turn_index = 0 AND logged AND error IS NULL AND request IS NOT NULL"
+    if groups is not None:
+        con.register("_gate_groups", pa.table({"group_id": groups}))
+        where += " AND group_id IN (SELECT group_id FROM _gate_groups)"
+    return con.execute(
+        f"SELECT group_id, request FROM completions WHERE {where} "
+        "ORDER BY started_at DESC, record_id LIMIT ?",
+        [limit],
+    ).fetchall()
+
+
+def held_out_prompts(
+    data_dir: Path, plan: Plan, count: int, take_from_plan: bool = True
+) -> tuple[list[GatePrompt], Plan]:
+    """Up to `count` distinct recent prompts the candidate does not train on, and the plan
+    to train on. First turns of groups no run trained on and outside the plan come first;
+    when they are fewer than `count`, the plan gives up to a quarter of its groups (its
+    last ones), which stay untrained tonight and can be trained another night."""
+    con = open_db(data_dir)
+    try:
+        # Served groups trained on as a whole or through one of their turns (per-turn
+        # groups of their siblings) are not held out: the candidate has seen them.
+        excluded = set(plan.groups) | trained_groups(con) | trained_turn_sources(con)
+        outside = _first_turns(con, None, 50 * count)
+        prompts = _distinct(outside, excluded, _keys(con, plan.groups), count)
+        given: list[str] = []
+        if take_from_plan and len(prompts) < count:
+            given = plan.groups[len(plan.groups) - len(plan.groups) // 4 :]
+            given = given[: count - len(prompts)]
+            kept = [g for g in plan.groups if g not in set(given)]
+            seen = _keys(con, kept) | {conversation_key(p.messages, p.tools) for p in prompts}
+            rows = _first_turns(con, given, 10 * len(given))
+            prompts += _distinct(rows, set(), seen, len(given))
+    finally:
+        con.close()
+    return prompts, without(plan, given) if given else plan
+
+
+def _keys(con, groups: list[str]) -> set[str]:
+    """The first-turn prompts of `groups` (what the candidate trains on)."""
+    out = set()
+    for _, text in _first_turns(con, groups, 1_000_000):
+        request = json.loads(text) if text else {}
+        if isinstance(request, dict):
+            out.add(conversation_key(request.get("messages"), request.get("tools")))
+    return out
+
+
+def _distinct(rows, excluded: set[str], seen: set[str], count: int) -> list[GatePrompt]:
+    """Prompts from `rows`, one per distinct conversation and group, none that is trained on."""
+    out, keys, groups = [], set(seen), set()
+    for group_id, request in rows:
+        if group_id in excluded or group_id in groups:
+            continue
+        prompt = _prompt(group_id, request)
+        if prompt is None or conversation_key(prompt.messages, prompt.tools) in keys:
+            continue
+        out.append(prompt)
+        keys.add(conversation_key(prompt.messages, prompt.tools))
+        groups.add(group_id)
+        if len(out) >= count:
+            break
+    return out
+
+
+def without(plan: Plan, groups: list[str]) -> Plan:
+    """`plan` without `groups` (held out for the gate)."""
+    gone = set(groups)
+    rollouts = {s.rollout_id for s in plan.samples if s.group_id in gone}
+    return replace(
+        plan,
+        groups=[g for g in plan.groups if g not in gone],
+        samples=[s for s in plan.samples if s.group_id not in gone],
+        rewards={r: v for r, v in plan.rewards.items() if r not in rollouts},
+        group_stats={g: v for g, v in plan.group_stats.items() if g not in gone},
+    )
+
+
+# -- sampling and scoring ----------------------------------------------------------------
+
+
+def sample_both(
+    base_model: str, candidate: Path, served: str | None, prompts: list[GatePrompt], config
+) -> tuple[list[str], list[str]]:
+    """Each prompt's reply from the candidate and from the served adapter (None: the base
+    model), one base model in memory with both adapters on it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from overnight.trainer.grpo.policy import torch_dtype
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype(config.dtype))
+    model = PeftModel.from_pretrained(model, str(candidate), adapter_name="candidate")
+    if served is not None:
+        model.load_adapter(str(served), adapter_name="served")
+    model.eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    candidate_replies = _replies(model, tokenizer, prompts, config.seed, device)
+    if served is not None:
+        model.set_adapter("served")
+    with model.disable_adapter() if served is None else nullcontext():
+        served_replies = _replies(model, tokenizer, prompts, config.seed, device)
+    return candidate_replies, served_replies
+
+
+def _replies(model, tokenizer, prompts: list[GatePrompt], seed: int, device: str) -> list[str]:
+    """One reply per prompt; prompts with the same sampling settings are generated together
+    (left-padded, BATCH at a time: one generate call costs about what one prompt did), each
+    batch from a seed of its own, so both adapters see the same random stream."""
+    import torch
+
+    out = [""] * len(prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    alike: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompts):
+        alike.setdefault((p.temperature, p.top_p, p.top_k, p.max_tokens), []).append(i)
+    for (temperature, top_p, top_k, max_tokens), members in alike.items():
+        sampling = {"do_sample": temperature > 0}
+        if temperature > 0:
+            sampling.update(temperature=temperature, top_p=top_p, top_k=top_k)
+        for start in range(0, len(members), BATCH):
+            batch = members[start : start + BATCH]
+            ids = [_prompt_ids(tokenizer, prompts[i]) for i in batch]
+            width = max(map(len, ids))
+            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+            torch.manual_seed(seed * 100_003 + members[start])
+            with torch.no_grad():
+                generated = model.generate(
+                    input_ids=input_ids, attention_mask=mask, **sampling,
+                    max_new_tokens=max_tokens, pad_token_id=pad,
+                )  # fmt: skip
+            for row, i in enumerate(batch):
+                out[i] = tokenizer.decode(generated[row, width:], skip_special_tokens=True)
+    return out
+
+
+def _prompt_ids(tokenizer, p: GatePrompt) -> list[int]:
+    encoded = tokenizer.apply_chat_template(
+        p.messages, tools=p.tools or None, add_generation_prompt=True, return_dict=True
+    )
+    ids = encoded["input_ids"]
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
+async def score_pairs(
+    prompts: list[GatePrompt], candidate: list[str], served: list[str], scorer: Scorer, seed: int
+) -> list[tuple[float, float] | None]:
+    """(candidate score, served score) per prompt, None where the scorer failed. The two
+    replies go to the scorer in a random order, unlabelled."""
+    rng = random.Random(seed)
+    flips = [rng.random() < 0.5 for _ in prompts]
+    limit = asyncio.Semaphore(8)
+
+    async def one(p: GatePrompt, c: str, s: str, flip: bool) -> tuple[float, float] | None:
+        replies = [{"role": "assistant", "content": x} for x in ((s, c) if flip else (c, s))]
+        try:
+            async with limit:
+                first, second = await scorer(p.messages, p.tools, replies)
+        except Exception:  # one prompt the scorer cannot score is left out, not the night
+            return None
+        return (second, first) if flip else (first, second)
+
+    return await asyncio.gather(*map(one, prompts, candidate, served, flips))
+
+
+# -- the gate ----------------------------------------------------------------------------
+
+
+def run_gate(
+    config: TrainConfig,
+    base_model: str,
+    candidate: Path,
+    served: str | None,
+    prompts: list[GatePrompt],
+    scorer: Scorer,
+    held_out_from_plan: list[str] = (),  # type: ignore[assignment]
+) -> Verdict:
+    """Sample, score and decide; the verdict says why in one line (`reason`)."""
+    mode, margin = config.gate, config.gate_margin
+    assert mode in GATE_MODES and mode != "off"
+    verdict = Verdict(mode, False, "", margin, held_out_from_plan=list(held_out_from_plan))
+    if len(prompts) < MIN_PROMPTS:
+        verdict.reason = (
+            f"only {len(prompts)} held-out prompt(s), fewer than {MIN_PROMPTS}: nothing shows "
+            "the candidate is not worse (--gate off promotes without evidence)"
+        )
+        return verdict
+    cand, served_replies = sample_both(base_model, candidate, served, prompts, config)
+    scored = asyncio.run(score_pairs(prompts, cand, served_replies, scorer, config.seed))
+    kept = [(i, pair) for i, pair in enumerate(scored) if pair is not None]
+    verdict.failed = len(prompts) - len(kept)
+    verdict.prompts = len(kept)
+    if len(kept) < MIN_PROMPTS:
+        verdict.reason = f"the scorer failed on {verdict.failed} of {len(prompts)} prompts"
+        return verdict
+    diffs = [c - s for _, (c, s) in kept]
+    verdict.promote, numbers = decide(diffs, mode, margin, seed=config.seed)
+    verdict.candidate_mean = float(np.mean([c for _, (c, _) in kept]))
+    verdict.served_mean = float(np.mean([s for _, (_, s) in kept]))
+    verdict.diff_mean, verdict.low, verdict.high = (
+        numbers["diff_mean"],
+        numbers["low"],
+        numbers["high"],
+    )
+    side = "above" if verdict.promote else "not above"
+    verdict.reason = (
+        f"candidate - served = {numbers['diff_mean']:+.3f} on {len(kept)} held-out prompts "
+        f"({verdict.candidate_mean:.3f} vs {verdict.served_mean:.3f}), "
+        f"{CONFIDENCE:.0%} interval [{numbers['low']:+.3f}, {numbers['high']:+.3f}], "
+        f"low end {side} {numbers['bar']:+.3f}"
+    )
+    worst_first = sorted(kept, key=lambda item: -abs(item[1][0] - item[1][1]))[:EXAMPLES]
+    verdict.examples = [
+        _example(prompts[i], cand[i], served_replies[i], pair) for i, pair in worst_first
+    ]
+    return verdict
+
+
+def _example(p: GatePrompt, candidate: str, served: str, scores: tuple[float, float]) -> dict:
+    last = p.messages[-1].get("content") if p.messages else ""
+    return {
+        "group_id": p.group_id,
+        "prompt": str(last)[:500],
+        "candidate": candidate[:500],
+        "served": served[:500],
+        "candidate_score": scores[0],
+        "served_score": scores[1],
+    }
+
+
+def skipped(config: TrainConfig, scorer: Scorer | None) -> Verdict | None:
+    """The verdict when the gate does not sample at all (off, or nothing to score with)."""
+    if config.gate == "off":
+        return Verdict("off", True, "the gate is off (--gate off)")
+    if scorer is None:
+        return Verdict(
+            config.gate,
+            True,
+            "not gated: no scorer for fresh replies (give --reward or --judge-model); "
+            "`overnight watch` compares live rewards after the promotion",
+            config.gate_margin,
+        )
+    return None

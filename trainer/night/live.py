@@ -1,0 +1,52 @@
+"""What live traffic says about each adapter: the rewards of the rollouts it served.
+
+The watch (roll back a promoted adapter) and the canary (promote or drop a candidate)
+both compare adapters on these. A rollout's reward is the one training would take (the
+first of `reward_sources` it has), and it counts for an adapter when every turn of the
+rollout was served under one name. A rollback loads an adapter again under a new name, so
+an adapter is known by its path: every name a path was served under counts for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from overnight.storage import open_db
+
+from .plan import chosen_rewards
+
+
+def names_of(state: dict, path: str | None) -> set[str]:
+    """Every name `path` was served under (None: the base model's names)."""
+    if path is None:
+        return {n for n in (state.get("base_model"), state.get("alias")) if n}
+    return {a["name"] for a in state.get("adapters") or [] if a.get("path") == path}
+
+
+def rewards_of(state: dict, path: str | None, by_served: dict[str, list[float]]) -> list[float]:
+    """The live rewards of `path` (None: the base model) under every name it served as."""
+    return [r for name in names_of(state, path) for r in by_served.get(name, [])]
+
+
+def live_rewards(
+    data_dir: Path, sources: tuple[str, ...], since: str | None = None
+) -> dict[str, list[float]]:
+    """Rewards of rollouts served by one model name throughout, by that name; with `since`
+    (an ISO time), only rollouts that began then or later."""
+    con = open_db(data_dir)
+    try:
+        served = con.execute(
+            "SELECT rollout_id, min(model_served) FROM completions "
+            "WHERE logged AND error IS NULL AND rollout_id IS NOT NULL AND model_served IS NOT NULL "
+            "GROUP BY rollout_id HAVING min(model_served) = max(model_served) "
+            "AND min(started_at) >= CAST(? AS TIMESTAMPTZ)",
+            [since or "1970-01-01T00:00:00+00:00"],
+        ).fetchall()
+        rewards = chosen_rewards(con, sources)
+    finally:
+        con.close()
+    out: dict[str, list[float]] = {}
+    for rollout, name in served:
+        if rollout in rewards:
+            out.setdefault(name, []).append(rewards[rollout])
+    return out

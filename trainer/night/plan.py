@@ -1,0 +1,434 @@
+"""What a run trains on: finished, scored, untrained groups, and why the others are left out.
+
+A group is trained once. It is taken when every rollout in it is finished, has a
+reward from one of the configured sources, and the rewards differ (equal rewards give
+every advantage zero: no signal). Samples come out with their advantages attached.
+
+A night looks only at groups that changed since the last run decided them. Each plan
+leaves a selection record (`Plan.selection`, stored by the run in its `metrics`): when
+it looked (the watermark), the groups it found trainable but did not train (`pending`:
+held out, or past --max-groups), its settle time and the options its verdicts depend
+on. The next night looks at those, and at every group with a row newer than the
+watermark (less the settle time, for groups still open then, and an overlap for rows
+that arrive late): a new turn, finish, reward or judgment. A group skipped for equal or
+missing rewards is not read again until one of those arrives; then it is decided
+again, and trained if it now can be. `--rescan` looks at every untrained group (after
+restoring data, or a log recovered more than the overlap late).
+
+Per-turn groups (`turn:<record>`, turn_groups.py) are selected the same way: the changed
+ones found here (a new sibling, or a reward or judgment of a member) go to the plan as
+`Plan.turn_pool`, with those the last record left pending (`turn_pending`, written by
+`add_turn_groups`); a record without that key (from before per-turn groups were
+selected so) makes them all be looked at once.
+
+A served turn trains once (docs/grpo.md, "Groups made from single calls"): its own
+group comes first; a group one of whose turns an earlier run trained as a per-turn
+group is not trained (`TRAINED_AS_TURNS`), and turn_groups.py leaves out the per-turn
+groups of turns whose own group is trained or trainable.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pyarrow as pa
+
+from overnight.config import TrainConfig
+from overnight.storage import finished_groups, now_us, open_db
+from overnight.storage.siblings import TURN_PREFIX
+from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages
+from overnight.trainer.grpo.records import Loaded, load_samples
+
+# The key of the selection record in a run's `metrics` JSON.
+SELECTION_KEY = "selection"
+# How much earlier than the last watermark a night looks again. Rows reach a reader
+# after their timestamp: a proxy writing to a bucket uploads every roll (5 minutes),
+# machines' clocks differ, a request's row is written when it ends. A group looked at
+# twice is only decided twice.
+OVERLAP_SECONDS = 3600.0
+# The selection record's list of per-turn groups left undecided (turn_groups.py).
+TURN_PENDING_KEY = "turn_pending"
+# Why a served group is left out when a turn of it already trained in its per-turn group.
+TRAINED_AS_TURNS = "a turn of it was trained in its per-turn group (a turn trains once)"
+
+
+@dataclass
+class Plan:
+    groups: list[str] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    rewards: dict[str, float] = field(default_factory=dict)  # rollout -> reward
+    group_stats: dict[str, dict] = field(default_factory=dict)
+    skipped: Counter = field(default_factory=Counter)  # reason -> groups
+    retokenised: int = 0
+    token_count_gaps: list[int] = field(default_factory=list)
+    unreproduced: dict[str, int] = field(default_factory=dict)  # see records.Loaded
+    considered: list[str] = field(default_factory=list)  # the candidates looked at
+    loaded_groups: list[str] = field(default_factory=list)  # those whose records were read
+    looked_since: int | None = None  # the watermark it started from; None: looked at all
+    # What the next night starts from (see the module's docstring); None when this plan
+    # did not look at everything it should decide (a resumed run, --since).
+    selection: dict | None = None
+    # The per-turn groups add_turn_groups looks at: changed since the last selection or
+    # left pending by it. None: all of them (no usable record, --rescan, a full look).
+    turn_pool: set[str] | None = None
+    # Served groups trainable but perhaps not trained tonight: past --max-groups, or
+    # taken (the gate may hold them out). Their turns' per-turn groups wait for them
+    # (turn_groups.py), with or without a selection record (--since makes none).
+    waiting: list[str] = field(default_factory=list)
+
+    @property
+    def loaded(self) -> dict:
+        """How much the selection read: groups looked at, and those whose records it read."""
+        return {"considered": len(self.considered), "loaded": len(self.loaded_groups)}
+
+    def lines(self) -> list[str]:
+        out = [
+            f"{len(self.groups)} group(s), {len(self.samples)} sequence(s), "
+            f"{sum(s.trained_tokens for s in self.samples)} trained tokens"
+        ]
+        if self.looked_since is not None:
+            at = dt.datetime.fromtimestamp(self.looked_since / 1e6, dt.UTC)
+            out.append(
+                f"  looked at {len(self.considered)} group(s) changed since the last run's "
+                f"selection ({at:%Y-%m-%d %H:%M} UTC) or left pending by it (--rescan: all)"
+            )
+        out += [f"  skipped {n} group(s): {reason}" for reason, n in self.skipped.most_common()]
+        if self.retokenised:
+            gaps = self.token_count_gaps
+            worst = max((abs(g) for g in gaps), default=0)
+            out.append(
+                f"  {self.retokenised} turn(s) had no token ids and were re-tokenised from text (less "
+                f"exact; starting policy used as behaviour): token counts differ from the upstream's "
+                f"in {sum(g != 0 for g in gaps)} of {len(gaps)}, by up to {worst}"
+            )
+        if self.unreproduced:
+            what = ", ".join(f"{name} ({n})" for name, n in sorted(self.unreproduced.items()))
+            out.append(
+                f"  turns sampled with logit processing the trainer does not redo: {what}; "
+                "their logprobs will not match the logged ones (see the run's logprob gap)"
+            )
+        return out
+
+    def take(
+        self, group_id: str, samples: list[Sample], rewards: dict[str, float], adv: GroupAdvantages
+    ) -> None:
+        """A group to train on; its samples carry their rollouts' advantages."""
+        self.groups.append(group_id)
+        self.samples += [replace(s, advantage=adv.advantages[s.rollout_id]) for s in samples]
+        self.rewards.update(rewards)
+        self.group_stats[group_id] = {"mean": adv.mean, "std": adv.std, "rollouts": len(rewards)}
+
+
+def chosen_rewards(
+    con, sources: tuple[str, ...], rollouts: list[str] | None = None
+) -> dict[str, float]:
+    """Each rollout's reward from the first source in `sources` that has one (latest
+    wins); of `rollouts` only, when given."""
+    where = ""
+    if rollouts is not None:
+        con.register("_plan_rollouts", pa.table({"rollout_id": pa.array(rollouts, pa.string())}))
+        where = "WHERE rollout_id IN (SELECT rollout_id FROM _plan_rollouts)"
+    rows = con.execute(
+        "SELECT rollout_id, source, arg_max(reward, created_at) FROM rewards "
+        f"{where} GROUP BY rollout_id, source"
+    ).fetchall()
+    rank = {s: i for i, s in enumerate(sources)}
+    best: dict[str, tuple[int, float]] = {}
+    for rollout, source, reward in rows:
+        if source in rank and (rollout not in best or rank[source] < best[rollout][0]):
+            best[rollout] = (rank[source], reward)
+    return {r: v for r, (_, v) in best.items()}
+
+
+def trained_groups(con) -> set[str]:
+    rows = con.execute(
+        "SELECT DISTINCT unnest(groups) FROM training_runs WHERE status = 'trained'"
+    ).fetchall()
+    return {g for (g,) in rows}
+
+
+def candidate_groups(
+    con, settle_seconds: float, since: dt.datetime | None, only: list[str] | None
+) -> list[str]:
+    """Groups no earlier run trained on: finished ones, or exactly `only` (in its order)."""
+    done = trained_groups(con)
+    # A resumed run trains on exactly the groups it began with, in their order (the
+    # shuffles replay from it); they were finished then, so that is not asked again.
+    pool = only if only is not None else finished_groups(con, settle_seconds, None)
+    candidates = [g for g in pool if g not in done]
+    if since is not None:
+        rows = con.execute("SELECT group_id FROM groups WHERE started_at >= ?", [since]).fetchall()
+        recent = {g for (g,) in rows}
+        candidates = [g for g in candidates if g in recent]
+    return candidates
+
+
+def plan_run(
+    data_dir: Path,
+    config: TrainConfig,
+    settle_seconds: float,
+    since: dt.datetime | None = None,
+    max_groups: int | None = None,
+    only: list[str] | None = None,
+    tokenizer=None,
+    sampling_defaults: dict | None = None,
+) -> Plan:
+    """The groups to train on, in order, up to `max_groups`; `plan.skipped` says why not others.
+
+    Only groups changed since the last run's selection are looked at (see the module's
+    docstring), and token ids are read only for those whose rewards could give a
+    signal: most groups a night considers are left out for their rewards alone."""
+    looked_at = now_us()
+    # With `since`, days before it are not even listed (their groups began earlier).
+    days_from = since.astimezone(dt.UTC).date() if since is not None else None
+    con = open_db(data_dir, days_from=None if only is not None else days_from)
+    try:
+        full = only is not None or since is not None or config.rescan
+        last = None if full else last_selection(con, config)
+        done = trained_groups(con)
+        turn_pool = None  # per-turn groups: all
+        if last is None:
+            candidates = candidate_groups(con, settle_seconds, since, only)
+            rollouts = _group_rollouts(con, candidates, settle_seconds)
+        else:
+            rollouts, turn_pool = _changed_since(data_dir, con, last, settle_seconds, done)
+            candidates = list(rollouts)
+        rewards = chosen_rewards(
+            con, config.reward_sources, [r for rs in rollouts.values() for r in rs]
+        )
+        verdicts = _reward_verdicts(rollouts, rewards, config)
+        if only is None:  # a resumed run trains exactly what it began with
+            undecided = [g for g in candidates if g not in verdicts]
+            verdicts.update(dict.fromkeys(trained_as_turns(con, undecided, done), TRAINED_AS_TURNS))
+        wanted = [g for g in candidates if verdicts.get(g) is None]
+        loaded = load_samples(con, wanted, tokenizer, sampling_defaults)
+    finally:
+        con.close()
+    plan = _plan_from(loaded)
+    plan.considered, plan.loaded_groups = candidates, wanted
+    plan.looked_since = last["watermark"] if last is not None else None
+    plan.turn_pool = turn_pool
+    by_group: dict[str, list[Sample]] = {}
+    for s in loaded.samples:
+        by_group.setdefault(s.group_id, []).append(s)
+    pending: list[str] = []  # trainable by their rewards, past the cap: not decided
+    for group_id in candidates:
+        samples = by_group.get(group_id, [])
+        if max_groups is not None and len(plan.groups) >= max_groups:
+            pending += [group_id] if verdicts.get(group_id) is None else []
+            continue
+        verdict = verdicts.get(group_id) or _advantages_or_reason(samples, rewards, config)
+        if isinstance(verdict, str):
+            plan.skipped[verdict] += 1
+            continue
+        rollouts_taken = {s.rollout_id for s in samples}
+        plan.take(group_id, samples, {r: rewards[r] for r in rollouts_taken}, verdict)
+    # The groups taken are pending too: the gate may hold some out of training.
+    plan.waiting = plan.groups + pending
+    if only is None and since is None:
+        plan.selection = {
+            "watermark": looked_at,
+            "pending": plan.waiting,
+            "settle_seconds": settle_seconds,
+            "basis": selection_basis(config),
+        }
+    return plan
+
+
+def _changed_since(
+    data_dir: Path, con, last: dict, settle_seconds: float, done: set[str]
+) -> tuple[dict[str, list[str]], set[str] | None]:
+    """What a night after `last` (a selection record) looks at: the finished served
+    groups that changed since or were left pending, with their rollouts; and the
+    per-turn groups likewise (None: all of them, for a record from before per-turn
+    groups were selected so)."""
+    # A group open then (by the settle time it used) was not decided: look back by the
+    # longer of the two.
+    settle = max(settle_seconds, float(last.get("settle_seconds") or 0))
+    changed = changed_groups(data_dir, con, last["watermark"], settle)
+    turns = {g for g in changed if g.startswith(TURN_PREFIX)}
+    turn_pool = None
+    if isinstance(last.get(TURN_PENDING_KEY), list):
+        turn_pool = turns | set(last[TURN_PENDING_KEY])
+    pool = [g for g in (changed - turns) | set(last.get("pending", [])) if g not in done]
+    return _group_rollouts(con, pool, settle_seconds, finished_only=True), turn_pool
+
+
+def selection_basis(config: TrainConfig) -> dict:
+    """The options a group's verdict depends on: a record made under others is not used."""
+    return {"reward_sources": list(config.reward_sources), "min_group_size": config.min_group_size}
+
+
+def last_selection(con, config: TrainConfig) -> dict | None:
+    """The newest selection record of a trained run made under this config's basis.
+
+    A failed run's record is not used: the groups it meant to train were not trained,
+    and the next night must find them again."""
+    rows = con.execute(
+        "SELECT metrics FROM training_runs WHERE status = 'trained' AND metrics IS NOT NULL "
+        "ORDER BY started_at DESC"
+    ).fetchall()
+    for (text,) in rows:
+        try:
+            record = json.loads(text).get(SELECTION_KEY)
+        except (ValueError, AttributeError):
+            continue
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("watermark"), int)
+            and record.get("basis") == selection_basis(config)
+        ):
+            return record
+    return None
+
+
+def changed_groups(data_dir: Path, con, watermark: int, settle_seconds: float) -> set[str]:
+    """Groups with a row newer than `watermark`, less the settle time (a group still
+    open then was not decided) and the overlap: a turn, finish, reward or judgment; and
+    per-turn groups with a new sibling, or a reward or judgment of one of their members.
+
+    Only the days since are read (a separate, pruned DuckDB); a rollout whose late
+    reward or finish has no turn in those days is looked up in `con` (all days)."""
+    since_us = watermark - int((settle_seconds + OVERLAP_SECONDS) * 1e6)
+    since = dt.datetime.fromtimestamp(since_us / 1e6, dt.UTC)
+    # A day earlier too: a turn stored under the day it started may end after `since`.
+    recent = open_db(data_dir, days_from=(since - dt.timedelta(days=1)).date())
+    try:
+        groups = {
+            g
+            for (g,) in recent.execute(
+                "SELECT group_id FROM completions WHERE coalesce(ended_at, started_at) >= $t "
+                "UNION SELECT group_id FROM judgments WHERE created_at >= $t "
+                "UNION SELECT group_id FROM siblings WHERE coalesce(ended_at, started_at) >= $t",
+                {"t": since},
+            ).fetchall()
+        }
+        rollouts = {
+            r
+            for (r,) in recent.execute(
+                "SELECT rollout_id FROM rewards WHERE created_at >= $t "
+                "UNION SELECT rollout_id FROM finishes WHERE finished_at >= $t",
+                {"t": since},
+            ).fetchall()
+        }
+        # A per-turn group's member is named after it (storage/siblings.py):
+        # `turn:<record>:served` or `turn:<record>:<sibling record>`.
+        members = {r for r in rollouts if r.startswith(TURN_PREFIX)}
+        groups |= {r.rsplit(":", 1)[0] for r in members}
+        rollouts -= members
+        found = _groups_of(recent, rollouts)
+    finally:
+        recent.close()
+    late = rollouts - found.keys()
+    return groups | set(found.values()) | set(_groups_of(con, late).values())
+
+
+def trained_as_turns(con, groups: list[str], done: set[str]) -> set[str]:
+    """Of the served `groups`, those one of whose turns a run trained (`done`) as a
+    per-turn group: training the group would train that turn a second time."""
+    records = [g[len(TURN_PREFIX) :] for g in done if g.startswith(TURN_PREFIX)]
+    if not groups or not records:
+        return set()
+    con.register("_plan_undecided", pa.table({"group_id": pa.array(groups, pa.string())}))
+    con.register("_plan_turns", pa.table({"record_id": pa.array(records, pa.string())}))
+    rows = con.execute(
+        "SELECT DISTINCT group_id FROM completions "
+        "WHERE group_id IN (SELECT group_id FROM _plan_undecided) "
+        "AND record_id IN (SELECT record_id FROM _plan_turns)"
+    ).fetchall()
+    return {g for (g,) in rows}
+
+
+def _groups_of(con, rollouts: set[str]) -> dict[str, str]:
+    """rollout -> group, for those of `rollouts` that have a turn in `con`."""
+    if not rollouts:
+        return {}
+    con.register("_plan_rollouts", pa.table({"rollout_id": pa.array(list(rollouts), pa.string())}))
+    rows = con.execute(
+        "SELECT DISTINCT rollout_id, group_id FROM completions "
+        "WHERE rollout_id IN (SELECT rollout_id FROM _plan_rollouts)"
+    ).fetchall()
+    return dict(rows)
+
+
+def _group_rollouts(
+    con, groups: list[str], settle_seconds: float, finished_only: bool = False
+) -> dict[str, list[str]]:
+    """Each group's rollouts, in the order of `groups`; with `finished_only`, only the
+    groups finished now (as `finished_groups` says), ordered by when they began."""
+    if not groups:
+        return {}
+    con.register("_plan_groups", pa.table({"group_id": pa.array(groups, pa.string())}))
+    rows = con.execute(
+        """
+        WITH c AS (
+            SELECT group_id, rollout_id, min(started_at) AS started_at, max(ended_at) AS ended_at
+            FROM completions WHERE group_id IN (SELECT group_id FROM _plan_groups)
+            GROUP BY group_id, rollout_id),
+        f AS (SELECT DISTINCT rollout_id FROM finishes
+              WHERE rollout_id IN (SELECT rollout_id FROM c))
+        SELECT c.group_id, list(c.rollout_id ORDER BY c.rollout_id),
+               bool_and(f.rollout_id IS NOT NULL
+                        OR c.ended_at < now() - to_microseconds(CAST($settle * 1e6 AS BIGINT)))
+        FROM c LEFT JOIN f USING (rollout_id)
+        GROUP BY c.group_id ORDER BY min(c.started_at), c.group_id
+        """,
+        {"settle": settle_seconds},
+    ).fetchall()
+    if finished_only:
+        return {g: rollouts for g, rollouts, finished in rows if finished}
+    found = {g: rollouts for g, rollouts, _ in rows}
+    return {g: found.get(g, []) for g in groups}
+
+
+def _reward_verdicts(
+    rollouts: dict[str, list[str]], rewards: dict[str, float], config: TrainConfig
+) -> dict[str, str]:
+    """Why each group that surely cannot be trained on is left out, from its rollouts'
+    rewards alone (no token ids read). The trainable rollouts are a subset of all of
+    them, so a group with too few rollouts, or fewer than two distinct rewards, is out
+    whatever its records hold."""
+    out = {}
+    for group_id, group_rollouts in rollouts.items():
+        scored = {rewards[r] for r in group_rollouts if r in rewards}
+        if len(group_rollouts) < config.min_group_size:
+            out[group_id] = f"fewer than {config.min_group_size} trainable rollouts"
+        elif len(scored) < 2:
+            missing = any(r not in rewards for r in group_rollouts)
+            out[group_id] = (
+                "a rollout has no reward (run overnight judge, or post rewards)"
+                if missing
+                else "all rewards equal: no signal"
+            )
+    return out
+
+
+def _plan_from(loaded: Loaded) -> Plan:
+    """An empty plan that reports what loading the records left out."""
+    plan = Plan(
+        retokenised=loaded.retokenised,
+        token_count_gaps=loaded.token_count_gaps,
+        unreproduced=dict(loaded.unreproduced),
+    )
+    for reason, n in loaded.skipped.items():
+        plan.skipped[f"turns skipped: {reason}"] += n
+    return plan
+
+
+def _advantages_or_reason(
+    samples: list[Sample], rewards: dict[str, float], config: TrainConfig
+) -> GroupAdvantages | str:
+    """The group's advantages, or why it is not trained on."""
+    rollouts = {s.rollout_id for s in samples}
+    if len(rollouts) < config.min_group_size:
+        return f"fewer than {config.min_group_size} trainable rollouts"
+    if any(r not in rewards for r in rollouts):
+        return "a rollout has no reward (run overnight judge, or post rewards)"
+    adv = group_advantages({r: rewards[r] for r in rollouts}, config.scale_by_std)
+    if adv is None:
+        return "all rewards equal: no signal"
+    return adv

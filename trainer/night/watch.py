@@ -1,0 +1,111 @@
+"""The watch after promotion: roll back an adapter that live traffic shows worse than its predecessor.
+
+`overnight watch` (from cron, as often as wanted) and the start of `overnight train` run it.
+Every record names the adapter that served it (`model_served`). A rollout's reward is the
+one training would take (the first of `reward_sources` it has: posted by the agent, judged,
+or scored by a function), and it counts for an adapter when every turn of the rollout was
+served by that adapter. A rollback loads the previous adapter again under a new name, so
+adapters are compared by path: every name a path was served under counts for it.
+
+The test: mean(promoted) - mean(predecessor) with the gate's bootstrap (trainer/night/gate.py),
+unpaired (different requests), one-sided: the promoted adapter is worse when the upper end
+of the one-sided 95% interval is below zero, once each side has `watch_min_rollouts`
+rewarded rollouts. A worse adapter is rolled back through the proxy's admin API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from overnight.config import TrainConfig
+
+from .gate import CONFIDENCE, bootstrap_means
+from .live import live_rewards, rewards_of
+from .proxy_client import admin_call, serving_state
+
+
+@dataclass
+class WatchVerdict:
+    current: str | None  # the name the alias serves now (None: the base model)
+    predecessor: str | None  # the path served before it (None: the base model)
+    new: int = 0  # rewarded rollouts served by the current adapter
+    old: int = 0  # ... by its predecessor
+    new_mean: float | None = None
+    old_mean: float | None = None
+    diff_mean: float | None = None
+    high: float | None = None  # the one-sided interval's upper end
+    worse: bool = False
+    rolled_back_to: str | None = None  # the name served after a rollback
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check(data_dir: Path, state: dict, config: TrainConfig) -> WatchVerdict:
+    """Whether the adapter served now is worse than its predecessor on live rewards."""
+    current = state.get("current")
+    if not current:
+        return WatchVerdict(None, None, reason="the alias serves the base model: nothing to watch")
+    stack = state.get("stack") or []
+    by_name = {a["name"]: a["path"] for a in state.get("adapters") or []}
+    before = by_name.get(stack[-2]) if len(stack) >= 2 else None
+    verdict = WatchVerdict(current["name"], before)
+    if before == current["path"]:
+        verdict.reason = "its predecessor is the same adapter"
+        return verdict
+    by_served = live_rewards(data_dir, config.reward_sources)
+    new = rewards_of(state, current["path"], by_served)
+    old = rewards_of(state, before, by_served)
+    verdict.new, verdict.old = len(new), len(old)
+    least = config.watch_min_rollouts
+    if min(len(new), len(old)) < least:
+        verdict.reason = (
+            f"too few rewarded rollouts to compare ({len(new)} served by {current['name']}, "
+            f"{len(old)} by its predecessor; {least} each needed)"
+        )
+        return verdict
+    high = float(np.quantile(bootstrap_means(new, old, seed=config.seed), CONFIDENCE))
+    verdict.new_mean, verdict.old_mean = float(np.mean(new)), float(np.mean(old))
+    verdict.diff_mean, verdict.high = verdict.new_mean - verdict.old_mean, high
+    verdict.worse = high < 0
+    verdict.reason = (
+        f"live reward {verdict.new_mean:.3f} on {len(new)} rollouts against "
+        f"{verdict.old_mean:.3f} on {len(old)} for its predecessor "
+        f"({before or 'the base model'}): difference {verdict.diff_mean:+.3f}, one-sided "
+        f"{CONFIDENCE:.0%} upper end {high:+.3f} " + ("< 0: worse" if verdict.worse else ">= 0")
+    )
+    return verdict
+
+
+def watch(
+    data_dir: Path,
+    proxy_url: str,
+    token: str | None,
+    config: TrainConfig,
+    say=print,
+    act: bool = True,
+) -> WatchVerdict:
+    """Settle a canary (trainer/night/canary.py), then check the served adapter; roll it back
+    when it is worse (unless `act` is False)."""
+    from .canary import settle
+
+    settle(data_dir, proxy_url, token, config, say, act)
+    verdict = check(data_dir, serving_state(proxy_url, token), config)
+    if not verdict.worse:
+        say(f"watch: {verdict.current or 'base model'} keeps serving: {verdict.reason}")
+        return verdict
+    if not act:
+        say(f"watch: {verdict.current} is worse, not rolled back (--dry-run): {verdict.reason}")
+        return verdict
+    why = f"watch: {verdict.current} worse on live traffic: {verdict.reason}"
+    now = admin_call(proxy_url, "/admin/adapters/rollback", token, {"reason": why}).get("current")
+    verdict.rolled_back_to = now["name"] if now else None
+    say(
+        f"watch: rolled back {verdict.current}: {verdict.reason}; the alias now serves "
+        f"{verdict.rolled_back_to or 'the base model'}"
+    )
+    return verdict
