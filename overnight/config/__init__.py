@@ -1,0 +1,41 @@
+"""Configuration of each part: frozen dataclasses, each field declared once.
+
+A field's metadata carries its command-line help (and flag, where it is not
+`--field-name`); overnight/options.py builds the click options from it, so the
+defaults in these modules are the only ones. The comments say why a default is what it
+is. Precedence is CLI > environment (`OVERNIGHT_*`) > config file > the defaults;
+the CLI applies it (click's `auto_envvar_prefix` and `default_map`) and builds these.
+
+What lives where (import every name from here, `from overnight.config import ...`):
+
+    common.py  DEFAULT_DATA_DIR, SETTLE_SECONDS, DEFAULT_TOOL_CALL_PARSER: shared defaults
+    proxy.py   ProxyConfig (`overnight serve`: the proxy)
+    vllm.py    VLLMConfig (`overnight serve --model`: the vLLM it starts)
+    judge.py   JudgeConfig (`overnight judge`)
+    train.py   TrainConfig, GATE_MODES, TINY_CPU_PRESET, LOGPROB_GAP_WARNING (`overnight train`)
+
+`ConfigError` (overnight/errors.py) is re-exported here, as it always was.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .common import DEFAULT_DATA_DIR, DEFAULT_TOOL_CALL_PARSER, SETTLE_SECONDS
+from .judge import JudgeConfig
+from .proxy import ProxyConfig
+from .train import GATE_MODES, LOGPROB_GAP_WARNING, TINY_CPU_PRESET, TrainConfig
+from .vllm import VLLMConfig
+
+__all__ = [
+    "DEFAULT_DATA_DIR",
+    "DEFAULT_TOOL_CALL_PARSER",
+    "GATE_MODES",
+    "LOGPROB_GAP_WARNING",
+    "SETTLE_SECONDS",
+    "TINY_CPU_PRESET",
+    "ConfigError",
+    "JudgeConfig",
+    "ProxyConfig",
+    "TrainConfig",
+    "VLLMConfig",
+]

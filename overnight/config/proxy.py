@@ -1,0 +1,279 @@
+"""The proxy's configuration (`overnight serve`): upstreams, data directory, client and
+admin auth, timeouts, the write-ahead log and shadow sampling."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+from .common import DEFAULT_DATA_DIR
+
+_ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    # The first of `upstreams`: the one upstream of a proxy that fronts one, as
+    # `ProxyConfig(upstream=URL)` says it. Give this or `upstreams`, not both.
+    upstream: str = field(
+        default="", metadata={"help": "The first upstream (see --upstream).", "flag": None}
+    )
+    # The OpenAI-compatible servers the proxy fronts: vLLM replicas of one model, each with
+    # runtime LoRA on (proxy/forward/balancer.py). A trailing /v1 is dropped.
+    upstreams: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "URL of an OpenAI-compatible server already running (repeatable: replicas "
+            "of one model; a rollout sticks to one, promotions reach all).",
+            "flag": "--upstream",
+            "name": "upstream",
+        },
+    )
+    # Every command takes the same one. A URL (s3://bucket/prefix) keeps the Parquet
+    # segments in a bucket and the rest in `local_dir` (storage/location.py).
+    data_dir: Path = field(
+        default=DEFAULT_DATA_DIR,
+        metadata={
+            "help": "Data directory: records, logs, adapters; or a URL (s3://bucket/prefix) "
+            "where the Parquet records go, the rest staying in --local-dir.",
+            "flag": "--data",
+            "envvar": "OVERNIGHT_DATA",
+        },
+    )
+    # With --data a URL: this machine's log, runs, adapters and promotion state. The
+    # default is derived from the URL, so every command on one machine finds the same one.
+    local_dir: Path | None = field(
+        default=None,
+        metadata={
+            "help": "With --data a URL: the local directory for the log, runs, adapters "
+            "[default: ~/.local/state/overnight/SCHEME/BUCKET/PREFIX].",
+            "envvar": "OVERNIGHT_LOCAL_DIR",
+        },
+    )
+    # The stable model name agents ask for.
+    alias: str = field(default="policy", metadata={"help": "Model name that follows promotions."})
+    # `Authorization: Bearer KEY`; empty means no client auth.
+    api_keys: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "Accepted client key (repeatable; env OVERNIGHT_API_KEYS, space-separated).",
+            "flag": "--api-key",
+            "envvar": "OVERNIGHT_API_KEYS",
+        },
+    )
+    admin_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "Token for /admin/ (else loopback only; env OVERNIGHT_ADMIN_TOKEN).",
+            "envvar": "OVERNIGHT_ADMIN_TOKEN",
+        },
+    )
+    # Never the client's key.
+    upstream_api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Key the proxy sends upstream (env OVERNIGHT_UPSTREAM_API_KEY).",
+            "envvar": "OVERNIGHT_UPSTREAM_API_KEY",
+        },
+    )
+    # Large enough for long multi-turn agent contexts with tool outputs.
+    max_body_bytes: int = field(
+        default=32 * 1024 * 1024,
+        metadata={"help": "Largest request body accepted (413 above it)."},
+    )
+    # Connecting to a local vLLM is instant; 10 s covers a busy host.
+    connect_timeout: float = field(
+        default=10.0, metadata={"help": "Seconds to connect to the upstream."}
+    )
+    # Long generations are fine (there is deliberately no total cap); a stalled
+    # upstream is not.
+    read_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Longest silence between two upstream bytes (no cap on a whole generation)."
+        },
+    )
+    # vLLM closes idle keep-alive connections after about 5 s; ours must close first
+    # or a reused connection fails with "Server disconnected".
+    keepalive_timeout: float = field(
+        default=4.0,
+        metadata={"help": "Idle upstream connections are closed after this (below vLLM's 5 s)."},
+    )
+    # aiohttp's server has no timeout for reading a request's headers: a client that
+    # never finishes them (slowloris) would hold its connection forever. The same limit
+    # closes a client's idle keep-alive connection; SDKs keep theirs 5-15 s.
+    header_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds a client may take to send a request's headers, or stay idle between requests."
+        },
+    )
+    # DNS rebinding: a page at evil.example whose name resolves to this machine. An IP
+    # literal, `localhost` and this machine's name cannot be rebound; other names must be
+    # listed ('*' turns the check off).
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "Host name the proxy is served as, for the admin API, rewards and /ui (repeatable; "
+            "IP addresses, localhost and this machine's name are always accepted).",
+            "flag": "--allowed-host",
+        },
+    )
+    drain_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "How long a replaced adapter may finish requests in flight before unloading."
+        },
+    )
+    # No flag: `overnight serve` leaves it to /v1/models (vLLM's --served-model-name
+    # names it when serve starts vLLM).
+    base_model: str | None = field(
+        default=None,
+        metadata={"help": "Name the upstream serves the base model under.", "flag": None},
+    )
+    # See storage.writer.
+    commit_interval: float = field(
+        default=0.02,
+        metadata={
+            "help": "Group commit window of the write-ahead log, seconds (fsync at most this often)."
+        },
+    )
+    roll_seconds: float = field(
+        default=300.0,
+        metadata={
+            "help": "Roll the write-ahead log into Parquet after this many seconds (or 64 MiB)."
+        },
+    )
+    # None stores records as they came; see proxy/capture/redact.py and examples/redact_emails.py.
+    redact: str | None = field(
+        default=None,
+        metadata={
+            "help": "Redaction hook (module:function or file.py:function) applied to each "
+            "record before it is written."
+        },
+    )
+    # vLLM restarted under the proxy has no adapters: this often, the proxy checks that the
+    # promoted one is still served and loads it again (a 404 for it checks at once).
+    upstream_check_interval: float = field(
+        default=10.0,
+        metadata={
+            "help": "Seconds between health checks of each upstream, which also check that it "
+            "still serves the promoted adapter (0: never)."
+        },
+    )
+    # DATA/adapters.json is the promotion state of every proxy on the data directory
+    # (`--workers`, or proxies on several machines sharing it): a stat this often finds a
+    # promotion made through another proxy. The old adapter is unloaded no sooner than
+    # twice this after a promotion, so that every proxy has switched away from it.
+    state_poll_interval: float = field(
+        default=1.0,
+        metadata={
+            "help": "Seconds between looks at DATA/adapters.json for promotions made through "
+            "another proxy (0: never); with a bucket, one HEAD request each."
+        },
+    )
+    # Shadow sampling (proxy/shadow/sampler.py): off unless asked, it costs upstream compute.
+    shadow_samples: int = field(
+        default=0,
+        metadata={
+            "help": "Siblings asked of vLLM for a served single-call turn, after its answer "
+            "was sent, at low priority (0: no shadow sampling)."
+        },
+    )
+    shadow_rate: float = field(
+        default=1.0,
+        metadata={"help": "Fraction of eligible turns shadow-sampled (random per turn)."},
+    )
+    # A burst beyond this is dropped (and counted), never waited for.
+    shadow_queue: int = field(
+        default=256, metadata={"help": "Turns waiting for shadow sampling at most."}
+    )
+    # One request of K siblings at a time keeps vLLM's batch (CPU: each step's cost) small.
+    shadow_concurrency: int = field(
+        default=1, metadata={"help": "Shadow sibling requests in flight at once."}
+    )
+    # vLLM's priority orders only what waits; a running sibling shares every batch step
+    # with the served requests (on a CPU each step costs more with each sequence), so by
+    # default siblings run only while no served request is in flight on their replica.
+    shadow_max_served: int = field(
+        default=0,
+        metadata={
+            "help": "Shadow requests run while a replica has at most this many served requests "
+            "in flight; one running when more arrive is cancelled and asked again (raise it "
+            "on a GPU, where a batch costs little more than one request)."
+        },
+    )
+    # Started the instant an answer is written, a sibling request competes with that
+    # answer's delivery and with a served request the proxy has read but not yet
+    # forwarded (measured: bench/shadow_latency.py); an agent's next call often
+    # comes moments after its answer, too.
+    shadow_quiet: float = field(
+        default=0.02,
+        metadata={
+            "help": "Seconds a replica must have been without served requests (beyond "
+            "--shadow-max-served), and no served turn answered, before a shadow request "
+            "starts on it (0: at once)."
+        },
+    )
+    # vLLM serves lower values first (`--scheduling-policy priority`; ignored under fcfs).
+    shadow_priority: int = field(
+        default=10, metadata={"help": "vLLM priority of shadow requests (served turns: 0)."}
+    )
+
+    def __post_init__(self) -> None:
+        self._check_upstreams()
+        if self.shadow_samples < 0 or not 0.0 <= self.shadow_rate <= 1.0:
+            raise ConfigError("shadow_samples must be >= 0 and shadow_rate within [0, 1]")
+        if self.shadow_queue < 1 or self.shadow_concurrency < 1 or self.shadow_max_served < 0:
+            raise ConfigError(
+                "shadow_queue and shadow_concurrency must be at least 1, shadow_max_served >= 0"
+            )
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if not _ALIAS.fullmatch(self.alias):
+            raise ConfigError(
+                f"alias must be 1-64 characters of [A-Za-z0-9._-], got {self.alias!r}"
+            )
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be at least 1024")
+        for name in (
+            "connect_timeout",
+            "read_timeout",
+            "keepalive_timeout",
+            "header_timeout",
+            "drain_timeout",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.commit_interval < 0 or self.roll_seconds <= 0:
+            raise ConfigError("commit_interval must be >= 0 and roll_seconds > 0")
+        if self.upstream_check_interval < 0 or self.state_poll_interval < 0:
+            raise ConfigError(
+                "upstream_check_interval and state_poll_interval must be >= 0 (0: never)"
+            )
+        if self.redact is not None and ":" not in self.redact:
+            raise ConfigError(
+                f"redact must be module:function or file.py:function, got {self.redact!r}"
+            )
+        if any(not k for k in self.api_keys):
+            raise ConfigError("api keys must not be empty")
+
+    def _check_upstreams(self) -> None:
+        """`upstreams` normalised (one URL given as text is a tuple of one), `upstream` its first."""
+        urls = (self.upstreams,) if isinstance(self.upstreams, str) else tuple(self.upstreams)
+        if not urls and self.upstream:
+            urls = (self.upstream,)
+        if not urls:
+            raise ConfigError("an upstream URL is required")
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigError(f"upstream must be an http(s) URL, got {url!r}")
+        urls = tuple(u.rstrip("/").removesuffix("/v1") for u in urls)
+        if len(set(urls)) != len(urls):
+            raise ConfigError(f"an upstream is given twice: {list(urls)}")
+        first = self.upstream.rstrip("/").removesuffix("/v1")
+        if self.upstream and first != urls[0]:
+            raise ConfigError(f"upstream {self.upstream!r} is not the first of upstreams {urls}")
+        object.__setattr__(self, "upstreams", urls)
+        object.__setattr__(self, "upstream", urls[0])

@@ -1,0 +1,265 @@
+"""The trainer's configuration (`overnight train`): the GRPO loss and LoRA, the promotion
+gate, the watch and canary, resampling; `TINY_CPU_PRESET`, and the logprob gap a run
+warns above."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+# Largest |policy - logged| logprob of a trained token before a run's first update (its
+# `max_logprob_gap`, in nats) that passes without a warning. The ratio of such a token
+# starts off by e^gap: 0.02 is a 2% error, a tenth of the clip window's narrow side
+# (clip_low 0.2), so below it the clip acts on the tokens it should. Float32 serving
+# and training agree to ~2e-6; a bfloat16 server against a float32 trainer measured
+# 0.077, and raw vLLM logprobs against a temperature-0.7 policy up to 2.3.
+LOGPROB_GAP_WARNING = 0.02
+
+_DTYPES = ("auto", "float32", "bfloat16")
+# The promotion gate (trainer/night/gate.py, docs/grpo.md).
+GATE_MODES = ("not-worse", "better", "off")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Defaults suit a real model on a GPU; TINY_CPU_PRESET suits the tiny CPU model."""
+
+    # None asks the proxy (vLLM's /v1/models).
+    base_model: str | None = field(
+        default=None, metadata={"help": "Base model path or name (default: ask the proxy)."}
+    )
+    # A request that omits temperature, top_k, top_p or min_p was sampled with vLLM's
+    # default for it, which vLLM takes from the model's generation_config.json unless
+    # started with `--generation-config vllm` (or a directory): say the same here.
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "Where the serving vLLM took sampling defaults from, as its "
+            "--generation-config: auto (the model's generation_config.json), vllm "
+            "(none), or a directory."
+        },
+    )
+    # LoRA's usual range for 7B-class models.
+    learning_rate: float = field(
+        default=1e-5,
+        metadata={
+            "help": "AdamW learning rate (the tiny CPU model wants 6e-2: --preset tiny-cpu)."
+        },
+    )
+    # The clipped ratio keeps later passes honest.
+    epochs: int = field(default=1, metadata={"help": "Passes over the night's groups."})
+    lora_rank: int = field(
+        default=16, metadata={"help": "Rank of a fresh adapter (an existing one keeps its own)."}
+    )
+    # None: twice the rank, LoRA's usual scale.
+    lora_alpha: int | None = field(
+        default=None, metadata={"help": "Alpha of a fresh adapter (default: twice the rank)."}
+    )
+    # All attention and MLP projections: what vLLM's LoRA kernels serve.
+    target_modules: tuple[str, ...] = field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        metadata={
+            "help": "Module a fresh adapter adapts (repeatable; default: every attention "
+            "and MLP projection).",
+            "flag": "--target-module",
+        },
+    )
+    # Each step normalises over its own groups.
+    groups_per_step: int = field(default=8, metadata={"help": "Groups per optimizer step."})
+    micro_batch_tokens: int = field(
+        default=8192,
+        metadata={"help": "Tokens per forward pass; gradients accumulate across passes."},
+    )
+    # One odd group must not wreck the adapter.
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient norm clip."})
+    # Yes: GRPO; no: Dr. GRPO.
+    scale_by_std: bool = field(
+        default=True,
+        metadata={"help": "Divide advantages by the group's reward standard deviation."},
+    )
+    # Needs an attention kernel that takes a mask: sdpa or eager.
+    share_prompts: bool = field(
+        default=True,
+        metadata={"help": "Run a group's shared prompt once per row instead of once per rollout."},
+    )
+    # With several processes, a whole model per process unless sharded;
+    # `accelerate launch --use_fsdp` turns it on.
+    fsdp: bool = field(
+        default=False,
+        metadata={
+            "help": "Under torchrun: shard the model per layer (FSDP) instead of copying it."
+        },
+    )
+    # The variants: trainer/grpo/loss.py and docs/grpo.md.
+    loss: str = field(
+        default="dapo",
+        metadata={
+            "help": "How token losses are normalised (docs/grpo.md).",
+            "choices": ("grpo", "dr_grpo", "dapo"),
+        },
+    )
+    clip_low: float = field(
+        default=0.2,
+        metadata={"help": "The ratio may fall to 1 - this before the clip stops the gradient."},
+    )
+    clip_high: float = field(
+        default=0.28, metadata={"help": "The ratio may rise to 1 + this (DAPO's clip-higher)."}
+    )
+    # A token whose ratio exploded (data from an old adapter) cannot dominate; 0 means None.
+    dual_clip: float | None = field(
+        default=3.0,
+        metadata={
+            "help": "Cap on the loss of negative-advantage tokens with huge ratios (0: off)."
+        },
+    )
+    ratio_level: str = field(
+        default="token",
+        metadata={
+            "help": "Importance ratio per token, or one per sequence (GSPO-style).",
+            "choices": ("token", "sequence"),
+        },
+    )
+    max_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "dr_grpo's constant normaliser (tokens per sequence).",
+            "flag": "--loss-max-tokens",
+        },
+    )
+    kl_coef: float = field(
+        default=0.0,
+        metadata={"help": "Weight of a KL term to the base model (0: off, no reference pass)."},
+    )
+    # When a rollout has several, the first found wins.
+    reward_sources: tuple[str, ...] = field(
+        default=("agent", "combined", "function", "ruler"),
+        metadata={
+            "help": "Which reward to train on, in order of preference (repeatable; default: "
+            "agent, combined, function, ruler).",
+            "flag": "--reward-source",
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "Shuffles and init."})
+    # bfloat16 halves the memory and uses tensor cores; the CPU keeps float32, where
+    # logprobs must match vLLM's float32 to 1e-6.
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto: bfloat16 on GPUs that have it, else float32.", "choices": _DTYPES},
+    )
+    min_group_size: int = field(
+        default=2, metadata={"help": "Smaller groups are skipped (too little relative signal)."}
+    )
+    # Non-inferiority by default: a night that cannot be shown not worse than the served
+    # adapter stays on disk; `better` asks for evidence of a gain; `off` promotes always.
+    gate: str = field(
+        default="not-worse",
+        metadata={
+            "help": "Before promoting, compare the new adapter with the served one on held-out "
+            "prompts: promote when not worse (by --gate-margin), only when better, or always "
+            "(off). Needs --reward or --judge-model to score; docs/grpo.md.",
+            "choices": GATE_MODES,
+        },
+    )
+    # In reward units: 0.05 of a reward in [0, 1] is a loss few users would notice.
+    gate_margin: float = field(
+        default=0.05,
+        metadata={"help": "The largest loss in mean reward --gate not-worse tolerates."},
+    )
+    # 32 pairs put the interval's half-width near 0.35 sd of the per-prompt difference.
+    gate_prompts: int = field(
+        default=32, metadata={"help": "Held-out prompts the gate samples both adapters on."}
+    )
+    watch: bool = field(
+        default=True,
+        metadata={
+            "help": "Before training, roll back a promoted adapter whose live rewards are "
+            "significantly worse than its predecessor's (as `overnight watch`)."
+        },
+    )
+    # Fewer rollouts leave the interval so wide that only a collapse would show.
+    watch_min_rollouts: int = field(
+        default=30,
+        metadata={"help": "Rewarded live rollouts each adapter needs before the watch compares."},
+    )
+    # 0: promote at once. A share serves the candidate to that many of the alias's
+    # rollouts until `overnight watch` settles it on live rewards (trainer/night/canary.py).
+    canary: float = field(
+        default=0.0,
+        metadata={
+            "help": "Serve a candidate that passed the gate to this share of the alias's "
+            "rollouts first (sticky per rollout); the watch promotes or drops it on live rewards."
+        },
+    )
+    # Off by default: a night looks only at groups that changed since the last run's
+    # selection (trainer/night/plan.py); a full look is for recovered logs or restored data.
+    rescan: bool = field(
+        default=False,
+        metadata={
+            "help": "Look at every untrained group, not only those changed since the last "
+            "run's selection (after restoring data, or a proxy log recovered days later)."
+        },
+    )
+    # Off by default: it costs K more generations per turn (bench/resample_cost.py).
+    resample: int = field(
+        default=0,
+        metadata={
+            "help": "Before scoring, ask vLLM for this many more samples of each logged turn "
+            "that is not in a group of two or more (same context token for token, same "
+            "adapter and sampling): each turn and its samples form a group (docs/grpo.md)."
+        },
+    )
+    # A night's generation budget: the newest turns first.
+    resample_max_turns: int = field(
+        default=256, metadata={"help": "Resample at most this many turns a night."}
+    )
+    resample_all_turns: bool = field(
+        default=False,
+        metadata={"help": "Resample turns of groups of two or more too (not only single calls)."},
+    )
+    # Empty: the upstream the proxy reports (its /admin/adapters replicas).
+    resample_upstream: str = field(
+        default="",
+        metadata={"help": "vLLM URL to resample from (default: the proxy's upstream)."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:
+            raise ConfigError("learning_rate must be positive, epochs and lora_rank at least 1")
+        if self.groups_per_step < 1 or self.micro_batch_tokens < 16 or self.min_group_size < 2:
+            raise ConfigError("groups_per_step >= 1, micro_batch_tokens >= 16, min_group_size >= 2")
+        if self.max_grad_norm <= 0:
+            raise ConfigError("max_grad_norm must be positive")
+        if self.gate not in GATE_MODES or self.gate_margin < 0 or self.gate_prompts < 1:
+            raise ConfigError(
+                f"gate must be one of {', '.join(GATE_MODES)} (got {self.gate!r}), gate_margin "
+                ">= 0 and gate_prompts >= 1"
+            )
+        if self.watch_min_rollouts < 2:
+            raise ConfigError("watch_min_rollouts must be at least 2")
+        if not 0 <= self.canary < 1:
+            raise ConfigError(f"canary must be a share in [0, 1) of the traffic, got {self.canary}")
+        if self.resample < 0 or self.resample_max_turns < 0:
+            raise ConfigError("resample and resample_max_turns must be at least 0")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.lora_alpha is None:
+            object.__setattr__(self, "lora_alpha", 2 * self.lora_rank)
+        if self.dual_clip == 0:
+            object.__setattr__(self, "dual_clip", None)
+        if self.dual_clip is not None and self.dual_clip < 1 + self.clip_high:
+            # TRL's delta there would also cap positive-advantage tokens (docs/grpo.md).
+            raise ConfigError(
+                f"dual_clip must be at least 1 + clip_high = {1 + self.clip_high:g}, or 0 (off)"
+            )
+
+
+# The tiny local model (tests, the demo) on a CPU: its random weights need far bigger
+# steps than a real model (measured: a numbers-only reward went 0.56 -> 0.84 in three
+# nights of 64 rollouts at 6e-2; at 2e-2 it took eight). Alpha follows the rank.
+TINY_CPU_PRESET = {
+    "learning_rate": 6e-2,
+    "epochs": 4,
+    "lora_rank": 8,
+    "groups_per_step": 8,
+}
