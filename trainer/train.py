@@ -1,11 +1,12 @@
 """`overnight train`: one nightly GRPO run over the groups no earlier run trained on.
 
-  resume an interrupted run, or begin one -> select finished, scored, untrained groups
-  (plan.py) -> start from the adapter the proxy serves (or a fresh LoRA) -> GRPO steps
-  (step.py), a checkpoint after each (checkpoint.py) -> save the adapter -> the gate
-  compares it with the served adapter on held-out prompts (gate.py) -> promote it through
-  the proxy's admin API (proxy_client.py) -> record the run, write the report. Before all
-  that, the watch (watch.py) rolls back a promoted adapter that live rewards show worse.
+  resume an interrupted run, or begin one (run/checkpoint.py) -> select finished, scored,
+  untrained groups (night/plan.py) -> start from the adapter the proxy serves (or a fresh
+  LoRA) -> GRPO steps, a checkpoint after each (run/loop.py) -> save the adapter -> the
+  gate compares it with the served adapter on held-out prompts (night/gate.py) -> promote
+  it through the proxy's admin API (night/proxy_client.py) -> record the run
+  (run/record.py), write the report. Before all that, the watch (night/watch.py) rolls
+  back a promoted adapter that live rewards show worse.
 
 Under torchrun every process runs this; process 0 decides what to train on and does
 everything with side effects (files, the run record, the promotion). Progress goes to
@@ -15,31 +16,17 @@ everything with side effects (files, the run record, the promotion). Progress go
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
-import random
 import time
-import uuid
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from overnight.config import LOGPROB_GAP_WARNING, SETTLE_SECONDS, TrainConfig
-from overnight.errors import OvernightError
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, open_db
 from overnight.view.report import write_report
 
 from .grpo.parallel import Parallel
 from .grpo.sampling import server_defaults
-from .grpo.step import fresh_adapter, micro_batch_loss, optimizer_step, with_behaviour
+from .grpo.step import fresh_adapter, micro_batch_loss
 from .night.canary import start as start_canary
-from .night.checkpoint import (
-    RunDir,
-    kill_point,
-    load_checkpoint,
-    save_adapter,
-    save_checkpoint,
-    unfinished_run,
-)
 from .night.gate import Scorer, Verdict, held_out_prompts, run_gate, skipped
 from .night.plan import Plan, plan_run
 from .night.proxy_client import (
@@ -54,6 +41,9 @@ from .night.proxy_client import (
 from .night.resample import resample_turns
 from .night.turn_groups import add_turn_groups, is_turn_group
 from .night.watch import watch as watch_served
+from .run.checkpoint import kill_point, this_run, unfinished_run
+from .run.loop import TrainError, run_training, step_schedule
+from .run.record import RunResult, record_run
 
 # Re-exported: the CLI, the tests and the benchmarks import these from here.
 __all__ = [
@@ -64,28 +54,15 @@ __all__ = [
     "fresh_adapter",
     "micro_batch_loss",
     "plan_run",
+    "record_run",
     "resample_turns",
     "run_training",
+    "step_schedule",
     "train",
     "unfinished_run",
 ]
 
 log = logging.getLogger("overnight.trainer")
-
-
-class TrainError(OvernightError):
-    code = "train_error"
-
-
-@dataclass
-class RunResult:
-    run_id: str
-    plan: Plan
-    adapter_path: Path | None = None
-    promoted_as: str | None = None
-    metrics: dict = field(default_factory=dict)
-    gate: Verdict | None = None  # None: no promotion was asked for
-    held_out: list[str] = field(default_factory=list)  # groups the gate took from the plan
 
 
 def train(
@@ -111,7 +88,7 @@ def train(
     parallel = Parallel() if dry_run else Parallel.start(fsdp=config.fsdp)
     if parallel.rank != 0:
         say = _silent
-    run_dir, saved = parallel.agree(_this_run(data_dir, dry_run))
+    run_dir, saved = parallel.agree(this_run(data_dir, dry_run))
     only = saved.get("groups")  # a resumed run's groups
     say(f"run {run_dir.run_id}: " + _what_it_trains_on(only))
     started = time.time_ns() // 1000
@@ -229,147 +206,10 @@ def _promote_once(proxy_url: str, token: str | None, shared: str, say) -> str:
     return promoted
 
 
-def _this_run(data_dir: Path, dry_run: bool) -> tuple[RunDir, dict]:
-    """The interrupted run to resume and what it saved, or a new run ({} saved)."""
-    resumed = None if dry_run else unfinished_run(data_dir)
-    while resumed is not None and _recorded(data_dir, resumed.name):
-        RunDir(resumed).finish()  # killed after it was recorded: it only missed this mark
-        resumed = unfinished_run(data_dir)
-    if resumed is not None:
-        run = RunDir(resumed)
-        return run, run.saved()
-    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    return RunDir(data_dir / "runs" / run_id), {}
-
-
-def _recorded(data_dir: Path, run_id: str) -> bool:
-    """Whether `training_runs` holds this run as trained."""
-    con = open_db(data_dir)
-    try:
-        rows = con.execute(
-            "SELECT count(*) FROM training_runs WHERE run_id = ? AND status = 'trained'", [run_id]
-        ).fetchone()
-    finally:
-        con.close()
-    return bool(rows and rows[0])
-
-
 def _what_it_trains_on(only: list[str] | None) -> str:
     if only is not None:
         return f"resuming an interrupted run on its {len(only)} group(s)"
     return "selecting finished groups no earlier run trained on"
-
-
-def run_training(
-    plan: Plan,
-    config: TrainConfig,
-    base_model: str,
-    start_adapter: str | None,
-    out_dir: Path,
-    say=print,
-    checkpoint: Path | None = None,
-) -> dict:
-    """Train on the plan's samples; saves the adapter to `out_dir`; returns metrics.
-
-    With `checkpoint`, the adapter and optimizer are saved there after every step, and
-    a checkpoint found there is resumed: the steps it covers are skipped (the shuffles
-    replay from the seed, so the remaining steps see the data they would have seen).
-    """
-    import torch
-
-    from .grpo.loss import LossConfig
-
-    torch.manual_seed(config.seed)  # before the fresh adapter's initialisation
-    parallel = Parallel.start(fsdp=config.fsdp)
-    model, optimizer, state = _start_policy(
-        config, base_model, start_adapter, checkpoint, parallel, say
-    )
-    loss_config = LossConfig.from_train_config(config)
-    samples = with_behaviour(model, plan.samples, config.micro_batch_tokens)
-    steps: list[dict] = list(state["steps"]) if state else []
-    done_steps = len(steps)
-    max_gap = state["max_gap"] if state else 0.0
-    schedule = step_schedule(plan.groups, config)
-    started = time.perf_counter()
-    for number, (epoch, step_groups) in enumerate(schedule, start=1):
-        if number <= done_steps:
-            continue  # done before the interruption
-        step_samples = [s for s in samples if s.group_id in step_groups]
-        out = optimizer_step(model, optimizer, parallel, step_samples, loss_config, config)
-        if not steps:  # the first step sees the starting policy: how far is it from the logs?
-            max_gap = max(max_gap, out.logprob_gap)
-        record = {
-            **out.stats,
-            "step": len(steps) + 1,
-            "epoch": epoch,
-            "loss": out.loss,
-            "grad_norm": out.grad_norm,
-            "groups": len(step_groups),
-            "sequences": len(step_samples),
-        }
-        steps.append(record)
-        kill_point(f"step-{len(steps)}")  # computed, not yet checkpointed
-        if checkpoint is not None:
-            save_checkpoint(checkpoint, parallel, model, optimizer, steps, max_gap)
-        # Tokens this process trained (a resumed run's earlier steps took no time here).
-        rate = sum(s["tokens"] for s in steps[done_steps:]) / (time.perf_counter() - started)
-        say(
-            f"step {len(steps)}/{len(schedule)}: loss {out.loss:+.4f}, clipped "
-            f"{record.get('clipped_fraction', 0):.3f}, ratio max {record.get('ratio_max', 1):.3f}, "
-            f"grad norm {out.grad_norm:.3f}, {rate:.0f} tokens/s"
-        )
-    save_adapter(out_dir, parallel, model)
-    return {"steps": steps, "max_logprob_gap": max_gap, "seconds": time.perf_counter() - started}
-
-
-def step_schedule(groups: list[str], config: TrainConfig) -> list[tuple[int, set[str]]]:
-    """Each step's (epoch, groups): shuffled every epoch from the seed, so a resumed run
-    replays the same steps."""
-    rng = random.Random(config.seed)
-    groups, steps = list(groups), []
-    for epoch in range(config.epochs):
-        rng.shuffle(groups)
-        for first in range(0, len(groups), config.groups_per_step):
-            steps.append((epoch, set(groups[first : first + config.groups_per_step])))
-    return steps
-
-
-def _start_policy(
-    config: TrainConfig,
-    base_model: str,
-    start_adapter: str | None,
-    checkpoint: Path | None,
-    parallel: Parallel,
-    say,
-):
-    """(model on this process's device, its optimizer, the checkpoint's state or None)."""
-    import torch
-
-    from .grpo.policy import load_policy, torch_dtype
-
-    state = load_checkpoint(checkpoint)
-    dtype = torch_dtype(config.dtype)
-    if state is not None:
-        if state.get("fsdp", False) != parallel.fsdp:
-            raise TrainError(
-                f"the checkpoint in {checkpoint} was written {'with' if state['fsdp'] else 'without'}"
-                " FSDP: resume the same way (or delete it to start the run over)"
-            )
-        model = load_policy(base_model, checkpoint / "adapter", trainable=True, dtype=dtype)
-        say(f"resuming after step {len(state['steps'])} from {checkpoint}")
-    else:
-        model = load_policy(base_model, start_adapter, trainable=True, dtype=dtype)
-        if start_adapter is None:
-            model = fresh_adapter(model, config)
-    model = parallel.prepare(model)
-    if parallel.world > 1:
-        kind = "FSDP" if parallel.fsdp else "data parallel"
-        say(f"{parallel.world} processes, {kind} on {parallel.device}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
-    if state is not None:
-        parallel.load_optimizer_state(model, optimizer, state["optimizer"])
-    return model, optimizer, state
 
 
 def _base_model(state: dict) -> str:
@@ -405,53 +245,3 @@ def _warn_on_gap(gap: float | None, say) -> None:
 
 def _silent(_line: str) -> None:
     pass
-
-
-def record_run(
-    data_dir: Path,
-    result: RunResult,
-    config: TrainConfig,
-    base_model: str,
-    start_adapter: str | None,
-    started: int,
-    error: str | None,
-) -> None:
-    """The run's row in `training_runs` (failed ones too: the report shows them)."""
-    writer = LogWriter(WriterConfig(data_dir, compact_in_process=True))
-    writer.start()
-    plan, metrics = result.plan, result.metrics
-    rewards = list(plan.rewards.values())
-    writer.append(
-        "training_runs",
-        {
-            "run_id": result.run_id,
-            "schema_version": SCHEMA_VERSION,
-            "started_at": started,
-            "ended_at": time.time_ns() // 1000,
-            "status": "failed" if error else "trained",
-            "base_model": base_model,
-            "start_adapter": start_adapter,
-            "adapter_path": str(result.adapter_path) if result.adapter_path else None,
-            "promoted_as": result.promoted_as,
-            "groups": plan.groups,
-            "rollouts": len(plan.rewards),
-            "trained_tokens": sum(s.trained_tokens for s in plan.samples),
-            "steps": len(metrics.get("steps", [])),
-            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "max_logprob_gap": metrics.get("max_logprob_gap"),
-            "config": json.dumps(asdict(config)),
-            "error": error,
-            "proxy_id": writer.writer_id,
-            "metrics": json.dumps(
-                {
-                    "steps": metrics.get("steps", []),
-                    "groups": plan.group_stats,
-                    "skipped": dict(plan.skipped),
-                    "seconds": metrics.get("seconds"),
-                    "gate": result.gate.as_dict() if result.gate else None,
-                    "selection": plan.selection,  # where the next night's selection starts
-                }
-            ),
-        },
-    )
-    writer.close()

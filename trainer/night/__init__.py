@@ -3,6 +3,6 @@
 Owns the plan (`plan`: finished, scored, untrained groups and why others wait),
 per-turn groups from single calls (`turn_groups`, `resample`), the promotion gate
 (`gate`), the canary and the watch (`canary`, `watch`, on what live traffic says:
-`live`), the proxy's admin API (`proxy_client`) and what a run leaves on disk to resume
-(`checkpoint`). May import `grpo` and `overnight.storage`; `grpo` never imports it.
+`live`) and the proxy's admin API (`proxy_client`). May import `grpo` and
+`overnight.storage`; `grpo` never imports it, and neither imports `run`.
 """

@@ -18,14 +18,16 @@ the run not recorded), "recorded" (recorded, not marked finished).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import shutil
 import signal
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from overnight.storage import fsync_path
+from overnight.storage import fsync_path, open_db
 from overnight.trainer.grpo.parallel import Parallel
 
 
@@ -145,3 +147,28 @@ def load_checkpoint(path: Path | None) -> dict | None:
 
             return torch.load(path / "state.pt", weights_only=False)
     return None
+
+
+def this_run(data_dir: Path, dry_run: bool) -> tuple[RunDir, dict]:
+    """The interrupted run to resume and what it saved, or a new run ({} saved)."""
+    resumed = None if dry_run else unfinished_run(data_dir)
+    while resumed is not None and recorded(data_dir, resumed.name):
+        RunDir(resumed).finish()  # killed after it was recorded: it only missed this mark
+        resumed = unfinished_run(data_dir)
+    if resumed is not None:
+        run = RunDir(resumed)
+        return run, run.saved()
+    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    return RunDir(data_dir / "runs" / run_id), {}
+
+
+def recorded(data_dir: Path, run_id: str) -> bool:
+    """Whether `training_runs` holds this run as trained."""
+    con = open_db(data_dir)
+    try:
+        rows = con.execute(
+            "SELECT count(*) FROM training_runs WHERE run_id = ? AND status = 'trained'", [run_id]
+        ).fetchone()
+    finally:
+        con.close()
+    return bool(rows and rows[0])

@@ -1,0 +1,138 @@
+"""The training loop: GRPO steps over the plan's samples, a checkpoint after each.
+
+`run_training` loads the policy (the adapter a run starts from, a fresh LoRA, or the
+checkpoint of an interrupted run), fills in the behaviour logprobs where the records lack
+them, takes the steps `step_schedule` lays out (shuffled per epoch from the seed, so a
+resumed run replays the same steps), saves a checkpoint after every step and the adapter
+at the end. The numerics are grpo/'s; what a run keeps on disk is checkpoint.py's.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from overnight.config import TrainConfig
+from overnight.errors import OvernightError
+from overnight.trainer.grpo.parallel import Parallel
+from overnight.trainer.grpo.step import fresh_adapter, optimizer_step, with_behaviour
+from overnight.trainer.night.plan import Plan
+
+from .checkpoint import kill_point, load_checkpoint, save_adapter, save_checkpoint
+
+
+class TrainError(OvernightError):
+    code = "train_error"
+
+
+def run_training(
+    plan: Plan,
+    config: TrainConfig,
+    base_model: str,
+    start_adapter: str | None,
+    out_dir: Path,
+    say=print,
+    checkpoint: Path | None = None,
+) -> dict:
+    """Train on the plan's samples; saves the adapter to `out_dir`; returns metrics.
+
+    With `checkpoint`, the adapter and optimizer are saved there after every step, and
+    a checkpoint found there is resumed: the steps it covers are skipped (the shuffles
+    replay from the seed, so the remaining steps see the data they would have seen).
+    """
+    import torch
+
+    from overnight.trainer.grpo.loss import LossConfig
+
+    torch.manual_seed(config.seed)  # before the fresh adapter's initialisation
+    parallel = Parallel.start(fsdp=config.fsdp)
+    model, optimizer, state = _start_policy(
+        config, base_model, start_adapter, checkpoint, parallel, say
+    )
+    loss_config = LossConfig.from_train_config(config)
+    samples = with_behaviour(model, plan.samples, config.micro_batch_tokens)
+    steps: list[dict] = list(state["steps"]) if state else []
+    done_steps = len(steps)
+    max_gap = state["max_gap"] if state else 0.0
+    schedule = step_schedule(plan.groups, config)
+    started = time.perf_counter()
+    for number, (epoch, step_groups) in enumerate(schedule, start=1):
+        if number <= done_steps:
+            continue  # done before the interruption
+        step_samples = [s for s in samples if s.group_id in step_groups]
+        out = optimizer_step(model, optimizer, parallel, step_samples, loss_config, config)
+        if not steps:  # the first step sees the starting policy: how far is it from the logs?
+            max_gap = max(max_gap, out.logprob_gap)
+        record = {
+            **out.stats,
+            "step": len(steps) + 1,
+            "epoch": epoch,
+            "loss": out.loss,
+            "grad_norm": out.grad_norm,
+            "groups": len(step_groups),
+            "sequences": len(step_samples),
+        }
+        steps.append(record)
+        kill_point(f"step-{len(steps)}")  # computed, not yet checkpointed
+        if checkpoint is not None:
+            save_checkpoint(checkpoint, parallel, model, optimizer, steps, max_gap)
+        # Tokens this process trained (a resumed run's earlier steps took no time here).
+        rate = sum(s["tokens"] for s in steps[done_steps:]) / (time.perf_counter() - started)
+        say(
+            f"step {len(steps)}/{len(schedule)}: loss {out.loss:+.4f}, clipped "
+            f"{record.get('clipped_fraction', 0):.3f}, ratio max {record.get('ratio_max', 1):.3f}, "
+            f"grad norm {out.grad_norm:.3f}, {rate:.0f} tokens/s"
+        )
+    save_adapter(out_dir, parallel, model)
+    return {"steps": steps, "max_logprob_gap": max_gap, "seconds": time.perf_counter() - started}
+
+
+def step_schedule(groups: list[str], config: TrainConfig) -> list[tuple[int, set[str]]]:
+    """Each step's (epoch, groups): shuffled every epoch from the seed, so a resumed run
+    replays the same steps."""
+    rng = random.Random(config.seed)
+    groups, steps = list(groups), []
+    for epoch in range(config.epochs):
+        rng.shuffle(groups)
+        for first in range(0, len(groups), config.groups_per_step):
+            steps.append((epoch, set(groups[first : first + config.groups_per_step])))
+    return steps
+
+
+def _start_policy(
+    config: TrainConfig,
+    base_model: str,
+    start_adapter: str | None,
+    checkpoint: Path | None,
+    parallel: Parallel,
+    say,
+):
+    """(model on this process's device, its optimizer, the checkpoint's state or None)."""
+    import torch
+
+    from overnight.trainer.grpo.policy import load_policy, torch_dtype
+
+    state = load_checkpoint(checkpoint)
+    dtype = torch_dtype(config.dtype)
+    if state is not None:
+        if state.get("fsdp", False) != parallel.fsdp:
+            raise TrainError(
+                f"the checkpoint in {checkpoint} was written {'with' if state['fsdp'] else 'without'}"
+                " FSDP: resume the same way (or delete it to start the run over)"
+            )
+        model = load_policy(base_model, checkpoint / "adapter", trainable=True, dtype=dtype)
+        say(f"resuming after step {len(state['steps'])} from {checkpoint}")
+    else:
+        model = load_policy(base_model, start_adapter, trainable=True, dtype=dtype)
+        if start_adapter is None:
+            model = fresh_adapter(model, config)
+    model = parallel.prepare(model)
+    if parallel.world > 1:
+        kind = "FSDP" if parallel.fsdp else "data parallel"
+        say(f"{parallel.world} processes, {kind} on {parallel.device}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    if state is not None:
+        parallel.load_optimizer_state(model, optimizer, state["optimizer"])
+    return model, optimizer, state

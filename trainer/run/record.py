@@ -1,0 +1,79 @@
+"""A run's row in `training_runs`: what it trained on, what it made, how it ended.
+
+Written for failed runs too (the report shows them), and before a run is marked finished,
+so a run killed in between is found recorded by the next night and never trained again
+(checkpoint.py's `this_run`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from overnight.config import TrainConfig
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
+from overnight.trainer.night.gate import Verdict
+from overnight.trainer.night.plan import Plan
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    plan: Plan
+    adapter_path: Path | None = None
+    promoted_as: str | None = None
+    metrics: dict = field(default_factory=dict)
+    gate: Verdict | None = None  # None: no promotion was asked for
+    held_out: list[str] = field(default_factory=list)  # groups the gate took from the plan
+
+
+def record_run(
+    data_dir: Path,
+    result: RunResult,
+    config: TrainConfig,
+    base_model: str,
+    start_adapter: str | None,
+    started: int,
+    error: str | None,
+) -> None:
+    """The run's row in `training_runs` (failed ones too: the report shows them)."""
+    writer = LogWriter(WriterConfig(data_dir, compact_in_process=True))
+    writer.start()
+    plan, metrics = result.plan, result.metrics
+    rewards = list(plan.rewards.values())
+    writer.append(
+        "training_runs",
+        {
+            "run_id": result.run_id,
+            "schema_version": SCHEMA_VERSION,
+            "started_at": started,
+            "ended_at": time.time_ns() // 1000,
+            "status": "failed" if error else "trained",
+            "base_model": base_model,
+            "start_adapter": start_adapter,
+            "adapter_path": str(result.adapter_path) if result.adapter_path else None,
+            "promoted_as": result.promoted_as,
+            "groups": plan.groups,
+            "rollouts": len(plan.rewards),
+            "trained_tokens": sum(s.trained_tokens for s in plan.samples),
+            "steps": len(metrics.get("steps", [])),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "max_logprob_gap": metrics.get("max_logprob_gap"),
+            "config": json.dumps(asdict(config)),
+            "error": error,
+            "proxy_id": writer.writer_id,
+            "metrics": json.dumps(
+                {
+                    "steps": metrics.get("steps", []),
+                    "groups": plan.group_stats,
+                    "skipped": dict(plan.skipped),
+                    "seconds": metrics.get("seconds"),
+                    "gate": result.gate.as_dict() if result.gate else None,
+                    "selection": plan.selection,  # where the next night's selection starts
+                }
+            ),
+        },
+    )
+    writer.close()
