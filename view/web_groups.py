@@ -1,0 +1,250 @@
+"""The web view's pages over the recorded traffic: the groups, one group, one rollout.
+
+    /ui                       groups, newest first, with filters (query parameters)
+    /ui/groups/{group}        a group's rollouts: reward, judge score and explanation
+    /ui/rollouts/{rollout}    one conversation turn by turn, tool calls included
+
+A filter is a link that can be shared: the groups page's filters are its query
+parameters, checked (`BadFilter`, a 400) before they become SQL parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from overnight.errors import OvernightError
+from overnight.view.display import load_rollout, message_parts, newest_groups
+from overnight.view.web_data import UNCAPTURED, query
+from overnight.view.web_html import esc, html_page, html_table, num, stamp, url_segment
+
+# -- groups ---------------------------------------------------------------------------
+
+STATUSES = {
+    "all": "TRUE",
+    "finished": "finished = rollouts",
+    "open": "finished < rollouts",
+    "scored": "rewarded > 0",
+    "unscored": "rewarded = 0",
+}
+
+
+class BadFilter(OvernightError):
+    status = 400
+    code = "invalid_filter"
+
+
+def _float_param(request: web.Request, name: str) -> float | None:
+    raw = request.query.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise BadFilter(f"{name} must be a number, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class GroupFilters:
+    """The groups page's query parameters, checked, and the SQL they make."""
+
+    search: str
+    adapter: str
+    status: str
+    limit: int
+    where: list[str]
+    args: list
+
+
+def _group_filters(request: web.Request) -> GroupFilters:
+    search = request.query.get("q", "").strip()
+    adapter = request.query.get("adapter", "").strip()
+    status = request.query.get("status", "all")
+    if status not in STATUSES:
+        raise BadFilter(f"status must be one of {', '.join(STATUSES)}")
+    low, high = _float_param(request, "min_reward"), _float_param(request, "max_reward")
+    try:
+        limit = min(max(int(request.query.get("limit", "100")), 1), 1000)
+    except ValueError:
+        raise BadFilter("limit must be a whole number") from None
+    where, args = [STATUSES[status]], []
+    if search:
+        where.append("contains(group_id, ?)")
+        args.append(search)
+    if adapter:
+        where.append("contains(models_served, ?)")
+        args.append(adapter)
+    if low is not None:
+        where.append("mean_reward >= ?")
+        args.append(low)
+    if high is not None:
+        where.append("mean_reward <= ?")
+        args.append(high)
+    return GroupFilters(search, adapter, status, limit, where, args)
+
+
+def _filter_form(request: web.Request, f: GroupFilters, adapters: list[str]) -> str:
+    options = "".join(
+        f'<option value="{esc(s)}"{" selected" if s == f.status else ""}>{esc(s)}</option>'
+        for s in STATUSES
+    )
+    adapter_options = '<option value="">any</option>' + "".join(
+        f'<option value="{esc(a)}"{" selected" if a == f.adapter else ""}>{esc(a)}</option>'
+        for a in adapters
+    )
+    return f"""<form class="filters" method="get" action="/ui">
+<label>group id contains<input name="q" value="{esc(f.search)}"></label>
+<label>served by<select name="adapter">{adapter_options}</select></label>
+<label>status<select name="status">{options}</select></label>
+<label>mean reward from<input name="min_reward" size="5" value="{esc(request.query.get("min_reward", ""))}"></label>
+<label>to<input name="max_reward" size="5" value="{esc(request.query.get("max_reward", ""))}"></label>
+<label>at most<input name="limit" size="5" value="{f.limit}"></label>
+<button type="submit">filter</button> <a href="/ui">clear</a></form>"""
+
+
+async def groups_page(request: web.Request) -> web.Response:
+    f = _group_filters(request)
+
+    def render(con):
+        # Counted on the turns (one pass for both), newest first from the last days
+        # back (newest_groups): neither aggregates every group of the history.
+        total, served = con.execute(
+            "SELECT count(DISTINCT group_id), list(DISTINCT model_served) FROM completions"
+        ).fetchone()
+        columns = (
+            "group_id, rollouts, finished, rewarded, mean_reward, turns, tokens, "
+            "models_served, started_at"
+        )
+        rows = newest_groups(con, columns, "started_at", f.limit, f.where, f.args)
+        return total, rows, sorted(m for m in served or [] if m)
+
+    total, rows, adapters = await query(request, render)
+    table = html_table(
+        [
+            "group",
+            "rollouts",
+            "finished",
+            "scored",
+            "mean reward",
+            "turns",
+            "tokens",
+            "served by",
+            "started",
+        ],
+        [
+            [
+                f'<a href="/ui/groups/{url_segment(g)}">{esc(g)}</a>',
+                num(n),
+                num(fin),
+                num(scored),
+                num(reward),
+                num(turns),
+                num(tokens),
+                esc(served),
+                stamp(started),
+            ]
+            for g, n, fin, scored, reward, turns, tokens, served, started in rows
+        ],
+        numeric={1, 2, 3, 4, 5, 6},
+    )
+    summary = f'<p class="meta" id="count">{len(rows)} of {total} group(s) shown</p>'
+    body = _uncaptured_html(request) + _filter_form(request, f, adapters) + summary + table
+    return html_page(request, "Groups", body)
+
+
+def _uncaptured_html(request: web.Request) -> str:
+    """A warning, above the groups, naming the paths whose model output was not recorded."""
+    counts = request.config_dict.get(UNCAPTURED)
+    counts = counts() if counts is not None else {}
+    if not counts:
+        return ""
+    items = ", ".join(f"<code>/v1/{esc(p)}</code> ({n})" for p, n in sorted(counts.items()))
+    return (
+        f'<p class="error" id="uncaptured">Not recorded: model output on {items}. '
+        "These requests were forwarded but the proxy does not capture their path.</p>"
+    )
+
+
+# -- one group, one rollout ---------------------------------------------------------
+
+
+async def group_page(request: web.Request) -> web.Response:
+    group = request.match_info["group"]
+
+    def render(con):
+        return con.execute(
+            "SELECT rollout_id, turns, prompt_tokens + completion_tokens, reward, reward_source, "
+            "judge_score, judge_explanation, finished_at, models_served, errors "
+            "FROM rollouts WHERE group_id = ? ORDER BY reward DESC NULLS LAST, rollout_id",
+            [group],
+        ).fetchall()
+
+    rows = await query(request, render)
+    if not rows:
+        raise OvernightError(f"no group {group!r}", status=404, code="not_found")
+    table = html_table(
+        [
+            "rollout",
+            "turns",
+            "tokens",
+            "reward",
+            "source",
+            "judge score",
+            "judge's explanation",
+            "finished",
+            "served by",
+            "errors",
+        ],
+        [
+            [
+                f'<a href="/ui/rollouts/{url_segment(r)}">{esc(r)}</a>',
+                num(turns),
+                num(tokens),
+                num(reward),
+                esc(source or "-"),
+                num(score),
+                esc(explanation or ""),
+                "yes" if finished else "no",
+                esc(served),
+                num(errors),
+            ]
+            for r, turns, tokens, reward, source, score, explanation, finished, served, errors in rows
+        ],
+        numeric={1, 2, 3, 5, 9},
+    )
+    return html_page(request, f"Group {group}", table)
+
+
+def _message_html(message: dict) -> str:
+    role, text, calls = message_parts(message)
+    parts = [f'<div class="msg {esc(role)}"><strong>{esc(role)}</strong> {esc(text)}']
+    parts += [f'<div class="call">&rarr; {esc(name)}({esc(args)})</div>' for name, args in calls]
+    return "".join(parts) + "</div>"
+
+
+async def rollout_page(request: web.Request) -> web.Response:
+    r = await query(request, lambda con: load_rollout(con, request.match_info["rollout"]))
+    head = [
+        f'<p>group <a href="/ui/groups/{url_segment(r.group_id)}">{esc(r.group_id)}</a> &middot; '
+        f'{len(r.turns)} turn(s) &middot; reward <strong id="reward">{num(r.reward)}</strong>'
+        f" ({esc(r.reward_source or 'none')}) &middot; "
+        f"{'finished' if r.finished else 'not finished'}</p>"
+    ]
+    if r.judge_score is not None:
+        head.append(
+            f'<div class="explanation" id="judge"><strong>judge {esc(r.judge_model)}: '
+            f"{num(r.judge_score)}</strong><br>{esc(r.judge_explanation)}</div>"
+        )
+    body = []
+    for t in r.turns:
+        parts = [_message_html(m) for m in t.messages]
+        if t.error:
+            parts.append(f'<div class="error">error: {esc(t.error)}</div>')
+        body.append(
+            f'<section class="turn"><div class="meta">turn {t.index} &middot; '
+            f"{stamp(t.started_at)} &middot; served by {esc(t.served_by)} &middot; {t.tokens} "
+            f"tokens &middot; {t.latency_ms:.0f} ms &middot; finish {esc(t.finish_reason)}</div>"
+            f"{''.join(parts)}</section>"
+        )
+    return html_page(request, f"Rollout {r.rollout_id}", "".join(head) + "".join(body))

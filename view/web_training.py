@@ -1,0 +1,122 @@
+"""The web view's pages over training: the adapters served, and the training runs.
+
+    /ui/adapters              adapter versions: the promotion stack, and when each served
+    /ui/runs                  training runs, with reward and loss curves
+
+The adapters page reads the adapter registry's `describe()` (ADAPTER_STATE) beside the
+completions each adapter served; the runs page reads `training_runs` and draws its
+curves (charts.py).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from overnight.view.charts import training_charts
+from overnight.view.web_data import ADAPTER_STATE, query
+from overnight.view.web_html import esc, html_page, html_table, num, stamp
+
+
+async def adapters_page(request: web.Request) -> web.Response:
+    state = request.config_dict[ADAPTER_STATE]()
+
+    def render(con):
+        return con.execute(
+            "SELECT model_served, count(*), min(started_at), max(started_at), "
+            "avg(r.reward) FROM completions c LEFT JOIN rollout_rewards r USING (rollout_id) "
+            "GROUP BY model_served ORDER BY min(started_at)"
+        ).fetchall()
+
+    served = await query(request, render)
+    current = state.get("current") or {}
+    stack = set(state.get("stack") or [])
+    history = html_table(
+        ["version", "name", "how", "at", "path", "on the stack"],
+        [
+            [
+                num(a["version"]),
+                esc(a["name"]),
+                esc(a["reason"]),
+                esc(a["promoted_at"]),
+                esc(a["path"]),
+                "yes" if a["name"] in stack else "",
+            ]
+            for a in reversed(state.get("adapters") or [])
+        ],
+        numeric={0},
+    )
+    # Rollbacks (with the watch's or the operator's reason) and canary decisions.
+    events = html_table(
+        ["at", "what", "adapter", "then served", "why"],
+        [
+            [esc(v.get("at")), esc(v.get("action")), esc(v.get("adapter")),
+             esc(v.get("serves") or "the base model"), esc(v.get("reason") or "-")]
+            for v in reversed(state.get("events") or [])
+        ],
+    )  # fmt: skip
+    canary = state.get("canary")
+    canary_line = (
+        f'<p id="canary">canary: <strong>{esc(canary["name"])}</strong> serves '
+        f"{canary['fraction']:.0%} of the alias's rollouts</p>"
+        if canary
+        else ""
+    )
+    usage = html_table(
+        ["served by", "completions", "first", "last", "mean reward"],
+        [[esc(m), num(n), stamp(a), stamp(b), num(r)] for m, n, a, b, r in served],
+        numeric={1, 4},
+    )
+    body = (
+        f"<p>alias <strong>{esc(state.get('alias'))}</strong> now serves "
+        f'<strong id="current">{esc(current.get("name") or "the base model")}</strong>'
+        f" (base model {esc(state.get('base_model'))})</p>{canary_line}"
+        f"<h2>Promotions and rollbacks, newest first</h2>{history}"
+        f"<h2>Why it changed, newest first</h2>{events}"
+        f"<h2>When each served</h2>{usage}"
+    )
+    return html_page(request, "Adapters", body)
+
+
+async def runs_page(request: web.Request) -> web.Response:
+    def render(con):
+        runs = con.execute(
+            "SELECT run_id, started_at, status, len(groups), rollouts, steps, trained_tokens, "
+            "reward_mean, promoted_as, max_logprob_gap, error, "
+            "json_extract_string(metrics, '$.gate.verdict'), "
+            "json_extract_string(metrics, '$.gate.reason') FROM training_runs "
+            "ORDER BY started_at DESC"
+        ).fetchall()
+        return runs, training_charts(con)
+
+    runs, charts = await query(request, render)
+    table = html_table(
+        [
+            "run",
+            "started",
+            "status",
+            "groups",
+            "rollouts",
+            "steps",
+            "tokens",
+            "reward mean",
+            "promoted as",
+            "logprob gap",
+            "error",
+            "gate",
+        ],
+        [
+            [
+                esc(r[0]),
+                stamp(r[1]),
+                esc(r[2]),
+                *(num(v) for v in r[3:8]),
+                esc(r[8] or "-"),
+                f"{r[9]:.1e}" if r[9] is not None else "-",
+                esc(r[10] or ""),
+                f'<span title="{esc(r[12] or "")}">{esc(r[11] or "-")}</span>',
+            ]
+            for r in runs
+        ],
+        numeric={3, 4, 5, 6, 7, 9},
+    )
+    return html_page(request, "Training runs", "".join(charts) + table)
