@@ -16,8 +16,9 @@ from aiohttp import web
 
 from overnight.errors import OvernightError
 from overnight.view.display import load_rollout, message_parts, newest_groups
-from overnight.view.web_data import UNCAPTURED, query
-from overnight.view.web_html import esc, html_page, html_table, num, stamp, url_segment
+
+from .data import UNCAPTURED, query
+from .frame import esc, html_page, html_table, num, stamp, url_segment
 
 # -- groups ---------------------------------------------------------------------------
 

@@ -16,20 +16,20 @@ the admin API's, checked by the proxy's middleware: the admin token (as a bearer
 or once as `?token=`, which the middleware answers with a random session id in the
 `COOKIE`), else loopback clients only.
 
-The pages live in web_groups.py (the traffic) and web_training.py (adapters, runs); they
-stand on web_html.py (the frame, tables, escaping) and web_data.py (the keys the mounter
-sets, the query off the loop).
+The pages live in groups.py (the traffic) and training.py (adapters, runs); they stand on
+frame.py (the page frame, tables, escaping) and data.py (the keys the mounter sets, the
+query off the loop).
 """
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from overnight.view.web_data import ADAPTER_STATE, DATA_DIR, UNCAPTURED
-from overnight.view.web_groups import group_page, groups_page, rollout_page
-from overnight.view.web_training import adapters_page, runs_page
+from .data import ADAPTER_STATE, DATA_DIR, UNCAPTURED
+from .groups import group_page, groups_page, rollout_page
+from .training import adapters_page, runs_page
 
-# The keys live below the pages that read them (web_data.py); the mounter imports them
+# The keys live below the pages that read them (data.py); the mounter imports them
 # from here, with the COOKIE and the app itself.
 __all__ = ["ADAPTER_STATE", "COOKIE", "DATA_DIR", "UNCAPTURED", "create_web_view"]
 

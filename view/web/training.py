@@ -13,8 +13,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from overnight.view.charts import training_charts
-from overnight.view.web_data import ADAPTER_STATE, query
-from overnight.view.web_html import esc, html_page, html_table, num, stamp
+
+from .data import ADAPTER_STATE, query
+from .frame import esc, html_page, html_table, num, stamp
 
 
 async def adapters_page(request: web.Request) -> web.Response:
