@@ -370,7 +370,7 @@ def rollback(
     if offline:
         if canary:
             raise click.UsageError("--canary needs the proxy: without one no canary is served")
-        from .proxy.adapters.registry import rollback_on_disk
+        from .proxy.adapters.promotions import rollback_on_disk
 
         now = rollback_on_disk(data_dir / "adapters.json", reason)
         served = f"{now.path} (was {now.name})" if now else "the base model"

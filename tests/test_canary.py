@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from overnight.cli import main
 from overnight.config import ProxyConfig, TrainConfig
 from overnight.proxy import create_app
-from overnight.proxy.adapters.registry import in_canary
+from overnight.proxy.adapters.promotions import in_canary
 from overnight.proxy.state import ADAPTERS
 from overnight.storage import LogWriter, WriterConfig
 from overnight.trainer.night import canary

@@ -88,7 +88,7 @@ def test_with_data_keeps_an_events_other_fields():
 @pytest.mark.vllm
 @pytest.mark.parametrize("stream", [False, True])
 async def test_responses_token_fields_can_be_asked_for_and_hidden(vllm_server, stream):
-    """What the proxy would add to a Responses request for token ids (api_capture.py),
+    """What the proxy would add to a Responses request for token ids (capture/apis.py),
     hidden again, gives the client vLLM's answer to the plain request; and the answer
     with them is what the accumulator records token-exact from."""
     from overnight.proxy.capture.apis import (

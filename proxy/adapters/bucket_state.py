@@ -1,7 +1,7 @@
 """The promotion state in a bucket, for proxies on machines that share no disk.
 
 With `--data s3://bucket/prefix` every proxy follows `s3://bucket/prefix/adapters.json`,
-the bucket variant of DATA/adapters.json (shared_state.StateFile), with the same
+the bucket variant of DATA/adapters.json (state_file.StateFile), with the same
 interface: `stamp()`, `read()`, `write()` as the next version, `locked()`.
 
 - **Change detection**: `stamp()` is the object's ETag (one HEAD request): a follower

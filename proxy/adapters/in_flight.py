@@ -1,9 +1,9 @@
 """Requests in flight per adapter name, on this proxy and, for replaced adapters, on the others.
 
-The registry (adapters.py) counts every routed request here. When an adapter is
+The registry (registry.py) counts every routed request here. When an adapter is
 replaced, it is unloaded only after this proxy's requests on it finished (or the drain
 timeout) and after no other proxy on the data directory still reports requests on it
-(shared_state.DrainMarks): a request another proxy routed to it just before that proxy
+(state_file.DrainMarks): a request another proxy routed to it just before that proxy
 saw the promotion must not lose its adapter mid-answer.
 """
 

@@ -1,7 +1,7 @@
 """The proxy's calls to vLLM's runtime LoRA endpoints and model list, on each replica.
 
 vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` are reached only by the
-proxy (paths.py keeps agents away from them); adapters.py decides when to call them.
+proxy (forward/paths.py keeps agents away from them); registry.py decides when to call them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the promotion state holds (adapters, routes, the canary's share) and the
-offline rollback, for the registry (adapters.py) and for the CLI when no proxy runs."""
+offline rollback, for the registry (registry.py) and for the CLI when no proxy runs."""
 
 from __future__ import annotations
 

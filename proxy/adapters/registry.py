@@ -49,11 +49,10 @@ from overnight.proxy.forward.balancer import Replica
 from . import promotions
 from .bucket_state import StateUnreachable
 from .lora_client import AdapterError
-from .promotions import Adapter, Route, in_canary, rollback_on_disk
+from .promotions import Adapter
 from .replica_check import base_model_of, check_replicas
 from .serving import Serving
 
-__all__ = ["Adapter", "AdapterRegistry", "Route", "in_canary", "rollback_on_disk"]
 log = logging.getLogger("overnight.proxy")
 
 

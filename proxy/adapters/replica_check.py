@@ -1,5 +1,5 @@
 """What each replica answers to a health check: whether it is up, what it serves, and
-which base model (and from where) vLLM loaded, for the registry (adapters.py)."""
+which base model (and from where) vLLM loaded, for the registry (registry.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Accumulators for the Responses and the Messages APIs, in the chat record's shape.
 
 They read what vLLM sends on `/v1/responses` and `/v1/messages` (a whole body, or the
-events of a stream, each a "chunk" as in capture.py) and give records.py the same
+events of a stream, each a "chunk" as in chat.py) and give records.py the same
 interface as `capture.Accumulator`: `choices` (one `ChoiceState`), `usage` in chat
 names, `error`, `prompt_ids()`, and `response()`, a chat completion whose `raw` key
 holds the API's own response (whole, or assembled from the stream's events).

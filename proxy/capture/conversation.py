@@ -4,7 +4,7 @@ The judge, the trainer, `overnight show` and /ui read a record's conversation fr
 chat completions shape: `request["messages"]` and `request["tools"]`, the reply in
 `response["choices"][0]["message"]`. A Responses or Messages request is recorded in that
 shape too, with the body the client sent under `"raw"` (the response likewise, in
-api_capture.py), so no reader needs to know which API an agent used.
+apis.py), so no reader needs to know which API an agent used.
 
 The conversion follows what vLLM 0.32 itself does with these APIs (its Messages server
 translates to chat completions; its Responses server builds chat messages from the input

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from overnight.proxy.adapters.registry import Route
+from overnight.proxy.adapters.promotions import Route
 from overnight.storage import new_id
 
 from .chat import Accumulator

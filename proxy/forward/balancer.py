@@ -6,7 +6,7 @@
   they come back with it. The hash is the same in every process, so several proxies
   (or `--workers`) send a rollout to the same replica too.
 - A request without ids goes to the live replica with the fewest requests outstanding.
-- Live: answered its last health check and serves the promoted adapter (adapters.py
+- Live: answered its last health check and serves the promoted adapter (adapters/registry.py
   decides both; a replica that comes back gets the adapter before it is live again).
   With none live every replica is tried, so one upstream behaves as before replicas
   existed: a down vLLM answers each request with a 502.

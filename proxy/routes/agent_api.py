@@ -5,7 +5,7 @@ Request path for chat and text completions:
   ask upstream for token ids/logprobs/usage -> forward -> tee the answer to the
   client (hiding what we added) and into an Accumulator -> one record per choice.
 Responses take the same path, asking vLLM for its token ids and logprobs
-(api_capture.py); Messages are relayed as sent. Both are recorded in the chat shape.
+(capture/apis.py); Messages are relayed as sent. Both are recorded in the chat shape.
 The record is appended to the write-ahead log after the client has its answer, so
 logging adds no latency. Rewards and finishes are durable before they are answered.
 """
