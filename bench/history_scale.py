@@ -401,7 +401,8 @@ def merge(data: Path) -> None:
     one per roll (5 minutes apart, the last just now), every earlier day's long ago, and
     the merge runs after each of today's rolls. Today is then left as a live proxy leaves
     it (merged batches and the segments since), not as one file."""
-    from overnight.storage.merge import MERGED_PREFIX, merge_closed_days
+    from overnight.storage.manifest import MERGED_PREFIX
+    from overnight.storage.merge import merge_closed_days
 
     t = time.perf_counter()
     now = time.time()

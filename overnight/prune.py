@@ -83,8 +83,9 @@ def plan_prune(
     data_dir: Path, older_than: dt.timedelta, now: dt.datetime | None = None
 ) -> PrunePlan:
     """What `prune` would delete: the days that ended more than `older_than` ago, never today."""
+    from .storage.cutoff import straddling
     from .storage.location import segment_store
-    from .storage.merge import read_manifest, straddling
+    from .storage.manifest import read_manifest
 
     now = now or dt.datetime.now(dt.UTC)
     today = now.date()
@@ -128,7 +129,7 @@ def prune(plan: PrunePlan) -> int:
     the readers' view in one rename before its files are deleted; in a bucket (no rename)
     its objects are deleted in one request, and a reader that had already listed one
     fails once and can be run again."""
-    from .storage.merge import drop_rows_before
+    from .storage.cutoff import drop_rows_before
 
     removed = 0
     for table, t in plan.tables.items():

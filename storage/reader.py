@@ -27,7 +27,7 @@ import duckdb
 import pyarrow as pa
 
 from .location import segment_store
-from .merge import list_segments
+from .manifest import list_segments
 from .schema import TABLES, check_versions, schema_fingerprint
 from .segments import PARTITION_COLUMN, VERSION_KEY, log_files, read_log, row_day, to_arrow
 

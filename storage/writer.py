@@ -6,10 +6,11 @@ waits `commit_interval` before the next fsync, so a burst of requests costs one 
 per interval rather than one each. `wait_committed` lets a caller that must not
 answer before its row is on disk (a posted reward) wait for that fsync.
 
-Each process writes its own log files, `wal/{writer_id}.{n}.jsonl`, and holds an
-exclusive `flock` on each until it is compacted: a file that can be locked belongs to
-nobody (its process died) and is recovered into Parquet on the next start. The lock is
-advisory and only writers take it; readers never wait on a writer.
+Each process writes its own log files, `wal/{writer_id}.{n}.jsonl`, each under an
+`flock` until it is compacted (wal.py); a file whose lock is free belongs to nobody (its
+process died) and is recovered into Parquet on the next start. Sealed logs are compacted
+on a thread of their own, in a child process (compactor.py); which rows are on disk and
+which were lost, and who waits to know, is commits.py's.
 
 Nothing stops the writer thread. When the disk is full or read-only (or the log cannot
 be created), the batch is lost, and only that batch: its rows are counted in
@@ -23,56 +24,25 @@ one that cannot be encoded at all is lost alone, never with its batch.
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
-import fcntl
 import itertools
 import logging
 import os
 import queue
-import shutil
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import orjson
-
-from overnight.errors import OvernightError
-
-from .compaction import compact
+from .commits import Commits
+from .compactor import Compactor
 from .files import private_dir
-from .schema import JSON_COLUMNS, TABLES, add_note, fit_row, fit_value, json_text
-from .segments import LOG_DIR, LOG_SUFFIX, log_files
+from .schema import TABLES, fit_row
+from .segments import LOG_DIR, LOG_SUFFIX
+from .wal import LockedFile, log_line
 
 log = logging.getLogger("overnight.storage")
-NICE = shutil.which("nice")
-# How many runs of lost rows `wait_committed` remembers: it is called right after
-# `append`, so only the latest few matter; a run is a batch, or more when batches fail
-# one after another for the same reason.
-LOST_RUNS_KEPT = 4096
-# A log whose compaction failed is tried again after this long, doubling up to the cap.
-COMPACT_RETRY_SECONDS = (30.0, 1800.0)
-# Lines per writev call. Few enough to stay in the CPU's cache: measured with the bench's
-# 4.5 KB rows, 32 lines a call cost 4 us a row, 1024 lines a call 12 us (a joined batch 16).
-LINES_PER_WRITE = 32
-
-
-class StoreUnavailable(OvernightError):
-    """A row was not stored (the disk is full or read-only, the log could not be created,
-    or the row could not be encoded). The proxy answers it as an OpenAI-shaped 503."""
-
-    status = 503
-    code = "store_unavailable"
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.type = "server_error"  # the proxy's own storage failed, not the upstream
 
 
 @dataclass(frozen=True)
@@ -118,61 +88,6 @@ def new_writer_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class _LockedFile:
-    """An open log file with its flock held. Unbuffered: a failed write leaves nothing
-    behind in a buffer to reach the disk later, and is cut back off the file."""
-
-    def __init__(self, path: Path, create: bool):
-        self.path = path
-        # Never create when recovering: the file may have just been compacted away.
-        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
-        self.fd = os.open(path, flags, 0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.size = os.fstat(self.fd).st_size  # bytes of whole, fsynced batches
-        except OSError:
-            os.close(self.fd)
-            raise
-        self.opened = time.monotonic()
-        self.broken = False  # a failed write could not be cut back: use a new file
-
-    def append(self, lines: list[bytes]) -> None:
-        """Write and fsync `lines`, or raise with the file as it was before."""
-        try:
-            for start in range(0, len(lines), LINES_PER_WRITE):
-                _write_all(self.fd, lines[start : start + LINES_PER_WRITE])
-            os.fsync(self.fd)
-        except OSError:
-            try:  # a full disk may have taken half a batch; freeing it always works there
-                os.ftruncate(self.fd, self.size)
-            except OSError:
-                self.broken = True
-            raise
-        self.size += sum(map(len, lines))
-
-    def close(self) -> None:
-        os.close(self.fd)  # closing releases the lock
-
-
-def _write_all(fd: int, lines: list[bytes]) -> None:
-    written = os.writev(fd, lines)
-    if written < sum(map(len, lines)):  # a short write: the disk filled, or a signal came
-        rest = memoryview(b"".join(lines))[written:]
-        while rest:
-            rest = rest[os.write(fd, rest) :]
-
-
-def try_lock(path: Path) -> _LockedFile | None:
-    """The file locked for us, or None when a live process holds it."""
-    try:
-        return _LockedFile(path, create=False)
-    except (BlockingIOError, FileNotFoundError):
-        return None
-    except OSError as e:  # a read-only disk: leave it for later (never fail a start)
-        log.warning("cannot recover %s now: %s", path.name, e)
-        return None
-
-
 class LogWriter:
     def __init__(self, config: WriterConfig, writer_id: str | None = None):
         self.config = config
@@ -186,36 +101,22 @@ class LogWriter:
         self._seq = itertools.count(1)
         self._append_lock = threading.Lock()  # a row's number and its place in the queue agree
         self._appended = 0
-        self._committed = 0  # the highest number on disk
-        self._resolved = 0  # the highest number written or lost
-        self._lost: collections.deque = collections.deque(maxlen=LOST_RUNS_KEPT)
-        self._waiters: list[tuple[int, asyncio.Future]] = []
-        self._waiters_lock = threading.Lock()
+        self._commits = Commits()
         self._file_numbers = itertools.count(1)
-        self._current: _LockedFile | None = None
-        self._sealed: queue.SimpleQueue = queue.SimpleQueue()
+        self._current: LockedFile | None = None
         self._stop = threading.Event()
         self._closed = False
-        self.rows_committed = 0
-        self.rows_lost = 0
         self.rows_fitted = 0
         self.write_errors = 0
-        self.rows_compacted = 0
-        self.lines_quarantined = 0
-        self.compact_errors = 0
         self._degraded: tuple[str, float] | None = None  # (reason, since)
         self._reasons_logged: set[str] = set()
-        self._sweep_at: float | None = None  # when to retry logs whose compaction failed
-        self._sweep_delay = COMPACT_RETRY_SECONDS[0]
         self._writer = threading.Thread(target=self._write_loop, name="overnight-wal", daemon=True)
-        self._compactor = threading.Thread(
-            target=self._compact_loop, name="overnight-compact", daemon=True
-        )
+        self._compactor = Compactor(config.data_dir, config.compact_in_process)
 
     # -- the caller's side -------------------------------------------------------------
 
     def start(self) -> None:
-        self._recover_orphans()
+        self._compactor.recover_orphans()
         self._writer.start()
         self._compactor.start()
 
@@ -230,7 +131,7 @@ class LogWriter:
             seq = next(self._seq)
             self._appended = seq
             if self._closed:
-                self._settle([], [(seq, "the log writer is closed")])
+                self._commits.settle([], [(seq, "the log writer is closed")])
             else:
                 self._queue.put((seq, table, row))
         return seq
@@ -239,31 +140,41 @@ class LogWriter:
         """Return once row `seq` is on disk (fsynced); raise `StoreUnavailable` as soon
         as it is known that it never will be. A later row being written says nothing
         about this one."""
-        with self._waiters_lock:
-            if seq > self._resolved:
-                fut = asyncio.get_running_loop().create_future()
-                self._waiters.append((seq, fut))
-            else:
-                fut = None
-                why = self._lost_reason(seq)
-        if fut is not None:
-            why = await fut
-        if why is not None:
-            raise StoreUnavailable(f"the row is not stored: {why}")
+        await self._commits.wait(seq)
 
     @property
     def committed(self) -> int:
         """The highest sequence number on disk (a lower one may have been lost)."""
-        return self._committed
+        return self._commits.committed
 
     @property
     def appended(self) -> int:
         return self._appended
 
     @property
+    def rows_committed(self) -> int:
+        return self._commits.rows_committed
+
+    @property
+    def rows_lost(self) -> int:
+        return self._commits.rows_lost
+
+    @property
     def errors(self) -> int:
         """Rows lost (the older name of `rows_lost`)."""
         return self.rows_lost
+
+    @property
+    def rows_compacted(self) -> int:
+        return self._compactor.rows_compacted
+
+    @property
+    def lines_quarantined(self) -> int:
+        return self._compactor.lines_quarantined
+
+    @property
+    def compact_errors(self) -> int:
+        return self._compactor.compact_errors
 
     def health(self) -> WriterHealth:
         """Whether recording works now, and the counters. "degraded" from the first
@@ -289,8 +200,7 @@ class LogWriter:
         self._stop.set()
         self._queue.put(None)
         self._writer.join()
-        self._sealed.put(None)
-        self._compactor.join()
+        self._compactor.close()
 
     # -- the writer thread -------------------------------------------------------------
 
@@ -325,8 +235,10 @@ class LogWriter:
             self._write_batch(rows)
         except Exception as e:  # a bug, not the disk: still, the thread must live on
             log.exception("the log writer failed on a batch of %d row(s)", len(rows))
-            if rows[-1][0] > self._resolved:
-                self._settle([], [(seq, f"the log writer failed: {e!r}") for seq, _, _ in rows])
+            if rows[-1][0] > self._commits.resolved:
+                self._commits.settle(
+                    [], [(seq, f"the log writer failed: {e!r}") for seq, _, _ in rows]
+                )
 
     def _write_batch(self, rows: list[tuple[int, str, dict]]) -> None:
         lines: list[bytes] = []
@@ -348,7 +260,7 @@ class LogWriter:
                 stored = []
             else:
                 self._leave_degraded()
-        self._settle(stored, sorted(lost))
+        self._commits.settle(stored, sorted(lost))
         for why in dict.fromkeys(why for _, why in lost):
             self._log_once(why)
 
@@ -356,7 +268,7 @@ class LogWriter:
         if self._current is None:
             private_dir(self.log_dir)
             name = f"{self.writer_id}.{next(self._file_numbers):06d}{LOG_SUFFIX}"
-            self._current = _LockedFile(self.log_dir / name, create=True)
+            self._current = LockedFile(self.log_dir / name, create=True)
         try:
             self._current.append(lines)
         finally:
@@ -370,45 +282,7 @@ class LogWriter:
             self.rows_fitted += 1
             for column, note in notes.items():
                 self._log_once(f"{table}.{column}: {str(note).split(':')[0]} (stored with a note)")
-        try:
-            return orjson.dumps(
-                {"t": table, "r": fitted}, default=str, option=orjson.OPT_APPEND_NEWLINE
-            )
-        except TypeError:  # too deep for orjson (255 levels), an int over 64 bits, odd keys
-            return _encode_slowly(table, fitted)
-
-    def _settle(self, stored: list[int], lost: list[tuple[int, str]]) -> None:
-        """Record the outcome of a batch and wake its waiters: None for a row on disk,
-        the reason for a lost one."""
-        self.rows_committed += len(stored)
-        self.rows_lost += len(lost)
-        reasons = dict(lost)
-        with self._waiters_lock:
-            for seq, why in lost:  # runs: a failing disk loses batch after batch
-                last = self._lost[-1] if self._lost else None
-                if last is not None and last[1] == seq - 1 and last[2] == why:
-                    self._lost[-1] = (last[0], seq, why)
-                else:
-                    self._lost.append((seq, seq, why))
-            if stored:
-                self._committed = max(self._committed, stored[-1])
-            self._resolved = max(self._resolved, *stored, *reasons)
-            ready = [w for w in self._waiters if w[0] <= self._resolved]
-            self._waiters = [w for w in self._waiters if w[0] > self._resolved]
-        for seq, fut in ready:
-            why = reasons[seq] if seq in reasons else self._lost_reason(seq)
-            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits any more
-                fut.get_loop().call_soon_threadsafe(_resolve, fut, why)
-
-    def _lost_reason(self, seq: int) -> str | None:
-        """Why row `seq` was lost, or None when it was written. Under `_waiters_lock`,
-        or in the writer thread (the only one that changes `_lost`)."""
-        for first, last, why in reversed(self._lost):
-            if first <= seq <= last:
-                return why
-            if last < seq:
-                return None
-        return None
+        return log_line(table, fitted)
 
     # -- degraded and back -------------------------------------------------------------
 
@@ -431,7 +305,7 @@ class LogWriter:
             why,
             self.rows_lost,
         )
-        self._sweep_at = time.monotonic()  # logs left uncompacted meanwhile: try them now
+        self._compactor.retry_now()  # logs left uncompacted meanwhile: try them now
 
     def _log_once(self, why: str) -> None:
         """Loud, but once per distinct reason while degraded, never once per row."""
@@ -451,9 +325,7 @@ class LogWriter:
         try:
             if self._should_roll():
                 self._seal()
-            if self._sweep_at is not None and time.monotonic() >= self._sweep_at:
-                self._sweep_at = None
-                self._recover_orphans()
+            self._compactor.retry_if_due()
         except Exception:
             log.exception("log writer housekeeping failed; it is tried again")
 
@@ -466,94 +338,5 @@ class LogWriter:
 
     def _seal(self) -> None:
         if self._current is not None:
-            self._sealed.put(self._current)
+            self._compactor.put(self._current)
             self._current = None
-
-    def _compact_loop(self) -> None:
-        while True:
-            locked = self._sealed.get()
-            if locked is None:
-                return
-            try:
-                ok = self._compact(locked)
-            except Exception:
-                log.exception("could not compact %s", locked.path)
-                ok = False
-            finally:
-                locked.close()
-            if ok:
-                self._sweep_delay = COMPACT_RETRY_SECONDS[0]
-            else:  # the log stays, readable; tried again later, and on the next start
-                self.compact_errors += 1
-                self._sweep_at = time.monotonic() + self._sweep_delay
-                self._sweep_delay = min(self._sweep_delay * 2, COMPACT_RETRY_SECONDS[1])
-
-    def _compact(self, locked: _LockedFile) -> bool:
-        if self.config.compact_in_process:
-            done = compact(self.config.data_dir, locked.path)
-            self.rows_compacted += done.rows
-            self.lines_quarantined += done.quarantined
-            return True
-        # In a child process: parsing a big log and building Parquet holds the GIL for
-        # seconds, which would stall the proxy's event loop. We keep the lock meanwhile.
-        child = "import sys; from overnight.storage.compaction import main; main(sys.argv[1:])"
-        command = [sys.executable, "-c", child, str(self.config.data_dir), str(locked.path)]
-        if NICE is not None:  # lower priority: the proxy's requests come first
-            command = [NICE, "-n", "10", *command]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.stderr.strip():  # what it logged (lines set aside, damage): pass it on
-            log.warning("compacting %s:\n%s", locked.path.name, done.stderr[-4000:])
-        words = done.stdout.split()
-        if done.returncode != 0 or words[:1] != ["rows"]:
-            log.error("could not compact %s; it will be tried again", locked.path)
-            return False
-        self.rows_compacted += int(words[1])
-        self.lines_quarantined += int(words[3])
-        log.info("compacted %s: %s", locked.path.name, done.stdout.strip())
-        return True
-
-    def _recover_orphans(self) -> None:
-        for path in log_files(self.config.data_dir):
-            locked = try_lock(path)
-            if locked is not None:
-                log.info("recovering %s left by a stopped process", path.name)
-                self._sealed.put(locked)
-
-
-def _encode_slowly(table: str, row: dict) -> bytes:
-    """A log line for a row orjson refused, value by value: a JSON column becomes its
-    JSON text (what compaction makes of it anyway, so the line itself nests no deeper
-    than the row); any other value is made to fit, with a note; an unknown column is
-    dropped (compaction would drop it)."""
-    types = {f.name: f.type for f in TABLES[table]}
-    out: dict = {}
-    for name, value in row.items():
-        try:
-            orjson.dumps(value, default=str)
-            out[name] = value
-        except TypeError:
-            if name in JSON_COLUMNS:
-                out[name] = json_text(value)
-            elif name in types:
-                out[name], note = fit_value(types[name], value)
-                if note:
-                    add_note(out, name, note)
-    return json_text({"t": table, "r": out}).encode() + b"\n"
-
-
-def _resolve(fut: asyncio.Future, why: str | None) -> None:
-    if not fut.done():
-        fut.set_result(why)
-
-
-def recover(data_dir: Path) -> int:
-    """Compact every orphaned log in `data_dir` now; returns rows recovered."""
-    total = 0
-    for path in log_files(data_dir):
-        locked = try_lock(path)
-        if locked is not None:
-            try:
-                total += compact(data_dir, locked.path).rows
-            finally:
-                locked.close()
-    return total

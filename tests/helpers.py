@@ -172,17 +172,17 @@ def merge_looking(data_dir: Path, now: float, look: Callable[[], T]) -> tuple[in
     merges made and what each look saw."""
     from overnight.storage import merge
 
-    commit, seen = merge._write_manifest, []
+    commit, seen = merge.write_manifest, []
 
     def look_then_commit(ref, manifest):
         seen.append(look())
         return commit(ref, manifest)
 
-    merge._write_manifest = look_then_commit
+    merge.write_manifest = look_then_commit
     try:
         return merge.merge_closed_days(data_dir, now=now), seen
     finally:
-        merge._write_manifest = commit
+        merge.write_manifest = commit
 
 
 # Tests of vLLM's own classes (its tool parsers), not of a server: skipped where vLLM is

@@ -23,6 +23,7 @@ from overnight.storage import (
     open_db,
     reader,
 )
+from overnight.storage.manifest import MANIFEST, MERGED_PREFIX
 from overnight.storage.schema import TABLES, schema_fingerprint
 
 from .helpers import completion, merge_looking
@@ -104,7 +105,7 @@ def answers(data: Path, days_from: dt.date | None = None) -> dict[str, list]:
 
 
 def merged_files(data: Path, table: str) -> list[Path]:
-    return sorted((data / table).glob(f"date=*/{merge.MERGED_PREFIX}*.parquet"))
+    return sorted((data / table).glob(f"date=*/{MERGED_PREFIX}*.parquet"))
 
 
 def test_closed_months_merge_into_one_file_each_and_answer_the_same(tmp_path):
@@ -132,7 +133,7 @@ def test_closed_months_merge_into_one_file_each_and_answer_the_same(tmp_path):
         files = sorted((tmp_path / table).glob("date=*/*.parquet"))
         assert {f.parent.name for f in files} == ends
         assert files == merged_files(tmp_path, table)
-        manifest = json.loads((tmp_path / table / merge.MANIFEST).read_text())
+        manifest = json.loads((tmp_path / table / MANIFEST).read_text())
         entries = [manifest["merged"][f"{f.parent.name}/{f.name}"] for f in files]
         assert sum(e["rows"] for e in entries) == 4 * len(days)
         assert {e["schema"] for e in entries} == {schema_fingerprint(TABLES[table])}
@@ -150,7 +151,7 @@ def test_described_merged_files_are_read_without_their_footers(tmp_path, monkeyp
     assert answers(tmp_path) == before
     assert opened == []  # every file described by the manifest, none opened to bind
     # A file whose columns are not this reader's is read by name, its footer opened.
-    path = tmp_path / "completions" / merge.MANIFEST
+    path = tmp_path / "completions" / MANIFEST
     manifest = json.loads(path.read_text())
     first = sorted(manifest["merged"])[0]
     manifest["merged"][first]["schema"] = "other"
@@ -169,7 +170,7 @@ def test_files_merged_before_manifests_described_them_are_described_next_time(tm
     write_history(tmp_path, past_days())
     before = answers(tmp_path)
     merge.merge_closed_days(tmp_path, now=merge_at())
-    path = tmp_path / "rewards" / merge.MANIFEST
+    path = tmp_path / "rewards" / MANIFEST
     manifest = json.loads(path.read_text())
     for entry in manifest["merged"].values():  # as an earlier overnight wrote them
         for key in ("rows", "version", "schema", "from"):
@@ -316,7 +317,7 @@ def test_todays_segments_merge_a_batch_at_a_time(tmp_path):
     assert answers(tmp_path) == before
     merge.merge_closed_days(tmp_path, now=noon + 3700 + merge.GRACE_SECONDS + 1)
     files = sorted((tmp_path / "completions").glob("date=*/*.parquet"))
-    assert len(files) == 1 and files[0].name.startswith(merge.MERGED_PREFIX)
+    assert len(files) == 1 and files[0].name.startswith(MERGED_PREFIX)
     assert answers(tmp_path) == before
 
 

@@ -439,7 +439,7 @@ async def test_a_failing_store_answers_503_degrades_health_and_recovers(
 ):
     import errno
 
-    from overnight.storage import writer as writer_module
+    from overnight.storage import wal as wal_module
 
     proxy = await make_proxy()
     r = await proxy.post("/v1/rollouts/r1/reward", json={"reward": 1.0})
@@ -450,7 +450,7 @@ async def test_a_failing_store_answers_503_degrades_health_and_recovers(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(writer_module._LockedFile, "append", full)
+        m.setattr(wal_module.LockedFile, "append", full)
         started = time.monotonic()
         r = await proxy.post("/v1/rollouts/r1/reward", json={"reward": 0.5})
         assert r.status == 503 and error_of(await r.json())["code"] == "store_unavailable"

@@ -20,10 +20,11 @@ from click.testing import CliRunner
 from overnight.cli import main
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, attach, open_db, recover
+from overnight.storage import manifest as manifest_module
 from overnight.storage import merge as merge_module
 from overnight.storage.conditional import BucketError
 from overnight.storage.location import CACHE_DIR, MARKER, segment_store
-from overnight.storage.merge import segment_files
+from overnight.storage.manifest import segment_files
 from overnight.storage.segments import log_files
 from overnight.trainer.night.plan import plan_run
 
@@ -210,7 +211,7 @@ def test_a_closed_day_is_merged_in_the_bucket_without_counting_a_row_twice(s3, t
     # Before its commit the merged object exists, not counted yet.
     assert merge_looking(local, later, lambda: rows(local, count)) == (1, [[{"n": 12}]])
     (merged,) = segment_files(local, "completions")
-    assert merged.rsplit("/", 1)[1].startswith(merge_module.MERGED_PREFIX)
+    assert merged.rsplit("/", 1)[1].startswith(manifest_module.MERGED_PREFIX)
     assert rows(local, count) == [{"n": 12}]
     day_objects = [k for k in objects(client, "merge") if k.startswith("completions/date=")]
     assert len(day_objects) == 4  # the replaced ones stay for the grace period
@@ -234,17 +235,17 @@ def test_two_machines_merging_one_day_never_count_a_row_twice(s3, tmp_path, monk
     day_ago = time.time_ns() // 1000 - 2 * 86_400_000_000
     write_past_day(machine_a, logs=2, per_log=3, day_ago=day_ago)
     later = time.time() + merge_module.MERGE_AFTER + 1
-    commit, results = merge_module._write_manifest, []
+    commit, results = merge_module.write_manifest, []
 
     def b_first(ref, manifest):
         if ref.store.data_dir == machine_a and not results:
             results.append(merge_module.merge_closed_days(machine_b, now=later))
         return commit(ref, manifest)
 
-    monkeypatch.setattr(merge_module, "_write_manifest", b_first)
+    monkeypatch.setattr(merge_module, "write_manifest", b_first)
     assert merge_module.merge_closed_days(machine_a, now=later) == 0  # A lost
     assert results == [1]  # B merged the day
-    manifest, _ = merge_module.read_manifest(segment_store(machine_a), "completions")
+    manifest, _ = manifest_module.read_manifest(segment_store(machine_a), "completions")
     assert len(manifest["merged"]) == 1
     count = "SELECT count(*) AS n FROM completions"
     assert rows(machine_a, count) == [{"n": 6}] and rows(machine_b, count) == [{"n": 6}]

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from overnight.storage.merge import segment_files
+from overnight.storage.manifest import segment_files
 from overnight.storage.segments import log_files
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 

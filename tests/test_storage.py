@@ -16,9 +16,9 @@ from overnight.storage import (
     open_db,
     recover,
 )
-from overnight.storage.merge import segment_files
+from overnight.storage.manifest import segment_files
 from overnight.storage.segments import log_files
-from overnight.storage.writer import try_lock
+from overnight.storage.wal import try_lock
 
 from .helpers import completion, merge_looking, rows, wait_until
 
@@ -258,7 +258,7 @@ def test_shared_requests_read_back_from_segments_and_old_rows_unchanged(tmp_path
 def test_closed_days_are_merged_without_counting_a_row_twice(tmp_path):
     """Many segments of a past day become one file; readers count each row once before,
     during (merged file written, manifest not yet committed) and after the merge."""
-    from overnight.storage import merge
+    from overnight.storage import manifest, merge
 
     day_ago = time.time_ns() // 1000 - 2 * 86_400_000_000
     for n in range(3):  # three logs, three segments of the same past day
@@ -275,7 +275,7 @@ def test_closed_days_are_merged_without_counting_a_row_twice(tmp_path):
     # Before its commit the merged file exists, not counted yet.
     assert merge_looking(tmp_path, later, lambda: rows(tmp_path, count)) == (1, [[{"n": 12}]])
     files = segment_files(tmp_path, "completions")
-    assert len(files) == 1 and files[0].name.startswith(merge.MERGED_PREFIX)
+    assert len(files) == 1 and files[0].name.startswith(manifest.MERGED_PREFIX)
     assert rows(tmp_path, count) == [{"n": 12}]
     assert len(list((tmp_path / "completions").glob("date=*/*.parquet"))) == 4  # grace
     merge.merge_closed_days(tmp_path, now=later + merge.GRACE_SECONDS + 1)

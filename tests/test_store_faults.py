@@ -25,7 +25,7 @@ from overnight.storage import (
     WriterConfig,
     recover,
 )
-from overnight.storage.merge import segment_files
+from overnight.storage.manifest import segment_files
 from overnight.storage.schema import COMPLETIONS
 from overnight.storage.segments import log_files, quarantine_files
 

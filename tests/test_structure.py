@@ -9,6 +9,7 @@ together, and hiding a circle there is exactly what this check is for.
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,3 +172,38 @@ def test_the_checks_see_a_circle_and_a_long_module(tmp_path):
     assert long_modules(tmp_path) == {"pkg.sub.d": MAX_LINES + 1}
     (sub / "c.py").write_text("y = 2\n")
     assert circles(import_graph(tmp_path)) == []
+
+
+def layout_names(doc: str) -> dict[str, set[str]]:
+    """The file names docs/architecture.md's layout tree gives each folder: the tree is
+    the first code block after '## Layout', two spaces of indent per level, a folder
+    ending in '/', its files (and any `name.py` its lines mention) below it."""
+    block = doc.split("## Layout", 1)[1].split("```", 2)[1]
+    names: dict[str, set[str]] = {}
+    stack: list[str] = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = (len(line) - len(line.lstrip())) // 2
+        first = line.split()[0]
+        if first.endswith("/") and indent <= len(stack):
+            stack = [*stack[:indent], first.rstrip("/")]
+            names.setdefault("/".join(stack), set())
+            continue
+        folder = "/".join(stack[: min(indent, len(stack))] or stack)
+        names.setdefault(folder, set()).update(re.findall(r"\b(\w+\.py)\b", line))
+    return names
+
+
+def test_the_architecture_doc_lists_every_module_where_it_lives():
+    """A module added, moved or renamed shows in the layout tree, or this fails."""
+    names = layout_names((ROOT / "docs" / "architecture.md").read_text())
+    missing = []
+    for package, folder in package_dirs().items():
+        rel = folder.relative_to(ROOT).as_posix()
+        for path in sorted(folder.glob("*.py")):
+            if path.name != "__init__.py" and path.name not in names.get(rel, set()):
+                missing.append(f"{rel}/{path.name}")
+        if rel not in names and package not in ("overnight",):
+            missing.append(f"{rel}/")
+    assert not missing, f"docs/architecture.md's layout does not list: {missing}"

@@ -1,7 +1,7 @@
 """A sealed log becomes Parquet segments; then closed days are merged.
 
 What the writer runs in a child process after each roll (`python -c ... main(...)`,
-storage/writer.py): `compact` turns one sealed log into one Parquet file per table and
+storage/compactor.py): `compact` turns one sealed log into one Parquet file per table and
 day (segments.py writes them, location.py says where) and deletes the log; lines that
 cannot be stored are set aside in `quarantine/` with their reason; `main` then merges
 the days that have closed (merge.py). Above segments, location and merge, so none of
@@ -108,7 +108,7 @@ def main(argv: list[str]) -> None:
         log.exception("could not merge closed days; tried again after the next roll")
 
 
-if __name__ == "__main__":  # python -m overnight.storage.compaction DATA_DIR LOG
+if __name__ == "__main__":  # python -m overnight.storage.log_to_parquet DATA_DIR LOG
     import sys
 
     main(sys.argv[1:])
