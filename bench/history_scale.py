@@ -218,7 +218,7 @@ def stamp_runs(data: Path) -> None:
     `Plan.selection`, which record_run stores in `metrics`): looked at its start, every
     group finished by then decided, none left pending."""
     from overnight.config import TrainConfig
-    from overnight.trainer.night.plan import SELECTION_KEY, selection_basis
+    from overnight.trainer.night.selection import SELECTION_KEY, selection_basis
 
     record = {"pending": [], "settle_seconds": 600, "basis": selection_basis(TrainConfig())}
     for path in data.glob("training_runs/date=*/*.parquet"):

@@ -44,14 +44,14 @@ GATE_QUESTIONS = [
     )
 ]  # fmt: skip
 # The gate samples each adapter once per held-out prompt (32: a few seconds on the tiny
-# model). On questions it did not train on, the tiny model's first night is about even
-# with the base (measured 0.02-0.05 worse over 64 replies; its gains on the agent's own
-# questions come from the second night on, BENCHMARKS.md), and 32 single replies leave an
-# interval of about +-0.1. So the demo's gate refuses a collapse (a loss over 0.3 of a
-# reward in [0, 1], as a sabotaged night is: tests/test_gate.py), not any loss; a real
-# deployment keeps the default (32 prompts, 0.05).
-GATE_ARGS = ("--gate-reward", NUMBERS_REWARD, "--gate-prompts", str(len(GATE_QUESTIONS)),
-             "--gate-margin", "0.3")  # fmt: skip
+# model) and keeps its default margin, half the served adapter's reward spread over
+# those prompts. On questions it did not train on, the tiny model's first night is about
+# even with the base (measured 0.02-0.05 worse over 64 replies; its gains on the agent's
+# own questions come from the second night on, BENCHMARKS.md), and 32 single replies
+# leave an interval of about +-0.1: inside that margin (the spread of a reward in [0, 1]
+# is about 0.3 here), while a collapse, as a sabotaged night is (tests/test_gate.py),
+# lies wholly below zero and is refused.
+GATE_ARGS = ("--gate-reward", NUMBERS_REWARD, "--gate-prompts", str(len(GATE_QUESTIONS)))
 
 
 @dataclass
@@ -189,6 +189,10 @@ def _day_and_night(  # one day then its night, in the order the demo prints them
             "--no-watch", *GATE_ARGS,
         )  # fmt: skip
         gate = next((line for line in out.splitlines() if line.startswith("gate (")), "-")
+        # What the first step saw: the day's own records, sampled by the starting adapter.
+        for line in out.splitlines():
+            if line.startswith(("on-policy:", "stale data:", "warning:")):
+                say(f"night {day}: {line}")
         say(f"night {day}: {gate}")
     training = time.monotonic() - t0
 

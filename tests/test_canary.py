@@ -160,7 +160,7 @@ async def test_the_watch_settles_a_canary_on_live_rewards(make_proxy, tmp_path):
     data = tmp_path / "data"
     proxy = await make_proxy(data_dir=data)
     url = str(proxy.make_url(""))
-    config = TrainConfig(watch_min_rollouts=20)
+    config = TrainConfig(watch_min_rollouts=20, gate_margin=0.05)  # absolute: numbers below
     await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a1")})
     served = (await state_of(proxy))["current"]["name"]
     # The served adapter's rewards before the canary began do not count: high ones here.

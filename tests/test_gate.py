@@ -40,9 +40,11 @@ def test_the_decision_rules():
     tie = [0.0] * 10
     assert decide(tie, "not-worse", 0.05)[0] is True  # a tie is not worse ...
     assert decide(tie, "better", 0.05)[0] is False  # ... nor better
-    slightly_worse = [-0.02, -0.03] * 10  # worse, but by less than the margin
-    assert decide(slightly_worse, "not-worse", 0.05)[0] is True
+    slightly_worse = [0.06, -0.08] * 10  # worse on average by less than the margin ...
+    assert decide(slightly_worse, "not-worse", 0.05)[0] is True  # ... but not measurably
     assert decide(slightly_worse, "not-worse", 0.01)[0] is False
+    measurably = [-0.02, -0.03] * 10  # by less than the margin, but surely worse
+    assert decide(measurably, "not-worse", 0.05)[0] is False
     promote, numbers = decide([0.1, 0.2, 0.3] * 4, "better", 0.05)
     assert promote and numbers["low"] > 0 and numbers["bar"] == 0.0
 
@@ -98,8 +100,14 @@ def write_night(data_dir, tasks: int, held_out: int) -> None:
     writer.close()
 
 
+# The gate's reward at three scales: [0, 1]; all below 0.05, where the old absolute
+# margin (0.05) tolerated any loss; and [-10, 10]. The default margin refuses at each.
+SCALES = [(1.0, 0.0), (0.04, 0.0), (20.0, -10.0)]
+
+
+@pytest.mark.parametrize("scale, offset", SCALES)
 async def test_a_sabotaged_night_is_refused_and_the_old_adapter_keeps_serving(
-    make_proxy, tmp_path, tiny_model_dir, lora_adapter
+    make_proxy, tmp_path, tiny_model_dir, lora_adapter, scale, offset
 ):
     pytest.importorskip("peft")
     proxy = await make_proxy()
@@ -112,7 +120,8 @@ async def test_a_sabotaged_night_is_refused_and_the_old_adapter_keeps_serving(
     reward = tmp_path / "reward.py"
     reward.write_text(
         "def no_the(rollout):\n"
-        "    return 0.0 if 'the' in rollout['messages'][-1]['content'].split() else 1.0\n"
+        "    said = 'the' in rollout['messages'][-1]['content'].split()\n"
+        f"    return {offset} + {scale} * (0.0 if said else 1.0)\n"
     )
     config = TrainConfig(
         base_model=str(tiny_model_dir),
@@ -131,7 +140,7 @@ async def test_a_sabotaged_night_is_refused_and_the_old_adapter_keeps_serving(
     )  # fmt: skip
     verdict = result.gate
     assert verdict is not None and not verdict.promote, lines
-    assert verdict.prompts == 12 and verdict.high < -0.05, verdict.reason
+    assert verdict.prompts == 12 and verdict.high < 0, verdict.reason  # measurably worse
     assert verdict.examples and {"candidate", "served", "prompt"} <= set(verdict.examples[0])
     assert result.promoted_as is None and (result.adapter_path / "adapter_config.json").exists()
     served = await (await proxy.get("/admin/adapters")).json()

@@ -385,7 +385,7 @@ K = 7
 MARGIN = 0.10
 
 
-async def day_of_single_calls(proxy) -> float:
+async def day_of_single_calls(proxy, questions: list[str] = QUESTIONS) -> float:
     """Every question asked once, as a production agent asks: no group or rollout
     headers, no `n`. The mean reward of the served replies."""
 
@@ -411,7 +411,7 @@ async def day_of_single_calls(proxy) -> float:
         words = text.split()
         return sum(w.isdigit() for w in words) / len(words) if words else 0.0
 
-    return statistics.fmean(await asyncio.gather(*(ask(i, q) for i, q in enumerate(QUESTIONS))))
+    return statistics.fmean(await asyncio.gather(*(ask(i, q) for i, q in enumerate(questions))))
 
 
 @pytest.mark.vllm

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from click.testing import CliRunner
 
 from overnight.cli import main
@@ -334,7 +335,10 @@ def test_records_without_token_ids_are_retokenised_less_exactly(tmp_path, tiny_m
         TrainConfig(base_model=str(tiny_model_dir), lora_rank=4, lora_alpha=8),
         say=lambda _line: None,
     )
-    assert result.metrics["max_logprob_gap"] < 1e-5  # the starting policy is the behaviour policy
+    # Nothing logged to compare with: no gap; the starting policy is the behaviour policy.
+    assert result.metrics["max_logprob_gap"] is None
+    first = result.metrics["steps"][0]
+    assert first["ratio_min"] == pytest.approx(1.0, abs=1e-5) == first["ratio_max"]
 
 
 def test_runs_and_the_report_flag_a_large_logprob_gap(tmp_path):
@@ -366,15 +370,25 @@ def test_runs_and_the_report_flag_a_large_logprob_gap(tmp_path):
     assert '<td class="warn"' in report and "0.0774 !" in report and "in run-bf16:" in report
 
 
-def test_a_run_warns_when_its_logprob_gap_is_large(caplog):
-    from overnight.trainer.train import _warn_on_gap
+def test_the_gap_warning_names_a_serving_mismatch_and_stale_data_apart():
+    """On-policy records measure serving against training: a gap there is a warning with
+    its fix. Records a promotion old measure drift: said, with their ratios, never blamed
+    on the serving dtype. A night with neither says nothing."""
+    from overnight.trainer.train import gap_lines
 
-    said: list[str] = []
-    _warn_on_gap(2.4e-6, said.append)
-    _warn_on_gap(None, said.append)
-    assert said == []
-    with caplog.at_level("WARNING", logger="overnight.trainer"):
-        _warn_on_gap(0.0774, said.append)
-    assert said[0].startswith("warning: the policy's logprobs differ from the logged ones by up")
-    assert "0.0774" in said[0] and "--logprobs-mode processed_logprobs" in said[0]
-    assert caplog.records[0].getMessage() == said[0]
+    def age(gap: float, low: float = 1.0, high: float = 1.0) -> dict:
+        return {"sequences": 3, "tokens": 30, "max_gap": gap, "ratio_min": low, "ratio_max": high}
+
+    assert gap_lines({}) == []
+    (fine,) = gap_lines({"0": age(2.4e-6)})
+    assert fine.startswith("on-policy: 3 sequence(s)") and "2.4e-06 nats" in fine
+    (serving,) = gap_lines({"0": age(0.0774)})
+    assert serving.startswith("warning: on 3 sequence(s) the starting adapter sampled itself")
+    assert "0.0774" in serving and "--logprobs-mode processed_logprobs" in serving
+    own, drift = gap_lines({"0": age(0.03), "1": age(2.5, 0.08, 12.2)})
+    assert own.startswith("warning:") and "0.03 nats" in own
+    assert drift.startswith("stale data: 3 sequence(s) sampled 1 promotion(s) before")
+    assert "2.5 nats" in drift and "0.08 to 12.2" in drift and "not a serving mismatch" in drift
+    assert "dtype" not in drift and not drift.startswith("warning")
+    fine, drift = gap_lines({"0": age(1e-6), "2": age(0.9)})
+    assert fine.startswith("on-policy:") and drift.startswith("stale data: 3 sequence(s) sampled 2")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, new_id, now_us
@@ -22,8 +21,7 @@ from overnight.storage.siblings import (
     sibling_rows,
     turn_group_id,
 )
-from overnight.trainer.night.gate import without
-from overnight.trainer.night.plan import TRAINED_AS_TURNS, TURN_PENDING_KEY, Plan, plan_run
+from overnight.trainer.night.plan import TRAINED_AS_TURNS, TURN_PENDING_KEY, Plan, plan_run, without
 from overnight.trainer.night.turn_groups import (
     OWN_GROUP_TRAINED,
     OWN_GROUP_WAITS,
@@ -194,12 +192,6 @@ def test_per_turn_groups_left_for_later_are_looked_at_again(tmp_path):
     x, y = (turn_group_id(r) for r in records)
     capped = night(data, max_groups=1)
     assert capped.groups == [x] and capped.selection[TURN_PENDING_KEY] == [x, y]
-    # The gate holds out a prompt with its conversation: it waits too.
-    gate_prompt = SimpleNamespace(messages=REQUEST["messages"], tools=None)
-    held = add_turn_groups(data, plan_run(data, TrainConfig(), 600), TrainConfig(),
-                           held_out=[gate_prompt])  # fmt: skip
-    assert held.groups == [] and held.selection[TURN_PENDING_KEY] == [y]
-    assert held.skipped == {"per-turn groups: the gate holds out the same conversation": 1}
     rest = night(data)
     assert rest.considered == [y] and rest.groups == [y]
     assert night(data).considered == []
@@ -247,9 +239,11 @@ def test_a_selection_recorded_without_per_turn_groups_makes_the_next_night_read_
     assert night(data).considered == []  # that night's record speaks for them
 
 
-def test_a_since_run_keeps_the_turns_of_a_group_the_gate_holds_out_for_that_group(tmp_path):
-    """`--since` makes no selection record; the gate holding a served group out of
-    tonight's training still keeps its turns' per-turn groups waiting for it."""
+def test_a_since_run_never_trains_the_turns_of_a_group_the_gate_holds_out(tmp_path):
+    """`--since` makes no selection record. The gate takes its prompts once the plan is
+    whole: a served group it holds out of tonight's training waits for a later night,
+    and its turns' per-turn groups, left out because their own group comes first, are
+    not trained in its place."""
     data = tmp_path / "data"
     first, second = serve(data, "first", [1.0, 0.0]), serve(data, "second", [1.0, 0.0])
     for record in first + second:
@@ -257,8 +251,7 @@ def test_a_since_run_keeps_the_turns_of_a_group_the_gate_holds_out_for_that_grou
         score(data, dict(zip(members, [0.0, 1.0, 0.0], strict=True)), at=EARLIER)
     since = dt.datetime.fromtimestamp(EARLIER / 1e6 - 3600, dt.UTC)
     config = TrainConfig()
-    plan = without(plan_run(data, config, 600, since=since), ["second"])  # as the gate does
-    plan = add_turn_groups(data, plan, config, since=since)
+    plan = add_turn_groups(data, plan_run(data, config, 600, since=since), config, since=since)
+    plan = without(plan, ["second"])  # as the gate does
     assert plan.selection is None and plan.groups == ["first"], plan.lines()
-    assert plan.skipped[f"per-turn groups: {OWN_GROUP_TRAINED}"] == 2
-    assert plan.skipped[f"per-turn groups: {OWN_GROUP_WAITS}"] == 2
+    assert plan.skipped[f"per-turn groups: {OWN_GROUP_TRAINED}"] == 4

@@ -27,7 +27,8 @@ from .grpo.parallel import Parallel
 from .grpo.sampling import server_defaults
 from .grpo.step import fresh_adapter, micro_batch_loss
 from .night.canary import start as start_canary
-from .night.gate import Scorer, Verdict, held_out_prompts, run_gate, skipped
+from .night.gate import Scorer, Verdict, run_gate, skipped
+from .night.gate_prompts import held_out_prompts
 from .night.plan import Plan, plan_run
 from .night.proxy_client import (
     admin_call,
@@ -39,6 +40,7 @@ from .night.proxy_client import (
     shared_adapter,
 )
 from .night.resample import resample_turns
+from .night.staleness import staleness_of, weigh_staleness
 from .night.turn_groups import add_turn_groups, is_turn_group
 from .night.watch import watch as watch_served
 from .run.checkpoint import kill_point, this_run, unfinished_run
@@ -102,6 +104,12 @@ def train(
         data_dir, config, settle_seconds, since, max_groups, served_only, _tokenizer(base_model),
         defaults,
     )  # fmt: skip
+    # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
+    # before the gate takes its prompts, so that it takes them from outside the plan.
+    plan = add_turn_groups(
+        data_dir, plan, config, since=since, max_groups=max_groups, only=only,
+        sampling_defaults=defaults,
+    )  # fmt: skip
     gate_prompts: list = []
     given: list[str] = []  # groups the gate took from the plan
     if promote and proxy_url and not dry_run and skipped(config, scorer) is None:
@@ -110,11 +118,14 @@ def train(
         plan = gated
         say(f"gate: {len(gate_prompts)} held-out prompt(s), {len(given)} of them from groups "
             "left out of tonight's training")  # fmt: skip
-    # Per-turn groups (a served turn and its siblings: turn_groups.py), none held out.
-    plan = add_turn_groups(
-        data_dir, plan, config, since=since, max_groups=max_groups, only=only,
-        sampling_defaults=defaults, held_out=gate_prompts,
+    start_adapter = (
+        saved["start_adapter"] if only is not None
+        else local_adapter(data_dir, served_adapter(state))
     )  # fmt: skip
+    # How many promotions old each record is, against the adapter training starts from.
+    started_from = saved["start_adapter"] if only is not None else served_adapter(state)
+    limit = config.max_staleness if only is None else None  # resumed: exactly its groups
+    plan = weigh_staleness(plan, staleness_of(state, started_from), limit)
     for line in plan.lines():
         say(line)
     result = RunResult(run_dir.run_id, plan, held_out=given)
@@ -122,10 +133,6 @@ def train(
         if not plan.groups:
             say("nothing to train on")
         return result
-    start_adapter = (
-        saved["start_adapter"] if only is not None
-        else local_adapter(data_dir, served_adapter(state))
-    )  # fmt: skip
     say(f"training on {base_model}, starting from {start_adapter or 'a fresh LoRA adapter'}")
     if parallel.rank == 0:
         run_dir.begin(plan.groups, start_adapter)
@@ -134,6 +141,10 @@ def train(
         result.metrics = run_training(
             plan, config, base_model, start_adapter, adapter_dir, say, run_dir.checkpoint
         )
+        for line in gap_lines(result.metrics.get("logprob_gaps", {})):
+            if line.startswith("warning"):
+                log.warning(line)
+            say(line)
         if parallel.rank != 0:
             return result
         result.adapter_path = adapter_dir
@@ -231,16 +242,40 @@ def _tokenizer(base_model: str | None):
         return None
 
 
-def _warn_on_gap(gap: float | None, say) -> None:
-    if gap is None or gap <= LOGPROB_GAP_WARNING:
-        return
-    line = (
-        f"warning: the policy's logprobs differ from the logged ones by up to {gap:.3g} nats "
-        f"before any update (above {LOGPROB_GAP_WARNING}): serve in the trainer's dtype and "
-        "with --logprobs-mode processed_logprobs (docs/grpo.md)"
-    )
-    log.warning(line)
-    say(line)
+def gap_lines(gaps: dict[str, dict]) -> list[str]:
+    """What the first step's logprob gap says, by the records' age: a gap on records the
+    starting adapter sampled itself is a serving mismatch (a warning, with its fix); one
+    on older records is drift, expected and weighed by the importance ratios."""
+    lines = []
+    own = next((gaps[a] for a in ("0", "unknown") if a in gaps), None)
+    if own is not None and own["max_gap"] <= LOGPROB_GAP_WARNING:
+        lines.append(
+            f"on-policy: {own['sequences']} sequence(s) the starting adapter sampled itself, "
+            f"logprob gap {own['max_gap']:.2g} nats, first-step ratios "
+            f"{own['ratio_min']:.6g} to {own['ratio_max']:.6g}"
+        )
+    elif own is not None:
+        lines.append(
+            f"warning: on {own['sequences']} sequence(s) the starting adapter sampled itself, "
+            f"the trainer's logprobs differ from what vLLM logged by up to {own['max_gap']:.3g} "
+            f"nats before any update (above {LOGPROB_GAP_WARNING}): serving and training "
+            "disagree; serve in the trainer's dtype, with --logprobs-mode processed_logprobs "
+            "(docs/grpo.md)"
+        )
+    stale = {a: g for a, g in gaps.items() if a not in ("0", "unknown")}
+    if stale:
+        worst = max(g["max_gap"] for g in stale.values())
+        ratios = (min(g["ratio_min"] for g in stale.values()),
+                  max(g["ratio_max"] for g in stale.values()))  # fmt: skip
+        ages = ", ".join(sorted(stale))
+        lines.append(
+            f"stale data: {sum(g['sequences'] for g in stale.values())} sequence(s) sampled "
+            f"{ages} promotion(s) before the starting adapter differ from it by up to "
+            f"{worst:.3g} nats (first-step ratios {ratios[0]:.3g} to {ratios[1]:.3g}): drift, "
+            "not a serving mismatch; trained with their importance ratios "
+            "(--max-staleness 0 leaves them out)"
+        )
+    return lines
 
 
 def _silent(_line: str) -> None:

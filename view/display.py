@@ -303,12 +303,13 @@ def list_runs(con: duckdb.DuckDBPyConnection, limit: int, events: Sequence[dict]
     rows = con.execute(
         "SELECT run_id, status, len(groups), rollouts, steps, trained_tokens, reward_mean, "
         "max_logprob_gap, promoted_as, started_at, json_extract_string(metrics, '$.gate.verdict'), "
-        "json_extract_string(metrics, '$.gate.reason') FROM training_runs "
+        "json_extract_string(metrics, '$.gate.reason'), "
+        "json_extract_string(metrics, '$.logprob_gaps') FROM training_runs "
         f"ORDER BY started_at DESC LIMIT {int(limit)}"
     ).fetchall()
     headers = ["run_id", "status", "groups", "rollouts", "steps", "trained_tokens"]
-    headers += ["reward_mean", "logprob_gap", "promoted_as", "started_at", "gate"]
-    shown = [r[:7] + (_gap(r[7]),) + r[8:11] for r in rows]
+    headers += ["reward_mean", "logprob_gap", "stale_gap", "promoted_as", "started_at", "gate"]
+    shown = [r[:7] + (_gap(r[7]), _number(stale_gap(r[12]))) + r[8:11] for r in rows]
     out = _table(headers, shown) + f"\n({len(rows)} row(s))"
     # Why the gate refused (trainer/night/gate.py): the candidate stays on disk, unserved.
     out += "".join(f"\n{r[0]}: gate refused: {r[11]}" for r in rows if r[10] == "refused")
@@ -322,10 +323,28 @@ def list_runs(con: duckdb.DuckDBPyConnection, limit: int, events: Sequence[dict]
     if large:
         out += (
             f"\nwarning: logprob gap above {LOGPROB_GAP_WARNING} (marked !) in {', '.join(large)}: "
-            "the trainer's logprobs differ from what vLLM logged (serving dtype, logprobs mode; "
-            "docs/grpo.md)"
+            "on records the starting adapter sampled itself, the trainer's logprobs differ from "
+            "what vLLM logged: serving and training disagree (dtype, logprobs mode; docs/grpo.md)"
+        )
+    if any(stale_gap(r[12]) is not None for r in rows):
+        out += (
+            "\nstale_gap: the same gap on records sampled by earlier adapters: drift, weighed "
+            "by the importance ratios (--max-staleness 0 leaves such records out)"
         )
     return out
+
+
+def stale_gap(gaps: str | dict | None) -> float | None:
+    """The largest first-step logprob gap of a run's records sampled by earlier adapters
+    (its `metrics.logprob_gaps`, by age); None when it trained none."""
+    if isinstance(gaps, str):
+        gaps = json.loads(gaps)
+    ages = [g["max_gap"] for age, g in (gaps or {}).items() if age not in ("0", "unknown")]
+    return max(ages) if ages else None
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2g}"
 
 
 def _gap(value: float | None) -> str:

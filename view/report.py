@@ -14,6 +14,7 @@ from pathlib import Path
 from overnight.config import LOGPROB_GAP_WARNING
 from overnight.storage import open_db
 from overnight.view.charts import training_charts
+from overnight.view.display import stale_gap
 
 
 def _gap_cell(gap: float | None) -> str:
@@ -58,9 +59,11 @@ def write_report(data_dir: Path) -> Path:
     try:
         runs = con.execute(
             "SELECT run_id, started_at, status, len(groups), rollouts, steps, reward_mean, promoted_as, "
-            "max_logprob_gap, json_extract(metrics, '$.gate') FROM training_runs ORDER BY started_at"
+            "max_logprob_gap, json_extract(metrics, '$.logprob_gaps'), "
+            "json_extract(metrics, '$.gate') FROM training_runs ORDER BY started_at"
         ).fetchall()
-        runs = [(*r[:-1], json.loads(r[-1]) if r[-1] else None) for r in runs]
+        # (..., gap, stale gap, gate): the stale gap from the run's gaps by age.
+        runs = [(*r[:-2], stale_gap(r[-2]), json.loads(r[-1]) if r[-1] else None) for r in runs]
         charts = training_charts(con)
     finally:
         con.close()
@@ -68,28 +71,36 @@ def write_report(data_dir: Path) -> Path:
         "<tr>"
         + "".join(
             f"<td>{html.escape('-' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v))}</td>"
-            for v in r[:-2]
+            for v in r[:-3]
         )
-        + _gap_cell(r[-2])
+        + _gap_cell(r[-3])
+        + (f"<td>{r[-2]:.4g}</td>" if r[-2] is not None else "<td>-</td>")
         + _gate_cell(r[-1])
         + "</tr>"
         for r in reversed(runs)
     )
-    large = [r[0] for r in runs if r[-2] is not None and r[-2] > LOGPROB_GAP_WARNING]
+    large = [r[0] for r in runs if r[-3] is not None and r[-3] > LOGPROB_GAP_WARNING]
     warning = (
-        f'<p class="warn">Logprob gap above {LOGPROB_GAP_WARNING} nats before the first update in '
-        f"{html.escape(', '.join(large))}: the trainer's logprobs differ from what vLLM logged "
-        "(serve in the trainer's dtype, with --logprobs-mode processed_logprobs).</p>"
+        f'<p class="warn">Logprob gap above {LOGPROB_GAP_WARNING} nats before the first update, '
+        f"on records the starting adapter sampled itself, in {html.escape(', '.join(large))}: "
+        "serving and training disagree (serve in the trainer's dtype, with --logprobs-mode "
+        "processed_logprobs).</p>"
         if large
         else ""
     )
+    if any(r[-2] is not None for r in runs):
+        warning += (
+            "<p>Stale gap: the same gap on records sampled by earlier adapters, a promotion "
+            "or more old: drift, not a serving mismatch; trained with their importance ratios "
+            "(--max-staleness 0 leaves them out).</p>"
+        )
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>overnight training</title>
 <style>body{{font:14px system-ui,sans-serif;margin:2em;max-width:1200px}}figure{{display:inline-block;margin:1em}}
 table{{border-collapse:collapse}}td,th{{border:1px solid #ddd;padding:4px 8px;text-align:right}}
 .warn{{color:#b00}}</style></head>
 <body><h1>overnight: training runs</h1>{"".join(charts)}
 <h2>Runs</h2><table><tr><th>run</th><th>started</th><th>status</th><th>groups</th><th>rollouts</th>
-<th>steps</th><th>reward mean</th><th>promoted as</th><th>logprob gap</th><th>gate</th></tr>{rows}</table>
+<th>steps</th><th>reward mean</th><th>promoted as</th><th>logprob gap</th><th>stale gap</th><th>gate</th></tr>{rows}</table>
 {warning}{_gate_section(runs)}
 </body></html>"""
     out = Path(data_dir) / "reports" / "training.html"

@@ -156,15 +156,30 @@ class TrainConfig:
         default="not-worse",
         metadata={
             "help": "Before promoting, compare the new adapter with the served one on held-out "
-            "prompts: promote when not worse (by --gate-margin), only when better, or always "
+            "prompts: promote when not worse (by --gate-margin-spread), only when better, or always "
             "(off). Needs --reward or --judge-model to score; docs/grpo.md.",
             "choices": GATE_MODES,
         },
     )
-    # In reward units: 0.05 of a reward in [0, 1] is a loss few users would notice.
-    gate_margin: float = field(
-        default=0.05,
-        metadata={"help": "The largest loss in mean reward --gate not-worse tolerates."},
+    # Relative by default, so it means the same on any reward: a share of the served
+    # adapter's spread of rewards over the gate's prompts (their standard deviation).
+    # Half of it: 32 prompts leave an interval of about +-0.35 of that spread, so a
+    # candidate no better than the served one still passes; a measurably worse one
+    # (interval wholly below zero) never does, whatever the margin (docs/grpo.md).
+    gate_margin_spread: float = field(
+        default=0.5,
+        metadata={
+            "help": "--gate not-worse tolerates a loss of at most this share of the served "
+            "adapter's per-prompt reward spread (standard deviation) on the gate's prompts."
+        },
+    )
+    # Unset: relative (above). For a reward whose scale the operator knows.
+    gate_margin: float | None = field(
+        default=None,
+        metadata={
+            "help": "An absolute margin in reward units for --gate not-worse instead of "
+            "--gate-margin-spread (the largest loss in mean reward it tolerates)."
+        },
     )
     # 32 pairs put the interval's half-width near 0.35 sd of the per-prompt difference.
     gate_prompts: int = field(
@@ -200,6 +215,16 @@ class TrainConfig:
             "run's selection (after restoring data, or a proxy log recovered days later)."
         },
     )
+    # Unset: records a promotion or more old are trained with their importance ratios
+    # (clipped as any); 0 trains only what the starting adapter sampled itself.
+    max_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "Leave out groups sampled more than this many promotions before the "
+            "adapter a run starts from (0: on-policy only; unset: train them all, weighted "
+            "by their importance ratios)."
+        },
+    )
     # Off by default: it costs K more generations per turn (bench/resample_cost.py).
     resample: int = field(
         default=0,
@@ -230,11 +255,14 @@ class TrainConfig:
             raise ConfigError("groups_per_step >= 1, micro_batch_tokens >= 16, min_group_size >= 2")
         if self.max_grad_norm <= 0:
             raise ConfigError("max_grad_norm must be positive")
-        if self.gate not in GATE_MODES or self.gate_margin < 0 or self.gate_prompts < 1:
+        margins = (self.gate_margin_spread, self.gate_margin or 0.0)
+        if self.gate not in GATE_MODES or min(margins) < 0 or self.gate_prompts < 1:
             raise ConfigError(
-                f"gate must be one of {', '.join(GATE_MODES)} (got {self.gate!r}), gate_margin "
-                ">= 0 and gate_prompts >= 1"
+                f"gate must be one of {', '.join(GATE_MODES)} (got {self.gate!r}), "
+                "gate_margin_spread and gate_margin >= 0, and gate_prompts >= 1"
             )
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError("max_staleness must be at least 0 (0: on-policy records only)")
         if self.watch_min_rollouts < 2:
             raise ConfigError("watch_min_rollouts must be at least 2")
         if not 0 <= self.canary < 1:

@@ -33,6 +33,8 @@ class Turn:
     logprobs: list[float] | None
     # How the completion was sampled (the logprobs are of that distribution).
     sampling: SamplingParams = NEUTRAL
+    # The model name that sampled it (`model_served`): which adapter's distribution.
+    served_by: str | None = None
 
     def __post_init__(self) -> None:
         if not self.completion_ids:
@@ -66,6 +68,11 @@ class Sample:
     exact: bool = True  # False when a turn was re-tokenised: behaviour logprobs unknown
     # Per token, how it was sampled (context tokens: NEUTRAL); empty: all NEUTRAL.
     sampling: tuple[SamplingParams, ...] = ()
+    # The model names that sampled its turns, in order, and how many promotions the
+    # oldest is from the adapter a run starts from (trainer/night/staleness.py; None:
+    # not known, as without a proxy).
+    served_by: tuple[str, ...] = ()
+    staleness: int | None = None
 
     @property
     def trained_tokens(self) -> int:
@@ -89,6 +96,7 @@ class Sample:
             sampling += [NEUTRAL] * len(context) + [turn.sampling] * len(turn.completion_ids)
         exact = all(turn.logprobs is not None for turn in turns)
         sampled_as = () if all(p == NEUTRAL for p in sampling) else tuple(sampling)
+        served_by = tuple(dict.fromkeys(t.served_by for t in turns if t.served_by is not None))
         return cls(
             rollout_id,
             group_id,
@@ -98,6 +106,7 @@ class Sample:
             len(turns),
             exact=exact,
             sampling=sampled_as,
+            served_by=served_by,
         )
 
 

@@ -58,8 +58,9 @@ def load_samples(
     # As Arrow columns, not DuckDB's row tuples: token id lists convert many times faster.
     table = con.sql(
         f"""
-        SELECT group_id, rollout_id, prompt_token_ids, completion_token_ids, completion_logprobs, error,
-               request, response, prompt_tokens, completion_tokens, endpoint
+        SELECT group_id, rollout_id, model_served, prompt_token_ids, completion_token_ids,
+               completion_logprobs, error, request, response, prompt_tokens, completion_tokens,
+               endpoint
         FROM {view} WHERE group_id IN (SELECT group_id FROM _train_groups)
         ORDER BY group_id, rollout_id, started_at, turn_index
         """
@@ -67,7 +68,7 @@ def load_samples(
     rows = zip(*(column.to_pylist() for column in table.columns), strict=True)
     turns: dict[tuple[str, str], list[Turn]] = defaultdict(list)
     defaults = sampling_defaults or {}
-    for group_id, rollout_id, prompt, completion, logprobs, error, *text in rows:
+    for group_id, rollout_id, served_by, prompt, completion, logprobs, error, *text in rows:
         if error is not None:
             out.skipped["the turn failed or was cut off"] += 1
         elif not prompt or not completion:
@@ -76,12 +77,14 @@ def load_samples(
                 out.skipped["no token ids logged"] += 1
             else:  # the starting policy is its behaviour: processed as it is trained
                 sampling = _sampling(text[0], defaults, None)
-                turns[(group_id, rollout_id)].append(replace(turn, sampling=sampling))
+                turns[(group_id, rollout_id)].append(
+                    replace(turn, sampling=sampling, served_by=served_by)
+                )
         else:
             try:
                 sampling = _sampling(text[0], defaults, out)
                 turns[(group_id, rollout_id)].append(
-                    Turn(prompt, completion, logprobs or [], sampling)
+                    Turn(prompt, completion, logprobs or [], sampling, served_by)
                 )
             except DataError as e:
                 out.skipped[str(e)] += 1

@@ -142,25 +142,57 @@ def merge_stats(stats: list[dict]) -> dict:
     return out
 
 
-def with_behaviour(model, samples: list[Sample], budget: int) -> list[Sample]:
-    """`samples`, those re-tokenised (not exact) given the starting policy's logprobs
-    as their behaviour: their sampling logprobs are unknown."""
+@dataclass(frozen=True)
+class Gap:
+    """How far the starting policy is from what was logged for one sample, before any
+    update: its importance ratios at the first step."""
+
+    max_gap: float  # largest |logp - logged logprob| of a trained token
+    ratio_min: float  # exp(logp - logged), smallest and largest over its trained tokens
+    ratio_max: float
+    tokens: int
+
+
+def behaviour_pass(
+    model, samples: list[Sample], budget: int
+) -> tuple[list[Sample], list[Gap | None]]:
+    """One pass of the starting policy over every sample, no gradient, before any update.
+
+    Re-tokenised samples (not exact: their sampling logprobs are unknown) get the
+    starting policy's logprobs as their behaviour, as training then treats them; each
+    exact one gets its `Gap` (None for the others). The figures are what the report
+    calls the logprob gap: on records the starting adapter sampled itself it measures
+    serving against training (dtype, logprobs mode); on older ones, drift."""
     import torch
 
     from .policy import pack, trained_logprobs
 
-    unknown = [s for s in samples if not s.exact]
     device = next(model.parameters()).device
-    filled: dict[int, Sample] = {}
-    for batch_samples in micro_batches(unknown, budget):
+    out: dict[int, tuple[Sample, Gap | None]] = {}
+    for batch_samples in micro_batches(samples, budget):
         batch = {k: v.to(device) for k, v in pack(batch_samples).items()}
         with torch.no_grad():
-            logp = trained_logprobs(model, batch).tolist()
+            logp = trained_logprobs(model, batch).float().tolist()
         for s in batch_samples:
-            behaviour = list(s.behaviour_logprobs)
             positions = [j for j, t in enumerate(s.trained) if t]
-            for j, value in zip(positions, logp[: len(positions)], strict=True):
-                behaviour[j] = value
-            logp = logp[len(positions) :]
-            filled[id(s)] = replace(s, behaviour_logprobs=behaviour)
-    return [filled.get(id(s), s) for s in samples]
+            mine, logp = logp[: len(positions)], logp[len(positions) :]
+            if not s.exact:
+                behaviour = list(s.behaviour_logprobs)
+                for j, value in zip(positions, mine, strict=True):
+                    behaviour[j] = value
+                out[id(s)] = (replace(s, behaviour_logprobs=behaviour), None)
+                continue
+            logged = [s.behaviour_logprobs[j] for j in positions]
+            deltas = [p - q for p, q in zip(mine, logged, strict=True)]
+            out[id(s)] = (s, _gap(deltas))
+    return [out[id(s)][0] for s in samples], [out[id(s)][1] for s in samples]
+
+
+def _gap(deltas: list[float]) -> Gap:
+    import math
+
+    if not deltas:
+        return Gap(0.0, 1.0, 1.0, 0)
+    # exp of a clamped difference: a token the policy all but excludes would overflow.
+    ratio = [math.exp(max(min(d, 50.0), -50.0)) for d in deltas]
+    return Gap(max(abs(d) for d in deltas), min(ratio), max(ratio), len(deltas))

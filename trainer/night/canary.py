@@ -11,7 +11,8 @@ the watch's statistics (trainer/night/watch.py, an unpaired bootstrap on the rol
 adapter served since the canary began):
 
   fewer than `--watch-min-rollouts` rewarded rollouts on either side -> keep it running
-  the interval's low end above the gate's bar (-margin for not-worse, 0 for better)
+  the interval's low end not below the gate's bar (-margin for not-worse, as the gate
+      sets it: gate.margin_for on the served adapter's live rewards; above 0 for better)
       -> promote it (the proxy makes it the alias's adapter; nothing is loaded again)
   the interval's high end below 0 (worse, as the watch rolls back) -> drop it
   neither -> keep it running; a newer candidate replaces it
@@ -29,7 +30,7 @@ import numpy as np
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
 
-from .gate import CONFIDENCE, bootstrap_means
+from .gate import CONFIDENCE, bootstrap_means, margin_for, passes
 from .live import live_rewards, rewards_of
 from .proxy_client import admin_call, serving_state
 
@@ -77,13 +78,14 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> CanaryVerdict:
     verdict.low, verdict.high = float(low), float(high)
     verdict.canary_mean, verdict.served_mean = float(np.mean(new)), float(np.mean(old))
     verdict.diff_mean = verdict.canary_mean - verdict.served_mean
-    bar = 0.0 if config.gate == "better" else -config.gate_margin
-    if low > bar:
-        verdict.action, outcome = "promote", f"low end above {bar:+.3f}: promote"
+    margin, basis = margin_for(config, old)
+    bar = "0" if config.gate == "better" else f"{-margin:+.3g} ({basis})"
+    if passes(float(low), float(high), config.gate, margin):
+        verdict.action, outcome = "promote", f"low end clears {bar}: promote"
     elif high < 0:
         verdict.action, outcome = "drop", "high end below 0: worse, drop"
     else:
-        outcome = f"low end not above {bar:+.3f} and high end not below 0: keep it running"
+        outcome = f"low end short of {bar} and high end not below 0: keep it running"
     verdict.reason = (
         f"live reward {verdict.canary_mean:.3f} on {len(new)} canary rollouts against "
         f"{verdict.served_mean:.3f} on {len(old)} for {served or 'the base model'}: difference "

@@ -1,7 +1,7 @@
 """The promotion gate: a night's adapter is promoted only when it is not worse than the served one.
 
-  held-out prompts (recent first turns that no run trained on, outside tonight's plan;
-  when there are too few, the plan gives up a quarter of its groups) -> one reply per
+  held-out prompts (recent conversations no run trained on, outside tonight's plan
+  where the night has enough: gate_prompts.py) -> one reply per
   prompt from each adapter, sampled here with transformers+peft, the same seed for both
   -> scored by the same scorer (the reward function, or RULER seeing both replies
   shuffled and unlabelled) -> a paired bootstrap interval on the mean difference
@@ -19,26 +19,21 @@ The watch (trainer/night/watch.py) uses the same bootstrap, unpaired, on live re
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from overnight.config import GATE_MODES, TrainConfig
-from overnight.storage import open_db
 
-from .plan import Plan, trained_groups
-from .turn_groups import conversation_key, trained_turn_sources
+from .gate_prompts import GatePrompt
 
 CONFIDENCE = 0.95  # two-sided for the gate's interval, one-sided for the watch
 RESAMPLES = 10_000  # bootstrap resamples: the interval's ends move by ~0.005 sd between seeds
 MIN_PROMPTS = 8  # fewer held-out prompts decide nothing: the gate refuses
-MAX_NEW_TOKENS = 512  # a reply's cap when its logged request set none
 EXAMPLES = 3  # side-by-side examples kept with the verdict
 _CHUNK = 2_000_000  # bootstrap indices drawn at once (memory: 16 MB)
 BATCH = 16  # held-out prompts generated together
@@ -88,11 +83,35 @@ def paired_interval(
 
 
 def decide(diffs: Sequence[float], mode: str, margin: float, seed: int = 0) -> tuple[bool, dict]:
-    """Whether to promote, and the numbers: `not-worse` wants the interval's low end above
-    -margin (any loss smaller than the margin), `better` above 0."""
+    """Whether to promote, and the numbers (`passes`)."""
     mean, low, high = paired_interval(diffs, seed=seed)
     bar = -margin if mode == "not-worse" else 0.0
-    return low > bar, {"diff_mean": mean, "low": low, "high": high, "bar": bar}
+    promote = passes(low, high, mode, margin)
+    return promote, {"diff_mean": mean, "low": low, "high": high, "bar": bar}
+
+
+def passes(low: float, high: float, mode: str, margin: float) -> bool:
+    """Whether an interval on candidate - served clears the bar. `not-worse`: no loss
+    larger than the margin is plausible (low end at or above -margin) and no loss at all
+    is certain (high end not below 0: an interval wholly below zero is a measurably worse
+    candidate, whatever the margin). An interval of exactly [0, 0], a candidate no
+    different, is not worse. `better`: the low end above 0."""
+    if mode == "better":
+        return low > 0.0
+    return low >= -margin and high >= 0.0
+
+
+def margin_for(config, served: Sequence[float]) -> tuple[float, str]:
+    """The loss `not-worse` tolerates, and how it was set: `--gate-margin` in reward
+    units when given, else `--gate-margin-spread` times the spread (sample standard
+    deviation) of the served adapter's rewards over the same prompts. A spread is in the
+    reward's own units whatever its scale or sign, and 0 when the served adapter scores
+    the same everywhere: then any loss counts (docs/grpo.md)."""
+    if config.gate_margin is not None:
+        return config.gate_margin, f"--gate-margin {config.gate_margin:g}"
+    spread = float(np.std(served, ddof=1)) if len(served) > 1 else 0.0
+    share = config.gate_margin_spread
+    return share * spread, f"{share:g} x the served adapter's reward spread {spread:.3g}"
 
 
 # -- the verdict -------------------------------------------------------------------------
@@ -103,7 +122,8 @@ class Verdict:
     mode: str
     promote: bool
     reason: str
-    margin: float = 0.0
+    margin: float = 0.0  # the loss not-worse tolerated, in reward units
+    margin_basis: str = ""  # how it was set (margin_for)
     prompts: int = 0
     candidate_mean: float | None = None
     served_mean: float | None = None
@@ -123,120 +143,6 @@ class Verdict:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "verdict": self.word}
-
-
-# -- the prompts -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GatePrompt:
-    group_id: str
-    messages: list[dict]
-    tools: list[dict]
-    temperature: float
-    top_p: float
-    max_tokens: int
-    top_k: int = 0  # vLLM's extension, as the logged request asked (0: off)
-
-
-def _prompt(group_id: str, request_text: str | None) -> GatePrompt | None:
-    request = json.loads(request_text) if request_text else {}
-    if not isinstance(request, dict):
-        return None
-    messages = request.get("messages")
-    if not messages or not isinstance(messages, list):
-        return None  # text completions and redacted bodies: nothing to sample from
-    cap = request.get("max_completion_tokens") or request.get("max_tokens") or MAX_NEW_TOKENS
-    temperature = request.get("temperature")
-    return GatePrompt(
-        group_id,
-        messages,
-        list(request.get("tools") or []),
-        1.0 if temperature is None else float(temperature),
-        float(request.get("top_p") or 1.0),
-        min(int(cap), MAX_NEW_TOKENS),
-        max(int(request.get("top_k") or 0), 0),
-    )
-
-
-def _first_turns(con, groups: list[str] | None, limit: int) -> list[tuple[str, str]]:
-    """(group, request) of first turns, newest first; of `groups` only, when given."""
-    where = "turn_index = 0 AND logged AND error IS NULL AND request IS NOT NULL"
-    if groups is not None:
-        con.register("_gate_groups", pa.table({"group_id": groups}))
-        where += " AND group_id IN (SELECT group_id FROM _gate_groups)"
-    return con.execute(
-        f"SELECT group_id, request FROM completions WHERE {where} "
-        "ORDER BY started_at DESC, record_id LIMIT ?",
-        [limit],
-    ).fetchall()
-
-
-def held_out_prompts(
-    data_dir: Path, plan: Plan, count: int, take_from_plan: bool = True
-) -> tuple[list[GatePrompt], Plan]:
-    """Up to `count` distinct recent prompts the candidate does not train on, and the plan
-    to train on. First turns of groups no run trained on and outside the plan come first;
-    when they are fewer than `count`, the plan gives up to a quarter of its groups (its
-    last ones), which stay untrained tonight and can be trained another night."""
-    con = open_db(data_dir)
-    try:
-        # Served groups trained on as a whole or through one of their turns (per-turn
-        # groups of their siblings) are not held out: the candidate has seen them.
-        excluded = set(plan.groups) | trained_groups(con) | trained_turn_sources(con)
-        outside = _first_turns(con, None, 50 * count)
-        prompts = _distinct(outside, excluded, _keys(con, plan.groups), count)
-        given: list[str] = []
-        if take_from_plan and len(prompts) < count:
-            given = plan.groups[len(plan.groups) - len(plan.groups) // 4 :]
-            given = given[: count - len(prompts)]
-            kept = [g for g in plan.groups if g not in set(given)]
-            seen = _keys(con, kept) | {conversation_key(p.messages, p.tools) for p in prompts}
-            rows = _first_turns(con, given, 10 * len(given))
-            prompts += _distinct(rows, set(), seen, len(given))
-    finally:
-        con.close()
-    return prompts, without(plan, given) if given else plan
-
-
-def _keys(con, groups: list[str]) -> set[str]:
-    """The first-turn prompts of `groups` (what the candidate trains on)."""
-    out = set()
-    for _, text in _first_turns(con, groups, 1_000_000):
-        request = json.loads(text) if text else {}
-        if isinstance(request, dict):
-            out.add(conversation_key(request.get("messages"), request.get("tools")))
-    return out
-
-
-def _distinct(rows, excluded: set[str], seen: set[str], count: int) -> list[GatePrompt]:
-    """Prompts from `rows`, one per distinct conversation and group, none that is trained on."""
-    out, keys, groups = [], set(seen), set()
-    for group_id, request in rows:
-        if group_id in excluded or group_id in groups:
-            continue
-        prompt = _prompt(group_id, request)
-        if prompt is None or conversation_key(prompt.messages, prompt.tools) in keys:
-            continue
-        out.append(prompt)
-        keys.add(conversation_key(prompt.messages, prompt.tools))
-        groups.add(group_id)
-        if len(out) >= count:
-            break
-    return out
-
-
-def without(plan: Plan, groups: list[str]) -> Plan:
-    """`plan` without `groups` (held out for the gate)."""
-    gone = set(groups)
-    rollouts = {s.rollout_id for s in plan.samples if s.group_id in gone}
-    return replace(
-        plan,
-        groups=[g for g in plan.groups if g not in gone],
-        samples=[s for s in plan.samples if s.group_id not in gone],
-        rewards={r: v for r, v in plan.rewards.items() if r not in rollouts},
-        group_stats={g: v for g, v in plan.group_stats.items() if g not in gone},
-    )
 
 
 # -- sampling and scoring ----------------------------------------------------------------
@@ -343,9 +249,9 @@ def run_gate(
     held_out_from_plan: list[str] = (),  # type: ignore[assignment]
 ) -> Verdict:
     """Sample, score and decide; the verdict says why in one line (`reason`)."""
-    mode, margin = config.gate, config.gate_margin
+    mode = config.gate
     assert mode in GATE_MODES and mode != "off"
-    verdict = Verdict(mode, False, "", margin, held_out_from_plan=list(held_out_from_plan))
+    verdict = Verdict(mode, False, "", held_out_from_plan=list(held_out_from_plan))
     if len(prompts) < MIN_PROMPTS:
         verdict.reason = (
             f"only {len(prompts)} held-out prompt(s), fewer than {MIN_PROMPTS}: nothing shows "
@@ -361,7 +267,8 @@ def run_gate(
         verdict.reason = f"the scorer failed on {verdict.failed} of {len(prompts)} prompts"
         return verdict
     diffs = [c - s for _, (c, s) in kept]
-    verdict.promote, numbers = decide(diffs, mode, margin, seed=config.seed)
+    verdict.margin, verdict.margin_basis = margin_for(config, [s for _, (_, s) in kept])
+    verdict.promote, numbers = decide(diffs, mode, verdict.margin, seed=config.seed)
     verdict.candidate_mean = float(np.mean([c for _, (c, _) in kept]))
     verdict.served_mean = float(np.mean([s for _, (_, s) in kept]))
     verdict.diff_mean, verdict.low, verdict.high = (
@@ -369,18 +276,28 @@ def run_gate(
         numbers["low"],
         numbers["high"],
     )
-    side = "above" if verdict.promote else "not above"
     verdict.reason = (
-        f"candidate - served = {numbers['diff_mean']:+.3f} on {len(kept)} held-out prompts "
-        f"({verdict.candidate_mean:.3f} vs {verdict.served_mean:.3f}), "
-        f"{CONFIDENCE:.0%} interval [{numbers['low']:+.3f}, {numbers['high']:+.3f}], "
-        f"low end {side} {numbers['bar']:+.3f}"
+        f"candidate - served = {numbers['diff_mean']:+.3g} on {len(kept)} held-out prompts "
+        f"({verdict.candidate_mean:.3g} vs {verdict.served_mean:.3g}), "
+        f"{CONFIDENCE:.0%} interval [{numbers['low']:+.3g}, {numbers['high']:+.3g}], "
+        + _why(numbers, mode, verdict)
     )
     worst_first = sorted(kept, key=lambda item: -abs(item[1][0] - item[1][1]))[:EXAMPLES]
     verdict.examples = [
         _example(prompts[i], cand[i], served_replies[i], pair) for i, pair in worst_first
     ]
     return verdict
+
+
+def _why(numbers: dict, mode: str, verdict: Verdict) -> str:
+    """The clause of the reason that says which end of the interval decided."""
+    low, high, bar = numbers["low"], numbers["high"], numbers["bar"]
+    if mode == "better":
+        return f"low end {'above' if low > 0 else 'not above'} 0"
+    margin = f"{bar:+.3g} (margin {verdict.margin_basis})"
+    if high < 0:
+        return "high end below 0: measurably worse"
+    return f"low end {'not below' if low >= bar else 'below'} {margin}"
 
 
 def _example(p: GatePrompt, candidate: str, served: str, scores: tuple[float, float]) -> dict:
@@ -405,6 +322,5 @@ def skipped(config: TrainConfig, scorer: Scorer | None) -> Verdict | None:
             True,
             "not gated: no scorer for fresh replies (give --reward or --judge-model); "
             "`overnight watch` compares live rewards after the promotion",
-            config.gate_margin,
         )
     return None

@@ -5,7 +5,8 @@ reward from one of the configured sources, and the rewards differ (equal rewards
 every advantage zero: no signal). Samples come out with their advantages attached.
 
 A night looks only at groups that changed since the last run decided them. Each plan
-leaves a selection record (`Plan.selection`, stored by the run in its `metrics`): when
+leaves a selection record (`Plan.selection`, stored by the run in its `metrics`;
+read back and compared in selection.py): when
 it looked (the watermark), the groups it found trainable but did not train (`pending`:
 held out, or past --max-groups), its settle time and the options its verdicts depend
 on. The next night looks at those, and at every group with a row newer than the
@@ -30,7 +31,6 @@ groups of turns whose own group is trained or trainable.
 from __future__ import annotations
 
 import datetime as dt
-import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,15 +43,8 @@ from overnight.storage.siblings import TURN_PREFIX
 from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages
 from overnight.trainer.grpo.records import Loaded, load_samples
 
-# The key of the selection record in a run's `metrics` JSON.
-SELECTION_KEY = "selection"
-# How much earlier than the last watermark a night looks again. Rows reach a reader
-# after their timestamp: a proxy writing to a bucket uploads every roll (5 minutes),
-# machines' clocks differ, a request's row is written when it ends. A group looked at
-# twice is only decided twice.
-OVERLAP_SECONDS = 3600.0
-# The selection record's list of per-turn groups left undecided (turn_groups.py).
-TURN_PENDING_KEY = "turn_pending"
+from .selection import TURN_PENDING_KEY, changed_groups, last_selection, selection_basis
+
 # Why a served group is left out when a turn of it already trained in its per-turn group.
 TRAINED_AS_TURNS = "a turn of it was trained in its per-turn group (a turn trains once)"
 
@@ -79,6 +72,9 @@ class Plan:
     # taken (the gate may hold them out). Their turns' per-turn groups wait for them
     # (turn_groups.py), with or without a selection record (--since makes none).
     waiting: list[str] = field(default_factory=list)
+    # Groups by how many promotions old their records are ("0": sampled by the adapter
+    # the run starts from; "unknown" without a proxy): staleness.py.
+    staleness: dict[str, int] = field(default_factory=dict)
 
     @property
     def loaded(self) -> dict:
@@ -96,6 +92,9 @@ class Plan:
                 f"  looked at {len(self.considered)} group(s) changed since the last run's "
                 f"selection ({at:%Y-%m-%d %H:%M} UTC) or left pending by it (--rescan: all)"
             )
+        if self.staleness:
+            ages = ", ".join(f"{n} {_age(a)}" for a, n in sorted(self.staleness.items()))
+            out.append(f"  by the adapter that sampled them: {ages}")
         out += [f"  skipped {n} group(s): {reason}" for reason, n in self.skipped.most_common()]
         if self.retokenised:
             gaps = self.token_count_gaps
@@ -121,6 +120,27 @@ class Plan:
         self.samples += [replace(s, advantage=adv.advantages[s.rollout_id]) for s in samples]
         self.rewards.update(rewards)
         self.group_stats[group_id] = {"mean": adv.mean, "std": adv.std, "rollouts": len(rewards)}
+
+
+def _age(label: str) -> str:
+    if label == "0":
+        return "on-policy (the adapter this run starts from)"
+    if label == "unknown":
+        return "of unknown age (no proxy to ask what served them)"
+    return f"{label} promotion(s) old"
+
+
+def without(plan: Plan, groups: list[str]) -> Plan:
+    """`plan` without `groups` (held out for the gate, or too stale to train)."""
+    gone = set(groups)
+    rollouts = {s.rollout_id for s in plan.samples if s.group_id in gone}
+    return replace(
+        plan,
+        groups=[g for g in plan.groups if g not in gone],
+        samples=[s for s in plan.samples if s.group_id not in gone],
+        rewards={r: v for r, v in plan.rewards.items() if r not in rollouts},
+        group_stats={g: v for g, v in plan.group_stats.items() if g not in gone},
+    )
 
 
 def chosen_rewards(
@@ -258,75 +278,6 @@ def _changed_since(
     return _group_rollouts(con, pool, settle_seconds, finished_only=True), turn_pool
 
 
-def selection_basis(config: TrainConfig) -> dict:
-    """The options a group's verdict depends on: a record made under others is not used."""
-    return {"reward_sources": list(config.reward_sources), "min_group_size": config.min_group_size}
-
-
-def last_selection(con, config: TrainConfig) -> dict | None:
-    """The newest selection record of a trained run made under this config's basis.
-
-    A failed run's record is not used: the groups it meant to train were not trained,
-    and the next night must find them again."""
-    rows = con.execute(
-        "SELECT metrics FROM training_runs WHERE status = 'trained' AND metrics IS NOT NULL "
-        "ORDER BY started_at DESC"
-    ).fetchall()
-    for (text,) in rows:
-        try:
-            record = json.loads(text).get(SELECTION_KEY)
-        except (ValueError, AttributeError):
-            continue
-        if (
-            isinstance(record, dict)
-            and isinstance(record.get("watermark"), int)
-            and record.get("basis") == selection_basis(config)
-        ):
-            return record
-    return None
-
-
-def changed_groups(data_dir: Path, con, watermark: int, settle_seconds: float) -> set[str]:
-    """Groups with a row newer than `watermark`, less the settle time (a group still
-    open then was not decided) and the overlap: a turn, finish, reward or judgment; and
-    per-turn groups with a new sibling, or a reward or judgment of one of their members.
-
-    Only the days since are read (a separate, pruned DuckDB); a rollout whose late
-    reward or finish has no turn in those days is looked up in `con` (all days)."""
-    since_us = watermark - int((settle_seconds + OVERLAP_SECONDS) * 1e6)
-    since = dt.datetime.fromtimestamp(since_us / 1e6, dt.UTC)
-    # A day earlier too: a turn stored under the day it started may end after `since`.
-    recent = open_db(data_dir, days_from=(since - dt.timedelta(days=1)).date())
-    try:
-        groups = {
-            g
-            for (g,) in recent.execute(
-                "SELECT group_id FROM completions WHERE coalesce(ended_at, started_at) >= $t "
-                "UNION SELECT group_id FROM judgments WHERE created_at >= $t "
-                "UNION SELECT group_id FROM siblings WHERE coalesce(ended_at, started_at) >= $t",
-                {"t": since},
-            ).fetchall()
-        }
-        rollouts = {
-            r
-            for (r,) in recent.execute(
-                "SELECT rollout_id FROM rewards WHERE created_at >= $t "
-                "UNION SELECT rollout_id FROM finishes WHERE finished_at >= $t",
-                {"t": since},
-            ).fetchall()
-        }
-        # A per-turn group's member is named after it (storage/siblings.py):
-        # `turn:<record>:served` or `turn:<record>:<sibling record>`.
-        members = {r for r in rollouts if r.startswith(TURN_PREFIX)}
-        groups |= {r.rsplit(":", 1)[0] for r in members}
-        rollouts -= members
-        found = _groups_of(recent, rollouts)
-    finally:
-        recent.close()
-    late = rollouts - found.keys()
-    return groups | set(found.values()) | set(_groups_of(con, late).values())
-
-
 def trained_as_turns(con, groups: list[str], done: set[str]) -> set[str]:
     """Of the served `groups`, those one of whose turns a run trained (`done`) as a
     per-turn group: training the group would train that turn a second time."""
@@ -341,18 +292,6 @@ def trained_as_turns(con, groups: list[str], done: set[str]) -> set[str]:
         "AND record_id IN (SELECT record_id FROM _plan_turns)"
     ).fetchall()
     return {g for (g,) in rows}
-
-
-def _groups_of(con, rollouts: set[str]) -> dict[str, str]:
-    """rollout -> group, for those of `rollouts` that have a turn in `con`."""
-    if not rollouts:
-        return {}
-    con.register("_plan_rollouts", pa.table({"rollout_id": pa.array(list(rollouts), pa.string())}))
-    rows = con.execute(
-        "SELECT DISTINCT rollout_id, group_id FROM completions "
-        "WHERE rollout_id IN (SELECT rollout_id FROM _plan_rollouts)"
-    ).fetchall()
-    return dict(rows)
 
 
 def _group_rollouts(

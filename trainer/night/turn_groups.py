@@ -35,19 +35,22 @@ from overnight.trainer.grpo.data import DataError, group_advantages
 from overnight.trainer.grpo.records import load_samples
 
 from .plan import (
-    TURN_PENDING_KEY,
     Plan,
     _advantages_or_reason,
     chosen_rewards,
     trained_groups,
 )
+from .selection import TURN_PENDING_KEY
 
 # Rewards a per-turn group trains on: only those the judge writes. A reward an agent
 # posts names a rollout of its own; one posted for a member id would be a client
 # writing into a group it never sampled.
 TURN_SOURCES = ("combined", "function", "ruler")
 # Why a per-turn group is left out, or waits, because of its turn's own group.
-OWN_GROUP_TRAINED = "its turn is trained in its own group, tonight or before (a turn trains once)"
+OWN_GROUP_TRAINED = (
+    "its turn is trained in its own group, tonight, before, or (held out for the gate) later: "
+    "a turn trains once"
+)
 OWN_GROUP_WAITS = "its turn's own group is trainable, left for a later night (a turn trains once)"
 
 
@@ -64,12 +67,11 @@ def add_turn_groups(
     max_groups: int | None = None,
     only: list[str] | None = None,
     sampling_defaults: dict | None = None,
-    held_out: list | None = None,
 ) -> Plan:
     """`plan` plus the per-turn groups no run trained on whose members all have a reward
     from the judge and whose rewards differ; exactly the turn groups in `only` for a
-    resumed run. `held_out` (the gate's prompts: `.messages`, `.tools`) leaves out turns
-    with the same conversation, so the gate never judges what was trained on.
+    resumed run. The gate's prompts are chosen afterwards, from outside the whole plan
+    (gate_prompts.py), so tonight's per-turn groups train tonight.
 
     Only `plan.turn_pool` is looked at, when set (see the module's docstring), and
     a turn whose own group `plan` trains or leaves pending is not trained here."""
@@ -94,10 +96,6 @@ def add_turn_groups(
                 plan.skipped[f"per-turn groups: {why}"] += 1
             else:
                 wanted.append(group_id)
-        if held_out:
-            kept = _not_held_out(con, wanted, held_out, plan)
-            pending += [g for g in wanted if g not in set(kept)]
-            wanted = kept
         room = None if max_groups is None else max(max_groups - len(plan.groups), 0)
         pending += wanted[room:] if room is not None else []
         wanted = wanted[:room] if room is not None else wanted
@@ -206,23 +204,3 @@ def _verdict(members: list[str], rewards: dict[str, float], config: TrainConfig)
 def conversation_key(messages, tools) -> str:
     """What makes two conversations the same, as the gate compares its prompts."""
     return json.dumps([messages, tools or []], sort_keys=True)
-
-
-def _not_held_out(con, groups: list[str], held_out: list, plan: Plan) -> list[str]:
-    """`groups` less those whose served conversation is one the gate holds out."""
-    if not groups:
-        return groups
-    keys = {conversation_key(p.messages, p.tools) for p in held_out}
-    con.register("_turn_wanted", pa.table({"group_id": pa.array(groups, pa.string())}))
-    rows = con.execute(
-        "SELECT group_id, any_value(request) FROM turn_completions "
-        "WHERE group_id IN (SELECT group_id FROM _turn_wanted) GROUP BY group_id"
-    ).fetchall()
-    dropped = set()
-    for group_id, text in rows:
-        request = json.loads(text) if text else {}
-        if conversation_key(request.get("messages"), request.get("tools")) in keys:
-            dropped.add(group_id)
-    if dropped:
-        plan.skipped["per-turn groups: the gate holds out the same conversation"] += len(dropped)
-    return [g for g in groups if g not in dropped]

@@ -112,7 +112,7 @@ def replace_dir(new: Path, path: Path) -> None:
 
 
 def save_checkpoint(
-    path: Path, parallel: Parallel, model, optimizer, steps: list[dict], max_gap: float
+    path: Path, parallel: Parallel, model, optimizer, steps: list[dict], gaps: dict
 ) -> None:
     """Adapter and optimizer after a step, replaced atomically (a crash leaves the old one)."""
     import torch
@@ -125,7 +125,7 @@ def save_checkpoint(
     if parallel.rank != 0:
         return
     torch.save(
-        {"optimizer": optimizer_state, "steps": steps, "max_gap": max_gap, "fsdp": parallel.fsdp},
+        {"optimizer": optimizer_state, "steps": steps, "gaps": gaps, "fsdp": parallel.fsdp},
         tmp / "state.pt",
     )
     fsync_path(tmp / "state.pt")
@@ -133,7 +133,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: Path | None) -> dict | None:
-    """{"optimizer", "steps", "max_gap", "fsdp"} saved after the last step; None if none.
+    """{"optimizer", "steps", "gaps", "fsdp"} saved after the last step; None if none.
 
     The adapter beside it is at `path / "adapter"`."""
     if path is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
 from overnight.trainer.grpo.parallel import Parallel
-from overnight.trainer.grpo.step import fresh_adapter, optimizer_step, with_behaviour
+from overnight.trainer.grpo.step import Gap, behaviour_pass, fresh_adapter, optimizer_step
 from overnight.trainer.night.plan import Plan
 
 from .checkpoint import kill_point, load_checkpoint, save_adapter, save_checkpoint
@@ -51,10 +51,11 @@ def run_training(
         config, base_model, start_adapter, checkpoint, parallel, say
     )
     loss_config = LossConfig.from_train_config(config)
-    samples = with_behaviour(model, plan.samples, config.micro_batch_tokens)
+    # Before any update: what the first step's ratios are, by the records' age.
+    samples, first = behaviour_pass(model, plan.samples, config.micro_batch_tokens)
+    gaps = state.get("gaps", {}) if state else gaps_by_age(samples, first)
     steps: list[dict] = list(state["steps"]) if state else []
     done_steps = len(steps)
-    max_gap = state["max_gap"] if state else 0.0
     schedule = step_schedule(plan.groups, config)
     started = time.perf_counter()
     for number, (epoch, step_groups) in enumerate(schedule, start=1):
@@ -62,8 +63,6 @@ def run_training(
             continue  # done before the interruption
         step_samples = [s for s in samples if s.group_id in step_groups]
         out = optimizer_step(model, optimizer, parallel, step_samples, loss_config, config)
-        if not steps:  # the first step sees the starting policy: how far is it from the logs?
-            max_gap = max(max_gap, out.logprob_gap)
         record = {
             **out.stats,
             "step": len(steps) + 1,
@@ -76,7 +75,7 @@ def run_training(
         steps.append(record)
         kill_point(f"step-{len(steps)}")  # computed, not yet checkpointed
         if checkpoint is not None:
-            save_checkpoint(checkpoint, parallel, model, optimizer, steps, max_gap)
+            save_checkpoint(checkpoint, parallel, model, optimizer, steps, gaps)
         # Tokens this process trained (a resumed run's earlier steps took no time here).
         rate = sum(s["tokens"] for s in steps[done_steps:]) / (time.perf_counter() - started)
         say(
@@ -85,7 +84,40 @@ def run_training(
             f"grad norm {out.grad_norm:.3f}, {rate:.0f} tokens/s"
         )
     save_adapter(out_dir, parallel, model)
-    return {"steps": steps, "max_logprob_gap": max_gap, "seconds": time.perf_counter() - started}
+    return {
+        "steps": steps,
+        "max_logprob_gap": on_policy_gap(gaps),
+        "logprob_gaps": gaps,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def gaps_by_age(samples: list, gaps: list[Gap | None]) -> dict[str, dict]:
+    """The first step's logprob gap and ratio range over the exact samples, by how many
+    promotions old they are ("0": on-policy; "unknown": no proxy said what served them)."""
+    out: dict[str, dict] = {}
+    for sample, gap in zip(samples, gaps, strict=True):
+        if gap is None or not gap.tokens:
+            continue
+        age = "unknown" if sample.staleness is None else str(sample.staleness)
+        seen = out.setdefault(
+            age, {"sequences": 0, "tokens": 0, "max_gap": 0.0, "ratio_min": 1.0, "ratio_max": 1.0}
+        )
+        seen["sequences"] += 1
+        seen["tokens"] += gap.tokens
+        seen["max_gap"] = max(seen["max_gap"], gap.max_gap)
+        seen["ratio_min"] = min(seen["ratio_min"], gap.ratio_min)
+        seen["ratio_max"] = max(seen["ratio_max"], gap.ratio_max)
+    return out
+
+
+def on_policy_gap(gaps: dict[str, dict]) -> float | None:
+    """The gap that measures serving against training: on records the starting adapter
+    sampled itself (of unknown age, without a proxy, as before ages were known)."""
+    for age in ("0", "unknown"):
+        if age in gaps:
+            return gaps[age]["max_gap"]
+    return None
 
 
 def step_schedule(groups: list[str], config: TrainConfig) -> list[tuple[int, set[str]]]:

@@ -69,6 +69,8 @@ def record_run(
                     "steps": metrics.get("steps", []),
                     "groups": plan.group_stats,
                     "skipped": dict(plan.skipped),
+                    "staleness": plan.staleness,  # groups by how many promotions old
+                    "logprob_gaps": metrics.get("logprob_gaps"),  # by age, before any update
                     "seconds": metrics.get("seconds"),
                     "gate": result.gate.as_dict() if result.gate else None,
                     "selection": plan.selection,  # where the next night's selection starts

@@ -1,0 +1,92 @@
+"""The gate's held-out prompts come from outside tonight's plan where the night allows, so
+that tonight's per-turn groups train tonight (issue 21). Single calls, their siblings and
+the judge's scores are written to a real on-disk store as the proxy, the resampling
+stage and the judge write them; a night is planned as `overnight train` plans it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from overnight.config import TrainConfig
+from overnight.storage.siblings import turn_group_id
+from overnight.trainer.night.gate_prompts import GIVEN_TO_THE_GATE, held_out_prompts
+from overnight.trainer.night.plan import TURN_PENDING_KEY, plan_run
+from overnight.trainer.night.turn_groups import add_turn_groups, conversation_key
+
+from .helpers import chat_response, completion_row
+from .test_resample import PROMPT
+from .test_turn_groups import EARLIER, append, resample, score
+
+
+def single_call(data: Path, name: str) -> tuple[str, dict]:
+    """One production call (no group): its record id and its request."""
+    request = {"model": "policy", "messages": [{"role": "user", "content": f"How many {name}?"}]}
+    row = completion_row(name, name, started_at=EARLIER, ended_at=EARLIER, model_served="tiny",
+                         request=request, response=chat_response("seven"),
+                         prompt_token_ids=PROMPT, completion_token_ids=[21, 22],
+                         completion_logprobs=[-1.0, -2.0], finish_reason="stop")  # fmt: skip
+    append(data, "completions", [row])
+    return name, request
+
+
+def a_night_of_single_calls(data: Path, with_signal: int, without: int) -> dict[str, dict]:
+    """Single calls each resampled twice and scored: `with_signal` of them whose members
+    scored differently, `without` whose members all scored 0. Request by record."""
+    requests = {}
+    for i in range(with_signal + without):
+        record, requests[f"call{i}"] = single_call(data, f"call{i}")
+        members = resample(data, record, ["7", "a cat"])
+        rewards = [0.0, 1.0, 0.0] if i < with_signal else [0.0, 0.0, 0.0]
+        score(data, dict(zip(members, rewards, strict=True)), at=EARLIER)
+    return requests
+
+
+def plan_night(data: Path, config: TrainConfig):
+    plan = plan_run(data, config, settle_seconds=600)
+    return add_turn_groups(data, plan, config)
+
+
+def test_one_off_calls_are_the_gates_and_every_per_turn_group_trains(tmp_path):
+    """Calls nobody resampled are the gate's prompts: nothing of tonight waits."""
+    data = tmp_path / "data"
+    a_night_of_single_calls(data, with_signal=6, without=6)
+    for i in range(8):
+        single_call(data, f"one-off{i}")
+    plan = plan_night(data, TrainConfig())
+    trainable = [turn_group_id(f"call{i}") for i in range(6)]
+    assert plan.groups == trainable, plan.lines()
+    prompts, gated = held_out_prompts(data, plan, 8)
+    assert sorted(p.group_id for p in prompts) == sorted(f"one-off{i}" for i in range(8))
+    assert gated.groups == trainable and GIVEN_TO_THE_GATE not in gated.skipped
+
+
+def test_with_only_resampled_calls_the_gate_keeps_the_nights_mix_and_says_what_waits(tmp_path):
+    """Every call was resampled: the gate takes the night's conversations in the share the
+    night has them, those of the plan capped at a quarter of it. The ones it takes wait
+    (pending), listed with the reason; the rest of tonight's per-turn groups train tonight."""
+    data = tmp_path / "data"
+    requests = a_night_of_single_calls(data, with_signal=8, without=8)
+    plan = plan_night(data, TrainConfig())
+    assert len(plan.groups) == 8, plan.lines()
+    assert plan.skipped["per-turn groups: all rewards equal: no signal"] == 8
+    prompts, gated = held_out_prompts(data, plan, 8)
+    assert len(prompts) == 8
+    # Half the night's conversations are the plan's: half of 8, capped at 8 // 4 = 2.
+    given = [g for g in plan.groups if g not in gated.groups]
+    assert len(given) == 2 and gated.skipped[GIVEN_TO_THE_GATE] == 2, gated.lines()
+    assert len(gated.groups) == 6
+    # What waits is pending for the next night, and what trains is never a gate prompt.
+    assert set(given) <= set(gated.selection[TURN_PENDING_KEY])
+    trained = {
+        conversation_key(requests[g.split(":", 1)[1]]["messages"], None) for g in gated.groups
+    }
+    assert not trained & {p.key for p in prompts}
+    assert any(GIVEN_TO_THE_GATE in line for line in gated.lines())
+
+
+def test_a_resumed_run_gives_the_gate_nothing_of_its_plan(tmp_path):
+    data = tmp_path / "data"
+    a_night_of_single_calls(data, with_signal=4, without=0)
+    plan = plan_night(data, TrainConfig())
+    prompts, gated = held_out_prompts(data, plan, 8, take_from_plan=False)
+    assert prompts == [] and gated.groups == plan.groups

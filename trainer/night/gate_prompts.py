@@ -1,0 +1,184 @@
+"""The gate's held-out prompts: recent conversations the candidate did not train on.
+
+The gate needs prompts like tomorrow's traffic that tonight's candidate never saw. They
+are taken once the plan is whole (served groups and per-turn groups alike), in this order:
+
+  1. recent first turns with no group in tonight's plan and no per-turn group of their
+     own: traffic nobody selected by its outcome (single calls not resampled, one-off
+     questions), newest first;
+  2. if too few, the night's other conversations in the proportion the night has them:
+     those whose per-turn group was left out for its rewards (all equal, say), newest
+     first, and those of tonight's plan, its last groups first, giving up at most a
+     quarter of the plan's groups. A plan group whose conversation the gate takes
+     waits for a later night (pending), listed in the plan's skipped reasons; if an
+     adapter is promoted meanwhile it is then a promotion stale (staleness.py).
+
+Why not the newest conversations whatever they are: with single calls every recent
+conversation has a per-turn group, so the newest were tonight's own training data, and
+holding them out left most of tonight's per-turn groups for the next night, one
+promotion stale (issue 21). Why not only conversations that cannot train: those are
+selected by their outcome (all of their samples scored the same), and a gate that sees
+only prompts where every reply scores 0 cannot tell a broken candidate from the served one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from overnight.storage import open_db
+from overnight.storage.siblings import add_turn_views
+
+from .plan import Plan, trained_groups, without
+from .turn_groups import conversation_key, is_turn_group, trained_turn_sources
+
+MAX_NEW_TOKENS = 512  # a reply's cap when its logged request set none
+# Why a plan group is not trained tonight when the gate takes its conversation.
+GIVEN_TO_THE_GATE = (
+    "held out as one of the gate's prompts tonight: waits for a later night "
+    "(--gate-prompts sets how many; the gate takes the plan's only when the night has too few others)"
+)
+
+
+@dataclass(frozen=True)
+class GatePrompt:
+    group_id: str
+    messages: list[dict]
+    tools: list[dict]
+    temperature: float
+    top_p: float
+    max_tokens: int
+    top_k: int = 0  # vLLM's extension, as the logged request asked (0: off)
+
+    @property
+    def key(self) -> str:
+        return conversation_key(self.messages, self.tools)
+
+
+def prompt_of(group_id: str, request_text: str | None) -> GatePrompt | None:
+    request = json.loads(request_text) if request_text else {}
+    if not isinstance(request, dict):
+        return None
+    messages = request.get("messages")
+    if not messages or not isinstance(messages, list):
+        return None  # text completions and redacted bodies: nothing to sample from
+    cap = request.get("max_completion_tokens") or request.get("max_tokens") or MAX_NEW_TOKENS
+    temperature = request.get("temperature")
+    return GatePrompt(
+        group_id,
+        messages,
+        list(request.get("tools") or []),
+        1.0 if temperature is None else float(temperature),
+        float(request.get("top_p") or 1.0),
+        min(int(cap), MAX_NEW_TOKENS),
+        max(int(request.get("top_k") or 0), 0),
+    )
+
+
+def held_out_prompts(
+    data_dir: Path, plan: Plan, count: int, take_from_plan: bool = True
+) -> tuple[list[GatePrompt], Plan]:
+    """Up to `count` distinct recent prompts the candidate does not train on (see the
+    module's docstring), and the plan to train on: `plan` less the groups it gave."""
+    con = open_db(data_dir)
+    try:
+        add_turn_views(con)
+        # Served groups trained on as a whole or through one of their turns (per-turn
+        # groups of their siblings) are not held out: the candidate has seen them.
+        done = trained_groups(con) | trained_turn_sources(con)
+        conversations = _plan_conversations(con, plan.groups)
+        recent = _first_turns(con, 50 * count)
+        resampled = _resampled(con, [record for record, _, _ in recent])
+    finally:
+        con.close()
+    in_plan = {key for keys in conversations.values() for key in keys}
+    blind, selected, seen = [], [], set()
+    for record, group_id, request in recent:
+        prompt = prompt_of(group_id, request)
+        if prompt is None or group_id in done or group_id in conversations or prompt.key in seen:
+            continue
+        seen.add(prompt.key)
+        if prompt.key in in_plan:
+            continue  # offered below as one of the plan's, if the gate needs it
+        (selected if record in resampled else blind).append(prompt)
+    prompts = blind[:count]
+    given: list[str] = []
+    if len(prompts) < count:
+        costly = _plan_prompts(plan, conversations) if take_from_plan else []
+        needed = count - len(prompts)
+        total = len(costly) + len(selected)
+        share = round(needed * len(costly) / total) if total else 0
+        budget = len(plan.groups) // 4  # groups, not prompts: a conversation may be several
+        taken = 0
+        for prompt in costly:
+            if taken >= share:
+                break
+            groups = [g for g, keys in conversations.items() if prompt.key in keys]
+            if len(given) + len(set(groups) - set(given)) > budget:
+                continue
+            prompts.append(prompt)
+            given += [g for g in groups if g not in given]
+            taken += 1
+        prompts += selected[: count - len(prompts)]
+    if given:  # they wait: a plan's groups are pending in its selection record
+        plan = without(plan, given)
+        plan.skipped[GIVEN_TO_THE_GATE] += len(given)
+    return prompts, plan
+
+
+def _first_turns(con, limit: int) -> list[tuple[str, str, str]]:
+    """(record, group, request) of recent first turns, newest first."""
+    return con.execute(
+        "SELECT record_id, group_id, request FROM completions "
+        "WHERE turn_index = 0 AND logged AND error IS NULL AND request IS NOT NULL "
+        "ORDER BY started_at DESC, record_id LIMIT ?",
+        [limit],
+    ).fetchall()
+
+
+def _resampled(con, records: list[str]) -> set[str]:
+    """Of `records`, those with siblings: their per-turn group was decided by its outcome."""
+    if not records:
+        return set()
+    con.register("_gate_records", pa.table({"record_id": pa.array(records, pa.string())}))
+    rows = con.execute(
+        "SELECT DISTINCT sibling_of FROM siblings "
+        "WHERE error IS NULL AND sibling_of IN (SELECT record_id FROM _gate_records)"
+    ).fetchall()
+    return {r for (r,) in rows}
+
+
+def _plan_conversations(con, groups: list[str]) -> dict[str, dict[str, str]]:
+    """Each plan group's conversations (key -> the logged request): the first turns of a
+    served group, the served turn's context of a per-turn group."""
+    served = [g for g in groups if not is_turn_group(g)]
+    turns = [g for g in groups if is_turn_group(g)]
+    out: dict[str, dict[str, str]] = {g: {} for g in groups}
+    con.register("_gate_served", pa.table({"group_id": pa.array(served, pa.string())}))
+    con.register("_gate_turns", pa.table({"group_id": pa.array(turns, pa.string())}))
+    rows = con.execute(
+        "SELECT group_id, request FROM completions WHERE turn_index = 0 AND request IS NOT NULL "
+        "AND group_id IN (SELECT group_id FROM _gate_served) "
+        "UNION ALL SELECT group_id, request FROM turn_completions WHERE origin = 'served' "
+        "AND request IS NOT NULL AND group_id IN (SELECT group_id FROM _gate_turns)"
+    ).fetchall()
+    for group_id, text in rows:
+        prompt = prompt_of(group_id, text)
+        if prompt is not None:
+            out[group_id].setdefault(prompt.key, text)
+    return out
+
+
+def _plan_prompts(plan: Plan, conversations: dict[str, dict[str, str]]) -> list[GatePrompt]:
+    """One prompt per conversation of the plan's groups, its last groups first."""
+    out, seen = [], set()
+    for group_id in reversed(plan.groups):
+        for key, text in conversations.get(group_id, {}).items():
+            prompt = prompt_of(group_id, text)
+            if prompt is not None and key not in seen:
+                seen.add(key)
+                out.append(prompt)
+    return out
