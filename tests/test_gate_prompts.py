@@ -8,10 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from overnight.config import TrainConfig
+from overnight.storage import new_id, now_us
 from overnight.storage.siblings import turn_group_id
-from overnight.trainer.night.gate_prompts import GIVEN_TO_THE_GATE, held_out_prompts
+from overnight.trainer.night.gate_prompts import (
+    GIVEN_TO_THE_GATE,
+    TURNS_GIVEN_TO_THE_GATE,
+    held_out_prompts,
+)
 from overnight.trainer.night.plan import TURN_PENDING_KEY, plan_run
-from overnight.trainer.night.turn_groups import add_turn_groups, conversation_key
+from overnight.trainer.night.selection import TURN_HELD_KEY
+from overnight.trainer.night.turn_groups import HELD_BY_A_GATE, add_turn_groups, conversation_key
+from overnight.trainer.train import RunResult, record_run
 
 from .helpers import chat_response, completion_row
 from .test_resample import PROMPT
@@ -62,8 +69,9 @@ def test_one_off_calls_are_the_gates_and_every_per_turn_group_trains(tmp_path):
 
 def test_with_only_resampled_calls_the_gate_keeps_the_nights_mix_and_says_what_waits(tmp_path):
     """Every call was resampled: the gate takes the night's conversations in the share the
-    night has them, those of the plan capped at a quarter of it. The ones it takes wait
-    (pending), listed with the reason; the rest of tonight's per-turn groups train tonight."""
+    night has them, those of the plan capped at a quarter of it. The per-turn groups it
+    takes are held out for good, listed with the reason (a night later they would train
+    a promotion stale); the rest of tonight's per-turn groups train tonight."""
     data = tmp_path / "data"
     requests = a_night_of_single_calls(data, with_signal=8, without=8)
     plan = plan_night(data, TrainConfig())
@@ -73,15 +81,25 @@ def test_with_only_resampled_calls_the_gate_keeps_the_nights_mix_and_says_what_w
     assert len(prompts) == 8
     # Half the night's conversations are the plan's: half of 8, capped at 8 // 4 = 2.
     given = [g for g in plan.groups if g not in gated.groups]
-    assert len(given) == 2 and gated.skipped[GIVEN_TO_THE_GATE] == 2, gated.lines()
-    assert len(gated.groups) == 6
-    # What waits is pending for the next night, and what trains is never a gate prompt.
-    assert set(given) <= set(gated.selection[TURN_PENDING_KEY])
+    assert len(given) == 2 and gated.skipped[TURNS_GIVEN_TO_THE_GATE] == 2, gated.lines()
+    assert len(gated.groups) == 6 and GIVEN_TO_THE_GATE not in gated.skipped
+    # Decided: not pending, recorded as held; and what trains is never a gate prompt.
+    assert not set(given) & set(gated.selection[TURN_PENDING_KEY])
+    assert gated.selection[TURN_HELD_KEY] == sorted(given)
     trained = {
         conversation_key(requests[g.split(":", 1)[1]]["messages"], None) for g in gated.groups
     }
     assert not trained & {p.key for p in prompts}
-    assert any(GIVEN_TO_THE_GATE in line for line in gated.lines())
+    assert any(TURNS_GIVEN_TO_THE_GATE in line for line in gated.lines())
+    # The next night reads them again (a member's score changed) and still trains none.
+    config = TrainConfig()
+    record_run(data, RunResult(f"run-{new_id()}", gated), config, "base", None, now_us(), None)
+    held = given[0]
+    score(data, {f"{held}:served": 0.5})
+    later = plan_night(data, config)
+    assert held in later.considered and not set(given) & set(later.groups), later.lines()
+    assert later.skipped[f"per-turn groups: {HELD_BY_A_GATE}"] >= 1
+    assert held in later.selection[TURN_HELD_KEY]  # still found, still decided
 
 
 def test_a_resumed_run_gives_the_gate_nothing_of_its_plan(tmp_path):

@@ -21,7 +21,7 @@ from overnight.judge.run import run_judge
 from overnight.judge.scoring import pair_scorer
 from overnight.storage import now_us
 from overnight.storage.siblings import turn_group_id
-from overnight.trainer.night.gate_prompts import GIVEN_TO_THE_GATE
+from overnight.trainer.night.gate_prompts import TURNS_GIVEN_TO_THE_GATE
 
 from .helpers import rows, wait_for_rows
 from .test_resample import NUMBER_AGENT, NUMBERS_ONLY, QUESTIONS, K, day_of_single_calls
@@ -72,7 +72,7 @@ async def test_single_calls_train_on_policy_the_night_they_are_made(
     quiet = {"proxy_url": url, "settle_seconds": 0.0, "say": lines.append}
     from overnight.trainer.train import resample_turns, train
 
-    means, nights, held_back = [], [], set()
+    means, nights = [], []
     for night in range(NIGHTS):
         since = now_us()
         means.append(await a_day(proxy))
@@ -88,24 +88,20 @@ async def test_single_calls_train_on_policy_the_night_they_are_made(
         trained, waiting = set(plan.groups), set(result.held_out)
         summary = "\n".join([f"night {night}, served means {means}; {BEFORE}", *lines])
         # Tonight's per-turn groups with signal train tonight, less those the gate took
-        # (at most a quarter of the plan), which say so and wait for the next night ...
-        assert today <= trained | waiting and waiting.isdisjoint(trained), summary
-        assert plan.skipped.get(GIVEN_TO_THE_GATE, 0) == len(waiting), summary
-        assert len(waiting) <= (len(trained) + len(waiting)) // 4, summary
-        # ... where they are all that trains of an earlier day, and are counted by age.
-        assert trained - today <= held_back, summary
-        assert plan.staleness.get("0", 0) >= len(trained & today), summary
-        held_back = waiting
+        # (at most a quarter of the plan), which say so and are never trained later;
+        # nothing of an earlier day trains.
+        assert today == trained | waiting and waiting.isdisjoint(trained), summary
+        assert plan.skipped.get(TURNS_GIVEN_TO_THE_GATE, 0) == len(waiting), summary
+        assert len(waiting) <= len(today) // 4, summary
+        assert plan.staleness == {"0": len(trained)}, summary
         gaps = result.metrics["logprob_gaps"]
-        assert "0" in gaps and set(gaps) <= {"0", "1", "2"}, gaps
+        assert set(gaps) == {"0"}, gaps
         first = gaps["0"]
         assert first["ratio_min"] >= 0.9 and first["ratio_max"] <= 1.1 or first["max_gap"] < 0.02, (
             f"first-step ratios on tonight's data {first['ratio_min']:.4g}-{first['ratio_max']:.4g}"
             f" (gap {first['max_gap']:.3g}); {BEFORE}, ratios 0.0016-67 in the issue's run"
         )
-        # No warning: a gap on the stale ones is drift, said as such with its own figure.
-        assert not any(line.startswith("warning") for line in lines), summary
-        assert any(line.startswith("stale data:") for line in lines) == (len(gaps) > 1), summary
+        assert not any(line.startswith(("warning", "stale data")) for line in lines), summary
         nights.append((len(trained), len(waiting), first["ratio_min"], first["ratio_max"], gate))
         print(summary)
         lines.clear()

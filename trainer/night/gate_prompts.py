@@ -8,8 +8,8 @@ are taken once the plan is whole (served groups and per-turn groups alike), in t
      questions), newest first;
   2. if too few, the night's other conversations in the proportion the night has them:
      those whose per-turn group was left out for its rewards (all equal, say), newest
-     first, and those of tonight's plan, its last groups first, giving up at most a
-     quarter of the plan's groups. A plan group whose conversation the gate takes
+     first, and those of tonight's plan in an order drawn afresh each night, giving up
+     at most a quarter of the plan's groups. A plan group whose conversation the gate takes
      waits for a later night (pending), listed in the plan's skipped reasons; if an
      adapter is promoted meanwhile it is then a promotion stale (staleness.py).
 
@@ -24,6 +24,7 @@ only prompts where every reply scores 0 cannot tell a broken candidate from the 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,12 +34,17 @@ from overnight.storage import open_db
 from overnight.storage.siblings import add_turn_views
 
 from .plan import Plan, trained_groups, without
+from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
 from .turn_groups import conversation_key, is_turn_group, trained_turn_sources
 
 MAX_NEW_TOKENS = 512  # a reply's cap when its logged request set none
 # Why a plan group is not trained tonight when the gate takes its conversation.
 GIVEN_TO_THE_GATE = (
     "held out as one of the gate's prompts tonight: waits for a later night "
+    "(--gate-prompts sets how many; the gate takes the plan's only when the night has too few others)"
+)
+TURNS_GIVEN_TO_THE_GATE = (
+    "per-turn groups: held out as one of the gate's prompts tonight, not trained later "
     "(--gate-prompts sets how many; the gate takes the plan's only when the night has too few others)"
 )
 
@@ -123,10 +129,29 @@ def held_out_prompts(
             given += [g for g in groups if g not in given]
             taken += 1
         prompts += selected[: count - len(prompts)]
-    if given:  # they wait: a plan's groups are pending in its selection record
-        plan = without(plan, given)
-        plan.skipped[GIVEN_TO_THE_GATE] += len(given)
+    if given:
+        plan = _give(plan, given)
     return prompts, plan
+
+
+def _give(plan: Plan, given: list[str]) -> Plan:
+    """`plan` without the groups whose conversations the gate took. A served group waits
+    for a later night (pending, as the plan recorded it); a per-turn group is decided:
+    recorded as held out, never trained. A night later it would train a promotion stale
+    (on the tiny model its first-step ratios then spread from 0.01 to 1.7), while the
+    agent's next turns are resampled fresh."""
+    turns = [g for g in given if is_turn_group(g)]
+    plan = without(plan, given)
+    if len(given) > len(turns):
+        plan.skipped[GIVEN_TO_THE_GATE] += len(given) - len(turns)
+    if turns:
+        plan.skipped[TURNS_GIVEN_TO_THE_GATE] += len(turns)
+    if plan.selection is not None and TURN_PENDING_KEY in plan.selection:
+        gone = set(turns)
+        pending = [g for g in plan.selection[TURN_PENDING_KEY] if g not in gone]
+        held = sorted(set(plan.selection.get(TURN_HELD_KEY) or []) | gone)
+        plan.selection = {**plan.selection, TURN_PENDING_KEY: pending, TURN_HELD_KEY: held}
+    return plan
 
 
 def _first_turns(con, limit: int) -> list[tuple[str, str, str]]:
@@ -173,9 +198,13 @@ def _plan_conversations(con, groups: list[str]) -> dict[str, dict[str, str]]:
 
 
 def _plan_prompts(plan: Plan, conversations: dict[str, dict[str, str]]) -> list[GatePrompt]:
-    """One prompt per conversation of the plan's groups, its last groups first."""
+    """One prompt per conversation of the plan's groups, in an order drawn afresh each
+    night (from its watermark): taking the same ones first every night would keep the
+    same conversations out of training for good when an agent's traffic repeats."""
     out, seen = [], set()
-    for group_id in reversed(plan.groups):
+    order = list(plan.groups)
+    random.Random((plan.selection or {}).get("watermark", 0)).shuffle(order)
+    for group_id in order:
         for key, text in conversations.get(group_id, {}).items():
             prompt = prompt_of(group_id, text)
             if prompt is not None and key not in seen:

@@ -43,7 +43,13 @@ from overnight.storage.siblings import TURN_PREFIX
 from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages
 from overnight.trainer.grpo.records import Loaded, load_samples
 
-from .selection import TURN_PENDING_KEY, changed_groups, last_selection, selection_basis
+from .selection import (
+    TURN_HELD_KEY,
+    TURN_PENDING_KEY,
+    changed_groups,
+    last_selection,
+    selection_basis,
+)
 
 # Why a served group is left out when a turn of it already trained in its per-turn group.
 TRAINED_AS_TURNS = "a turn of it was trained in its per-turn group (a turn trains once)"
@@ -68,6 +74,8 @@ class Plan:
     # The per-turn groups add_turn_groups looks at: changed since the last selection or
     # left pending by it. None: all of them (no usable record, --rescan, a full look).
     turn_pool: set[str] | None = None
+    # Per-turn groups an earlier night's gate held out: never trained (gate_prompts.py).
+    turn_held: set[str] = field(default_factory=set)
     # Served groups trainable but perhaps not trained tonight: past --max-groups, or
     # taken (the gate may hold them out). Their turns' per-turn groups wait for them
     # (turn_groups.py), with or without a selection record (--since makes none).
@@ -232,6 +240,7 @@ def plan_run(
     plan.considered, plan.loaded_groups = candidates, wanted
     plan.looked_since = last["watermark"] if last is not None else None
     plan.turn_pool = turn_pool
+    plan.turn_held = set(last.get(TURN_HELD_KEY) or []) if last is not None else set()
     by_group: dict[str, list[Sample]] = {}
     for s in loaded.samples:
         by_group.setdefault(s.group_id, []).append(s)

@@ -40,7 +40,7 @@ from .plan import (
     chosen_rewards,
     trained_groups,
 )
-from .selection import TURN_PENDING_KEY
+from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
 
 # Rewards a per-turn group trains on: only those the judge writes. A reward an agent
 # posts names a rollout of its own; one posted for a member id would be a client
@@ -52,6 +52,11 @@ OWN_GROUP_TRAINED = (
     "a turn trains once"
 )
 OWN_GROUP_WAITS = "its turn's own group is trainable, left for a later night (a turn trains once)"
+# Why a per-turn group an earlier night's gate took is not trained now (gate_prompts.py).
+HELD_BY_A_GATE = (
+    "held out by an earlier night's gate: not trained later (a promotion stale by now; the "
+    "agent's next turns are resampled fresh)"
+)
 
 
 def is_turn_group(group_id: str) -> bool:
@@ -88,9 +93,11 @@ def add_turn_groups(
         rewards = chosen_rewards(con, sources, member_ids) if sources and member_ids else {}
         own = _own_group_verdict(plan, done, only)
         wanted, pending = [], []
+        held = plan.turn_held if only is None else set()
         for group_id in candidates:
             ids, own_group = members[group_id]
-            why = _verdict(ids, rewards, config) or own(own_group)
+            why = (HELD_BY_A_GATE if group_id in held else None) or _verdict(ids, rewards, config)
+            why = why or own(own_group)
             pending += [group_id] if why == OWN_GROUP_WAITS else []
             if why:
                 plan.skipped[f"per-turn groups: {why}"] += 1
@@ -107,7 +114,8 @@ def add_turn_groups(
     if plan.selection is not None and only is None and since is None:
         # Taken ones too, as plan.py records its own: a failed run's record is not used.
         taken = [g for g in plan.groups if is_turn_group(g)]
-        plan.selection = {**plan.selection, TURN_PENDING_KEY: taken + pending}
+        still = sorted(plan.turn_held & set(candidates))  # found again: still decided
+        plan.selection = {**plan.selection, TURN_PENDING_KEY: taken + pending, TURN_HELD_KEY: still}
     return plan
 
 
