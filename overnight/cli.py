@@ -17,7 +17,8 @@ from typing import Any
 
 import click
 
-from .cli_data import COMMANDS, data_option, require_data_dir
+from .cli_data import COMMANDS, admin_token_option, data_option, proxy_option, require_data_dir
+from .cli_data import proxy_of as _proxy
 from .config import SETTLE_SECONDS, JudgeConfig, ProxyConfig, TrainConfig, VLLMConfig
 from .errors import OvernightError
 from .options import build, config_options, load_config_file
@@ -65,16 +66,7 @@ def main() -> None:
     """
 
 
-# Options several commands take.
-DEFAULT_PROXY = "http://127.0.0.1:8000"
-proxy_option = click.option(
-    "--proxy", "proxy_url", envvar="OVERNIGHT_PROXY",
-    help="The proxy whose adapter is trained and promoted [default: the one serving --data "
-    f"(DATA/proxy.json), else {DEFAULT_PROXY}].",
-)  # fmt: skip
-admin_token_option = click.option(
-    "--admin-token", envvar="OVERNIGHT_ADMIN_TOKEN", help="The proxy's admin token."
-)
+# Options several commands take (the proxy's: cli_data.py, which `prune` uses too).
 settle_option = click.option(
     "--settle",
     default=SETTLE_SECONDS,
@@ -402,20 +394,6 @@ def tiny_model(out_dir: Path, seed: int) -> None:
     from .testing.tiny_model import build_tiny_model
 
     click.echo(f"tiny model in {build_tiny_model(out_dir, seed=seed)}")
-
-
-def _proxy(data_dir: Path, given: str | None) -> str | None:
-    """--proxy (or OVERNIGHT_PROXY; `--proxy ""`: none), else the live proxy serving
-    `data_dir`, else port 8000."""
-    if given is not None:
-        return given or None
-    from .proxy.address import find_proxy
-
-    found = find_proxy(data_dir)
-    if found is None:
-        return DEFAULT_PROXY
-    click.echo(f"using the proxy at {found['url']} (from {data_dir / 'proxy.json'})", err=True)
-    return found["url"]
 
 
 for _command in COMMANDS:

@@ -1,5 +1,5 @@
 """The commands that read and tend a data directory: `ls`, `show`, `sql`, `export`,
-`runs`, `prune`; and the helpers every command uses to open one. `overnight/cli.py`
+`runs`, `prune`, `check`; and the helpers every command uses to open one. `overnight/cli.py`
 adds these commands to the `overnight` group."""
 
 from __future__ import annotations
@@ -15,6 +15,30 @@ from .config import ProxyConfig
 from .options import config_options
 
 _DATA_OPTIONS = config_options(ProxyConfig, only=["data_dir", "local_dir"])
+
+DEFAULT_PROXY = "http://127.0.0.1:8000"
+proxy_option = click.option(
+    "--proxy", "proxy_url", envvar="OVERNIGHT_PROXY",
+    help="The proxy whose adapter is trained and promoted [default: the one serving --data "
+    f"(DATA/proxy.json), else {DEFAULT_PROXY}].",
+)  # fmt: skip
+admin_token_option = click.option(
+    "--admin-token", envvar="OVERNIGHT_ADMIN_TOKEN", help="The proxy's admin token."
+)
+
+
+def proxy_of(data_dir: Path, given: str | None, fallback: str | None = DEFAULT_PROXY) -> str | None:
+    """--proxy (or OVERNIGHT_PROXY; `--proxy ""`: none), else the live proxy serving
+    `data_dir`, else `fallback` (port 8000)."""
+    if given is not None:
+        return given or None
+    from .proxy.address import find_proxy
+
+    found = find_proxy(data_dir)
+    if found is None:
+        return fallback
+    click.echo(f"using the proxy at {found['url']} (from {data_dir / 'proxy.json'})", err=True)
+    return found["url"]
 
 
 def data_option(command: Callable) -> Callable:
@@ -182,24 +206,50 @@ def runs(data_dir: Path, limit: int) -> None:
 
 @click.command()
 @data_option
+@click.option("--older-than", help="Delete the days that ended longer ago than this: 30d, 12h, 2w.")
 @click.option(
-    "--older-than",
-    required=True,
-    help="Delete the days that ended longer ago than this: 30d, 12h, 2w.",
+    "--adapters",
+    is_flag=True,
+    help="Delete the adapters no longer needed too: all but the served one, a canary, the "
+    "previous --keep-adapters of the promotion stack, and any a replica has loaded.",
 )
+@click.option(
+    "--keep-adapters", default=5, show_default=True, type=click.IntRange(min=0),
+    help="With --adapters: the rollback targets kept (the previous N of the stack).",
+)  # fmt: skip
+@proxy_option
+@admin_token_option
 @click.option("--yes", is_flag=True, help="Delete; without it, only say what would be deleted.")
-def prune(data_dir: Path, older_than: str, yes: bool) -> None:
-    """Delete old day partitions of the records (never the live log nor today's).
+def prune(
+    data_dir: Path, older_than: str | None, adapters: bool, keep_adapters: int,
+    proxy_url: str | None, admin_token: str | None, yes: bool,
+) -> None:  # fmt: skip
+    """Delete old day partitions of the records, and adapters no longer needed.
+
+    Never the live log nor today's partition; never the served adapter, a canary, the
+    rollback targets, or one a replica has loaded.
 
     \b
     Example:
       overnight prune --older-than 30d          # what would go
       overnight prune --older-than 30d --yes    # delete it
+      overnight prune --adapters --keep-adapters 3 --yes
     """
+    require_data_dir(data_dir)
+    if older_than is None and not adapters:
+        raise click.UsageError("say what to prune: --older-than AGE, --adapters, or both")
+    if older_than is not None:
+        _prune_days(data_dir, older_than, yes)
+    if adapters:
+        _prune_adapters(
+            data_dir, keep_adapters, proxy_of(data_dir, proxy_url, None), admin_token, yes
+        )
+
+
+def _prune_days(data_dir: Path, older_than: str, yes: bool) -> None:
     from .prune import parse_age, plan_prune
     from .prune import prune as delete
 
-    require_data_dir(data_dir)
     plan = plan_prune(data_dir, parse_age(older_than))
     for line in plan.lines():
         click.echo(line)
@@ -213,4 +263,54 @@ def prune(data_dir: Path, older_than: str, yes: bool) -> None:
         click.echo("nothing deleted: run again with --yes to delete these")
 
 
-COMMANDS = [ls_command, show, sql, export, runs, prune]
+def _prune_adapters(
+    data_dir: Path, keep: int, proxy_url: str | None, token: str | None, yes: bool
+) -> None:
+    """Through the proxy serving the data directory (it knows what its replicas loaded,
+    and deletes under its promotion locks), else offline under the state file's lock."""
+    if proxy_url is not None:
+        from .trainer.night.proxy_client import admin_call
+
+        pruned = admin_call(proxy_url, "/admin/adapters/prune", token,
+                            {"keep": keep, "dry_run": not yes})  # fmt: skip
+        from .proxy.adapters.retention import Pruned
+
+        lines = Pruned(**pruned).lines()
+    else:
+        from .proxy.adapters.retention import prune_offline
+
+        lines = prune_offline(data_dir, keep, dry_run=not yes).lines()
+    for line in lines:
+        click.echo(line)
+    if not yes:
+        click.echo("nothing deleted: run again with --yes to delete these")
+
+
+@click.command()
+@data_option
+@click.option(
+    "--quarantine", is_flag=True,
+    help="Set each damaged file aside (quarantine/files/), out of every reader's view.",
+)  # fmt: skip
+def check(data_dir: Path, quarantine: bool) -> None:
+    """Verify every file and manifest of the records; exit 1 on damage.
+
+    Checksums, footers, manifest entries, live logs, rows stored twice. What to do for
+    each finding: docs/operations.md, "Damaged files".
+
+    \b
+    Example:
+      overnight check                 # report
+      overnight check --quarantine    # and set damaged files aside
+    """
+    from .storage.check import check_store
+
+    require_data_dir(data_dir)
+    report = check_store(data_dir, quarantine=quarantine)
+    for line in report.lines():
+        click.echo(line)
+    if report.damaged:
+        raise SystemExit(1)
+
+
+COMMANDS = [ls_command, show, sql, export, runs, prune, check]

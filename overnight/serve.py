@@ -77,6 +77,8 @@ def serve_forever(
         raise ConfigError(f"with vLLM at {vllm.url}, the proxy's upstream must be its URL")
     if vllm is not None and proxy.shadow_samples:
         vllm = with_priority_scheduling(vllm)
+    if vllm is not None:  # what `overnight train --colocate auto` asks /admin/adapters
+        proxy = replace(proxy, launched_vllm=True, vllm_sleeps=vllm.sleep_mode)
     proxy, replicas = with_replicas(proxy, vllm) if vllm is not None else (proxy, [])
     processes = [VLLMProcess(config, env) for config, env in replicas]
     # SIGTERM during vLLM's start must still stop the children: make it an exception.
@@ -102,7 +104,8 @@ def serve_forever(
             # DATA/proxy.json names this process: the one `overnight train` finds alive.
             write_address(proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
             try:
-                _supervise(proxy, host, port, workers)
+                # Each worker holds requests for a maintenance window on its own: refused.
+                _supervise(replace(proxy, workers=workers), host, port, workers)
             finally:
                 remove_address(proxy.data_dir)
     except KeyboardInterrupt:

@@ -23,21 +23,22 @@ from overnight.config import ProxyConfig
 from overnight.storage import LogWriter, WriterConfig, attach
 from overnight.view import web as view
 
+from .adapters.maintenance import Maintenance
 from .adapters.registry import AdapterRegistry
 from .capture.conversation import CHAINS, ResponseChains
 from .capture.redact import REDACTOR, Redactor
 from .capture.state import TurnCounter
 from .capture.uncaptured import UNCAPTURED, Uncaptured
 from .forward.balancer import Balancer
-from .routes import admin
+from .routes import admin, maintenance
 from .routes.agent_api import completions, post_finish, post_reward, prefixed
 from .routes.auth import make_guard
-from .routes.relay import passthrough
 from .shadow.sampler import SHADOW, ShadowSampler
 from .state import (
     ADAPTERS,
     CONFIG,
     FINGERPRINT,
+    MAINTENANCE,
     SESSION,
     STATS,
     TURNS,
@@ -84,6 +85,14 @@ def create_app(config: ProxyConfig) -> web.Application:
         check_interval=config.upstream_check_interval,
         follow_interval=config.state_poll_interval,
     )
+    app[MAINTENANCE] = Maintenance(
+        balancer,
+        _upstream_auth(config),
+        hold=config.maintenance_hold,
+        drain=config.maintenance_drain,
+        after_wake=registry.check_upstream,  # what vLLM lost asleep, loaded again
+        workers=config.workers,
+    )
     app[SHADOW] = ShadowSampler(config, balancer, app[REDACTOR])
     app.cleanup_ctx.append(_lifecycle)
 
@@ -98,9 +107,12 @@ def create_app(config: ProxyConfig) -> web.Application:
     r.add_get("/admin/adapters", admin.adapters)
     r.add_post("/admin/adapters/promote", admin.promote)
     r.add_post("/admin/adapters/rollback", admin.rollback)
+    r.add_post("/admin/adapters/prune", admin.prune)
     r.add_get("/admin/stats", admin.stats)
+    r.add_get("/admin/maintenance", maintenance.state)
+    r.add_post("/admin/maintenance", maintenance.change)
     r.add_route("*", "/rollouts/{group}/{rollout}/v1/{tail:.*}", prefixed)
-    r.add_route("*", "/v1/{tail:.*}", passthrough)
+    r.add_route("*", "/v1/{tail:.*}", maintenance.held)
 
     # The web view reads what it needs through request.config_dict, under its own keys:
     # it never imports this module (view/ sits below the proxy).
@@ -151,10 +163,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[WRITER] = writer
     registry = app[ADAPTERS]
     registry.session = session
+    app[MAINTENANCE].session = session
+    await app[MAINTENANCE].recover()  # a vLLM left asleep by a night that died with us
     await registry.restore()
     app[SHADOW].start(writer)
     yield
     await app[SHADOW].close()
+    await app[MAINTENANCE].close()
     await registry.close()
     app[UPSTREAM].close()
     await session.close()

@@ -16,6 +16,7 @@ from aiohttp import web
 from overnight.config import ProxyConfig
 from overnight.storage import LogWriter
 
+from .adapters.maintenance import Maintenance
 from .adapters.registry import AdapterRegistry
 from .capture.state import TurnCounter
 from .forward.balancer import Balancer
@@ -52,3 +53,5 @@ ADAPTERS = web.AppKey("adapters", AdapterRegistry)
 STATS = web.AppKey("stats", ProxyStats)
 TURNS = web.AppKey("turns", TurnCounter)
 FINGERPRINT = web.AppKey("fingerprint", SeenFingerprint)
+# vLLM asleep for a colocated night, and the requests held meanwhile (adapters/maintenance.py).
+MAINTENANCE = web.AppKey("maintenance", Maintenance)

@@ -15,6 +15,7 @@ everything with side effects (files, the run record, the promotion). Progress go
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -27,6 +28,8 @@ from .grpo.parallel import Parallel
 from .grpo.sampling import server_defaults
 from .grpo.step import fresh_adapter, micro_batch_loss
 from .night.canary import start as start_canary
+from .night.colocation import should_colocate
+from .night.colocation import window as maintenance_window
 from .night.gate import Scorer, Verdict, run_gate, skipped
 from .night.gate_prompts import held_out_prompts
 from .night.plan import Plan, plan_run
@@ -35,6 +38,7 @@ from .night.proxy_client import (
     base_model_of,
     local_adapter,
     promote_adapter,
+    prune_adapters,
     served_adapter,
     serving_state,
     shared_adapter,
@@ -137,22 +141,34 @@ def train(
     if parallel.rank == 0:
         run_dir.begin(plan.groups, start_adapter)
     adapter_dir = data_dir / "adapters" / run_dir.run_id
+    # One GPU for vLLM and the night: vLLM sleeps while training and the gate hold it.
+    colocated = bool(proxy_url) and should_colocate(config.colocate, state, _on_gpu(), say)
     try:
-        result.metrics = run_training(
-            plan, config, base_model, start_adapter, adapter_dir, say, run_dir.checkpoint
-        )
-        for line in gap_lines(result.metrics.get("logprob_gaps", {})):
-            if line.startswith("warning"):
-                log.warning(line)
-            say(line)
+        with _asleep(colocated and parallel.rank == 0, proxy_url, admin_token, run_dir.run_id,
+                     config, say) as window:  # fmt: skip
+            parallel.agree(True)  # every process waits until vLLM has let the GPU go
+            if colocated:
+                kill_point("asleep")
+            result.metrics = run_training(
+                plan, config, base_model, start_adapter, adapter_dir, say, run_dir.checkpoint
+            )
+            for line in gap_lines(result.metrics.get("logprob_gaps", {})):
+                if line.startswith("warning"):
+                    log.warning(line)
+                say(line)
+            if parallel.rank == 0 and promote and proxy_url:
+                shared = shared_adapter(data_dir, adapter_dir)  # with a bucket: uploaded
+                result.gate = _gate(config, scorer, base_model, adapter_dir, shared,
+                                    gate_prompts, result, say, data_dir, proxy_url,
+                                    admin_token)  # fmt: skip
+        if window is not None:
+            result.metrics["maintenance"] = window.as_dict()
+            kill_point("awake")
         if parallel.rank != 0:
             return result
         result.adapter_path = adapter_dir
         say(f"saved the adapter to {adapter_dir}")
-        if promote and proxy_url:
-            shared = shared_adapter(data_dir, adapter_dir)  # with a bucket: uploaded
-            result.gate = _gate(config, scorer, base_model, adapter_dir, shared, gate_prompts,
-                                result, say, data_dir, proxy_url, admin_token)  # fmt: skip
+        if result.gate is not None:  # promote and proxy_url: the gate decided
             if result.gate.promote and config.canary:
                 # Live traffic decides: the next watch promotes or drops it (canary.py).
                 name = start_canary(proxy_url, admin_token, shared, config.canary, say)
@@ -171,6 +187,8 @@ def train(
     record_run(data_dir, result, config, base_model, start_adapter, started, None)
     kill_point("recorded")
     run_dir.finish()
+    if promote and proxy_url and config.keep_adapters:
+        prune_adapters(proxy_url, admin_token, config.keep_adapters, say)
     say(f"report: {write_report(data_dir)}")
     return result
 
@@ -276,6 +294,19 @@ def gap_lines(gaps: dict[str, dict]) -> list[str]:
             "(--max-staleness 0 leaves them out)"
         )
     return lines
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _asleep(colocated: bool, proxy_url, token, holder: str, config: TrainConfig, say):
+    """The maintenance window around training and the gate (colocation.py), or nothing."""
+    if not colocated:
+        return contextlib.nullcontext(None)
+    return maintenance_window(proxy_url, token, holder, config.maintenance_lease, say)
 
 
 def _silent(_line: str) -> None:

@@ -304,12 +304,16 @@ def list_runs(con: duckdb.DuckDBPyConnection, limit: int, events: Sequence[dict]
         "SELECT run_id, status, len(groups), rollouts, steps, trained_tokens, reward_mean, "
         "max_logprob_gap, promoted_as, started_at, json_extract_string(metrics, '$.gate.verdict'), "
         "json_extract_string(metrics, '$.gate.reason'), "
-        "json_extract_string(metrics, '$.logprob_gaps') FROM training_runs "
+        "json_extract_string(metrics, '$.logprob_gaps'), "
+        "CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE) FROM training_runs "
         f"ORDER BY started_at DESC LIMIT {int(limit)}"
     ).fetchall()
     headers = ["run_id", "status", "groups", "rollouts", "steps", "trained_tokens"]
     headers += ["reward_mean", "logprob_gap", "stale_gap", "promoted_as", "started_at", "gate"]
-    shown = [r[:7] + (_gap(r[7]), _number(stale_gap(r[12]))) + r[8:11] for r in rows]
+    headers += ["asleep_s"]  # a colocated night's window: vLLM asleep, requests held
+    shown = [
+        r[:7] + (_gap(r[7]), _number(stale_gap(r[12]))) + r[8:11] + (_number(r[13]),) for r in rows
+    ]
     out = _table(headers, shown) + f"\n({len(rows)} row(s))"
     # Why the gate refused (trainer/night/gate.py): the candidate stays on disk, unserved.
     out += "".join(f"\n{r[0]}: gate refused: {r[11]}" for r in rows if r[10] == "refused")

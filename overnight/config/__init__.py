@@ -23,12 +23,13 @@ from ..errors import ConfigError
 from .common import DEFAULT_DATA_DIR, DEFAULT_TOOL_CALL_PARSER, SETTLE_SECONDS
 from .judge import JudgeConfig
 from .proxy import ProxyConfig
-from .train import GATE_MODES, LOGPROB_GAP_WARNING, TINY_CPU_PRESET, TrainConfig
+from .train import COLOCATE_MODES, GATE_MODES, LOGPROB_GAP_WARNING, TINY_CPU_PRESET, TrainConfig
 from .vllm import VLLMConfig
 
 __all__ = [
     "DEFAULT_DATA_DIR",
     "DEFAULT_TOOL_CALL_PARSER",
+    "COLOCATE_MODES",
     "GATE_MODES",
     "LOGPROB_GAP_WARNING",
     "SETTLE_SECONDS",

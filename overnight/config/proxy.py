@@ -127,6 +127,40 @@ class ProxyConfig:
             "help": "How long a replaced adapter may finish requests in flight before unloading."
         },
     )
+    # A colocated night (adapters/maintenance.py) puts vLLM to sleep while it trains: a
+    # generating request meanwhile waits this long, then gets 503 with Retry-After (the
+    # OpenAI SDKs retry a 503 and honour the header).
+    maintenance_hold: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds a generating request waits while vLLM sleeps for a colocated "
+            "night before it is answered 503 with Retry-After."
+        },
+    )
+    maintenance_drain: float = field(
+        default=120.0,
+        metadata={
+            "help": "Seconds a colocated night waits for requests in flight to finish "
+            "before vLLM sleeps."
+        },
+    )
+    # No flag: set by `overnight serve --model`, which launched vLLM on this machine; the
+    # nightly `--colocate auto` reads it from /admin/adapters.
+    launched_vllm: bool = field(
+        default=False,
+        metadata={"help": "The proxy launched the vLLM it fronts, on this machine.", "flag": None},
+    )
+    workers: int = field(
+        default=1,
+        metadata={"help": "Proxy processes serving this port (`serve --workers`).", "flag": None},
+    )
+    vllm_sleeps: bool = field(
+        default=False,
+        metadata={
+            "help": "The vLLM it launched has its sleep routes (--sleep-mode).",
+            "flag": None,
+        },
+    )
     # No flag: `overnight serve` leaves it to /v1/models (vLLM's --served-model-name
     # names it when serve starts vLLM).
     base_model: str | None = field(
@@ -243,6 +277,8 @@ class ProxyConfig:
             "keepalive_timeout",
             "header_timeout",
             "drain_timeout",
+            "maintenance_hold",
+            "maintenance_drain",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")

@@ -17,8 +17,11 @@ from ..errors import ConfigError
 LOGPROB_GAP_WARNING = 0.02
 
 _DTYPES = ("auto", "float32", "bfloat16")
+_SWITCHES = ("auto", "on", "off")
+_ATTENTION = ("auto", "sdpa", "eager", "flex_attention")
 # The promotion gate (trainer/night/gate.py, docs/grpo.md).
 GATE_MODES = ("not-worse", "better", "off")
+COLOCATE_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,36 @@ class TrainConfig:
     micro_batch_tokens: int = field(
         default=8192,
         metadata={"help": "Tokens per forward pass; gradients accumulate across passes."},
+    )
+    # A chunk's logits are a few (chunk, vocabulary) float32 tensors: 1024 x 152k is
+    # 0.6 GB each, small beside a real model, large enough for full-speed matmuls.
+    logit_chunk_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "Trained tokens whose vocabulary logits are computed at once, in the "
+            "forward and the backward pass: the logits' memory is bounded by this many "
+            "tokens instead of --micro-batch-tokens (same results)."
+        },
+    )
+    # auto: on for models of 100M parameters or more (trainer/grpo/policy.py).
+    gradient_checkpointing: str = field(
+        default="auto",
+        metadata={
+            "help": "Recompute each decoder layer in the backward pass instead of keeping its "
+            "activations (a third more compute, activations of one layer instead of all): "
+            "auto (on for models of 100M parameters or more), on, off.",
+            "choices": _SWITCHES,
+        },
+    )
+    # Shared prompts need a kernel that takes our mask (trainer/grpo/attention.py).
+    attention: str = field(
+        default="auto",
+        metadata={
+            "help": "Attention kernel to train with: auto (transformers' default, sdpa), sdpa, "
+            "eager, or flex_attention (shared prompts under a block mask instead of an "
+            "(L x L) one; trains on CUDA only).",
+            "choices": _ATTENTION,
+        },
     )
     # One odd group must not wreck the adapter.
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient norm clip."})
@@ -206,6 +239,30 @@ class TrainConfig:
             "rollouts first (sticky per rollout); the watch promotes or drops it on live rewards."
         },
     )
+    # auto: sleep vLLM while training when the proxy launched it on this machine (its
+    # GPU) with sleep routes and the trainer uses a GPU (trainer/night/colocation.py).
+    colocate: str = field(
+        default="auto",
+        metadata={
+            "help": "Put the proxy's vLLM to sleep while the night trains on the same GPU: "
+            "auto (when the proxy launched it here and training uses a GPU), on, off.",
+            "choices": COLOCATE_MODES,
+        },
+    )
+    # Renewed every third of it; a night that dies stops renewing and the proxy wakes
+    # vLLM when it runs out.
+    maintenance_lease: float = field(
+        default=120.0,
+        metadata={"help": "Seconds of a colocated night's lease on vLLM's sleep, renewed."},
+    )
+    # Rollback targets: the previous N adapters of the promotion stack stay on disk.
+    keep_adapters: int = field(
+        default=5,
+        metadata={
+            "help": "After each night, delete adapters beyond the served one, a canary, "
+            "and the previous N of the promotion stack (0: keep every adapter)."
+        },
+    )
     # Off by default: a night looks only at groups that changed since the last run's
     # selection (trainer/night/plan.py); a full look is for recovered logs or restored data.
     rescan: bool = field(
@@ -255,12 +312,23 @@ class TrainConfig:
             raise ConfigError("groups_per_step >= 1, micro_batch_tokens >= 16, min_group_size >= 2")
         if self.max_grad_norm <= 0:
             raise ConfigError("max_grad_norm must be positive")
+        if self.logit_chunk_tokens < 1:
+            raise ConfigError("logit_chunk_tokens must be at least 1")
+        if self.gradient_checkpointing not in _SWITCHES or self.attention not in _ATTENTION:
+            raise ConfigError(
+                f"gradient_checkpointing must be one of {', '.join(_SWITCHES)} and attention one "
+                f"of {', '.join(_ATTENTION)}"
+            )
         margins = (self.gate_margin_spread, self.gate_margin or 0.0)
         if self.gate not in GATE_MODES or min(margins) < 0 or self.gate_prompts < 1:
             raise ConfigError(
                 f"gate must be one of {', '.join(GATE_MODES)} (got {self.gate!r}), "
                 "gate_margin_spread and gate_margin >= 0, and gate_prompts >= 1"
             )
+        if self.colocate not in COLOCATE_MODES:
+            raise ConfigError(f"colocate must be auto, on or off, got {self.colocate!r}")
+        if self.maintenance_lease < 5 or self.keep_adapters < 0:
+            raise ConfigError("maintenance_lease must be at least 5 s and keep_adapters >= 0")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError("max_staleness must be at least 0 (0: on-policy records only)")
         if self.watch_min_rollouts < 2:

@@ -46,6 +46,17 @@ class VLLMConfig:
             "name": "vllm_dtype",
         },
     )
+    # On by default: a colocated night (one GPU serving by day, training by night) puts
+    # vLLM to sleep through these routes. They exist only with VLLM_SERVER_DEV_MODE=1,
+    # which also opens vLLM's other development routes on its own port (loopback here);
+    # clients never reach them through the proxy (proxy/forward/paths.py).
+    sleep_mode: bool = field(
+        default=True,
+        metadata={
+            "help": "Start vLLM with its sleep routes (--enable-sleep-mode on a GPU, "
+            "VLLM_SERVER_DEV_MODE=1), so that a colocated night can free the GPU."
+        },
+    )
     extra_args: tuple[str, ...] = field(
         default=(),
         metadata={

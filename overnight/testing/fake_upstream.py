@@ -27,7 +27,16 @@ import argparse
 
 from aiohttp import web
 
-from .fake_admin import health, load_lora, models, unload_lora
+from .fake_admin import (
+    health,
+    is_sleeping,
+    load_lora,
+    models,
+    refuse_while_asleep,
+    sleep,
+    unload_lora,
+    wake_up,
+)
 from .fake_apis import messages, responses
 from .fake_completions import completions
 from .fake_shapes import FINGERPRINT
@@ -42,7 +51,7 @@ def create_fake_upstream(
     delay: float = 0.0, tokens: int = 4, jitter: float = 0.0, scripted: bool = False
 ) -> web.Application:
     """`scripted`: chat completions answer as the scripted agent (tools, schemas)."""
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[refuse_while_asleep])
     app[RECEIVED] = []
     app[SETTINGS] = {
         "delay": delay,
@@ -54,6 +63,8 @@ def create_fake_upstream(
         # path -> an X-Fake behaviour for requests without the header (requests the
         # proxy makes itself, such as shadow samples, carry no client header)
         "behaviour_by_path": {},
+        "asleep": False,  # POST /sleep (vLLM's dev-mode route): generation refused
+        "sleeps": [],  # what the sleep routes were asked, in order ("sleep?level=1", ...)
     }
     app[STORED] = {}
     app.router.add_post("/v1/chat/completions", completions)
@@ -64,6 +75,9 @@ def create_fake_upstream(
     app.router.add_post("/v1/load_lora_adapter", load_lora)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora)
     app.router.add_get("/health", health)
+    app.router.add_post("/sleep", sleep)
+    app.router.add_post("/wake_up", wake_up)
+    app.router.add_get("/is_sleeping", is_sleeping)
     return app
 
 

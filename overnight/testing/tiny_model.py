@@ -268,10 +268,12 @@ def serve_tiny(
     port: int | None = None,
     log_level: str = "WARNING",
     max_model_len: int = 4096,
+    extra: tuple[str, ...] = (),
 ) -> Spawned:
     """`overnight serve --model` for the tiny model (vLLM on CPU), started and healthy.
 
-    Stop it with `.stop()` (SIGTERM: it commits its log and stops vLLM). Used by the
+    `extra`: more flags of `overnight serve`. Stop it with `.stop()` (SIGTERM: it commits
+    its log and stops vLLM). Used by the
     demo, the benchmarks and a test, which all need the same float32 server; vLLM's
     output goes to DATA_DIR/logs/vllm.log, the proxy's to DATA_DIR/logs/serve.log.
     """
@@ -287,6 +289,7 @@ def serve_tiny(
         data_dir,
         *("--model", str(model_dir), "--served-model-name", "tiny", "--max-lora-rank", "8"),
         *("--vllm-arg=--dtype=float32", f"--vllm-arg=--max-model-len={max_model_len}"),
+        *extra,
         port=port,
         log_level=log_level,
         env=env,

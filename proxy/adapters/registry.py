@@ -45,8 +45,9 @@ import contextlib
 import logging
 
 from overnight.proxy.forward.balancer import Replica
+from overnight.storage.location import segment_store
 
-from . import promotions
+from . import promotions, retention
 from .bucket_state import StateUnreachable
 from .lora_client import AdapterError
 from .promotions import Adapter
@@ -124,6 +125,24 @@ class AdapterRegistry(Serving):
             )
             return now
 
+    async def prune(self, keep: int, dry_run: bool) -> retention.Pruned:
+        """Delete the adapters neither served, a canary, one of the previous `keep` of the
+        stack, nor loaded anywhere (retention.py); with `dry_run`, only say which. Under
+        the promotion locks: no promotion picks an adapter while it goes."""
+        async with self._lock, self.shared.locked():
+            self._adopt(await self._io(self.shared.read))
+            state = await self._io(self.shared.read)
+            loaded = {n for r in self.balancer.replicas for n in r.served}
+            loaded |= set(self.in_flight) | {
+                n for names in self.flight.marks.elsewhere().values() for n in names
+            }
+            data_dir = self.state_path.parent
+            store = segment_store(data_dir)
+            pruned = await asyncio.to_thread(retention.plan, data_dir, store, state, keep, loaded)
+            if not dry_run:
+                await asyncio.to_thread(retention.delete, data_dir, store, pruned)
+            return pruned
+
     # -- following: the other proxies, the replicas -----------------------------------
 
     async def restore(self) -> None:
@@ -188,7 +207,9 @@ class AdapterRegistry(Serving):
     async def _check_replicas(self) -> None:
         """Health and served models of every replica; a replica is live only once it
         serves the current adapter (set here, before it can take traffic)."""
-        for served in await check_replicas(self.lora, self.balancer.replicas):
+        # A replica asleep for a colocated night answers, but is not to be touched.
+        awake = [r for r in self.balancer.replicas if not r.asleep]
+        for served in await check_replicas(self.lora, awake):
             self.base_model, self.base_model_path = base_model_of(
                 served, self.base_model, self.base_model_path
             )
@@ -199,7 +220,7 @@ class AdapterRegistry(Serving):
         (call under `_lock`, after `_check_replicas`). When none has the current adapter
         (vLLM restarted) and `restore`, load it under a new name and write that down: True."""
         current = self.current
-        healthy = [r for r in self.balancer.replicas if r.healthy]
+        healthy = [r for r in self.balancer.replicas if r.healthy and not r.asleep]
         if not healthy:
             return False
         if restore and current is not None and not any(current.name in r.served for r in healthy):

@@ -47,6 +47,7 @@ class Serving:
         follow_interval: float = 1.0,
     ):
         self.alias = alias
+        self.state_path = Path(state_path)
         self.shared = open_state(state_path)
         self.files = AdapterFiles.of(self.shared)  # where replicas load an adapter from
         self.balancer = balancer
@@ -245,7 +246,7 @@ class Serving:
         # a proxy cannot know every name a vLLM it did not start has seen.
         name = f"{self.alias}-v{version}-{secrets.token_hex(3)}"
         replicas = self.balancer.replicas
-        targets = targets or [r for r in replicas if r.healthy] or list(replicas)
+        targets = targets or [r for r in replicas if r.healthy and not r.asleep] or list(replicas)
         await loading.load_on_all(self.lora, targets, name, load, path)
         now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
         adapter = Adapter(name, version, path, now, reason, source)

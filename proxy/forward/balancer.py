@@ -32,7 +32,7 @@ log = logging.getLogger("overnight.proxy")
 class Replica:
     """One vLLM server: its connection pool and what the proxy knows of it."""
 
-    __slots__ = ("url", "pool", "outstanding", "healthy", "synced", "served", "_salt")
+    __slots__ = ("url", "pool", "outstanding", "healthy", "synced", "asleep", "served", "_salt")
 
     def __init__(self, url: str, connect_timeout: float, keepalive_timeout: float):
         self.url = url
@@ -40,12 +40,13 @@ class Replica:
         self.outstanding = 0  # requests sent and not yet released
         self.healthy = True  # its last health check passed (assumed until the first)
         self.synced = True  # it serves the promoted adapter (or none is promoted)
+        self.asleep = False  # put to sleep for a colocated night (adapters/maintenance.py)
         self.served: set[str] = set()  # model names it listed at its last check
         self._salt = url.encode() + b"\0"
 
     @property
     def live(self) -> bool:
-        return self.healthy and self.synced
+        return self.healthy and self.synced and not self.asleep
 
     def score(self, key: bytes) -> bytes:
         return hashlib.blake2b(self._salt + key, digest_size=8).digest()
@@ -55,6 +56,7 @@ class Replica:
             "url": self.url,
             "healthy": self.healthy,
             "synced": self.synced,
+            "asleep": self.asleep,
             "outstanding": self.outstanding,
         }
 

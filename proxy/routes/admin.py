@@ -6,6 +6,8 @@ Access (the admin token, else loopback only) is checked by the app's middleware
 
 from __future__ import annotations
 
+import socket
+
 from aiohttp import web
 
 from overnight.errors import OvernightError
@@ -13,11 +15,18 @@ from overnight.proxy.capture.redact import REDACTOR
 from overnight.proxy.capture.uncaptured import UNCAPTURED
 from overnight.proxy.forward.jsonio import read_json_object
 from overnight.proxy.shadow.sampler import SHADOW
-from overnight.proxy.state import ADAPTERS, STATS, WRITER
+from overnight.proxy.state import ADAPTERS, CONFIG, MAINTENANCE, STATS, WRITER
 
 
 async def adapters(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ADAPTERS].describe())
+    config = request.app[CONFIG]
+    # Where the night may colocate: vLLM launched here, with its sleep routes.
+    colocation = {
+        "launched_vllm": config.launched_vllm,
+        "vllm_sleeps": config.vllm_sleeps,
+        "host": socket.gethostname(),
+    }
+    return web.json_response({**request.app[ADAPTERS].describe(), "colocation": colocation})
 
 
 async def promote(request: web.Request) -> web.Response:
@@ -26,6 +35,7 @@ async def promote(request: web.Request) -> web.Response:
     is kept with the event."""
     body = await read_json_object(request)
     _expect(body, {"path": "string", "canary": "number", "reason": "string"}, ("path",))
+    _awake(request)
     registry = request.app[ADAPTERS]
     canary = body.get("canary")
     adapter = await registry.promote(
@@ -39,9 +49,33 @@ async def rollback(request: web.Request) -> web.Response:
     optional "reason" (the watch's numbers, `overnight rollback --reason`) is kept."""
     body = await read_json_object(request) if await request.read() else {}
     _expect(body, {"reason": "string", "canary": "boolean"})
+    _awake(request)
     registry = request.app[ADAPTERS]
     await registry.rollback(body.get("reason", ""), canary=body.get("canary", False))
     return web.json_response(registry.describe())
+
+
+def _awake(request: web.Request) -> None:
+    """Adapters change only while vLLM is awake: a night promotes once it ended its window."""
+    window = request.app[MAINTENANCE].window
+    if window is not None:
+        raise OvernightError(
+            f"vLLM is asleep for {window.holder}'s maintenance window; promote after it ends",
+            status=409,
+            code="maintenance",
+        )
+
+
+async def prune(request: web.Request) -> web.Response:
+    """{"keep": N, "dry_run": true}: the adapters no longer needed (adapters/retention.py),
+    deleted unless `dry_run`."""
+    body = await read_json_object(request) if await request.read() else {}
+    _expect(body, {"keep": "number", "dry_run": "boolean"})
+    keep = body.get("keep", 5)
+    if keep != int(keep) or keep < 0:
+        raise OvernightError("keep must be a whole number >= 0", status=400)
+    pruned = await request.app[ADAPTERS].prune(int(keep), body.get("dry_run", True))
+    return web.json_response(pruned.as_dict())
 
 
 _KINDS = {

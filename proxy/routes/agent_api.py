@@ -18,6 +18,8 @@ import logging
 from aiohttp import web
 
 from overnight.errors import OvernightError
+from overnight.proxy.adapters.maintenance import Unavailable
+from overnight.proxy.capture.additions import Additions, add_training_fields
 from overnight.proxy.capture.apis import (
     ResponsesAdditions,
     add_responses_fields,
@@ -25,7 +27,7 @@ from overnight.proxy.capture.apis import (
     refused_additions,
 )
 from overnight.proxy.capture.attribution import Attribution, attribute, logging_enabled
-from overnight.proxy.capture.chat import CHAT, TEXT, Additions, add_training_fields
+from overnight.proxy.capture.chat import CHAT, TEXT, Accumulator
 from overnight.proxy.capture.conversation import (
     CHAINS,
     MESSAGES,
@@ -38,7 +40,7 @@ from overnight.proxy.capture.redact import REDACTOR
 from overnight.proxy.capture.state import Capture
 from overnight.proxy.forward.jsonio import read_json_object
 from overnight.proxy.shadow.sampler import SHADOW
-from overnight.proxy.state import ADAPTERS, STATS, TURNS, WRITER
+from overnight.proxy.state import ADAPTERS, MAINTENANCE, STATS, TURNS, WRITER
 from overnight.storage import now_us
 
 from .relay import CLIENT_LEFT_EARLY, forward, passthrough
@@ -112,6 +114,9 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         added: Additions | ResponsesAdditions
         if endpoint in (CHAT, TEXT):
             added = add_training_fields(upstream_body, endpoint)
+            if added.echo or added.note:  # the prompt's logprobs come first; or no ids
+                capture.acc = Accumulator(endpoint, echo=added.echo, as_ids=added.as_ids)
+                capture.acc.note = added.note
         else:  # recorded in the chat shape (docs/wire.md)
             # Responses: vLLM's token ids and logprobs, asked for and hidden again;
             # Messages: nothing to ask for, relayed verbatim.
@@ -122,7 +127,13 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             capture.acc = api_accumulator(endpoint, hidden)
             capture.request_body = await _as_chat(app, endpoint, body)
         affinity = who.rollout_id or who.group_id  # every turn of a rollout on one replica
-        return await forward(request, endpoint, upstream_body, added, capture, affinity)
+        # Held while vLLM sleeps for a colocated night (adapters/maintenance.py).
+        async with app[MAINTENANCE].serving():
+            return await forward(request, endpoint, upstream_body, added, capture, affinity)
+    except Unavailable as e:  # the hold ran out: the client is told when to retry
+        capture.status, capture.error = e.status, f"maintenance: {e}"
+        capture.done()
+        raise
     except (OvernightError, web.HTTPException):
         raise
     except asyncio.CancelledError:  # aiohttp cancels a handler whose client left

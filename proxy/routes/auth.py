@@ -238,7 +238,9 @@ def _is_json_type(content_type: str) -> bool:
 
 
 def error_response(exc: OvernightError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    retry_after = getattr(exc, "retry_after", None)  # a 503 during maintenance, say
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
 def make_guard(config: ProxyConfig):

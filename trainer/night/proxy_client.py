@@ -82,3 +82,18 @@ def local_adapter(data_dir: Path, adapter: str | None) -> str | None:
     if adapter is None or data_url(adapter) is None:
         return adapter
     return str(adapter_sync.fetch(segment_store(data_dir), adapter))
+
+
+def prune_adapters(proxy_url: str, token: str | None, keep: int, say=print) -> dict | None:
+    """After a night: the proxy deletes adapters beyond the served one, a canary and the
+    previous `keep` (proxy/adapters/retention.py). A failure is said, never fatal."""
+    try:
+        pruned = admin_call(proxy_url, "/admin/adapters/prune", token,
+                            {"keep": keep, "dry_run": False})  # fmt: skip
+    except ProxyError as e:
+        say(f"warning: adapters not pruned: {e}")
+        return None
+    if pruned["deleted"]:
+        say(f"adapters: deleted {len(pruned['deleted'])} ({pruned['bytes'] / 1e6:.1f} MB), "
+            f"kept {len(pruned['kept'])} (--keep-adapters {keep})")  # fmt: skip
+    return pruned

@@ -20,6 +20,7 @@ from overnight.trainer.grpo.step import Gap, behaviour_pass, fresh_adapter, opti
 from overnight.trainer.night.plan import Plan
 
 from .checkpoint import kill_point, load_checkpoint, save_adapter, save_checkpoint
+from .memory import check_fits
 
 
 class TrainError(OvernightError):
@@ -43,16 +44,24 @@ def run_training(
     """
     import torch
 
+    from overnight.trainer.grpo.checkpointing import memory_settings
     from overnight.trainer.grpo.loss import LossConfig
+    from overnight.trainer.grpo.policy import torch_dtype
 
     torch.manual_seed(config.seed)  # before the fresh adapter's initialisation
     parallel = Parallel.start(fsdp=config.fsdp)
+    # Nothing loaded yet: a night that cannot fit stops now, saying what to change.
+    shards = parallel.world if parallel.fsdp else 1
+    itemsize = torch_dtype(config.dtype).itemsize
+    check_fits(base_model, config, str(parallel.device), itemsize, say, shards=shards)
     model, optimizer, state = _start_policy(
         config, base_model, start_adapter, checkpoint, parallel, say
     )
     loss_config = LossConfig.from_train_config(config)
     # Before any update: what the first step's ratios are, by the records' age.
-    samples, first = behaviour_pass(model, plan.samples, config.micro_batch_tokens)
+    samples, first = behaviour_pass(
+        model, plan.samples, config.micro_batch_tokens, config.logit_chunk_tokens
+    )
     gaps = state.get("gaps", {}) if state else gaps_by_age(samples, first)
     steps: list[dict] = list(state["steps"]) if state else []
     done_steps = len(steps)
@@ -86,6 +95,7 @@ def run_training(
     save_adapter(out_dir, parallel, model)
     return {
         "steps": steps,
+        "memory_settings": memory_settings(model, config),  # checkpointing, chunks, attention
         "max_logprob_gap": on_policy_gap(gaps),
         "logprob_gaps": gaps,
         "seconds": time.perf_counter() - started,
@@ -143,6 +153,12 @@ def _start_policy(
     """(model on this process's device, its optimizer, the checkpoint's state or None)."""
     import torch
 
+    from overnight.trainer.grpo.checkpointing import (
+        enable_gradient_checkpointing,
+        memory_line,
+        memory_settings,
+        wants_checkpointing,
+    )
     from overnight.trainer.grpo.policy import load_policy, torch_dtype
 
     state = load_checkpoint(checkpoint)
@@ -153,12 +169,23 @@ def _start_policy(
                 f"the checkpoint in {checkpoint} was written {'with' if state['fsdp'] else 'without'}"
                 " FSDP: resume the same way (or delete it to start the run over)"
             )
-        model = load_policy(base_model, checkpoint / "adapter", trainable=True, dtype=dtype)
+        model = load_policy(
+            base_model,
+            checkpoint / "adapter",
+            trainable=True,
+            dtype=dtype,
+            attention=config.attention,
+        )
         say(f"resuming after step {len(state['steps'])} from {checkpoint}")
     else:
-        model = load_policy(base_model, start_adapter, trainable=True, dtype=dtype)
+        model = load_policy(
+            base_model, start_adapter, trainable=True, dtype=dtype, attention=config.attention
+        )
         if start_adapter is None:
             model = fresh_adapter(model, config)
+    if wants_checkpointing(model, config.gradient_checkpointing):
+        enable_gradient_checkpointing(model)
+    say(memory_line(memory_settings(model, config)))
     model = parallel.prepare(model)
     if parallel.world > 1:
         kind = "FSDP" if parallel.fsdp else "data parallel"

@@ -71,6 +71,7 @@ def record_run(
                     "skipped": dict(plan.skipped),
                     "staleness": plan.staleness,  # groups by how many promotions old
                     "logprob_gaps": metrics.get("logprob_gaps"),  # by age, before any update
+                    "maintenance": metrics.get("maintenance"),  # vLLM asleep: how long
                     "seconds": metrics.get("seconds"),
                     "gate": result.gate.as_dict() if result.gate else None,
                     "selection": plan.selection,  # where the next night's selection starts

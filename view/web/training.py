@@ -84,7 +84,8 @@ async def runs_page(request: web.Request) -> web.Response:
             "SELECT run_id, started_at, status, len(groups), rollouts, steps, trained_tokens, "
             "reward_mean, promoted_as, max_logprob_gap, error, "
             "json_extract_string(metrics, '$.gate.verdict'), "
-            "json_extract_string(metrics, '$.gate.reason') FROM training_runs "
+            "json_extract_string(metrics, '$.gate.reason'), "
+            "CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE) FROM training_runs "
             "ORDER BY started_at DESC"
         ).fetchall()
         return runs, training_charts(con)
@@ -104,6 +105,7 @@ async def runs_page(request: web.Request) -> web.Response:
             "logprob gap",
             "error",
             "gate",
+            "vLLM asleep (s)",
         ],
         [
             [
@@ -115,9 +117,10 @@ async def runs_page(request: web.Request) -> web.Response:
                 f"{r[9]:.1e}" if r[9] is not None else "-",
                 esc(r[10] or ""),
                 f'<span title="{esc(r[12] or "")}">{esc(r[11] or "-")}</span>',
+                num(r[13]) if r[13] is not None else "-",  # a colocated night's window
             ]
             for r in runs
         ],
-        numeric={3, 4, 5, 6, 7, 9},
+        numeric={3, 4, 5, 6, 7, 9, 12},
     )
     return html_page(request, "Training runs", "".join(charts) + table)

@@ -1,0 +1,69 @@
+"""The memory check before a night loads its model: the estimate's parts, a refusal that
+names the numbers and what to change, and a pass on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from overnight.config import TrainConfig
+from overnight.trainer.run import memory
+from overnight.trainer.run.memory import GIB, WontFit, check_fits, estimate
+
+# Qwen2.5-0.5B's shapes (config only: nothing is built).
+QWEN_05B = dict(vocab_size=151_936, hidden_size=896, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                tie_word_embeddings=True)  # fmt: skip
+
+
+def qwen_config(**shape):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**QWEN_05B, **shape})
+
+
+def test_the_estimate_counts_weights_lora_activations_and_logits():
+    # Logits unchunked (one chunk of the whole micro-batch), as measured.
+    config = TrainConfig(micro_batch_tokens=4096, lora_rank=16, logit_chunk_tokens=4096)
+    need = estimate(qwen_config(), config, bytes_per_value=4)
+    # 0.49 B parameters (tied embeddings), float32.
+    assert need.weights / 4 == pytest.approx(494e6, rel=0.02)
+    # Logits: measured 10.3 GB at 4,096 trained tokens of this vocabulary (BENCHMARKS.md).
+    assert need.logits == pytest.approx(10.3e9, rel=0.05)
+    assert 0 < need.lora < 0.2 * GIB and need.activations > 0  # 8.8 M LoRA parameters x 16 B
+    bf16 = estimate(qwen_config(), config, bytes_per_value=2)
+    assert bf16.weights == need.weights // 2 and bf16.logits == need.logits  # float32 logits
+    halved = estimate(qwen_config(), TrainConfig(micro_batch_tokens=2048, lora_rank=16), 4)
+    assert halved.activations < need.activations
+    # Chunked (the default 1,024 trained tokens at a time): a quarter, whatever the batch.
+    assert halved.logits == need.logits // 4
+    assert estimate(qwen_config(), TrainConfig(micro_batch_tokens=16384), 4).logits == halved.logits
+    # auto checkpointing (0.5 B parameters: on) keeps less than off.
+    off = TrainConfig(micro_batch_tokens=2048, lora_rank=16, gradient_checkpointing="off")
+    assert estimate(qwen_config(), off, 4).activations > 4 * halved.activations
+    sharded = estimate(qwen_config(), config, bytes_per_value=4, shards=4)
+    assert sharded.weights == pytest.approx(need.weights / 4)
+
+
+def test_a_night_that_cannot_fit_stops_before_loading_and_says_what_to_change(
+    tiny_model_dir, monkeypatch
+):
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
+                        lambda *a, **k: loaded.append(a))  # fmt: skip
+    said: list[str] = []
+    config = TrainConfig(micro_batch_tokens=8192)
+    with pytest.raises(WontFit) as refused:
+        check_fits(str(tiny_model_dir), config, "cuda:0", 2, said.append, free=64 * 2**20)
+    message = str(refused.value)
+    assert "needs about" in message and "0.1 GiB is free" in message
+    for option in ("--micro-batch-tokens (now 8192", "--gradient-checkpointing", "--colocate on",
+                   "--fsdp"):  # fmt: skip
+        assert option in message, message
+    assert loaded == [], "nothing was loaded"
+    assert said[0].startswith("memory: about") and "cuda:0" in said[0]
+
+
+def test_the_tiny_model_fits_on_this_machine(tiny_model_dir):
+    said: list[str] = []
+    need = check_fits(str(tiny_model_dir), TrainConfig(), "cpu", 4, said.append)
+    assert need.total < memory.free_memory("cpu") and "GiB free" in said[0]

@@ -1,0 +1,132 @@
+"""Will the night fit? The peak memory of training, estimated before anything is loaded.
+
+A night that runs out of memory an hour in has thrown the day's traffic away; one that
+is told at once what does not fit can be fixed. From the model's config alone (no
+weights read) the estimate adds:
+
+  weights           every base parameter, in the training dtype
+  LoRA + optimizer  the adapter's parameters in float32, with their gradients and
+                    AdamW's two moments (4 copies)
+  activations       per token of a micro-batch and per layer: what the backward keeps
+                    (about 16 hidden + 2 intermediate values; one hidden value with
+                    gradient checkpointing, plus one layer's whole)
+  logits            per trained token of a chunk (--logit-chunk-tokens): the
+                    vocabulary's logits in float32 about four times over (logits, their
+                    processing, softmax, the backward); measured on the CPU at 151,936
+                    tokens: 2.5 MB per trained token (BENCHMARKS.md)
+
+and compares it with what the device has free (`torch.cuda.mem_get_info` on a GPU,
+MemAvailable on a CPU), leaving a tenth spare. The gate samples afterwards with a model
+of its own, the training one released, so its copy is a peak of its own, not added.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from overnight.config import TrainConfig
+from overnight.errors import OvernightError
+from overnight.trainer.grpo.checkpointing import CHECKPOINTING_FROM
+
+GIB = 1024**3
+SPARE = 0.10  # of the free memory: allocator fragmentation, CUDA context, the unforeseen
+LOGIT_COPIES = 4  # float32 logits held at once per trained token (measured: see above)
+
+
+class WontFit(OvernightError):
+    code = "wont_fit"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    weights: int
+    lora: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.lora + self.activations + self.logits
+
+    def parts(self) -> str:
+        return (f"weights {self.weights / GIB:.1f} GiB, LoRA and optimizer {self.lora / GIB:.2f} "
+                f"GiB, activations {self.activations / GIB:.1f} GiB, logits "
+                f"{self.logits / GIB:.1f} GiB")  # fmt: skip
+
+
+def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: int = 1) -> Estimate:
+    """The training peak for a transformers config of a decoder (Qwen2, Llama, Mistral);
+    with FSDP the weights are split over `shards` devices."""
+    h, layers = model_config.hidden_size, model_config.num_hidden_layers
+    inter = getattr(model_config, "intermediate_size", 4 * h)
+    vocab = model_config.vocab_size
+    heads = model_config.num_attention_heads
+    kv = getattr(model_config, "num_key_value_heads", heads) or heads
+    head_dim = getattr(model_config, "head_dim", None) or h // heads
+    shapes = {  # (in, out) of each linear layer a LoRA may target, per decoder layer
+        "q_proj": (h, heads * head_dim),
+        "k_proj": (h, kv * head_dim),
+        "v_proj": (h, kv * head_dim),
+        "o_proj": (heads * head_dim, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+    per_layer = sum(i * o for i, o in shapes.values()) + 2 * h
+    embeddings = vocab * h * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
+    weights = (layers * per_layer + embeddings + h) * bytes_per_value / shards
+    adapted = [shapes[m] for m in config.target_modules if m in shapes]
+    lora = layers * sum(config.lora_rank * (i + o) for i, o in adapted) * 4 * 4
+    tokens = config.micro_batch_tokens
+    # auto: on from CHECKPOINTING_FROM parameters (trainer/grpo/checkpointing.py).
+    mode = config.gradient_checkpointing
+    params = layers * per_layer + embeddings
+    checkpointed = mode == "on" or (mode == "auto" and params >= CHECKPOINTING_FROM)
+    per_token = h if checkpointed else 16 * h + 2 * inter
+    activations = tokens * (layers * per_token + (16 * h + 2 * inter)) * bytes_per_value
+    logits = min(config.logit_chunk_tokens, tokens) * vocab * 4 * LOGIT_COPIES
+    return Estimate(int(weights), int(lora), int(activations), int(logits))
+
+
+def free_memory(device: str) -> int:
+    """Bytes the device can still give: the GPU's free memory, or MemAvailable."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(base_model: str, config: TrainConfig, device: str, bytes_per_value: int,
+               say=print, free: int | None = None, shards: int = 1) -> Estimate:  # fmt: skip
+    """Refuse, before loading anything, a night whose peak cannot fit; say the figures."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(base_model)
+    need = estimate(model_config, config, bytes_per_value, shards)
+    free = free_memory(device) if free is None else free
+    usable = int(free * (1 - SPARE))
+    say(f"memory: about {need.total / GIB:.1f} GiB needed on {device} ({need.parts()}), "
+        f"{free / GIB:.1f} GiB free")  # fmt: skip
+    if need.total > usable:
+        tokens = config.micro_batch_tokens
+        smaller = max(16, 2 ** int(math.log2(max(tokens * usable / need.total, 16))))
+        raise WontFit(
+            f"the night needs about {need.total / GIB:.1f} GiB on {device} ({need.parts()}) "
+            f"and {free / GIB:.1f} GiB is free ({usable / GIB:.1f} usable): it stops before "
+            f"loading anything. Lower --micro-batch-tokens (now {tokens}; the activations and "
+            f"logits scale with it, try {smaller}), --logit-chunk-tokens, turn --gradient-checkpointing on, colocate "
+            "with the vLLM that holds the GPU (--colocate on: it sleeps while the night trains), "
+            "or shard the model over several GPUs (torchrun with --fsdp)",
+            status=507,
+        )
+    return need
