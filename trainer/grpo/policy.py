@@ -6,14 +6,16 @@ mask, so no token attends across sequences, and only row ends are padded.
 
 The rollouts of a group share their prompt. With `share_prompts`, a row holds that
 prompt once, followed by each rollout's remaining tokens; position ids continue from
-the prompt's end in every branch, and an explicit mask lets each branch see the prompt
-and itself only, so every logprob is the one the sequence would get alone. Such a
-mask needs an attention kernel that takes one (sdpa, eager); with flash attention,
-prompts are repeated instead.
+the prompt's end in every branch, and a mask lets each branch see the prompt and
+itself only, so every logprob is the one the sequence would get alone. Which mask,
+and when sharing pays at all, is attention.py's: a flex-attention block mask, an
+explicit one (sdpa, eager) where it costs less than repeating the prompt, or the
+prompt repeated (any other kernel). Long rows are forwarded one at a time.
 
-The vocabulary projection is applied only where a sampled token is predicted: context
-positions (system, user, tool output) never materialise their logits, which for a
-real vocabulary are most of the memory of a step.
+The vocabulary projection is applied only where a sampled token is predicted, a
+chunk of tokens at a time (head.py): context positions (system, user, tool output)
+never materialise their logits, and the trained ones only a chunk's at once.
+Gradient checkpointing is checkpointing.py's.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ from pathlib import Path
 
 import torch
 
+from overnight.config import TrainConfig
+
+from .attention import explicit_mask, flex_mask, kernel, row_passes
 from .data import Sample
-from .sampling import NEUTRAL, SamplingParams, processed_logprobs, sampling_tensors
+from .head import chunked_logprobs
+from .sampling import NEUTRAL, SamplingParams, sampling_tensors
 
 # A shared prompt shorter than this is repeated: the mask costs more than it saves.
 MIN_SHARED_PROMPT = 8
+LOGIT_CHUNK_TOKENS = TrainConfig.logit_chunk_tokens
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -45,12 +52,15 @@ def load_policy(
     *,
     trainable: bool = False,
     dtype: torch.dtype = torch.float32,
+    attention: str = "auto",
 ):
-    """The base model, with `adapter` (a peft directory) applied if given."""
+    """The base model, with `adapter` (a peft directory) applied if given; `attention`:
+    TrainConfig.attention (auto: transformers' default, sdpa)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    options = {} if attention == "auto" else {"attn_implementation": attention}
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, **options)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
     return model
@@ -60,11 +70,6 @@ def _parts(model):
     """(decoder stack, output projection) of a causal LM, peft-wrapped or not."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return inner.model, inner.get_output_embeddings()
-
-
-def takes_custom_mask(model) -> bool:
-    """Whether the model's attention kernel accepts an arbitrary (B, 1, L, L) mask."""
-    return getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
 
 
 @dataclass
@@ -86,12 +91,13 @@ def _common_prefix(sequences: list[list[int]]) -> int:
     return shortest
 
 
-def _units(samples: list[Sample], capacity: int, share_prompts: bool) -> list[_Unit]:
+def _units(samples: list[Sample], capacity: int | None, share_prompts: bool) -> list[_Unit]:
     """Each sample alone, or (sharing) the samples of a group under their common prompt.
 
     A group's branches are split into as many units as keep each within `capacity`
-    (the longest sample), so rows stay as short as without sharing: attention costs
-    the square of a row's length.
+    (the longest sample), so rows stay as short as without sharing: attention under an
+    explicit mask costs the square of a row's length. None (flex attention, whose block
+    mask skips what nobody attends to): a group's branches stay in one unit.
     """
     if not share_prompts:
         return [_Unit(0, [i]) for i in range(len(samples))]
@@ -111,7 +117,7 @@ def _units(samples: list[Sample], capacity: int, share_prompts: bool) -> list[_U
         parts: list[list[int]] = [[]]
         for i in members:
             size = prefix + sum(len(samples[m].tokens) - prefix for m in parts[-1] + [i])
-            if parts[-1] and size > capacity:
+            if parts[-1] and capacity is not None and size > capacity:
                 parts.append([])
             parts[-1].append(i)
         units += [_Unit(prefix, part) if len(part) > 1 else _Unit(0, part) for part in parts]
@@ -119,7 +125,7 @@ def _units(samples: list[Sample], capacity: int, share_prompts: bool) -> list[_U
 
 
 def pack(
-    samples: list[Sample], row_tokens: int = 0, share_prompts: bool = False
+    samples: list[Sample], row_tokens: int = 0, share_prompts: bool = False, attention: str = "sdpa"
 ) -> dict[str, torch.Tensor]:
     """Samples packed into rows of `row_tokens` (at least the longest sample): (B, L).
 
@@ -127,15 +133,31 @@ def pack(
     square of a row's length, so one long row of everything would cost far more than
     padding; rows about as long as the longest sequence keep both attention and padding
     small. Units are placed first-fit, largest first; padding goes at row ends, as a
-    block of its own that nothing attends to and nothing is trained on.
+    block of its own that nothing attends to and nothing is trained on. `attention`
+    (the model's kernel) decides the shared prompts' mask: sdpa and eager get an
+    explicit one here; flex attention gets its block mask from `block` and `parent`
+    where the model runs (`trained_logprobs`).
     """
     capacity = max(row_tokens, max(len(s.tokens) for s in samples))
-    units = _units(samples, capacity, share_prompts)
+    flex = attention == "flex_attention"
+    units = _units(samples, None if flex else capacity, share_prompts)
     rows = _first_fit(units, samples, capacity)
     layout = _Layout(samples, len(rows), max(sum(u.size(samples) for u in row) for row in rows))
     for r, row in enumerate(rows):
         layout.fill_row(r, row)
-    return layout.batch(masked=any(u.prefix for u in units))
+    shared = any(u.prefix for u in units)
+    return layout.batch(shared=shared, explicit=shared and not flex)
+
+
+def row_shapes(
+    samples: list[Sample], share_prompts: bool, row_tokens: int = 0
+) -> list[tuple[int, int, bool]]:
+    """The rows `pack` would make, as (tokens, sequences, under a shared-prompt mask)."""
+    capacity = max(row_tokens, max(len(s.tokens) for s in samples))
+    rows = _first_fit(_units(samples, capacity, share_prompts), samples, capacity)
+    return [
+        (sum(u.size(samples) for u in row), len(row), any(u.prefix for u in row)) for row in rows
+    ]
 
 
 def _first_fit(units: list[_Unit], samples: list[Sample], capacity: int) -> list[list[_Unit]]:
@@ -166,6 +188,7 @@ class _Layout:
         self.block = torch.zeros(rows, width, dtype=torch.long)
         self.parent = torch.full((rows, width), -1, dtype=torch.long)
         self.blocks = 0
+        self.lengths = [0] * rows  # tokens before each row's padding
         # (sample, token position, flat index, flat index of its predictor, logprob,
         # how the token was sampled)
         self.entries: list[tuple[int, int, int, int, float, SamplingParams]] = []
@@ -184,6 +207,7 @@ class _Layout:
             col += unit.prefix
             for i in unit.members:
                 col = self._branch(r, col, i, unit.prefix, prompt_col, prompt_block)
+        self.lengths[r] = col
         self.positions[r, col:] = torch.arange(self.width - col)  # padding: its own block
         self.block[r, col:] = self.blocks
         self.blocks += 1
@@ -216,12 +240,13 @@ class _Layout:
                 self.entries.append((i, j, flat, before, lp, params))
         return col + n
 
-    def batch(self, masked: bool) -> dict[str, torch.Tensor]:
+    def batch(self, shared: bool, explicit: bool) -> dict[str, torch.Tensor]:
         # Trained tokens in sample order, whatever the row (the first two fields are unique).
         entries = sorted(self.entries, key=lambda e: e[:2])
         batch = {
             "input_ids": self.ids,  # (B, L)
             "position_ids": self.positions,  # (B, L)
+            "row_lengths": torch.tensor(self.lengths, dtype=torch.long),  # (B,) before padding
             "trained_index": torch.tensor([e[2] for e in entries], dtype=torch.long),  # (N,) flat
             "predictor_index": torch.tensor([e[3] for e in entries], dtype=torch.long),  # (N,)
             "behaviour_logprobs": torch.tensor([e[4] for e in entries]),  # (N,)
@@ -230,33 +255,59 @@ class _Layout:
             ),  # (N,) sample
             **sampling_tensors([e[5] for e in entries]),  # (N,) each: temperature, top_k, ...
         }
-        if masked:
-            block, parent = self.block, self.parent
-            causal = torch.ones(self.width, self.width, dtype=torch.bool).tril()  # (L, L)
-            same = block[:, :, None] == block[:, None, :]  # (B, L, L): query, key
-            into_prompt = parent[:, :, None] == block[:, None, :]
-            batch["attention_mask"] = ((same & causal) | into_prompt)[:, None]  # (B, 1, L, L)
+        if shared:
+            batch["block"], batch["parent"] = self.block, self.parent  # (B, L) each
+        if explicit:
+            batch["attention_mask"] = explicit_mask(self.block, self.parent)  # (B, 1, L, L)
         return batch
 
 
-def trained_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def trained_logprobs(
+    model, batch: dict[str, torch.Tensor], chunk: int = LOGIT_CHUNK_TOKENS
+) -> torch.Tensor:
     """Logprob under `model` of each trained token of a packed batch: (N,), in the
-    distribution it was sampled from (temperature, top-k, top-p: trainer/grpo/sampling.py)."""
+    distribution it was sampled from (temperature, top-k, top-p: trainer/grpo/sampling.py),
+    the vocabulary projected `chunk` tokens at a time."""
     decoder, head = _parts(model)
+    hidden = _predictor_states(model, decoder, batch)  # (N, H)
+    targets = batch["input_ids"].reshape(-1)[batch["trained_index"]]  # (N,)
+    params = tuple(batch[k] for k in ("temperature", "top_k", "top_p", "min_p"))
+    return chunked_logprobs(head, hidden, targets, params, chunk)
+
+
+def _predictor_states(model, decoder, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The last hidden state at each trained token's predictor (N, H), over the row
+    passes attention.py lays out (one, or a long row at a time)."""
+    ids, positions = batch["input_ids"], batch["position_ids"]
+    width = ids.shape[1]
+    flex = kernel(model) == "flex_attention"
     mask = batch.get("attention_mask")
-    if mask is not None and model.config._attn_implementation == "eager":
+    if flex and "block" in batch:
+        mask = flex_mask(batch["block"], batch["parent"])
+    if mask is not None and kernel(model) == "eager":
         # eager adds the mask to the scores; sdpa takes booleans.
         dtype = next(model.parameters()).dtype
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-    hidden = decoder(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        attention_mask=mask,
-        use_cache=False,
-    ).last_hidden_state  # (B, L, H)
-    hidden = hidden.reshape(-1, hidden.shape[-1])  # (B * L, H)
-    logits = head(hidden[batch["predictor_index"]]).float()  # (N, V)
-    targets = batch["input_ids"].reshape(-1)[batch["trained_index"]]  # (N,)
-    return processed_logprobs(
-        logits, targets, batch["temperature"], batch["top_k"], batch["top_p"], batch["min_p"]
-    )
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
+    index = batch["predictor_index"]
+    row, col = index // width, index % width
+    parts, order = [], []
+    for first, end, cut in row_passes(batch["row_lengths"].tolist(), flex):
+        part_mask = mask
+        if mask is not None and not flex:
+            part_mask = mask[first:end, :, :cut, :cut]
+        hidden = decoder(
+            input_ids=ids[first:end, :cut],
+            position_ids=positions[first:end, :cut],
+            attention_mask=part_mask,
+            use_cache=False,
+        ).last_hidden_state  # (rows, cut, H)
+        mine = ((row >= first) & (row < end)).nonzero().squeeze(1)
+        local = (row[mine] - first) * cut + col[mine]
+        parts.append(hidden.reshape(-1, hidden.shape[-1])[local])
+        order.append(mine)
+    if len(parts) == 1:
+        return parts[0]
+    # Back in the batch's order of trained tokens.
+    return torch.cat(parts)[torch.argsort(torch.cat(order))]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from overnight.config import TrainConfig
 
+from .attention import kernel, sharing_path, sharing_pays
 from .data import Sample
 from .loss import LossConfig, token_weights
 from .parallel import Parallel
@@ -50,26 +51,33 @@ def micro_batches(samples: list[Sample], budget: int) -> list[list[Sample]]:
 
 
 def micro_batch_loss(
-    model, samples: list[Sample], weights: list[float], loss_config, share_prompts=True
+    model,
+    samples: list[Sample],
+    weights: list[float],
+    loss_config,
+    share_prompts=True,
+    chunk: int = TrainConfig.logit_chunk_tokens,
 ):
     """One packed micro-batch: (loss to backpropagate, statistics, largest |logp - logged|).
 
-    `weights` is each sample's per-token weight, normalised over the whole step.
+    `weights` is each sample's per-token weight, normalised over the whole step; `chunk`:
+    trained tokens whose logits are computed at once (TrainConfig.logit_chunk_tokens).
     """
     import torch
 
     from .loss import policy_loss
-    from .policy import pack, takes_custom_mask, trained_logprobs
+    from .policy import pack, trained_logprobs
 
     device = next(model.parameters()).device
-    batch = pack(samples, share_prompts=share_prompts and takes_custom_mask(model))
+    shared = shares_prompts(model, samples, share_prompts)
+    batch = pack(samples, share_prompts=shared, attention=kernel(model))
     batch = {k: v.to(device) for k, v in batch.items()}
-    logp = trained_logprobs(model, batch)  # (N,)
+    logp = trained_logprobs(model, batch, chunk)  # (N,)
     seq = batch["sequence_index"]
     ref = None
     if loss_config.kl_coef > 0:
         with torch.no_grad(), model.disable_adapter():
-            ref = trained_logprobs(model, batch)
+            ref = trained_logprobs(model, batch, chunk)
     loss, stats = policy_loss(
         logp,
         batch["behaviour_logprobs"],
@@ -80,8 +88,20 @@ def micro_batch_loss(
         sequence_index=seq,
         ref_logp=ref,
     )
+    stats["prompts_shared"] = float("block" in batch)
     gap = (logp.detach().float() - batch["behaviour_logprobs"]).abs().max().item()
     return loss, stats, gap
+
+
+def shares_prompts(model, samples: list[Sample], share_prompts: bool) -> bool:
+    """Whether this micro-batch packs its groups' prompts once (attention.py): always under
+    flex attention, under an explicit mask where that costs less than repeating them."""
+    from .policy import row_shapes
+
+    path = sharing_path(model, share_prompts)
+    if path != "mask":
+        return path == "flex"
+    return sharing_pays(model, row_shapes(samples, True), row_shapes(samples, False))
 
 
 @dataclass(frozen=True)
@@ -112,7 +132,12 @@ def optimizer_step(
     for batch_samples, counts in parallel.micro_batch_share(batches):
         weights = [weight_of[id(s)] if counts else 0.0 for s in batch_samples]
         loss, stats, batch_gap = micro_batch_loss(
-            model, batch_samples, weights, loss_config, config.share_prompts
+            model,
+            batch_samples,
+            weights,
+            loss_config,
+            config.share_prompts,
+            config.logit_chunk_tokens,
         )
         loss.backward()
         if not counts:
@@ -133,7 +158,8 @@ def merge_stats(stats: list[dict]) -> dict:
     tokens = sum(s.get("tokens", 0) for s in stats)
     if not tokens:
         return {"tokens": 0}
-    out = {"tokens": tokens}
+    out = {"tokens": tokens, "micro_batches": len(stats)}
+    out["micro_batches_shared"] = int(sum(s.get("prompts_shared", 0) for s in stats))
     for key in TOKEN_MEANS:
         if key in stats[0]:
             out[key] = sum(s[key] * s["tokens"] for s in stats) / tokens
@@ -154,7 +180,7 @@ class Gap:
 
 
 def behaviour_pass(
-    model, samples: list[Sample], budget: int
+    model, samples: list[Sample], budget: int, chunk: int = TrainConfig.logit_chunk_tokens
 ) -> tuple[list[Sample], list[Gap | None]]:
     """One pass of the starting policy over every sample, no gradient, before any update.
 
@@ -172,7 +198,7 @@ def behaviour_pass(
     for batch_samples in micro_batches(samples, budget):
         batch = {k: v.to(device) for k, v in pack(batch_samples).items()}
         with torch.no_grad():
-            logp = trained_logprobs(model, batch).float().tolist()
+            logp = trained_logprobs(model, batch, chunk).float().tolist()
         for s in batch_samples:
             positions = [j for j, t in enumerate(s.trained) if t]
             mine, logp = logp[: len(positions)], logp[len(positions) :]
