@@ -11,7 +11,10 @@ Responses, a request with `enable_response_messages: true` and
 `include: ["message.output_text.logprobs"]` gets, for a non-harmony model, the prompt's
 and the reply's token ids (`input_messages` / `output_messages`) and one logprob per
 reply token (measured: bench/retokenize_mismatch.py); such a record is token-exact.
-Otherwise the trainer rebuilds the tokens from the conversation (docs/wire.md).
+The ids are recorded also where a stream left out a logprob (it gives none to a token
+without text of its own): the record's notes say so. A tool call has no logprobs at all
+and is recorded without ids; the trainer rebuilds such tokens from the conversation
+(docs/wire.md).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ class _ApiAccumulator:
         self.meta: dict[str, Any] = {}
         self.error: Any = None
         self.complete = False  # the stream's last event came (it has no `[DONE]`)
+        self.note: str | None = None  # why the record has no token ids, if it has none
+
+    def sent_plain(self, note: str) -> None:
+        """The request went to vLLM as the client sent it: nothing of ours to read."""
+        self.note = note
 
     @property
     def choices(self) -> dict[int, ChoiceState]:
@@ -181,8 +189,10 @@ class ResponsesAccumulator(_ApiAccumulator):
                 for part in item.get("content") or item.get("summary") or ():
                     state.reasoning.append(part.get("text") or "")
         state.logprobs = logprobs or self.logprobs
-        if self.token_ids and len(state.logprobs) == len(self.token_ids):
-            # Token-exact only with a logprob per token (vLLM gives none to a tool call's).
+        if state.logprobs:
+            # vLLM's own ids, also where a logprob is missing (a stream gives none to a
+            # token without text of its own: part of a character, a stop token; the
+            # record's notes say so, records.py); a tool call has no logprobs at all.
             state.token_ids = list(self.token_ids)
         state.finish_reason = self._finish_reason(state)
         return state

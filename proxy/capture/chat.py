@@ -1,14 +1,19 @@
-"""What the proxy asks vLLM for, what it hides again, and how it assembles records.
+"""How a chat or text completion's record is assembled from vLLM's answer.
 
-Pure functions and one pure accumulator, no I/O: the same code handles a streamed
-response (one chunk at a time) and a whole one (a single "chunk" whose choices carry
-`message` instead of `delta`), so both paths record exactly the same fields.
+One pure accumulator, no I/O: the same code handles a streamed response (one chunk at
+a time) and a whole one (a single "chunk" whose choices carry `message` instead of
+`delta`), so both paths record exactly the same fields. What the proxy asks vLLM for,
+and hides again, is additions.py's.
 
 vLLM facts this relies on (vllm 0.32, measured): `return_token_ids: true` puts
 `prompt_token_ids` at the top of a chat response (per choice for text completions)
 and `token_ids` on each choice; without it those keys are present and null. The
 first chunk of a stream carries the prompt ids, each later chunk its own token ids.
 With `stream_options.include_usage` the last chunk has `choices: []` and `usage`.
+A text completion with `echo` gives logprobs for the prompt first (as many as its ids:
+`prompt_token_ids`, which a stream's first chunk carries anyway, or the whole answer's
+`prompt_logprobs`), then for the completion; asked `return_tokens_as_token_ids`, each
+token is written "token_id:N".
 """
 
 from __future__ import annotations
@@ -18,86 +23,6 @@ from typing import Any
 
 CHAT = "chat.completions"
 TEXT = "completions"
-
-
-@dataclass(frozen=True)
-class Additions:
-    """What the proxy added to the client's request, so it can be hidden again."""
-
-    token_ids: bool = False
-    logprobs: bool = False
-    usage: bool = False
-    # A chat stream for which vLLM sends a chunk per token only because we asked for ids
-    # and logprobs: chunks left with `"delta": {}` are ours to drop (vllm 0.32, measured:
-    # a `tool_choice: "required"` stream had 18 chunks plain, 41 with the additions).
-    empty_chunks: bool = False
-
-    @property
-    def any(self) -> bool:
-        return self.token_ids or self.logprobs or self.usage
-
-
-def add_training_fields(body: dict, endpoint: str) -> Additions:
-    """Ask upstream for token ids, logprobs and usage; mutates `body`."""
-    token_ids = not body.get("return_token_ids")
-    if token_ids:
-        body["return_token_ids"] = True
-    if endpoint == CHAT:
-        logprobs = not body.get("logprobs")
-        if logprobs:
-            body["logprobs"] = True
-    else:  # text completions take a count of top logprobs; 0 means the sampled one
-        logprobs = body.get("logprobs") is None
-        if logprobs:
-            body["logprobs"] = 0
-    usage = False
-    stream = bool(body.get("stream"))
-    if stream:
-        options = body.get("stream_options") or {}
-        if not options.get("include_usage"):
-            usage = True
-            body["stream_options"] = {**options, "include_usage": True}
-    empty = stream and endpoint == CHAT and token_ids and logprobs
-    return Additions(token_ids=token_ids, logprobs=logprobs, usage=usage, empty_chunks=empty)
-
-
-def hide_additions(obj: dict, added: Additions) -> dict | None:
-    """The response or chunk as the client would have got it without our additions.
-
-    Returns None for a chunk that only exists because we asked for usage. Keys are
-    nulled rather than deleted: that is what vLLM itself sends when not asked; `usage`
-    is deleted, since vLLM leaves it unset on chunks when not asked (the client's
-    `continuous_usage_stats` without `include_usage` gives no usage at all).
-    """
-    choices = obj.get("choices")
-    if added.usage and "usage" in obj:
-        if choices == []:
-            return None
-        del obj["usage"]
-    if added.token_ids and obj.get("prompt_token_ids") is not None:
-        obj["prompt_token_ids"] = None
-    for choice in choices or ():
-        if added.token_ids:
-            if choice.get("token_ids") is not None:
-                choice["token_ids"] = None
-            if choice.get("prompt_token_ids") is not None:
-                choice["prompt_token_ids"] = None
-        if added.logprobs and choice.get("logprobs") is not None:
-            choice["logprobs"] = None
-    return obj
-
-
-def only_added(visible: dict) -> bool:
-    """Whether a chunk, our additions hidden, carries nothing: every choice's delta empty
-    and unfinished (vLLM would not have sent it had we not asked for ids and logprobs;
-    a continuous usage count on it is dropped with it, as vLLM would not have sent it)."""
-    choices = visible.get("choices")
-    if not choices:
-        return False
-    for choice in choices:
-        if choice.get("delta") or choice.get("finish_reason") is not None:
-            return False
-    return True
 
 
 @dataclass
@@ -111,6 +36,7 @@ class ChoiceState:
     prompt_token_ids: list[int] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
+    prompt_left: int | None = None  # echo: logprobs still the prompt's (None: not seen yet)
 
 
 class Accumulator:
@@ -118,13 +44,20 @@ class Accumulator:
 
     complete = False  # chat streams end with `[DONE]` (the relay's parser sees it)
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, echo: bool = False, as_ids: bool = False):
         self.endpoint = endpoint
+        self.echo = echo  # a text completion echoing its prompt
+        self.as_ids = as_ids  # its ids are in the logprobs' tokens ("token_id:N")
+        self.note: str | None = None  # why the record has no token ids, if it has none
         self.choices: dict[int, ChoiceState] = {}
         self.prompt_token_ids: list[int] | None = None
         self.usage: dict | None = None
         self.meta: dict[str, Any] = {}
         self.error: dict | None = None
+
+    def sent_plain(self, note: str) -> None:
+        """The request went to vLLM as the client sent it: nothing of ours to read."""
+        self.as_ids, self.note = False, note
 
     def add(self, obj: dict) -> None:
         if "error" in obj and "choices" not in obj:
@@ -141,7 +74,10 @@ class Accumulator:
             self._add_choice(choice)
 
     def _add_choice(self, choice: dict) -> None:
-        state = self.choices.setdefault(choice.get("index", 0), ChoiceState())
+        index = choice.get("index", 0)
+        state = self.choices.get(index)
+        if state is None:  # (not setdefault: a ChoiceState made for every chunk costs)
+            state = self.choices[index] = ChoiceState()
         part = choice.get("delta") or choice.get("message") or {}
         if part.get("role"):
             state.role = part["role"]
@@ -157,10 +93,37 @@ class Accumulator:
             state.token_ids.extend(choice["token_ids"])
         if choice.get("prompt_token_ids") is not None:
             state.prompt_token_ids = choice["prompt_token_ids"]
-        state.logprobs.extend(_sampled_logprobs(choice.get("logprobs")))
+        if self.echo:
+            self._echoed(state, choice)
+        else:
+            state.logprobs.extend(_sampled_logprobs(choice.get("logprobs")))
         if choice.get("finish_reason"):
             state.finish_reason = choice["finish_reason"]
             state.stop_reason = choice.get("stop_reason")
+
+    def _echoed(self, state: ChoiceState, choice: dict) -> None:
+        """An echo's logprobs (and, `as_ids`, its ids): the prompt's first, skipped."""
+        logprobs = choice.get("logprobs") or {}
+        values = logprobs.get("token_logprobs") or []
+        if state.prompt_left is None:  # the choice's first chunk: it starts with the prompt
+            prompt = choice.get("prompt_token_ids")
+            if not isinstance(prompt, list):
+                prompt = choice.get("prompt_logprobs")
+            state.prompt_left = len(prompt) if isinstance(prompt, list) else 0
+        skip = min(state.prompt_left, len(values))
+        state.prompt_left -= skip
+        state.logprobs.extend(lp for lp in values[skip:] if lp is not None)
+        if self.as_ids:
+            try:
+                ids = [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens") or ()]
+            except (AttributeError, ValueError):  # not the form asked for: no ids at all
+                self.sent_plain("no token ids: vLLM's logprob tokens were not token_id:N")
+                for each in self.choices.values():
+                    each.token_ids, each.prompt_token_ids = [], None
+                return
+            if state.prompt_token_ids is None:  # a whole answer names them only here
+                state.prompt_token_ids = ids[:skip]
+            state.token_ids.extend(ids[skip:])
 
     def prompt_ids(self, index: int) -> list[int] | None:
         state = self.choices.get(index)
@@ -170,7 +133,7 @@ class Accumulator:
 
     def response(self, index: int) -> dict:
         """Choice `index` as one non-streamed response, without ids and logprobs."""
-        state = self.choices.get(index, ChoiceState())
+        state = self.choices.get(index) or ChoiceState()
         if self.endpoint == CHAT:
             message: dict[str, Any] = {
                 "role": state.role or "assistant",

@@ -85,7 +85,24 @@ def completion_rows(
                 "proxy_id": proxy_id,
             }
         )
+        note = _ids_note(acc, state) if logged else None
+        if note is not None:
+            rows[-1]["notes"] = {"completion_token_ids": note}
     return rows
+
+
+def _ids_note(acc, state: ChoiceState | None) -> str | None:
+    """Why a choice's record is not token-exact, when the capture knows (else None)."""
+    note = getattr(acc, "note", None)
+    if note is not None or state is None or not state.token_ids:
+        return note
+    if len(state.logprobs) != len(state.token_ids):
+        return (
+            f"{len(state.token_ids)} token ids but {len(state.logprobs)} logprobs: vLLM "
+            "gave no logprob for some tokens (in a Responses stream, those without text "
+            "of their own: a stop token, part of a character)"
+        )
+    return None
 
 
 def conversation_turns(request: dict) -> int:

@@ -1,38 +1,42 @@
 """Forwarding: send a request upstream and relay the answer to the client as it comes.
 
 Completions go through the proxy's own client (upstream.py) and are teed into the
-request's Capture: a whole answer is read, recorded and passed on (re-encoded only
-when the proxy added fields to hide); a stream is relayed event by event, the events
-the proxy need not change as the exact upstream bytes. Everything else under /v1
-passes through aiohttp's client untouched. A `StallWatch` cuts off an upstream that
-goes silent; every failure becomes an OpenAI-shaped error, or, once a stream has
-started, an error event in the stream.
+request's Capture: a whole answer is read, recorded and passed on as vLLM's bytes (what
+the proxy added nulled in place, capture/additions.py); a stream is relayed event by
+event (events.py), the events the proxy need not change as the exact upstream bytes. A
+request vLLM refuses with the proxy's additions is sent again as the client sent it.
+Everything else under /v1 passes through aiohttp's client untouched. A `StallWatch`
+cuts off an upstream that goes silent; every failure becomes an OpenAI-shaped error,
+or, once a stream has started, an error event in the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+from collections.abc import Awaitable
 
 import aiohttp
 import orjson
 from aiohttp import web
 
 from overnight.errors import OvernightError
+from overnight.proxy.capture.additions import Additions, hidden_answer
 from overnight.proxy.capture.apis import (
     ResponsesAdditions,
     hide_responses_additions,
     refused_additions,
 )
-from overnight.proxy.capture.chat import CHAT, TEXT, Additions, hide_additions, only_added
+from overnight.proxy.capture.chat import CHAT, TEXT
 from overnight.proxy.capture.conversation import MESSAGES, RESPONSES
 from overnight.proxy.capture.state import Capture
 from overnight.proxy.capture.uncaptured import note_passthrough
-from overnight.proxy.forward.jsonio import json_dumps
+from overnight.proxy.forward.jsonio import json_dumps, whole_dumps
 from overnight.proxy.forward.paths import check_forwarded
-from overnight.proxy.forward.sse import SSEParser, encode_event, with_data
+from overnight.proxy.forward.sse import encode_event
 from overnight.proxy.forward.upstream import UpstreamResponse
-from overnight.proxy.state import CONFIG, FINGERPRINT, SESSION, UPSTREAM, SeenFingerprint
+from overnight.proxy.state import CONFIG, FINGERPRINT, SESSION, UPSTREAM
+
+from .events import EventRelay, ResponsesEventRelay, learn_fingerprint
 
 # Headers that describe one hop, not the message; never forwarded either way.
 # accept-encoding included: the proxy reads the answers, so it asks for them uncompressed.
@@ -82,6 +86,14 @@ CLIENT_LEFT = "client disconnected mid-stream"
 CLIENT_LEFT_EARLY = "client disconnected before the answer"
 
 
+def _refused(body: bytes) -> str:
+    try:
+        message = orjson.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace")
+    return f"vLLM refused the proxy's additions ({str(message)[:200]}); sent as the client sent it"
+
+
 def silence(timeout: float) -> str:
     return f"upstream sent nothing for {timeout:g} s"
 
@@ -121,34 +133,36 @@ async def forward(
     headers = upstream_headers(request)
     headers["Content-Type"] = "application/json"
     sent = body
-    while True:  # twice at most, for a Responses request whose additions vLLM refused
-        try:
-            async with asyncio.timeout(config.read_timeout):  # until the response headers
-                upstream = await app[UPSTREAM].post(
-                    UPSTREAM_PATHS[endpoint], json_dumps(sent), headers, affinity
-                )
-        except (aiohttp.ClientError, TimeoutError) as e:
-            # The record says what the client was told.
-            if isinstance(e, TimeoutError):
-                error: UpstreamError = UpstreamTimeout(silence(config.read_timeout))
-            else:
-                error = UpstreamError(f"upstream {config.upstream} unreachable: {e}")
-            capture.status, capture.error = error.status, str(error)
-            capture.done()
-            raise error from e
-        if upstream.status != 400 or not isinstance(added, ResponsesAdditions):
-            break
-        if added.plain is None:  # the client's own request, refused: relayed as it is
-            break
-        # vLLM refused what the proxy added (a gpt-oss model takes no logprobs): the
-        # client's own request is sent instead, and its answer relayed as it comes.
-        async with upstream:
-            await upstream.read()
-        sent, added = added.plain, ResponsesAdditions()
-    if sent is not body and upstream.status != 400:  # the additions were the trouble
-        refused_additions(app).add(str(body.get("model")))
-    watch = StallWatch(upstream, config.read_timeout)
+    watch = StallWatch(None, config.read_timeout)  # from now to the answer's last byte
     try:
+        while True:  # twice at most: a request refused with the proxy's additions
+            try:
+                upstream = await watch.head(
+                    app[UPSTREAM].post(
+                        UPSTREAM_PATHS[endpoint], json_dumps(sent), headers, affinity
+                    )
+                )
+            except (aiohttp.ClientError, TimeoutError) as e:
+                # The record says what the client was told.
+                if isinstance(e, TimeoutError):
+                    error: UpstreamError = UpstreamTimeout(silence(config.read_timeout))
+                else:
+                    error = UpstreamError(f"upstream {config.upstream} unreachable: {e}")
+                capture.status, capture.error = error.status, str(error)
+                capture.done()
+                raise error from e
+            if upstream.status != 400 or added.plain is None or not added.any:
+                break
+            # vLLM refused the request with what the proxy added (a gpt-oss model takes
+            # no Responses logprobs; a validation the additions change): the client's own
+            # request is sent instead, and vLLM's answer to it relayed as it comes.
+            async with upstream:
+                refusal = await upstream.read()
+            capture.acc.sent_plain(f"no token ids: {_refused(refusal)}")
+            sent = added.plain
+            added = ResponsesAdditions() if isinstance(added, ResponsesAdditions) else Additions()
+        if sent is not body and upstream.status != 400 and endpoint == RESPONSES:
+            refused_additions(app).add(str(body.get("model")))  # asked plainly from now on
         async with upstream:
             capture.first_byte()
             capture.status = upstream.status
@@ -161,35 +175,70 @@ async def forward(
 
 
 class StallWatch:
-    """Closes an upstream response that sends nothing for `timeout` seconds.
+    """Cuts off an upstream that sends nothing for `timeout` seconds: before the head of
+    its answer (the request fails as a timeout), and between the chunks of its body (the
+    response is closed: the pending read fails, which the relays report like any broken
+    upstream, naming the stall).
 
     aiohttp's own `sock_read` timeout re-arms a timer on every chunk, which cost 9% of
     the proxy's throughput; here a chunk only notes the time, and the one timer is
-    re-armed when it fires early. Closing the response makes the pending read fail,
-    which the relays report like any broken upstream, naming the stall.
+    re-armed when it fires early. One timer for the whole exchange (an `asyncio.timeout`
+    around the head was a second one per request), none after a head that came with the
+    whole body.
     """
 
-    def __init__(self, upstream: Upstream, timeout: float):
+    def __init__(self, upstream: Upstream | None, timeout: float):
         self.loop = asyncio.get_running_loop()
         self.upstream = upstream
+        self.task: asyncio.Task | None = None  # waiting for the head
         self.timeout = timeout
         self.last = self.loop.time()
         self.stalled = False
-        self.handle = self.loop.call_at(self.last + timeout, self._check)
+        self.handle: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        if self.handle is None:
+            self.handle = self.loop.call_at(self.last + self.timeout, self._check)
+
+    async def head(self, pending: Awaitable[UpstreamResponse]) -> UpstreamResponse:
+        """The answer's head, or TimeoutError after `timeout` without it; then its body
+        is watched (not at all when it came whole with the head)."""
+        self.task, self.upstream = asyncio.current_task(), None
+        self.touch()
+        self._arm()
+        try:
+            upstream = await pending
+        except asyncio.CancelledError:
+            if self.stalled and self.task is not None and self.task.uncancel() == 0:
+                raise TimeoutError from None  # our cancel, not the client's leaving
+            raise
+        finally:
+            self.task = None
+        self.upstream = upstream
+        if upstream.complete:
+            self.cancel()
+        return upstream
 
     def touch(self) -> None:
         self.last = self.loop.time()
 
     def _check(self) -> None:
+        self.handle = None
         due = self.last + self.timeout
-        if self.loop.time() >= due:
-            self.stalled = True
+        if self.loop.time() < due:
+            self._arm()
+            return
+        self.stalled = True
+        if self.upstream is not None:
             self.upstream.close()
-        else:
-            self.handle = self.loop.call_at(due, self._check)
+        elif self.task is not None:
+            self.task.cancel()
 
     def cancel(self) -> None:
-        self.handle.cancel()
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
 
     def describe(self, e: BaseException) -> str:
         return silence(self.timeout) if self.stalled else repr(e)
@@ -224,6 +273,7 @@ async def _relay_whole(
         capture.error_body = raw.decode(errors="replace")[:4096]
         return web.Response(body=raw, status=upstream.status, headers=headers)
     capture.acc.add(obj)
+    learn_fingerprint(request.app[FINGERPRINT], obj)
     if added.any:
         raw = _hidden(obj, raw, added)
     transport = request.transport
@@ -235,13 +285,9 @@ async def _relay_whole(
 def _hidden(obj: dict, raw: bytes, added: Added) -> bytes:
     """A whole answer as the client gets it: without what the proxy added."""
     if not isinstance(added, ResponsesAdditions):
-        return json_dumps(hide_additions(obj, added))
+        return hidden_answer(raw, obj, added)
     hidden = hide_responses_additions(obj, added)
-    if hidden is None:
-        return raw
-    # vLLM writes a whole Responses answer with Python's json (starlette's JSONResponse),
-    # whose floats (1e-05) orjson would write otherwise (1e-5).
-    return json.dumps(hidden, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return raw if hidden is None else whole_dumps(hidden)
 
 
 async def _relay_stream(
@@ -294,85 +340,6 @@ async def _relay_stream(
     capture.done()
     await write_quietly(response, relay.flush(), eof=True)
     return response
-
-
-class EventRelay:
-    """Turns upstream SSE bytes into what the client gets, feeding the capture.
-
-    Events we need not change go out as the exact upstream bytes. When we asked for
-    usage, vLLM moves `system_fingerprint` from each choice's finishing chunk to the
-    usage chunk we drop. The fingerprint is constant per server, so once seen it is
-    put back at once; until then finishing chunks wait for the usage chunk.
-    """
-
-    def __init__(self, added: Additions, capture: Capture, fingerprint: SeenFingerprint):
-        self.added = added
-        self.capture = capture
-        self.fingerprint = fingerprint  # app-wide
-        self.parser = SSEParser()
-        self.held: list[dict] = []
-
-    def feed(self, chunk: bytes) -> bytes:
-        return b"".join(self._event(e) for e in self.parser.feed(chunk))
-
-    def flush(self) -> bytes:
-        held, self.held = self.held, []
-        fingerprint = self.fingerprint.value
-        for obj in held:
-            if fingerprint is not None:
-                obj.setdefault("system_fingerprint", fingerprint)
-        return b"".join(encode_event(json_dumps(obj)) for obj in held)
-
-    def _event(self, event: bytes) -> bytes:
-        data = SSEParser.data_of(event)
-        obj = None
-        if data is not None and data != b"[DONE]":
-            try:
-                obj = orjson.loads(data)
-            except ValueError:
-                obj = None
-        if not isinstance(obj, dict):
-            return self.flush() + event
-        self.capture.acc.add(obj)
-        if not self.added.any:
-            return event
-        fingerprint = self.fingerprint
-        if "system_fingerprint" in obj:
-            fingerprint.seen = True
-            fingerprint.value = obj["system_fingerprint"]
-        visible = hide_additions(obj, self.added)
-        if visible is None:  # the usage chunk only we asked for
-            return self.flush()
-        if self.added.empty_chunks and only_added(visible):  # the record has taken it
-            return b""
-        if self.added.usage and any(c.get("finish_reason") for c in visible.get("choices") or ()):
-            if not fingerprint.seen:
-                self.held.append(visible)
-                return b""
-            visible.setdefault("system_fingerprint", fingerprint.value)
-        return encode_event(json_dumps(visible))
-
-
-class ResponsesEventRelay(EventRelay):
-    """A Responses stream: an event the proxy's additions changed is re-encoded with its
-    `event:` line kept; every other event goes out as the exact upstream bytes."""
-
-    def __init__(self, added: ResponsesAdditions, capture: Capture, fingerprint: SeenFingerprint):
-        super().__init__(Additions(), capture, fingerprint)
-        self.responses_added = added
-
-    def _event(self, event: bytes) -> bytes:
-        data = SSEParser.data_of(event)
-        try:
-            obj = orjson.loads(data) if data is not None else None
-        except ValueError:
-            obj = None
-        if not isinstance(obj, dict):
-            return event
-        self.capture.acc.add(obj)
-        added = self.responses_added
-        hidden = hide_responses_additions(obj, added) if added.any else None
-        return event if hidden is None else with_data(event, json_dumps(hidden))
 
 
 async def write_quietly(response: web.StreamResponse, data: bytes, eof: bool = False) -> None:
