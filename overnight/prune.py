@@ -14,9 +14,7 @@ bytes per table).
 from __future__ import annotations
 
 import datetime as dt
-import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import pyarrow.parquet as pq
 from .errors import ConfigError
 
 # Every table but training_runs (see the module's doc).
-PRUNED_TABLES = ("completions", "rewards", "finishes", "judgments", "siblings")
+PRUNED_TABLES = ("completions", "rewards", "finishes", "judgments", "siblings", "response_ids")
 _AGE = re.compile(r"(\d+(?:\.\d+)?)\s*([dhw])")
 _UNITS = {"h": dt.timedelta(hours=1), "d": dt.timedelta(days=1), "w": dt.timedelta(weeks=1)}
 
@@ -83,9 +81,8 @@ def plan_prune(
     data_dir: Path, older_than: dt.timedelta, now: dt.datetime | None = None
 ) -> PrunePlan:
     """What `prune` would delete: the days that ended more than `older_than` ago, never today."""
-    from .storage.cutoff import straddling
+    from .storage.cutoff import straddling_files
     from .storage.location import segment_store
-    from .storage.manifest import read_manifest
 
     now = now or dt.datetime.now(dt.UTC)
     today = now.date()
@@ -93,7 +90,7 @@ def plan_prune(
     plan = PrunePlan(Path(data_dir), before, store=segment_store(data_dir))
     for table in PRUNED_TABLES:
         days = plan.tables[table] = TableDays()
-        days.straddling = len(straddling(read_manifest(plan.store, table, False)[0], before))
+        days.straddling = len(straddling_files(plan.data_dir, table, before))
         if plan.store.remote:
             _plan_bucket(plan, table, days)
             continue
@@ -105,7 +102,7 @@ def plan_prune(
             for file in day_dir.glob("*.parquet"):
                 days.files += 1
                 days.bytes += file.stat().st_size
-                days.rows += pq.ParquetFile(file).metadata.num_rows
+                days.rows += _rows(pq.read_metadata, file)
     return plan
 
 
@@ -121,7 +118,15 @@ def _plan_bucket(plan: PrunePlan, table: str, days: TableDays) -> None:
         days.objects.setdefault(folder, []).append(f.rel)
         days.files += 1
         days.bytes += f.size
-        days.rows += plan.store.read_metadata(table, f.rel).num_rows
+        days.rows += _rows(plan.store.read_metadata, table, f.rel)
+
+
+def _rows(read_footer: Any, *where: Any) -> int:
+    """The rows a file's footer counts; 0 for a damaged file (it goes with its day)."""
+    try:
+        return read_footer(*where).num_rows
+    except (OSError, ValueError):  # ArrowInvalid is a ValueError
+        return 0
 
 
 def prune(plan: PrunePlan) -> int:
@@ -129,22 +134,12 @@ def prune(plan: PrunePlan) -> int:
     the readers' view in one rename before its files are deleted; in a bucket (no rename)
     its objects are deleted in one request, and a reader that had already listed one
     fails once and can be run again."""
-    from .storage.cutoff import drop_rows_before
+    from .storage.cutoff import drop_rows_before, remove_days
 
     removed = 0
-    for table, t in plan.tables.items():
-        for day_dir in t.days:
-            if isinstance(day_dir, str):
-                plan.store.delete(table, t.objects[day_dir])
-                removed += 1
-                continue
-            doomed = day_dir.with_name(f".pruning-{day_dir.name}-{os.getpid()}")
-            try:
-                day_dir.rename(doomed)
-            except FileNotFoundError:
-                continue  # another prune took it
-            shutil.rmtree(doomed)
-            removed += 1
+    for table, t in plan.tables.items():  # under each table's merge lock, cutoff committed
+        if t.days:
+            removed += remove_days(plan.data_dir, table, t.days, t.objects, plan.before)
     # A merged week or month lives in its last day's folder: one that began before the
     # cutoff keeps its earlier days' rows until rewritten without them.
     plan.rewritten = drop_rows_before(plan.data_dir, tuple(plan.tables), plan.before)

@@ -184,10 +184,24 @@ class SegmentStore:
         return sorted(out, key=lambda f: f.rel)
 
     def exists(self, table: str, rel: str) -> bool:
+        return self.size(table, rel) is not None
+
+    def size(self, table: str, rel: str) -> int | None:
+        """The size of a segment in bytes; None when there is none."""
+        try:
+            if not self.remote:
+                return self.local_path(table, rel).stat().st_size
+            with on_bucket(self.url, "looking up a segment"):
+                return int(self.fs.info(self.key(table, rel)).get("size") or 0)
+        except FileNotFoundError:
+            return None
+
+    def read_bytes(self, table: str, rel: str) -> bytes:
+        """A segment's bytes (one GET in a bucket), for a check before trusting them."""
         if not self.remote:
-            return self.local_path(table, rel).exists()
-        with on_bucket(self.url, "looking up a segment"):
-            return self.fs.exists(self.key(table, rel))
+            return self.local_path(table, rel).read_bytes()
+        with on_bucket(self.url, "reading a segment"):
+            return self.fs.cat_file(self.key(table, rel))
 
     def read_table(self, table: str, rel: str) -> Any:
         import pyarrow.parquet as pq
@@ -239,16 +253,19 @@ class SegmentStore:
 
     # -- writing -----------------------------------------------------------------------
 
-    def write_parquet(self, table: str, rel: str, write: Any) -> None:
-        """Upload a file whole, in one PUT (an object appears whole or not at all):
-        `write(sink)` writes it into memory first. Local segments are written by
-        `segments.write_segment` (temporary name, fsync, rename)."""
-        import pyarrow as pa
-
-        sink = pa.BufferOutputStream()
-        write(sink)
+    def put_bytes(self, table: str, rel: str, data: bytes) -> None:
+        """Upload a file whole, in one PUT (an object appears whole or not at all).
+        Local segments are written by `segments.put_segment_parts` (a temporary name of
+        their writer's own, fsync, checked, renamed)."""
         with on_bucket(self.url, "uploading a segment"):
-            self.fs.pipe_file(self.key(table, rel), sink.getvalue().to_pybytes())
+            self.fs.pipe_file(self.key(table, rel), data)
+
+    def move(self, table: str, rel: str, dest: str) -> None:
+        """Move object `rel` of `table` to `dest` under the prefix (a damaged one, to the
+        quarantine: integrity.set_aside), copied first, then deleted."""
+        with on_bucket(self.url, "setting a damaged segment aside"):
+            self.fs.copy(self.key(table, rel), self.key(dest))
+            self.fs.rm(self.key(table, rel))
 
     def delete(self, table: str, rels: list[str]) -> None:
         if not rels:

@@ -2,10 +2,17 @@
 
 What the writer runs in a child process after each roll (`python -c ... main(...)`,
 storage/compactor.py): `compact` turns one sealed log into one Parquet file per table and
-day (segments.py writes them, location.py says where) and deletes the log; lines that
-cannot be stored are set aside in `quarantine/` with their reason; `main` then merges
-the days that have closed (merge.py). Above segments, location and merge, so none of
+day (segments.py writes them, location.py says where), with the index of its Responses
+ids (response_index.py), and deletes the log; lines that cannot be stored are set aside
+in `quarantine/` with their reason; `main` then merges the days that have closed
+(merge.py). Above segments, location and merge, so none of
 them needs to import another back.
+
+One compaction per log at a time: the log's lock is held throughout. The writer hands
+its child the locked file (an inherited descriptor shares the lock), so a child whose
+parent was killed goes on holding it until it exits, and a restarted proxy leaves that
+log alone meanwhile; run by hand (`python -m overnight.storage.log_to_parquet DATA LOG`),
+it takes the lock itself or refuses.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from .faults import kill_point
 from .files import create_private, fsync_path, private_dir, replace_durably
 from .location import segment_store
 from .merge import merge_closed_days
+from .response_index import INDEX, index_rows
 from .schema import json_text
 from .segments import (
     LOG_SUFFIX,
@@ -26,8 +35,10 @@ from .segments import (
     _day,
     parse_log,
     put_segment,
+    temp_path,
     to_arrow,
 )
+from .wal import try_lock
 
 log = logging.getLogger("overnight.storage")
 
@@ -38,7 +49,7 @@ def quarantine(data_dir: Path, log_path: Path, lines: list[tuple[bytes, str]]) -
     all, so compacting the same log again (after a crash) leaves the same file."""
     path = data_dir / QUARANTINE_DIR / f"{log_path.stem}{LOG_SUFFIX}"
     private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     create_private(tmp)
     with open(tmp, "wb") as f:
         for line, why in lines:
@@ -59,6 +70,9 @@ def compact(data_dir: Path, log_path: Path) -> Compacted:
     store = segment_store(data_dir)
     parsed = parse_log(log_path)
     set_aside = list(parsed.damaged)
+    # The Responses ids among the completions, indexed with them (response_index.py).
+    for row, line in list(parsed.rows.get("completions", ())):
+        parsed.rows[INDEX].extend((entry, line) for entry in index_rows([row]))
     written = 0
     for table, pairs in parsed.rows.items():
         by_day: dict[str, list[tuple[dict, bytes]]] = defaultdict(list)
@@ -86,6 +100,7 @@ def compact(data_dir: Path, log_path: Path) -> Compacted:
             where,
             set_aside[0][1],
         )
+    kill_point("log-compacted")
     log_path.unlink()
     fsync_path(log_path.parent)
     return Compacted(written, len(set_aside))
@@ -97,10 +112,23 @@ def compact_log(data_dir: Path, log_path: Path) -> int:
 
 
 def main(argv: list[str]) -> None:
-    """`main([DATA_DIR, LOG])`: what the writer runs in a child. It prints
-    `rows N quarantined M`; what it logs goes to stderr, which the writer passes on."""
+    """`main([DATA_DIR, LOG, "--locked"])`: what the writer runs in a child, the log's
+    lock inherited (without `--locked` it is taken here, or the child exits with status
+    3: a live process holds it). It prints `rows N quarantined M`; what it logs goes to
+    stderr, which the writer passes on."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    done = compact(Path(argv[0]), Path(argv[1]))
+    data_dir, log_path = Path(argv[0]), Path(argv[1])
+    held = None
+    if "--locked" not in argv[2:]:
+        held = try_lock(log_path)
+        if held is None:
+            log.error("%s is locked by a live process (or gone): not compacted", log_path)
+            raise SystemExit(3)
+    try:
+        done = compact(data_dir, log_path)
+    finally:
+        if held is not None:
+            held.close()
     print("rows", done.rows, "quarantined", done.quarantined, flush=True)
     try:  # closed days into one file each: cheap when there is nothing to merge
         merge_closed_days(Path(argv[0]))

@@ -21,6 +21,14 @@ listed them just before the commit can still read them. Mergers (several proxies
 data directory) take an flock on `{table}/.merge.lock`. A prune's cutoff through a
 merged week or month is committed the same way (cutoff.py).
 
+Nothing is merged on trust: each source is read whole and verified (integrity.py: its
+checksums, its rows and columns as its entry says), a damaged one is set aside (the rest
+of its unit merges without it), and the merged file is read back and verified before the
+commit that hides its sources (its size and sha256 go into its entry). One table that
+cannot be merged never stops the others. What replaced files leave behind is
+cleanup.py's: replaced files deleted once their replacement verifies, leftovers of
+killed writers removed, damaged files set aside.
+
 In a bucket (location.py) the same holds with objects: a merged file is one PUT, the
 manifest is written with a compare-and-swap (S3's `If-Match` on the ETag read, or
 `If-None-Match` for the first), so mergers on several machines never lose each other's
@@ -31,6 +39,7 @@ period); ages are the objects' `LastModified`.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import logging
 import time
 import uuid
@@ -40,12 +49,15 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from .cleanup import GRACE_SECONDS as GRACE_SECONDS  # where it was, for its readers
+from .cleanup import clean_table, verify_file
+from .faults import kill_point
+from .integrity import Damaged, file_fingerprint, footer, read_verified, set_aside
 from .location import SegmentStore, segment_store
 from .manifest import (
     MERGED_PREFIX,
     ManifestRef,
     Segments,
-    counted_and_replaced,
     day_of,
     first_day,
     folder_of,
@@ -66,10 +78,12 @@ MERGE_AFTER = 600.0
 # than MERGE_AFTER: a reader opens about a dozen of today's files, not ~200 (the 5-minute
 # roll), and each row is rewritten once more at most (when its day closes).
 OPEN_DAY_BATCH = 12
-# How long a replaced segment stays on disk for readers that listed it before the commit.
-GRACE_SECONDS = 3600.0
 # Sort order of a merged file: lookups by group (the trainer, the judge) read few row groups.
-SORT_KEYS = {"completions": ["group_id", "rollout_id", "started_at"], "rewards": ["rollout_id"]}
+SORT_KEYS = {
+    "completions": ["group_id", "rollout_id", "started_at"],
+    "rewards": ["rollout_id"],
+    "response_ids": ["response_id"],  # a lookup by id: its row group's statistics find it
+}
 
 
 def merge_closed_days(data_dir: Path, now: float | None = None) -> int:
@@ -80,9 +94,14 @@ def merge_closed_days(data_dir: Path, now: float | None = None) -> int:
     store = segment_store(data_dir)
     merged = 0
     for table in locked_tables(store, tuple(TABLES)):
-        _delete_replaced(store, table, now)
-        _describe_merged(store, table)
-        merged += _merge_table(store, table, now)
+        try:
+            clean_table(store, table, now)
+            _describe_merged(store, table)
+            merged += _merge_table(store, table, now)
+        except OSError as e:  # a bucket that is down, a full disk: every table, next time
+            log.error("%s: not merged now (%s); tried again after the next roll", table, e)
+        except Exception:  # one table that cannot be merged never stops the others
+            log.exception("%s: not merged now; tried again after the next roll", table)
     return merged
 
 
@@ -103,6 +122,8 @@ def _merge_table(store: SegmentStore, table: str, now: float) -> int:
     merged, tried = 0, set()
     while True:
         manifest, ref = read_manifest(store, table)
+        if manifest["damaged"]:
+            return merged  # never written over: see `overnight check`
         found = list_segments(store.data_dir, table, store, manifest)
         units = {**_closed_units(found.rels, today), **_open_day_batches(found, today, now)}
         for target, rels in sorted(units.items()):
@@ -110,8 +131,13 @@ def _merge_table(store: SegmentStore, table: str, now: float) -> int:
                 continue
             if any(now - found.mtimes.get(rel, now) < MERGE_AFTER for rel in rels):
                 continue  # a late segment (a log that rolled after midnight): next time
+            try:
+                done = _merge_files(store, table, target, rels, now, (manifest, ref))
+            except Damaged as e:  # set aside; the unit is looked at again without it
+                set_aside(store, e.table, e.rel, e.why)
+                break
             tried.add(target)
-            merged += _merge_files(store, table, target, rels, now, (manifest, ref))
+            merged += done
             break
         else:
             return merged
@@ -172,19 +198,40 @@ def _merge_files(
 ) -> bool:
     """Merge `rels` into one file in folder `target`, a day at a time (each day's rows
     sorted, its own row groups: a month is never in memory whole), and commit it."""
+    merged = read[0]["merged"]
     version = 1
     for rel in rels:
-        found = footer_version(store.read_metadata(table, rel).metadata)
+        found = _version(store, table, rel, merged.get(rel))
         if found > SCHEMA_VERSION:
             return False  # written by a newer overnight: leave it to that one
         version = max(version, found)
     by_day: dict[str, list[str]] = defaultdict(list)
     for rel in rels:
         by_day[folder_of(rel)].append(rel)
-    parts = (_sorted_day(store, table, day_rels) for _, day_rels in sorted(by_day.items()))
-    merged = read[0]["merged"]
+    parts = (_sorted_day(store, table, day_rels, merged) for _, day_rels in sorted(by_day.items()))
     first = min(first_day(merged.get(rel, {}), rel) for rel in rels)
     return commit_file(store, table, target, parts, version, rels, first, now, read)
+
+
+def _version(store: SegmentStore, table: str, rel: str, entry: dict | None) -> int:
+    """The newest schema version of a source's rows: its entry's, else its footer's;
+    `Damaged` when it has no footer that can be read (a bucket that fails raises as is:
+    in a bucket the object is fetched, and parsed apart from the request)."""
+    if entry is not None and "version" in entry:
+        return entry["version"]
+    if store.remote:
+        return footer_version(footer(store.read_bytes(table, rel), table, rel).metadata)
+    try:
+        return footer_version(store.read_metadata(table, rel).metadata)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # ArrowInvalid, OSError from a footer pyarrow cannot parse...
+        raise Damaged(table, rel, f"its footer cannot be read: {type(e).__name__}: {e}") from e
+
+
+def read_checked(store: SegmentStore, table: str, rel: str, entry: dict | None) -> pa.Table:
+    """Source `rel` read whole and verified (`Damaged` if it is not what was written)."""
+    return read_verified(store.read_bytes(table, rel), table, rel, entry)
 
 
 def commit_file(
@@ -202,20 +249,37 @@ def commit_file(
     (its rows from day `first` on); False when another merger committed first."""
     out = f"{folder}/{MERGED_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
     # Not counted yet: the manifest does not name it.
-    rows = put_segment_parts(store, table, out, parts, version)
+    written = put_segment_parts(store, table, out, parts, version, stage="merge-writing")
+    kill_point("merge-written")
     manifest, ref = read
-    entry = {"replaces": list(replaces), "at": now, "from": first}
-    manifest["merged"][out] = {**entry, **_described(table, rows, version)}
+    entries = manifest["merged"]
+    # The manifest's own order, and a time never before that of what it replaces (a
+    # merger whose clock runs ahead must not make a later rewrite look older).
+    seq = manifest.get("seq", 0) + 1
+    at = max([now, *(entries[r]["at"] for r in replaces if r in entries)])
+    entry = {"replaces": list(replaces), "at": at, "seq": seq, "from": first,
+             "bytes": written.bytes, "sha256": written.sha256,
+             **_described(table, written.rows, version)}  # fmt: skip
+    why = verify_file(store, table, out, entry)
+    if why is not None:  # never committed: its sources go on counting; it is removed later
+        raise OSError(f"{table}/{out} does not verify after it was written: {why}")
+    entries[out] = entry
+    manifest["seq"] = seq
     if write_manifest(ref, manifest) is False:  # the commit
         log.warning("%s/%s: another merger committed first; done again later", table, out)
         return False
-    log.info("%s: %s replaces %d file(s), %d row(s)", table, out, len(replaces), rows)
+    kill_point("merge-committed")
+    log.info("%s: %s replaces %d file(s), %d row(s)", table, out, len(replaces), written.rows)
     return True
 
 
-def _sorted_day(store: SegmentStore, table: str, rels: list[str]) -> pa.Table:
+def _sorted_day(
+    store: SegmentStore, table: str, rels: list[str], entries: dict[str, dict]
+) -> pa.Table:
     schema = TABLES[table]
-    merged = pa.concat_tables([conform(store.read_table(table, rel), schema) for rel in rels])
+    merged = pa.concat_tables(
+        [conform(read_checked(store, table, rel, entries.get(rel)), schema) for rel in rels]
+    )
     keys = [k for k in SORT_KEYS.get(table, [PARTITION_COLUMN[table]]) if k in schema.names]
     return merged.sort_by([(k, "ascending") for k in keys])
 
@@ -227,18 +291,27 @@ def _described(table: str, rows: int, version: int) -> dict:
 
 
 def _describe_merged(store: SegmentStore, table: str) -> None:
-    """Add `_described` to merged files committed before manifests carried it (one
-    footer each, once), so that readers stop opening their footers."""
+    """Describe merged files committed before manifests did (`_described`, their size
+    and sha256), once each, after verifying them whole (a damaged one is set aside), so
+    that readers stop opening their footers and every file has a checksum to hold to."""
     manifest, ref = read_manifest(store, table)
-    committed, _ = counted_and_replaced(manifest)
-    missing = [rel for rel in committed if "schema" not in manifest["merged"][rel]]
+    found = list_segments(store.data_dir, table, store, manifest)
+    missing = [rel for rel, e in found.entries.items() if "schema" not in e or "sha256" not in e]
+    described = 0
     for rel in missing:
-        meta = store.read_metadata(table, rel)
-        version = footer_version(meta.metadata)
         entry = manifest["merged"][rel]
-        entry.update(rows=meta.num_rows, version=version)
-        entry["schema"] = schema_fingerprint(meta.schema.to_arrow_schema())
-    if missing:
+        data = store.read_bytes(table, rel)
+        try:
+            meta = footer(data, table, rel)
+            read_verified(data, table, rel, {k: entry.get(k) for k in ("rows", "schema")})
+        except Damaged as e:
+            set_aside(store, table, rel, e.why)
+            continue
+        entry.update(rows=meta.num_rows, version=footer_version(meta.metadata))
+        entry.update(schema=file_fingerprint(meta.schema.to_arrow_schema(), table))
+        entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        described += 1
+    if described:
         write_manifest(ref, manifest)  # lost to another merger: described next time
 
 
@@ -251,30 +324,3 @@ def conform(arrow: pa.Table, schema: pa.Schema) -> pa.Table:
         for f in schema
     ]
     return pa.Table.from_arrays(columns, schema=schema)
-
-
-def _delete_replaced(store: SegmentStore, table: str, now: float) -> None:
-    """Delete replaced segments past their grace, and merged files never committed
-    (a merger that died before its commit, or lost the race to another)."""
-    manifest, ref = read_manifest(store, table)
-    doomed: list[str] = []
-    for entry in list(manifest["merged"].values()):
-        if now - entry["at"] < GRACE_SECONDS or not entry["replaces"]:
-            continue
-        for rel in entry["replaces"]:
-            doomed.append(rel)
-            manifest["merged"].pop(rel, None)  # a merged file merged again
-        entry["replaces"] = []
-    store.delete(table, doomed)
-    known = set(manifest["merged"])
-    stale = [
-        f.rel
-        for f in store.list(table)
-        if name_of(f.rel).startswith(MERGED_PREFIX)
-        and f.rel not in known
-        and f.rel not in doomed
-        and now - f.mtime > GRACE_SECONDS
-    ]
-    store.delete(table, stale)
-    if doomed:
-        write_manifest(ref, manifest)

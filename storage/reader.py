@@ -12,6 +12,10 @@ and never goes missing. With `--data` a URL, the segments are listed in the buck
 read from this machine's copies of them (fetched when missing, location.py), the live
 logs from its local directory.
 
+A damaged segment (truncated, say) is left out of the read with a warning that names
+it (manifest.py's `Segments.readable`), never fatal to the other files or tables; files
+set aside by a merge or `overnight check --quarantine` are named too.
+
 A live log is read as compaction will read it: a value that does not fit its column is
 made to fit (with a note), and a line that cannot be stored is left out here (and set
 aside when its log is compacted), so one bad line never stops a reader.
@@ -26,8 +30,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from .integrity import SET_ASIDE, quarantined
 from .location import segment_store
-from .manifest import list_segments
+from .manifest import list_segments, warn_once
 from .schema import TABLES, check_versions, schema_fingerprint
 from .segments import PARTITION_COLUMN, VERSION_KEY, log_files, read_log, row_day, to_arrow
 
@@ -145,6 +150,14 @@ def snapshot(
                 rows[table].extend((path.stem, r) for r in table_rows)
     store = segment_store(data_dir)
     listed = {name: list_segments(data_dir, name, store) for name in TABLES}
+    aside = quarantined(data_dir)
+    if aside:  # said once per process and count: a reader opens the store at every query
+        names = ", ".join(n.get("file", "?") for n in aside[:5]) + (
+            ", ..." if len(aside) > 5 else ""
+        )
+        warn_once(f"quarantined {len(aside)}", "%d damaged file(s) set aside in %s, their "
+                  "rows not read: %s; see `overnight check`", len(aside),
+                  data_dir / SET_ASIDE, names)  # fmt: skip
     live, segments = {}, {}
     for name, pairs in rows.items():
         since = None if name == "training_runs" else days_from

@@ -191,6 +191,13 @@ SIBLINGS = pa.schema(
     ]
 )
 
+# The Responses API's ids, written by compaction beside their records (response_index.py):
+# what a `previous_response_id` lookup reads instead of every record's response text.
+RESPONSE_IDS = pa.schema(
+    [("response_id", pa.string()), ("record_id", pa.string()),
+     ("schema_version", pa.int16()), ("started_at", _TS)]  # the record's
+)  # fmt: skip
+
 TABLES: dict[str, pa.Schema] = {
     "completions": COMPLETIONS,
     "rewards": REWARDS,
@@ -198,6 +205,7 @@ TABLES: dict[str, pa.Schema] = {
     "judgments": JUDGMENTS,
     "training_runs": TRAINING_RUNS,
     "siblings": SIBLINGS,
+    "response_ids": RESPONSE_IDS,
 }
 
 # Columns written as JSON text that hold timestamps as ISO strings in the log.

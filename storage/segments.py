@@ -3,10 +3,11 @@
 A log file is JSON lines, `{"t": table, "r": row}`, appended by one process. A crash
 can leave its last line torn; that line was never committed (its fsync did not
 return), so it is dropped. A sealed log becomes one Parquet file per table and day,
-`{table}/date=YYYY-MM-DD/{log stem}.parquet`, written to a temporary name, fsynced and
-renamed, and only then is the log deleted; with `--data` a URL (location.py), the
-segments are objects in the bucket, each one PUT, and the log stays on local disk until
-every one is uploaded. Readers use the stem to avoid counting a row twice while a log
+`{table}/date=YYYY-MM-DD/{log stem}.parquet`, written to a temporary name of its
+writer's own, fsynced, read back and renamed (a segment is published only whole), with
+page CRCs and a sha256 in its footer (integrity.py), and only then is the log
+deleted; with `--data` a URL (location.py), the segments are objects in the bucket,
+each one PUT, and the log stays on local disk until every one is uploaded. Readers use the stem to avoid counting a row twice while a log
 and its segment briefly both exist.
 
 No single line can stop a log from being compacted: a value Arrow refuses is made to
@@ -18,8 +19,11 @@ with the reason, counted and logged. Every file and directory made here is owner
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import logging
+import os
+import secrets
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,9 +33,10 @@ from typing import TYPE_CHECKING
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
+from .faults import kill_point
 from .files import create_private, private_dir, replace_durably
+from .integrity import Written, check_written, write_parquet
 from .schema import (
     ARROW_ERRORS,
     JSON_COLUMNS,
@@ -61,7 +66,11 @@ PARTITION_COLUMN = {
     "judgments": "created_at",
     "training_runs": "started_at",
     "siblings": "started_at",
+    "response_ids": "started_at",
 }
+# Row groups of a table whose lookups are by a key its merged days are sorted by: small
+# enough that the statistics of most of them rule a key out (response_index.py).
+ROW_GROUP_SIZES = {"response_ids": 8192}
 
 
 @dataclass
@@ -191,16 +200,6 @@ def _day(micros: object) -> str:
         return "unknown"
 
 
-def write_segment(table: pa.Table, path: Path) -> None:
-    """Write atomically: a reader sees the whole file or none of it."""
-    private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp")
-    table = _with_version(table)
-    create_private(tmp)
-    pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP_SIZE)
-    replace_durably(tmp, path)
-
-
 # The footer key of a segment's newest schema version: a reader learns it without a scan.
 VERSION_KEY = b"overnight.schema_version"
 
@@ -211,55 +210,70 @@ def footer_version(metadata: dict[bytes, bytes] | None) -> int:
     return int((metadata or {}).get(VERSION_KEY, b"1"))
 
 
-def _with_version(table: pa.Table) -> pa.Table:
-    """`table` with the newest version of its rows in the footer, read by `open_db` from
-    there (no scan)."""
+def put_segment(store: SegmentStore, name: str, rel: str, table: pa.Table) -> Written:
+    """Write segment `rel` (`date=D/x.parquet`) of table `name` (rows in its schema)
+    where `store` keeps them, with the newest schema version of its rows in the footer
+    (read by `open_db` from there: no scan). See `put_segment_parts`."""
     newest = pc.max(table.column("schema_version")).as_py() if table.num_rows else None
-    metadata = {VERSION_KEY: str(newest or SCHEMA_VERSION).encode()}
-    return table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
-
-
-def put_segment(store: SegmentStore, name: str, rel: str, table: pa.Table) -> None:
-    """Write segment `rel` (`date=D/x.parquet`) of table `name` where `store` keeps them:
-    locally with `write_segment`; in a bucket as one PUT (an object appears whole)."""
-    if not store.remote:
-        write_segment(table, store.local_path(name, rel))
-        return
-    table = _with_version(table)
-    store.write_parquet(
-        name,
-        rel,
-        lambda sink: pq.write_table(table, sink, compression="zstd", row_group_size=ROW_GROUP_SIZE),
-    )
+    return put_segment_parts(store, name, rel, [table], newest or SCHEMA_VERSION)
 
 
 def put_segment_parts(
-    store: SegmentStore, name: str, rel: str, parts: Iterable[pa.Table], version: int
-) -> int:
+    store: SegmentStore,
+    name: str,
+    rel: str,
+    parts: Iterable[pa.Table],
+    version: int,
+    stage: str = "segment-written",
+) -> Written:
     """Write segment `rel` from `parts` (each in the table's schema) one at a time, each
     part its own row groups, so that a month merged from its days is never in memory
-    whole; `version` is the newest schema version of its rows (for the footer). Atomic
-    as `put_segment`. Returns the rows written."""
+    whole; `version` is the newest schema version of its rows (for the footer).
+
+    Published only whole: locally written to a temporary name of this writer's own (two
+    processes compacting one log never write into one file), fsynced, read back (its
+    shape, its footer, its rows), then renamed; in a bucket checked the same in memory,
+    then one PUT (an object appears whole). Page CRCs and the data's sha256 go into the
+    file (integrity.py); `stage` is the crash tests' kill point before the rename."""
     schema = TABLES[name].with_metadata({VERSION_KEY: str(version).encode()})
-    rows = 0
-
-    def write(sink) -> None:
-        nonlocal rows
-        with pq.ParquetWriter(sink, schema, compression="zstd") as writer:
-            for part in parts:
-                writer.write_table(part.replace_schema_metadata(schema.metadata), ROW_GROUP_SIZE)
-                rows += part.num_rows
-
+    what = f"{name}/{rel}"
     if store.remote:
-        store.write_parquet(name, rel, write)
-        return rows
+        buffer = io.BytesIO()
+        written = write_parquet(buffer, schema, parts, ROW_GROUP_SIZES.get(name, ROW_GROUP_SIZE))
+        data = buffer.getvalue()
+        _published_whole(io.BytesIO(data), written, what)
+        store.put_bytes(name, rel, data)
+        return written
     path = store.local_path(name, rel)
     private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     create_private(tmp)
-    write(str(tmp))
-    replace_durably(tmp, path)
-    return rows
+    try:
+        with open(tmp, "wb") as f:
+            written = write_parquet(f, schema, parts, ROW_GROUP_SIZES.get(name, ROW_GROUP_SIZE))
+        with open(tmp, "rb") as f:
+            _published_whole(f, written, what)
+        kill_point(stage)
+        replace_durably(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return written
+
+
+def temp_path(path: Path) -> Path:
+    """A temporary name beside `path` that no other writer uses (`.{name}.{pid}.{hex}.tmp`;
+    merge.py removes those a killed writer left, `TEMP_SUFFIX`)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+TEMP_SUFFIX = ".tmp"
+
+
+def _published_whole(f, written: Written, what: str) -> None:
+    why = check_written(f, written)
+    if why is not None:  # an OSError: the log (or the merge's sources) stays, tried again
+        raise OSError(f"{what} was not written whole ({why}); it is not published")
 
 
 def log_files(data_dir: Path) -> list[Path]:

@@ -60,6 +60,10 @@ class WriterHealth:
     rows_compacted: int  # rows moved from the log into Parquet segments
     lines_quarantined: int  # log lines set aside by compaction (data_dir/quarantine/)
     compact_errors: int  # compactions that failed (the log stays, and is tried again)
+    # Damaged Parquet files set aside (data_dir/quarantine/files/): their rows are not
+    # read until restored; while there are any, status is "degraded" and the reason
+    # names them (integrity.py, `overnight check`).
+    files_quarantined: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -178,10 +182,19 @@ class LogWriter:
 
     def health(self) -> WriterHealth:
         """Whether recording works now, and the counters. "degraded" from the first
-        batch that could not be written until the next one that was."""
+        batch that could not be written until the next one that was, and while damaged
+        files are set aside in the quarantine."""
         reason, since = self._degraded or (None, None)
+        aside = self._compactor.quarantined()
+        if reason is None and aside:  # recording works; some records are not readable
+            names = ", ".join(n.get("file", "?") for n in aside[:3])
+            reason = (
+                f"{len(aside)} damaged file(s) set aside in quarantine/files (their rows are "
+                f"not read): {names}{', ...' if len(aside) > 3 else ''}; see `overnight check`"
+            )
+            since = aside[0].get("at")
         return WriterHealth(
-            status="ok" if self._degraded is None else "degraded",
+            status="ok" if reason is None else "degraded",
             reason=reason,
             since=since,
             rows_written=self.rows_committed,
@@ -191,6 +204,7 @@ class LogWriter:
             rows_compacted=self.rows_compacted,
             lines_quarantined=self.lines_quarantined,
             compact_errors=self.compact_errors,
+            files_quarantined=len(aside),
         )
 
     def close(self) -> None:

@@ -224,6 +224,26 @@ def test_a_closed_day_is_merged_in_the_bucket_without_counting_a_row_twice(s3, t
     assert [p.name for p in copies] == [merged.rsplit("/", 1)[1]]
 
 
+def test_a_damaged_object_is_set_aside_in_the_bucket_and_never_merged(s3, tmp_path):
+    """A truncated object: the merge that reads it verifies it, moves it under
+    `quarantine/` (the reason kept on this machine too) and merges the rest."""
+    from overnight.storage.integrity import quarantined
+
+    _, client = s3
+    local = attach(f"s3://{BUCKET}/damaged", tmp_path / "local")
+    write_past_day(local, logs=3, per_log=4, day_ago=time.time_ns() // 1000 - 2 * 86_400_000_000)
+    victim = [k for k in objects(client, "damaged") if k.startswith("completions/date=")][0]
+    key = f"damaged/{victim}"
+    data = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    client.put_object(Bucket=BUCKET, Key=key, Body=data[: len(data) // 2])
+    later = time.time() + merge_module.MERGE_AFTER + 1
+    merge_module.merge_closed_days(local, now=later)
+    assert f"quarantine/{victim}" in objects(client, "damaged")
+    assert [n["file"] for n in quarantined(local)] == [victim]
+    (merged,) = segment_files(local, "completions")
+    assert rows(local, "SELECT count(*) AS n FROM completions") == [{"n": 8}]
+
+
 def test_two_machines_merging_one_day_never_count_a_row_twice(s3, tmp_path, monkeypatch):
     """Mergers on two machines (two local directories: no lock in common) pick the same
     day; B commits while A is between its merged upload and its commit. The bucket
@@ -315,7 +335,8 @@ def test_prune_deletes_old_days_from_the_bucket(s3, tmp_path):
         and "completions     1 day(s)      1 file(s)            2 row(s)" in shown
     )
     assert "deleted 1 day partition(s)" in cli(*args, "--yes")
-    assert len([k for k in objects(client, "prune") if k.startswith("completions/")]) == 1
+    segments = [k for k in objects(client, "prune") if k.startswith("completions/date=")]
+    assert len(segments) == 1  # beside the manifest, which records the cutoff
     assert rows(local, "SELECT count(*) AS n FROM completions") == [{"n": 1}]
 
 

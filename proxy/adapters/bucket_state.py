@@ -41,7 +41,7 @@ from overnight.storage.conditional import ABSENT, delete, etag, get, put_if
 from overnight.storage.location import SegmentStore, data_url
 
 from .lora_client import AdapterError
-from .state_file import write_state
+from .state_file import parse_state, write_state
 
 log = logging.getLogger("overnight.proxy")
 # A lease outlives the loads of one promotion on every replica; a dead proxy's lease
@@ -93,8 +93,7 @@ class BucketState:
         if data is None:
             self._seen, self._seen_version = ABSENT, 0
             return {}
-        state = json.loads(data)
-        state.setdefault("version", 0)
+        state = parse_state(data, f"{self.url}/{self.path.name}")
         self._seen, self._seen_version = tag, state["version"]
         self._mirror(state)
         return state

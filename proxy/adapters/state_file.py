@@ -29,6 +29,7 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+from overnight.errors import ConfigError
 from overnight.storage import fsync_path
 
 Stamp = tuple[int, int, int] | None  # (inode, size, mtime_ns); None: no file
@@ -53,6 +54,23 @@ def write_state(path: Path, state: dict) -> None:
         fsync_path(path.parent)
 
 
+def parse_state(text: bytes | str, where: str) -> dict:
+    """The promotion state in `text` (read from `where`, named in the error), `version` 0
+    if unversioned; a ConfigError saying what to do when it is not one."""
+    try:
+        state = json.loads(text)
+        if not isinstance(state, dict):
+            raise ValueError(f"a JSON {type(state).__name__}, not an object")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(
+            f"{where} is not a promotion state ({type(e).__name__}: {str(e)[:200]}): restore "
+            "it from a backup, or move it aside to serve the base model (the adapters under "
+            "adapters/ stay; promote one again)"
+        ) from e
+    state.setdefault("version", 0)
+    return state
+
+
 class StateFile:
     remote = False  # a local (or NFS) file: no call needs to leave the event loop
 
@@ -75,11 +93,10 @@ class StateFile:
     def read(self) -> dict:
         """The state ({} when nothing was ever promoted here); `version` 0 if unversioned."""
         try:
-            state = json.loads(self.path.read_text())
+            text = self.path.read_bytes()
         except FileNotFoundError:
             return {}
-        state.setdefault("version", 0)
-        return state
+        return parse_state(text, str(self.path))
 
     def write(self, state: dict) -> dict:
         """Write `state` as the next version (call under `locked`); returns what was written."""

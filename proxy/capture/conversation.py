@@ -18,10 +18,15 @@ messages without their system message, the earlier reply's output text as assist
 messages (its function calls and reasoning are NOT carried over), then the new input
 (vllm/entrypoints/openai/responses/utils.py, construct_input_messages). `ResponseChains`
 keeps, per response id, what such a continuation carries over (`carried_over`), for the
-last 10,000 responses this process answered; an id it does not hold is looked up in the
-store (the record of that response holds its whole conversation), in an executor, and
-where it is nowhere the turn is recorded from its own items with `history_missing`
-naming the unknown id (the client's request is never failed for it: vLLM decides).
+responses this process answered, as many as fit in `CHAIN_BYTES` (counted as text, a
+message shared by several chains once); an id it does not hold is looked up in the store
+(the record of that response holds its whole conversation) through the store's index of
+Responses ids (storage/response_index.py), on a thread of its own, one lookup at a time,
+for `LOOKUP_WAIT` seconds at most, an id found nowhere remembered as such for a while.
+Where it is nowhere, the turn is recorded from its own items with `history_missing`
+naming the unknown id (the client's request is never failed for it: vLLM decides, and
+answers an id it does not know with its own 404). Any client may send any id: none of
+this may cost more than the index does.
 """
 
 from __future__ import annotations
@@ -29,14 +34,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from overnight.storage import open_db
+from overnight.storage.response_index import ResponseIndex
 
 RESPONSES = "responses"
 MESSAGES = "messages"
@@ -58,6 +65,16 @@ def carried_over(conversation: list[dict]) -> list[dict]:
     return kept
 
 
+# What the chains in memory may hold, counted as text (`_size`): a conversation's chains
+# share their messages, so a message is counted once however many chains hold it.
+CHAIN_BYTES = 64 * 1024 * 1024
+CHAIN_COUNT = 100_000  # and at most this many chains, whatever their size
+LOOKUP_WAIT = 1.0  # how long a request waits for its chain from the store, at most
+LOOKUPS_PENDING = 16  # lookups waiting their turn, at most; more are answered "missing"
+ABSENT_SECONDS = 60.0  # an id found nowhere is not looked up again for this long
+ABSENT_KEPT = 10_000
+
+
 @dataclass
 class Chain:
     messages: list[dict]  # what a continuation carries over (`carried_over`)
@@ -67,14 +84,24 @@ class Chain:
 class ResponseChains:
     """Response id -> what a request continuing it carries over.
 
-    Bounded (least recently used out first); an id not held is looked up in the store
-    under `data_dir` (`find`), and a chain found nowhere is recorded from where it is
-    known, the record saying so (`history_missing`)."""
+    Bounded in bytes and in count (least recently used out first); an id not held is
+    looked up in the store under `data_dir` (`find`), and a chain found nowhere is
+    recorded from where it is known, the record saying so (`history_missing`)."""
 
-    def __init__(self, capacity: int = 10_000, data_dir: Path | None = None):
+    def __init__(
+        self, capacity: int = CHAIN_COUNT, data_dir: Path | None = None,
+        max_bytes: int = CHAIN_BYTES,
+    ):  # fmt: skip
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self.data_dir = data_dir
         self.chains: OrderedDict[str, Chain] = OrderedDict()
+        self.bytes = 0  # of the messages held (each once)
+        self._held: dict[int, list] = {}  # id(message) -> [message, size, chains holding it]
+        self._lookups: dict[str, asyncio.Future] = {}
+        self._absent: OrderedDict[str, float] = OrderedDict()  # id -> when found nowhere
+        self._pool: ThreadPoolExecutor | None = None
+        self._index: ResponseIndex | None = None
 
     def get(self, response_id: str) -> Chain | None:
         found = self.chains.get(response_id)
@@ -87,48 +114,94 @@ class ResponseChains:
         self._keep(response_id, Chain(carried_over(conversation), missing))
 
     def _keep(self, response_id: str, chain: Chain) -> None:
+        old = self.chains.pop(response_id, None)
+        if old is not None:
+            self._release(old)
+        for message in chain.messages:
+            held = self._held.get(id(message))
+            if held is None:
+                held = self._held[id(message)] = [message, _size(message), 0]
+                self.bytes += held[1]
+            held[2] += 1
         self.chains[response_id] = chain
-        self.chains.move_to_end(response_id)
-        if len(self.chains) > self.capacity:
-            self.chains.popitem(last=False)
+        self._absent.pop(response_id, None)
+        while self.chains and (len(self.chains) > self.capacity or self.bytes > self.max_bytes):
+            self._release(self.chains.popitem(last=False)[1])
+
+    def _release(self, chain: Chain) -> None:
+        for message in chain.messages:
+            held = self._held.get(id(message))
+            if held is None:
+                continue
+            held[2] -= 1
+            if held[2] == 0:
+                del self._held[id(message)]
+                self.bytes -= held[1]
 
     async def find(self, response_id: str) -> Chain | None:
         """The chain in memory, else rebuilt from the stored record of that response
-        (read in an executor: the store may be large); None where it is nowhere."""
+        (off the event loop, bounded: the module's doc); None where it is nowhere, or
+        when the store did not answer in time (the lookup goes on, for the next turn)."""
         found = self.get(response_id)
         if found is not None or self.data_dir is None:
             return found
-        loop = asyncio.get_running_loop()
+        seen = self._absent.get(response_id)
+        if seen is not None and time.monotonic() - seen < ABSENT_SECONDS:
+            return None
+        lookup = self._lookups.get(response_id)
+        if lookup is None:
+            if len(self._lookups) >= LOOKUPS_PENDING:
+                log.warning("%d store lookups of response ids pending: %s recorded as missing",
+                            len(self._lookups), response_id)  # fmt: skip
+                return None
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="overnight-chains")
+                self._index = ResponseIndex(self.data_dir)  # used on that thread alone
+            loop = asyncio.get_running_loop()
+            lookup = loop.run_in_executor(self._pool, stored_chain, self._index, response_id)
+            self._lookups[response_id] = lookup
+            lookup.add_done_callback(lambda done: self._looked_up(response_id, done))
         try:
-            found = await loop.run_in_executor(None, stored_chain, self.data_dir, response_id)
+            return await asyncio.wait_for(asyncio.shield(lookup), LOOKUP_WAIT)
+        except TimeoutError:
+            log.warning("response %s not found in the store within %.1f s: recorded as "
+                        "missing", response_id, LOOKUP_WAIT)  # fmt: skip
         except Exception:  # an unreadable store must not fail the request: noted as missing
             log.exception("could not look up response %s in the store", response_id)
-            return None
+        return None
+
+    def _looked_up(self, response_id: str, done: asyncio.Future) -> None:
+        self._lookups.pop(response_id, None)
+        found = None if done.cancelled() or done.exception() else done.result()
         if found is not None:
             self._keep(response_id, found)
-        return found
+            return
+        self._absent[response_id] = time.monotonic()
+        while len(self._absent) > ABSENT_KEPT:
+            self._absent.popitem(last=False)
 
 
-def stored_chain(data_dir: Path, response_id: str) -> Chain | None:
-    """The chain of `response_id` from its record in the store, or None."""
-    con = open_db(data_dir)
-    try:
-        # `contains` is a cheap scan that finds the id's text; the JSON is checked below.
-        rows = con.execute(
-            "SELECT request, response FROM completions WHERE endpoint = ? "
-            "AND contains(response, ?) ORDER BY started_at DESC",
-            [RESPONSES, json.dumps(response_id)],
-        ).fetchall()
-    finally:
-        con.close()
-    for request_text, response_text in rows:
-        response = json.loads(response_text)
-        if response.get("id") != response_id or not request_text:
-            continue
-        request = json.loads(request_text)
-        reply = ((response.get("choices") or [{}])[0]).get("message") or {}
-        return Chain(carried_over([*request["messages"], reply]), request.get("history_missing"))
-    return None
+def _size(value: Any) -> int:
+    """What a message holds, counted as text (an estimate: no serialisation)."""
+    if isinstance(value, str):
+        return len(value) + 50
+    if isinstance(value, dict):
+        return 64 + sum(len(k) + _size(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return 56 + sum(_size(v) for v in value)
+    return 24
+
+
+def stored_chain(index: ResponseIndex, response_id: str) -> Chain | None:
+    """The chain of `response_id` from its record in the store (`index`'s), or None."""
+    found = index.find(response_id)
+    if found is None or not found[0] or not found[1]:
+        return None
+    request, response = json.loads(found[0]), json.loads(found[1])
+    if response.get("id") != response_id:
+        return None
+    reply = ((response.get("choices") or [{}])[0]).get("message") or {}
+    return Chain(carried_over([*request["messages"], reply]), request.get("history_missing"))
 
 
 CHAINS = web.AppKey("response_chains", ResponseChains)
