@@ -240,10 +240,10 @@ def prune(
         raise click.UsageError("say what to prune: --older-than AGE, --adapters, or both")
     if older_than is not None:
         _prune_days(data_dir, older_than, yes)
-    if adapters:
-        _prune_adapters(
-            data_dir, keep_adapters, proxy_of(data_dir, proxy_url, None), admin_token, yes
-        )
+    if older_than is not None or adapters:
+        # With --older-than alone, adapters are pruned where that is safe here, else said.
+        _prune_adapters(data_dir, keep_adapters, proxy_of(data_dir, proxy_url, None),
+                        admin_token, yes, required=adapters)  # fmt: skip
 
 
 def _prune_days(data_dir: Path, older_than: str, yes: bool) -> None:
@@ -264,10 +264,18 @@ def _prune_days(data_dir: Path, older_than: str, yes: bool) -> None:
 
 
 def _prune_adapters(
-    data_dir: Path, keep: int, proxy_url: str | None, token: str | None, yes: bool
-) -> None:
+    data_dir: Path, keep: int, proxy_url: str | None, token: str | None, yes: bool,
+    required: bool = True,
+) -> None:  # fmt: skip
     """Through the proxy serving the data directory (it knows what its replicas loaded,
-    and deletes under its promotion locks), else offline under the state file's lock."""
+    and deletes under its promotion locks), else offline under the state file's lock.
+    Not `required` (prune --older-than alone): a bucket without a proxy is said, not fatal."""
+    from .storage.location import segment_store
+
+    if proxy_url is None and not required and segment_store(data_dir).url is not None:
+        click.echo("adapters: not pruned (with a bucket, give --proxy URL: another machine's "
+                   "proxy may be loading one)")  # fmt: skip
+        return
     if proxy_url is not None:
         from .trainer.night.proxy_client import admin_call
 

@@ -161,3 +161,20 @@ def test_the_cli_prunes_through_the_proxy_or_offline(tmp_path):
     assert out.exit_code == 0 and not old.exists() and served.exists(), out.output
     bare = CliRunner().invoke(main, ["prune", "--data", str(data)])
     assert bare.exit_code != 0 and "--older-than AGE, --adapters" in bare.output
+
+
+def test_prune_older_than_prunes_adapters_too(tmp_path):
+    """`overnight prune --older-than` alone prunes adapters beside the days (the default
+    --keep-adapters): an adapter nothing serves or can roll back to goes."""
+    data = tmp_path / "data"
+    served, old = night_adapter(data, 1), night_adapter(data, 0)
+    data.joinpath("adapters.json").write_text(json.dumps({
+        "version": 1, "stack": ["policy-v1"],
+        "adapters": [{"name": "policy-v1", "version": 1, "path": str(served),
+                      "promoted_at": "2026-12-01T00:00:00+00:00"}],
+    }))  # fmt: skip
+    args = ["prune", "--data", str(data), "--older-than", "30d", "--proxy", ""]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0 and f"would delete {old}" in out.output and old.exists(), out.output
+    out = CliRunner().invoke(main, [*args, "--yes"])
+    assert out.exit_code == 0 and not old.exists() and served.exists(), out.output
