@@ -29,8 +29,15 @@ time too (what a shared machine's other load does not inflate). Prints a table, 
 over the lengths (log-log slope) and the goals: at 4k, ours at most 0.5x TRL's peak and
 no slower; the exponent at most 1.1.
 
+`--head` measures the logits' part alone instead: trainer/grpo/head.py's forward and
+backward over 1024 trained tokens at the shape's vocabulary and width, a chunk of 256
+and of 1024 tokens at a time, float32 and bfloat16, raw and top-k/top-p sampling; the
+difference between the two chunks' peaks is what a chunk holds per token, in float32
+copies of the vocabulary's logits (trainer/run/memory.py's LOGIT_COPIES).
+
     python bench/trainer_scale.py                 # CPU: 0.5B shape, 2 layers
     python bench/trainer_scale.py --device cuda --dtype bfloat16 --shape 7b --layers 0
+    python bench/trainer_scale.py --head          # the logits' memory per chunk token
 """
 
 from __future__ import annotations
@@ -215,6 +222,42 @@ def run_trl(args, samples, prompt_len):
     return measure(step, args)
 
 
+HEAD_TOKENS = 1024  # trained tokens in the --head measurement
+HEAD_CHUNKS = (256, 1024)
+HEAD_SAMPLING = {"raw": (1.0, 0, 1.0, 0.0), "top-k 50, top-p 0.9": (0.9, 50, 0.9, 0.0)}
+
+
+def run_head(args, chunk: int) -> dict:
+    """chunked_logprobs' forward and backward alone: a frozen (V, H) head, HEAD_TOKENS
+    hidden states that want their gradient (what LoRA below the head gets)."""
+    import torch
+
+    from overnight.trainer.grpo.head import chunked_logprobs
+
+    shape = SHAPES[args.shape]
+    vocab, width = shape["vocab_size"], shape["hidden_size"]
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator(device=args.device).manual_seed(0)
+    with torch.device(args.device):
+        head = torch.nn.Linear(width, vocab, bias=False, dtype=dtype).requires_grad_(False)
+        head.weight.normal_(0, 0.02, generator=generator)
+        hidden = torch.randn(HEAD_TOKENS, width, dtype=dtype, generator=generator)
+        hidden.requires_grad_(True)
+        targets = torch.randint(3, vocab, (HEAD_TOKENS,), generator=generator)
+        weights = torch.linspace(-1, 1, HEAD_TOKENS)
+        t, k, p, m = HEAD_SAMPLING[args.sampling]
+        params = (torch.full((HEAD_TOKENS,), t), torch.full((HEAD_TOKENS,), k),
+                  torch.full((HEAD_TOKENS,), p), torch.full((HEAD_TOKENS,), m))  # fmt: skip
+
+    def step():
+        hidden.grad = None
+        (chunked_logprobs(head, hidden, targets, params, chunk) * weights).sum().backward()
+
+    result = measure(step, args)
+    result.update(trained=HEAD_TOKENS, tokens=HEAD_TOKENS, chunk=chunk)
+    return result
+
+
 def measure(step, args) -> dict:
     """Seconds of the first step (the median of `repeats` more, if any) and its peak."""
     import torch
@@ -259,6 +302,9 @@ def side(args) -> None:
     import torch
 
     torch.set_num_threads(torch.get_num_threads())
+    if args.side == "head":
+        print(json.dumps(run_head(args, args.tokens)))
+        return
     vocab = SHAPES[args.shape]["vocab_size"]
     samples, prompt_len = group(vocab, args.tokens)
     result = (run_ours if args.side == "ours" else run_trl)(args, samples, prompt_len)
@@ -267,10 +313,10 @@ def side(args) -> None:
     print(json.dumps(result))
 
 
-def spawn(args, which: str, tokens: int) -> dict:
+def spawn(args, which: str, tokens: int, **override) -> dict:
     command = [sys.executable, __file__, "--side", which, "--tokens", str(tokens)]
-    for name in ("shape", "layers", "dtype", "device", "repeats", "attention"):
-        command += [f"--{name}", str(getattr(args, name))]
+    for name in ("shape", "layers", "dtype", "device", "repeats", "attention", "sampling"):
+        command += [f"--{name}", str(override.get(name, getattr(args, name)))]
     out = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:160]}
@@ -298,11 +344,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=0)
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--timeout", type=float, default=1200)
-    parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--head", action="store_true", help="the logits' memory per chunk token")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--side", choices=["ours", "trl", "head"], help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--sampling", default="raw", choices=HEAD_SAMPLING, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         side(args)
+        return
+    if args.head:
+        write(args, head_table(args))
         return
     if args.trl_lengths is None:
         args.trl_lengths = (
@@ -312,12 +364,53 @@ def main() -> None:
     print(f"{args.shape} shape, {layers} layers, {args.dtype} on {args.device}; "
           f"a group of {ROLLOUTS} rollouts, a shared prompt of a quarter")  # fmt: skip
     rows = {}
+    started = time.perf_counter()
     for tokens in args.lengths:
         ours = spawn(args, "ours", tokens)
         trl = spawn(args, "trl", tokens) if tokens in args.trl_lengths else {"error": "not run"}
         rows[tokens] = (ours, trl)
         print(line(tokens, ours, trl), flush=True)
-    summary(rows, args)
+    figures = summary(rows, args)
+    figures["seconds"] = round(time.perf_counter() - started, 1)
+    print(f"the whole run: {figures['seconds']:.0f} s")
+    figures["rows"] = {n: {"ours": o, "trl": t} for n, (o, t) in rows.items()}
+    write(args, figures)
+
+
+def write(args, figures: dict) -> None:
+    if args.json:
+        options = {k: v for k, v in vars(args).items() if k not in ("side", "tokens", "json")}
+        figures = {"command": " ".join(sys.argv), "options": options, **figures}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=1, default=str) + "\n")
+
+
+def head_table(args) -> dict:
+    """The logits' peak per chunk token, in float32 copies of a row of the vocabulary."""
+    vocab = SHAPES[args.shape]["vocab_size"]
+    row = vocab * 4 / 2**20  # MB of one token's float32 logits
+    print(f"the logits alone: {HEAD_TOKENS} trained tokens, vocabulary {vocab}, hidden "
+          f"{SHAPES[args.shape]['hidden_size']}, on {args.device}; one token's float32 logits: "
+          f"{row:.3f} MB")  # fmt: skip
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        for sampling in HEAD_SAMPLING:
+            runs = {c: spawn(args, "head", c, dtype=dtype, sampling=sampling) for c in HEAD_CHUNKS}
+            small, large = (runs[c] for c in HEAD_CHUNKS)
+            entry = {"dtype": dtype, "sampling": sampling, "runs": runs}
+            if "error" in small or "error" in large:
+                print(f"{dtype:>8} {sampling:<20} {small.get('error') or large.get('error')}")
+                out.append(entry)
+                continue
+            per_token = (large["peak_mb"] - small["peak_mb"]) / (HEAD_CHUNKS[1] - HEAD_CHUNKS[0])
+            entry["copies"] = per_token / row
+            entry["fixed_mb"] = small["peak_mb"] - entry["copies"] * row * HEAD_CHUNKS[0]
+            peaks = ", ".join(f"chunk {c}: {r['peak_mb']:.0f} MB in {r['seconds']:.1f} s"
+                              for c, r in runs.items())  # fmt: skip
+            print(f"{dtype:>8} {sampling:<20} {peaks}; per chunk token {per_token:.3f} MB = "
+                  f"{entry['copies']:.2f} copies, {entry['fixed_mb']:.0f} MB besides", flush=True)  # fmt: skip
+            out.append(entry)
+    return {"head": out}
 
 
 def line(tokens: int, ours: dict, trl: dict) -> str:
@@ -333,21 +426,38 @@ def line(tokens: int, ours: dict, trl: dict) -> str:
     return f"{tokens:>6} tokens/rollout, {trained:>6} trained | ours {cell(ours)} | TRL {cell(trl)}"
 
 
-def summary(rows: dict, args) -> None:
+def machine_mb(device: str) -> float:
+    """The device's whole memory: the GPU's, or the machine's MemTotal."""
+    if device != "cpu":
+        import torch
+
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory / 2**20
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("MemTotal:"))
+
+
+def summary(rows: dict, args) -> dict:
     print(
         "columns: peak above the start, time per trained token (wall, and CPU time per trained "
         "token), tokens/s (every rollout token)"
     )
+    figures: dict = {}
     points = [(n, o["peak_mb"]) for n, (o, _) in rows.items() if "error" not in o]
     if len(points) >= 2:
-        k = exponent(points)
+        k = figures["exponent"] = exponent(points)
         print(f"ours: peak memory ~ tokens^{k:.2f} over {points[0][0]}-{points[-1][0]}   "
               f"goal <= 1.1: {'PASS' if k <= 1.1 else 'FAIL'}")  # fmt: skip
         growth = ", ".join(f"{n}: +{p - points[0][1]:.0f} MB" for n, p in points[1:])
         print(f"ours: above the peak at {points[0][0]} (the logits' chunk, fixed): {growth}")
     longest = max(rows)
     ours_longest = rows[longest][0]
-    print(f"ours at {longest}: " + ours_longest.get("error", "trained"))
+    figures["machine_mb"] = machine_mb(args.device)
+    trained = ours_longest.get("error") or (
+        f"trained, peak {ours_longest['peak_mb']:.0f} MB above the start of the "
+        f"{figures['machine_mb']:.0f} MB the {args.device} has"
+    )
+    print(f"ours at {longest}: {trained}")
+    figures[f"ours_{longest}"] = trained
     if 4096 in rows and "error" not in rows[4096][0] and "error" not in rows[4096][1]:
         ours, trl = rows[4096]
         memory = ours["peak_mb"] / max(trl["peak_mb"], 1e-9)
@@ -357,6 +467,8 @@ def summary(rows: dict, args) -> None:
               f"{'PASS' if memory <= 0.5 else 'FAIL'}")  # fmt: skip
         print(f"at 4096: time vs TRL {speed:.2f}x (CPU time {cpu:.2f}x)   goal <= 1: "
               f"{'PASS' if speed <= 1 else 'FAIL'}")  # fmt: skip
+        figures["at_4096"] = {"memory_vs_trl": memory, "time_vs_trl": speed, "cpu_vs_trl": cpu}
+    return figures
 
 
 if __name__ == "__main__":

@@ -1,27 +1,32 @@
 """The trainer at real shapes, each part against the path it replaces (float32, tiny model).
 
 - Logits in chunks (trainer/grpo/head.py): the same logprobs and LoRA gradients as the
-  whole (N, V) projection, with and without top-k/top-p/min-p, at several chunk sizes;
-  and autograd keeps no tensor as wide as the vocabulary.
+  whole (N, V) projection, with and without top-k/top-p/min-p, at several chunk sizes,
+  each token with its own parameters; and autograd keeps no tensor as wide as the
+  vocabulary.
 - Gradient checkpointing: the same gradients, with far less kept for the backward; in
   one process and under torchrun and FSDP (the same adapter as one process without it).
-- Attention at length (trainer/grpo/attention.py): long rows forwarded alone, and flex
-  attention's block masks (forward only on a CPU), give the masked path's logprobs; an
-  explicit mask is used only where it costs less than repeating the prompt.
+- Attention at length (trainer/grpo/attention.py): long rows forwarded alone (with and
+  without a shared prompt's mask), and flex attention's block masks (forward only on a
+  CPU), give the masked path's logprobs; an explicit mask is used only where it costs
+  less than repeating the prompt.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 import subprocess
 from dataclasses import replace
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 
 from overnight.config import TrainConfig
+from overnight.trainer.grpo import sampling
 from overnight.trainer.grpo.attention import LONG_ROW, row_passes, sharing_pays
 from overnight.trainer.grpo.checkpointing import enable_gradient_checkpointing, wants_checkpointing
 from overnight.trainer.grpo.data import Turn, merge_turns
@@ -55,10 +60,14 @@ def model(tiny_model_dir):
     return model
 
 
-def make_samples(vocab: int, params: SamplingParams, lengths=(5, 30, 12), groups: int = 2):
+def make_samples(
+    vocab: int, params: SamplingParams | list[SamplingParams], lengths=(5, 30, 12), groups: int = 2
+):
     """Groups of rollouts under one 16-token prompt each, two turns per rollout (the first
-    reply is context of the second turn), sampled with `params`."""
+    reply is context of the second turn), sampled with `params`; a list: each turn the
+    next of them in turn, so neighbouring trained tokens (and a chunk's rows) differ."""
     rng = random.Random(3)
+    turn_params = itertools.cycle([params] if isinstance(params, SamplingParams) else params)
     samples = []
     for g in range(groups):
         prompt = [rng.randrange(3, vocab) for _ in range(16)]
@@ -67,8 +76,8 @@ def make_samples(vocab: int, params: SamplingParams, lengths=(5, 30, 12), groups
             tool = [rng.randrange(3, vocab) for _ in range(7)]
             second = [rng.randrange(3, vocab) for _ in range(n // 2 + 1)]
             turns = [
-                Turn(prompt, first, [-3.0] * n, params),
-                Turn(prompt + first + tool, second, [-3.0] * len(second), params),
+                Turn(prompt, first, [-3.0] * n, next(turn_params)),
+                Turn(prompt + first + tool, second, [-3.0] * len(second), next(turn_params)),
             ]
             (s,) = merge_turns(f"{g}.{k}", f"g{g}", turns)
             samples.append(replace(s, advantage=rng.uniform(-1, 1)))
@@ -76,7 +85,8 @@ def make_samples(vocab: int, params: SamplingParams, lengths=(5, 30, 12), groups
 
 
 def unchunked(model, batch) -> torch.Tensor:
-    """The head as it was: every trained token's (N, V) logits at once."""
+    """The head as it was: every trained token's (N, V) logits at once, in one forward
+    pass, the top-k/top-p filters over all rows at once (not a block of rows at a time)."""
     decoder, head = _parts(model)
     hidden = decoder(
         input_ids=batch["input_ids"],
@@ -87,7 +97,8 @@ def unchunked(model, batch) -> torch.Tensor:
     hidden = hidden.reshape(-1, hidden.shape[-1])[batch["predictor_index"]]
     targets = batch["input_ids"].reshape(-1)[batch["trained_index"]]
     params = [batch[k] for k in ("temperature", "top_k", "top_p", "min_p")]
-    return processed_logprobs(head(hidden), targets, *params)
+    with mock.patch.object(sampling, "FILTER_ROWS", 10**9):
+        return processed_logprobs(head(hidden), targets, *params)
 
 
 def logprobs_and_grads(model, batch, compute):
@@ -118,6 +129,27 @@ def test_chunked_logits_give_the_unchunked_logprobs_and_gradients(model, samplin
     ours = logprobs_and_grads(model, batch, lambda m, b: trained_logprobs(m, b, chunk))
     assert len(ours[0]) > 100  # several chunks at every size but the last
     assert_same(ours, reference)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100_000])
+def test_each_token_keeps_its_own_sampling_parameters_across_chunks(model, chunk):
+    """Every turn sampled differently (raw, tempered, top-k, top-p, min-p; a greedy one):
+    a chunk or a filter block that took its rows' parameters from the wrong rows would
+    differ from the reference, whose rows all go through at once."""
+    mixed = [*SAMPLING.values(), SamplingParams(temperature=0.0, top_k=5)]
+    samples = make_samples(model.config.vocab_size, mixed, lengths=(5, 30, 12, 40), groups=3)
+    batch = pack(samples, share_prompts=True)
+    assert len(set(batch["top_k"].tolist())) == 3 and len(set(batch["top_p"].tolist())) == 3
+    assert len(batch["trained_index"]) > 2 * sampling.FILTER_ROWS  # several filter blocks
+    reference = logprobs_and_grads(model, batch, unchunked)
+    ours = logprobs_and_grads(model, batch, lambda m, b: trained_logprobs(m, b, chunk))
+    assert_same(ours, reference)
+    # The parameters matter here: the raw logprobs of the same tokens are far from these.
+    neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    raw = {k: torch.full_like(batch[k], v) for k, v in neutral.items()}
+    with torch.no_grad():
+        plain = trained_logprobs(model, {**batch, **raw}, chunk)
+    assert (plain - ours[0]).abs().max().item() > 0.1
 
 
 def test_any_other_head_is_chunked_under_checkpoint(model):
@@ -249,6 +281,54 @@ def test_long_rows_run_alone_with_the_one_pass_logprobs(model):
         ours = trained_logprobs(model, batch)
         one_pass = unchunked(model, batch)  # transformers' (B, L, L) mask from the position ids
     assert (ours - one_pass).abs().max().item() < 1e-5
+
+
+def long_shared_samples(vocab: int) -> list:
+    """A group whose two shorter rollouts share a 900-token prompt in a row of 1250 tokens
+    (its longest, 1400, fills a row alone), a short group sharing a 40-token prompt in the
+    same row, and two short unshared sequences in a third."""
+    rng = random.Random(8)
+
+    def tokens(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    def rollout(name, group, prompt, reply):
+        logged = [-2.0] * len(reply)
+        return merge_turns(name, group, [Turn(prompt, reply, logged, SAMPLING["top-k"])])[0]
+
+    long_prompt, short_prompt = tokens(900), tokens(40)
+    samples = [rollout(f"a{i}", "a", long_prompt, tokens(n)) for i, n in enumerate((500, 200, 150))]
+    samples += [rollout(f"b{i}", "b", short_prompt, tokens(n)) for i, n in enumerate((30, 20))]
+    samples += [rollout(f"c{i}", f"c{i}", tokens(100), tokens(100)) for i in range(2)]
+    return samples
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_long_rows_with_shared_prompts_run_alone_under_their_part_of_the_mask(model, attention):
+    """A long row that shares a prompt runs alone under its own rows and columns of the
+    explicit mask: the logprobs (and, sdpa, the gradients) of one pass over the whole
+    (B, 1, L, L) mask, and those of the prompts repeated."""
+    samples = long_shared_samples(model.config.vocab_size)
+    batch = pack(samples, share_prompts=True)
+    lengths = batch["row_lengths"].tolist()
+    assert lengths == [1400, 900 + 200 + 150 + 40 + 30 + 20, 400] and "attention_mask" in batch
+    assert row_passes(lengths, flex=False) == [(0, 1, 1400), (1, 2, 1340), (2, 3, 400)]
+    ours_model = model
+    if attention == "eager":
+        ours_model = copy.deepcopy(model)
+        ours_model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        repeated = trained_logprobs(model, pack(samples))
+    if attention == "eager":
+        with torch.no_grad():
+            ours = trained_logprobs(ours_model, batch)
+            reference = unchunked(model, batch)
+    else:
+        ours, grads = logprobs_and_grads(model, batch, trained_logprobs)
+        reference, reference_grads = logprobs_and_grads(model, batch, unchunked)
+        assert_same((ours, grads), (reference, reference_grads))
+    assert (ours - reference).abs().max().item() < 1e-5
+    assert (ours - repeated).abs().max().item() < 1e-5
 
 
 @pytest.fixture(scope="module")

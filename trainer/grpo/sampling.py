@@ -48,7 +48,7 @@ _NEUTRAL_EXTRAS = {
 }
 _MASKING_FIELDS = ("logit_bias", "bad_words", "allowed_token_ids", "structured_outputs")
 # Rows whose filters (min-p, top-k, top-p) are worked out at once (`_dropped`).
-_FILTER_ROWS = 128
+FILTER_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -210,8 +210,8 @@ def _dropped(
     import torch
 
     dropped = torch.zeros_like(logits, dtype=torch.bool)
-    for start in range(0, logits.shape[0], _FILTER_ROWS):
-        rows = slice(start, start + _FILTER_ROWS)
+    for start in range(0, logits.shape[0], FILTER_ROWS):
+        rows = slice(start, start + FILTER_ROWS)
         dropped[rows] = _dropped_rows(logits[rows], top_k[rows], top_p[rows], min_p[rows])
     return dropped
 

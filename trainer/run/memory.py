@@ -11,9 +11,12 @@ weights read) the estimate adds:
                     (about 16 hidden + 2 intermediate values; one hidden value with
                     gradient checkpointing, plus one layer's whole)
   logits            per trained token of a chunk (--logit-chunk-tokens): the
-                    vocabulary's logits in float32 about four times over (logits, their
-                    processing, softmax, the backward); measured on the CPU at 151,936
-                    tokens: 2.5 MB per trained token (BENCHMARKS.md)
+                    vocabulary's logits in float32 1.7 times over (trainer/grpo/head.py
+                    keeps one float32 (chunk, V) tensor, beside a bfloat16 projection
+                    and the top-k/top-p mask), and the top-k/top-p filters' block of
+                    rows (its sort) once; measured at 151,936 tokens (`bench/
+                    trainer_scale.py --head`, BENCHMARKS.md): 0.99 MB per chunk token
+                    and 0.47 GB besides in bfloat16, 0.77 MB and 0.50 GB in float32
 
 and compares it with what the device has free (`torch.cuda.mem_get_info` on a GPU,
 MemAvailable on a CPU), leaving a tenth spare. The gate samples afterwards with a model
@@ -30,10 +33,20 @@ from pathlib import Path
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
 from overnight.trainer.grpo.checkpointing import CHECKPOINTING_FROM
+from overnight.trainer.grpo.sampling import FILTER_ROWS
 
 GIB = 1024**3
 SPARE = 0.10  # of the free memory: allocator fragmentation, CUDA context, the unforeseen
-LOGIT_COPIES = 4  # float32 logits held at once per trained token (measured: see above)
+# Float32 copies of a chunk token's logits held at once, measured by `bench/
+# trainer_scale.py --head` at a 151,936-token vocabulary (BENCHMARKS.md, issue 23):
+# 1.00 in float32 (1.33 with top-k/top-p: their mask), 1.50 in bfloat16 (the projection
+# beside its float32 copy; 1.70 with top-k/top-p). The largest, whatever the dtype. (The
+# unchunked head of before measured 4: logits, processing, log-softmax, backward.)
+LOGIT_COPIES = 1.7
+# Bytes per row of a top-k/top-p filter block and entry of the vocabulary (its sort:
+# values, indices, softmax, cumulative sum): measured 0.47-0.50 GB besides the chunk's
+# copies at 151,936 entries and FILTER_ROWS rows, 26-27 bytes.
+FILTER_BYTES = 27
 
 
 class WontFit(OvernightError):
@@ -87,7 +100,8 @@ def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: in
     checkpointed = mode == "on" or (mode == "auto" and params >= CHECKPOINTING_FROM)
     per_token = h if checkpointed else 16 * h + 2 * inter
     activations = tokens * (layers * per_token + (16 * h + 2 * inter)) * bytes_per_value
-    logits = min(config.logit_chunk_tokens, tokens) * vocab * 4 * LOGIT_COPIES
+    chunk = min(config.logit_chunk_tokens, tokens)
+    logits = chunk * vocab * 4 * LOGIT_COPIES + min(FILTER_ROWS, chunk) * vocab * FILTER_BYTES
     return Estimate(int(weights), int(lora), int(activations), int(logits))
 
 
