@@ -10,6 +10,12 @@ first use), one worker, no callbacks, no database.
 
     python bench/proxy_overhead.py                 # everything, about 4 minutes
     python bench/proxy_overhead.py --skip-litellm  # without the reference
+    python bench/proxy_overhead.py --only common --rounds 5 --duration 3 [--profile DIR]
+
+`--only common` measures the common path alone (a plain agent's whole chat completion at
+c1 and c16: direct, overnight, the bare aiohttp forwarder), the three in turn each round,
+and prints each round and the medians; `--profile DIR` then samples the proxy with py-spy
+under the c16 load (DIR/overnight.txt: collapsed stacks) and prints where its time went.
 
 The agent in the main scenarios is a plain client (it asks for neither token ids
 nor logprobs), so overnight adds them upstream and removes them again: its common,
@@ -185,6 +191,9 @@ def main() -> None:
     parser.add_argument("--skip-litellm", action="store_true")
     parser.add_argument("--litellm-venv", type=Path, default=ROOT / ".cache" / "bench-litellm")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--only", choices=["common"], help="common: the common path alone")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --only common")
+    parser.add_argument("--profile", type=Path, help="--only common: py-spy's samples here")
     args = parser.parse_args()
     if not shutil.which("wrk"):
         raise SystemExit("wrk is needed: apt-get install wrk")
@@ -192,11 +201,18 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="overnight-bench-"))
     stops: list[Callable[[], object]] = []  # the servers started so far, each one's stop
     try:
-        results = run_all(args, work, stops)
+        if args.only == "common":
+            results = run_common(args, work, stops)
+        else:
+            results = run_all(args, work, stops)
     finally:
         for halt in reversed(stops):
             halt()
-    report(results, args)
+    if args.only != "common":
+        report(results, args)
+    elif args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -322,6 +338,117 @@ def run_all(args, work: Path, stops: list[Callable[[], object]]) -> dict:
     with urllib.request.urlopen(ours["plain"] + "/admin/stats") as r:
         results["overnight_stats"] = json.loads(r.read())
     return results
+
+
+def run_common(args, work: Path, stops: list[Callable[[], object]]) -> dict:
+    """The common path, round by round: a plain agent's whole chat completion at c1 and
+    c16, direct, through overnight and through the bare forwarder, each in turn."""
+    py = sys.executable
+    port = free_port()
+    fake = [py, "-m", "overnight.testing.fake_upstream", "--port", str(port)]
+    upstream = f"http://127.0.0.1:{port}"
+    proc = start(pinned(1, [*fake, "--tokens", str(args.tokens)]), upstream + "/health")
+    stops.append(lambda: stop(proc))
+    flags = ("--upstream", upstream, "--api-key", API_KEY)
+    proxy = spawn_serve(work / "plain", *flags, prefix=pinned(0, []))
+    stops.append(proxy.stop)
+    port = free_port()
+    forwarder = [py, str(ROOT / "bench" / "bare_forwarder.py"), "--port", str(port)]
+    bare_proc = start(
+        pinned(0, [*forwarder, "--upstream", upstream]), f"http://127.0.0.1:{port}/health"
+    )
+    stops.append(lambda: stop(bare_proc))
+    targets = {
+        "direct": upstream,
+        "overnight": proxy.url,
+        "bare-aiohttp": f"http://127.0.0.1:{port}",
+    }
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": args.tokens}
+    rounds: list[dict] = []
+    for url in targets.values():  # warm up
+        wrk(f"{url}/v1/chat/completions", body, 16, 2, work)
+    for i in range(args.rounds):
+        row = {}
+        for c in (1, 16):
+            for name, url in targets.items():
+                row[f"c{c}/{name}"] = wrk(
+                    f"{url}/v1/chat/completions", body, c, args.duration, work
+                )
+        rounds.append(row)
+        ratio = row["c16/overnight"].rps / row["c16/bare-aiohttp"].rps
+        added = row["c1/overnight"].p50_ms - row["c1/direct"].p50_ms
+        bare_added = row["c1/bare-aiohttp"].p50_ms - row["c1/direct"].p50_ms
+        print(
+            f"round {i + 1}: c16 req/s overnight {row['c16/overnight'].rps:.0f}, bare"
+            f" {row['c16/bare-aiohttp'].rps:.0f} ({ratio:.3f}x); c1 added p50 overnight"
+            f" {added:.3f} ms, bare {bare_added:.3f} ms",
+            flush=True,
+        )
+
+    def median(values: list[float]) -> float:
+        values = sorted(values)
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    summary = {
+        "c16 req/s overnight": median([r["c16/overnight"].rps for r in rounds]),
+        "c16 req/s bare-aiohttp": median([r["c16/bare-aiohttp"].rps for r in rounds]),
+        "c16 overnight / bare (per round, median)": median(
+            [r["c16/overnight"].rps / r["c16/bare-aiohttp"].rps for r in rounds]
+        ),
+        "c1 p50 direct (ms)": median([r["c1/direct"].p50_ms for r in rounds]),
+        "c1 p50 overnight (ms)": median([r["c1/overnight"].p50_ms for r in rounds]),
+        "c1 p50 bare-aiohttp (ms)": median([r["c1/bare-aiohttp"].p50_ms for r in rounds]),
+        "c1 p50 overnight - bare (per round, median, ms)": median(
+            [r["c1/overnight"].p50_ms - r["c1/bare-aiohttp"].p50_ms for r in rounds]
+        ),
+    }
+    print()
+    for name, value in summary.items():
+        print(f"{name:<52}{value:>10.3f}")
+    errors = sum(r.errors for row in rounds for r in row.values())
+    print(f"{'failed requests':<52}{errors:>10}")
+    if args.profile:
+        profile(proxy.pid, f"{proxy.url}/v1/chat/completions", body, args, work)
+    return {
+        "rounds": [{k: v.__dict__ for k, v in row.items()} for row in rounds],
+        "summary": summary,
+        "errors": errors,
+    }
+
+
+def profile(pid: int, url: str, body: dict, args, work: Path) -> None:
+    """py-spy's samples of the proxy under c16 load; prints the top frames by share."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        print("py-spy not found: no profile")
+        return
+    args.profile.mkdir(parents=True, exist_ok=True)
+    out = args.profile / "overnight.txt"
+    seconds = max(args.duration, 4)
+    record = [spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "400"]
+    spying = subprocess.Popen(
+        [*record, "--format", "raw", "--output", str(out), "--nonblocking"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    time.sleep(0.5)
+    wrk(url, body, 16, seconds, work)
+    spying.wait(60)
+    total, own, inside = 0, {}, {}
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        n = int(count)
+        total += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in set(frames):
+            inside[frame] = inside.get(frame, 0) + n
+    print(f"\npy-spy: {total} samples of pid {pid} ({out})")
+    for title, table in (("own time", own), ("in the stack", inside)):
+        print(f"-- by {title}")
+        for frame, n in sorted(table.items(), key=lambda kv: -kv[1])[:25]:
+            print(f"{100 * n / total:6.1f}%  {frame[:150]}")
 
 
 def report(results: dict, args) -> None:

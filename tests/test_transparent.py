@@ -1,7 +1,8 @@
 """Issue 24: an agent sees what vLLM alone would send it, on every request, and the
 record holds what vLLM sampled. One test (at least) per numbered item of the issue;
-each fails on the proxy before the issue (commit c6ad929). The differential test over
-vLLM's request models is tests/test_differential.py."""
+each fails on the proxy before the issue (commit c6ad929), except the few that guard
+what was right already (n > 1 naming, an `include` that is null or a list). The
+differential test over vLLM's request models is tests/test_differential.py."""
 
 from __future__ import annotations
 
@@ -153,6 +154,28 @@ def test_the_proxy_asks_only_what_leaves_vllms_answer_as_it_would_be(endpoint, b
     assert (added.note is not None) == noted
 
 
+@pytest.mark.parametrize(
+    ("include", "sent"),
+    [
+        (None, ["message.output_text.logprobs"]),
+        (
+            ["reasoning.encrypted_content"],
+            ["reasoning.encrypted_content", "message.output_text.logprobs"],
+        ),
+        ("message.output_text.logprobs", "message.output_text.logprobs"),
+        ({"a": 1}, {"a": 1}),
+    ],
+)
+def test_a_responses_include_vllm_would_refuse_is_left_as_it_came(include, sent):
+    """An `include` that is not a list is vLLM's to refuse: the proxy's list in its place
+    made vLLM accept it."""
+    from overnight.proxy.capture.apis import add_responses_fields
+
+    body = {"model": "m", "input": "Hi"} | ({} if include is None else {"include": include})
+    add_responses_fields(body)
+    assert body["include"] == sent
+
+
 async def test_a_request_refused_with_the_additions_is_sent_as_the_client_sent_it(
     make_proxy, aiohttp_server, tmp_path
 ):
@@ -176,6 +199,157 @@ async def test_a_request_refused_with_the_additions_is_sent_as_the_client_sent_i
     (row,) = await wait_for_rows(tmp_path / "data", 1)
     assert "return_token_ids is not supported here" in row["notes"]
     assert row["http_status"] == 200 and row["error"] is None
+
+
+# -- items 1 and 2, in vLLM 0.32's shapes ----------------------------------------------------
+def _echo_answer(body: dict) -> dict:
+    """A whole echo of "Hello there" (ids 1, 2) and " you" (ids 3, 4), as vLLM 0.32 writes
+    it for `body`: prompt logprobs from `logprobs` when echoing, "token_id:N" tokens when
+    asked, and no prompt text when `return_token_ids` is set."""
+    ids = body.get("return_token_ids")
+    as_ids = body.get("return_tokens_as_token_ids")
+    count = body.get("logprobs")
+    tokens = [("Hello", 1, None), (" there", 2, -2.5), (" y", 3, -0.5), ("ou", 4, -4.25e-05)]
+    named = [f"token_id:{i}" if as_ids else t for t, i, _ in tokens]
+    logprobs = None
+    if count is not None:
+        logprobs = {
+            "text_offset": [0, 5, 11, 13],
+            "token_logprobs": [lp for *_, lp in tokens],
+            "tokens": named,
+            "top_logprobs": [None]
+            + [{n: lp} for n, (*_, lp) in zip(named[1:], tokens[1:], strict=True)],
+        }
+    prompt_logprobs = body.get("prompt_logprobs")
+    prompt_logprobs = count if prompt_logprobs is None else prompt_logprobs
+    choice = {
+        "index": 0,
+        "text": ("" if ids else "Hello there") + " you",
+        "logprobs": logprobs,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": [3, 4] if ids else None,
+        "prompt_logprobs": None
+        if prompt_logprobs is None
+        else [None, {"2": {"logprob": -2.5, "rank": 3, "decoded_token": named[1]}}],
+        "prompt_token_ids": [1, 2] if ids else None,
+        "routed_experts": None,
+    }
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": FINGERPRINT,
+        "usage": {"prompt_tokens": 2, "total_tokens": 4, "completion_tokens": 2},
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+@pytest.mark.parametrize("client_logprobs", [None, 1])
+async def test_an_echo_keeps_its_prompt_and_records_only_the_completions_logprobs(
+    make_proxy, aiohttp_server, tmp_path, client_logprobs
+):
+    """Items 1 and 2 without vLLM: the client gets the answer vLLM gives its own request
+    (the prompt echoed, no prompt logprobs it did not ask for); the record has the prompt's
+    ids, and the completion's ids and logprobs only (it had the prompt's logprobs first)."""
+
+    def whole_dumps(obj: dict) -> bytes:  # as vLLM writes a whole answer
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+    async def whole(request: web.Request) -> web.Response:
+        return web.Response(body=whole_dumps(_echo_answer(await request.json())))
+
+    proxy = await make_proxy(upstream=await upstream_of(aiohttp_server, whole))
+    body = {"model": "m", "prompt": "Hello there", "echo": True, "max_tokens": 2}
+    if client_logprobs is not None:
+        body["logprobs"] = client_logprobs
+    got = await (await proxy.post("/v1/completions", json=body)).read()
+    assert got == whole_dumps(_echo_answer(body))
+    (row,) = await wait_for_rows(tmp_path / "data", 1)
+    if client_logprobs is None:
+        assert row["prompt_token_ids"] == [1, 2] and row["completion_token_ids"] == [3, 4]
+        assert row["completion_logprobs"] == pytest.approx([-0.5, -4.25e-05])
+    else:  # the client's own logprobs: nothing asked, no ids to read
+        assert row["completion_token_ids"] in (None, [])
+        assert "no token ids" in row["notes"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "streams"),
+    [
+        ({"stream": "yes"}, True),
+        ({"stream": 1}, True),
+        ({"stream": "false", "stream_options": {"include_usage": False}}, False),
+        ({"stream": "maybe"}, None),
+        ({"stream": True, "stream_options": "include_usage"}, None),
+        ({"stream": True, "stream_options": [True]}, None),
+    ],
+)
+async def test_stream_is_read_as_vllm_reads_it_and_judged_by_vllm(
+    make_proxy, aiohttp_server, tmp_path, fields, streams
+):
+    """vLLM's pydantic models read `1` and `"yes"` as true (it streams), `"false"` as false;
+    a value they refuse reaches vLLM as the client sent it (nothing added), and vLLM's 400
+    comes back (the proxy answered 400 `invalid_type` itself)."""
+    seen: list[dict] = []
+
+    async def judging(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        if streams is None:
+            error = {"message": "Input should be a valid boolean", "type": "BadRequestError"}
+            return web.json_response({"error": error, "code": 400}, status=400)
+        if streams:
+            return await _stream_of([_chunk(0, "a", "length"), _usage_chunk()])(request)
+        return web.Response(text=WHOLE, content_type="application/json")
+
+    proxy = await make_proxy(upstream=await upstream_of(aiohttp_server, judging))
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields}
+    r = await proxy.post("/v1/chat/completions", json=body)
+    text = await r.text()
+    if streams is None:
+        assert r.status == 400 and "valid boolean" in text
+        assert seen == [body]  # once, as the client sent it
+        return
+    assert r.status == 200 and seen[0]["return_token_ids"] is True
+    assert ("data: [DONE]" in text) is streams
+    (row,) = await wait_for_rows(tmp_path / "data", 1)
+    assert row["stream"] is streams and row["completion_token_ids"]
+
+
+def _usage_chunk() -> dict:
+    return {**CHUNK, "choices": [], "usage": {"prompt_tokens": 1}, "system_fingerprint": "fp"}
+
+
+def _stream_of(chunks: list[dict]):
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    return stream
+
+
+# -- the docs' small items --------------------------------------------------------------------
+@pytest.mark.parametrize("group", [None, "g"])
+async def test_n_choices_of_a_rollout_branch_into_numbered_rollouts(make_proxy, tmp_path, group):
+    """docs/wire.md: `X-Rollout-Id: r` with n > 1 gives rollouts r.0 ... r.{n-1}, in the
+    request's group, else in group r."""
+    proxy = await make_proxy()
+    headers = {"X-Rollout-Id": "r", **({"X-Rollout-Group": group} if group else {})}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "n": 3}
+    assert (await proxy.post("/v1/chat/completions", json=body, headers=headers)).status == 200
+    found = await wait_for_rows(tmp_path / "data", 3)
+    assert sorted(row["rollout_id"] for row in found) == ["r.0", "r.1", "r.2"]
+    assert {row["group_id"] for row in found} == {group or "r"}
 
 
 # -- on the real vLLM ---------------------------------------------------------------------

@@ -16,7 +16,11 @@ tests/test_differential.py):
   first output only: IndexError, an in-band 500), so then nothing is asked.
 - `logprobs` would let through what vLLM refuses unless the client set it
   (`top_logprobs`, `logprob_token_ids`): not added, vLLM's 400 comes back.
-- a field the client set to something other than null or false is the client's.
+- a field the client set to something other than null or false is the client's; what
+  is false is read as vLLM's pydantic reads it (`0`, `"false"`, `"no"`, ... are false,
+  `1`, `"true"`, `"yes"` true: `lax_bool`), and a `stream` or `stream_options` it would
+  refuse is not the proxy's to judge: then nothing is added (`unreadable`), and vLLM's
+  400 comes back.
 
 Where nothing can be asked, the request goes as it came and the record says why it has
 no ids (`Additions.note`, into the row's `notes`). A request vLLM refuses with the
@@ -65,10 +69,38 @@ class Additions:
         return self.token_ids or self.logprobs or self.usage
 
 
+# pydantic's lax booleans (what vLLM's request models take for a `bool` field).
+_LAX = {
+    **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
+    **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False),
+}
+UNREADABLE = "no token ids: the request's stream or stream_options is not of a type vLLM takes"
+
+
+def lax_bool(value: Any) -> bool | None:
+    """A bool field as vLLM's pydantic models read it: None where they refuse it."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        return _LAX.get(value.lower())
+    return None
+
+
 def _unset(value: Any) -> bool:
-    """Not asked by the client: absent, null or false (any other value is the client's,
-    for vLLM to read or refuse)."""
-    return value is None or value is False
+    """Not asked by the client: absent, null or false as vLLM reads it (any other value
+    is the client's, for vLLM to read or refuse)."""
+    return value is None or value is False or (value is not True and lax_bool(value) is False)
+
+
+def unreadable(body: dict) -> bool:
+    """Whether `stream` or `stream_options` is of a type vLLM refuses (its 400 is the
+    client's answer: nothing is added)."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and lax_bool(stream) is None:
+        return True
+    return options is not None and not isinstance(options, dict)
 
 
 def add_training_fields(body: dict, endpoint: str) -> Additions:
@@ -76,6 +108,8 @@ def add_training_fields(body: dict, endpoint: str) -> Additions:
     would be once hidden; mutates `body`."""
     plain = dict(body)
     get = body.get
+    if unreadable(body):
+        return Additions(note=UNREADABLE, plain=plain)
     echo = as_ids = False
     note = None
     if endpoint == CHAT:
@@ -87,11 +121,12 @@ def add_training_fields(body: dict, endpoint: str) -> Additions:
     else:  # text completions take a count of top logprobs; 0 means the sampled one
         token_ids = _unset(get("return_token_ids"))
         logprobs = get("logprobs") is None and not get("logprob_token_ids")
-        echo = get("echo") not in (None, False)
+        echo = not _unset(get("echo"))
         if echo:
             ids_asked, token_ids = not token_ids, False  # ours would blank the echo
             many = get("n") not in (None, 1)
-            logprobs = logprobs and not get("use_beam_search") and not (get("stream") and many)
+            beam = not _unset(get("use_beam_search"))
+            logprobs = logprobs and not beam and not (not _unset(get("stream")) and many)
             as_ids = logprobs and not ids_asked
             as_ids = as_ids and get("return_tokens_as_token_ids") in (None, False, True)
             logprobs = logprobs and (ids_asked or as_ids)
@@ -104,7 +139,7 @@ def add_training_fields(body: dict, endpoint: str) -> Additions:
     if logprobs:
         body["logprobs"] = True if endpoint == CHAT else 0
     usage = False
-    stream = bool(get("stream"))
+    stream = not _unset(get("stream"))
     if stream:
         options = get("stream_options") or {}
         if _unset(options.get("include_usage")):

@@ -344,8 +344,10 @@ def add_responses_fields(body: dict) -> ResponsesAdditions:
     messages = not body.get("enable_response_messages")
     if messages:
         body["enable_response_messages"] = True
-    include = body.get("include") if isinstance(body.get("include"), list) else []
-    logprobs = LOGPROBS_INCLUDE not in include
+    include = body.get("include")
+    # Not a list: vLLM refuses it, and ours in its place would make it accept it.
+    logprobs = include is None or (isinstance(include, list) and LOGPROBS_INCLUDE not in include)
+    include = include or []
     if logprobs:
         body["include"] = [*include, LOGPROBS_INCLUDE]
     return ResponsesAdditions(messages=messages, logprobs=logprobs, plain=plain)

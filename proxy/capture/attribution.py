@@ -2,9 +2,11 @@
 
 First match wins: the `X-Rollout-Group`/`X-Rollout-Id` headers, then the URL prefix
 `/rollouts/{group}/{rollout}/v1/...`, then `metadata.rollout_group/rollout_id` in the
-body (removed before forwarding: vLLM has no use for it). A request with no ids is
-still logged: it is a rollout of its own, and the n choices of one request form a
-group of their own.
+body (those two keys removed before forwarding, and `metadata` with them when nothing
+else is left: vLLM 0.32 accepts `metadata`, and a Responses answer echoes it). A request
+with no ids is still logged: it is a rollout of its own, and the n choices of one
+request form a group of their own; with `X-Rollout-Id: r`, the n choices are the
+rollouts `r.0` ... `r.{n-1}`.
 """
 
 from __future__ import annotations

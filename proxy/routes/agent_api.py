@@ -19,7 +19,7 @@ from aiohttp import web
 
 from overnight.errors import OvernightError
 from overnight.proxy.adapters.maintenance import Unavailable
-from overnight.proxy.capture.additions import Additions, add_training_fields
+from overnight.proxy.capture.additions import Additions, add_training_fields, lax_bool, unreadable
 from overnight.proxy.capture.apis import (
     ResponsesAdditions,
     add_responses_fields,
@@ -55,9 +55,11 @@ ENDPOINTS = {
 }
 
 
-# The fields the proxy itself reads, and the JSON type it reads each as (null is fine).
+# The fields the proxy itself needs, and the JSON type it reads each as (null is fine).
 # Anything else is the upstream's to judge; a wrong type here would fail in the proxy.
-FIELD_TYPES: dict[str, type] = {"model": str, "stream": bool, "stream_options": dict}
+# (`stream` and `stream_options` are read as vLLM reads them, and where vLLM would
+# refuse them nothing is added: additions.unreadable.)
+FIELD_TYPES: dict[str, type] = {"model": str}
 JSON_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
 
 
@@ -108,7 +110,8 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     adapters = app[ADAPTERS]
     # A canary takes a sticky share of the alias: keyed by the rollout (or its group).
     route = adapters.route(body.get("model"), who.rollout_id or who.group_id)
-    capture = Capture(endpoint, bool(body.get("stream")), request_body=body, route=route)
+    stream = lax_bool(body.get("stream")) is True  # as vLLM reads it
+    capture = Capture(endpoint, stream, request_body=body, route=route)
     try:
         upstream_body = dict(body, model=route.served)
         added: Additions | ResponsesAdditions
@@ -122,6 +125,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             # Messages: nothing to ask for, relayed verbatim.
             log_it = endpoint == RESPONSES and logging_enabled(request.headers)
             log_it = log_it and route.served not in refused_additions(app)
+            log_it = log_it and not unreadable(body)
             added = add_responses_fields(upstream_body) if log_it else Additions()
             hidden = added if isinstance(added, ResponsesAdditions) else None
             capture.acc = api_accumulator(endpoint, hidden)
