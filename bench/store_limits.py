@@ -1,7 +1,7 @@
 """What a client can make the proxy hold or do, two versions side by side (issue 25).
 
-    python bench/store_limits.py --base HEAD --head WORKTREE
-    python bench/store_limits.py --base HEAD --head WORKTREE --rows 400000 --chains 50000
+    python bench/store_limits.py --base 60dba28 --head WORKTREE
+    python bench/store_limits.py --base 60dba28 --head WORKTREE --rows 400000 --big 3000
 
 1. **Chains in memory.** Each version's own `ResponseChains`, in a process of its own,
    remembers `--chains` Responses chains with 100 KB inputs (what 50,000 such requests
@@ -14,7 +14,10 @@
    such requests cost the chat), then as many naming a previous response that exists
    nowhere, one after another, then `--known` for ids that are in the store but not in
    memory. Each such request's latency (the fake, like vLLM, answers an unknown id 404),
-   the chat p50/p99 in each phase, and the proxy's memory before and after.
+   the chat p50/p99 in each phase, and the proxy's memory before and after. Last,
+   `--big` Responses requests with 100 KB inputs through the proxy (concurrency 4), each
+   the start of a chain: the proxy's memory after them is what its chains hold with the
+   rest of it (the store's lookups, the log's buffers).
 
 Trees and processes as bench/versions.py (its helpers are used here): each version
 runs from its own unpacked tree, and this script imports nothing from either.
@@ -48,7 +51,8 @@ for i in range(int(sys.argv[1])):
     text = "x" * 100_000 + str(i)
     chains.remember(f"resp_{i}", [{"role": "user", "content": text},
                                   {"role": "assistant", "content": "ok"}])
-print(json.dumps({"rss_start_mb": start, "rss_end_mb": rss(), "kept": len(chains.chains)}))
+print(json.dumps({"rss_start_mb": start, "rss_end_mb": rss(), "kept": len(chains.chains),
+                  "bound_mb": getattr(chains, "max_bytes", 0) / 2**20}))
 """
 
 # Written with the head tree's storage: Responses records over four past days, compacted
@@ -93,7 +97,7 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def traffic(url: str, args) -> dict:
+async def traffic(url: str, pid: int, args) -> dict:
     """Chat at concurrency 4 throughout; the previous-id requests one after another."""
     import aiohttp
 
@@ -134,7 +138,22 @@ async def traffic(url: str, args) -> dict:
         known = await previous(session, [f"resp_{k * 997:08d}" for k in range(args.known)])
         stop.set()
         await asyncio.gather(*workers)
-    return {"plain": plain, "cold": cold, "unknown": unknown, "known": known, "chat": lat}
+        rss = [rss_mb(pid)]
+        big = await asyncio.gather(*(lane(session, url, args.big // 4) for _ in range(4)))
+        rss.append(rss_mb(pid))
+    return {"plain": plain, "cold": cold, "unknown": unknown, "known": known, "chat": lat,
+            "rss_big_mb": rss, "big_statuses": sorted({s for b in big for s in b})}  # fmt: skip
+
+
+async def lane(session, url: str, n: int) -> set[int]:
+    """`n` Responses requests with 100 KB inputs, each the start of a chain."""
+    statuses = set()
+    for k in range(n):
+        body = {"model": "policy", "input": f"{k} " + "x" * 100_000}
+        async with session.post(url + "/v1/responses", json=body) as r:
+            await r.read()
+            statuses.add(r.status)
+    return statuses
 
 
 def proxy_part(versions: list[v.Version], store: Path, work: Path, args, stops: list) -> dict:
@@ -149,7 +168,7 @@ def proxy_part(versions: list[v.Version], store: Path, work: Path, args, stops: 
                "--data", str(data), "--port", "{port}", "--log-level", "WARNING"]  # fmt: skip
         proxy = v.start(v.pinned(0, cmd), version, work / f"{version.label}.log", stops)
         before = rss_mb(proxy.process.pid)
-        ran = asyncio.run(traffic(proxy.url, args))
+        ran = asyncio.run(traffic(proxy.url, proxy.process.pid, args))
         ran["rss_mb"] = (before, rss_mb(proxy.process.pid))
         proxy.stop()
         out[version.label] = ran
@@ -164,9 +183,11 @@ def pct(values: list[float], q: float) -> float:
 
 def report(chains: dict, proxies: dict, args) -> None:
     print(f"\n1. {args.chains} Responses chains with 100 KB inputs, remembered")
-    print(f"   {'':<6}{'RSS before':>12}{'RSS after':>12}{'chains kept':>13}")
+    print(f"   {'':<6}{'RSS before':>12}{'RSS after':>12}{'chains kept':>13}{'bound':>9}")
     for label, r in chains.items():
-        print(f"   {label:<6}{r['rss_start_mb']:>10.0f}MB{r['rss_end_mb']:>10.0f}MB{r['kept']:>13}")
+        bound = f"{r['bound_mb']:>7.0f}MB" if r.get("bound_mb") else f"{'count':>9}"
+        print(f"   {label:<6}{r['rss_start_mb']:>10.0f}MB{r['rss_end_mb']:>10.0f}MB{r['kept']:>13}"
+              f"{bound}")  # fmt: skip
     ratio = chains["head"]["rss_end_mb"] / chains["base"]["rss_end_mb"]
     print(f"   head/base RSS after: {ratio:.3f}")
     print(f"\n2. {args.rows} Responses records; {args.unknown} unknown and {args.known} "
@@ -186,6 +207,10 @@ def report(chains: dict, proxies: dict, args) -> None:
         statuses = sorted({s for kind in ("unknown", "known") for _, s in r[kind]})
         print(f"   {label:<6}first lookup {r['cold'][0][0]:.0f} ms; statuses {statuses}; "
               f"RSS {r['rss_mb'][0]:.0f} -> {r['rss_mb'][1]:.0f} MB")  # fmt: skip
+    print(f"\n3. {args.big} Responses requests with 100 KB inputs through the proxy")
+    for label, r in proxies.items():
+        before, after = r["rss_big_mb"]
+        print(f"   {label:<6}RSS {before:.0f} -> {after:.0f} MB; statuses {r['big_statuses']}")
 
 
 def main() -> None:
@@ -196,6 +221,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--unknown", type=int, default=40)
     parser.add_argument("--known", type=int, default=10)
+    parser.add_argument("--big", type=int, default=3000, help="100 KB requests (part 3).")
     parser.add_argument("--window", type=float, default=5.0, help="Seconds of chat before.")
     parser.add_argument("--json", type=Path, help="Also write the results here.")
     args = parser.parse_args()

@@ -21,6 +21,8 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import duckdb
+
 from .cleanup import verify_file
 from .integrity import quarantined, set_aside, verify, verify_path
 from .location import SegmentStore, segment_store
@@ -40,7 +42,7 @@ ID_COLUMNS = {
 
 @dataclass
 class Finding:
-    kind: str  # damaged, manifest, entry, lost, duplicates, quarantined, leftover, log
+    kind: str  # damaged, manifest, entry, lost, duplicates, unreadable, quarantined, leftover, log
     where: str  # `table/rel`, or a path
     detail: str
     damage: bool = True  # counts toward a non-zero exit
@@ -168,12 +170,22 @@ def _check_logs(data_dir: Path, report: Report) -> None:
 
 
 def _check_duplicates(data_dir: Path, report: Report) -> None:
-    con = open_db(data_dir)
+    """Rows sharing an id, over the readers' view; a view that cannot be read at all is a
+    finding too (the damaged files named above are what it trips on)."""
+    try:
+        con = open_db(data_dir)
+    except duckdb.Error as e:
+        report.add("unreadable", "(every table)", f"the store cannot be opened: {e}")
+        return
     try:
         for table, column in ID_COLUMNS.items():
-            extra = con.execute(
-                f"SELECT count(*) - count(DISTINCT {column}) FROM {table}"
-            ).fetchone()[0]  # type: ignore[index]
+            try:
+                extra = con.execute(
+                    f"SELECT count(*) - count(DISTINCT {column}) FROM {table}"
+                ).fetchone()[0]  # type: ignore[index]
+            except duckdb.Error as e:
+                report.add("unreadable", table, f"a query over it fails: {str(e)[:300]}")
+                continue
             if extra:
                 report.add("duplicates", table, f"{extra} row(s) share a {column} with another")
     finally:

@@ -88,7 +88,8 @@ def _set_aside_damaged(
         return listed
     kept = []
     for f in listed:
-        why = quick_check(store.local_path(table, f.rel), entries.get(f.rel, {}).get("bytes"))
+        entry = entries.get(f.rel, {})
+        why = quick_check(store.local_path(table, f.rel), entry.get("bytes"), entry.get("footer"))
         if why is None or why == "missing":  # missing: pruned or merged away meanwhile
             kept.append(f)
         else:

@@ -185,7 +185,7 @@ def compact_in_child(
         log.error("could not compact %s; it will be tried again", log_path)
         return None
     compacted = Compacted(rows=int(words[1]), quarantined=int(words[3]))
-    log.info("compacted %s: %s", log_path.name, done.stdout.strip())
+    log.info("compacted %s: %s", log_path.name, stdout.strip())
     return compacted
 
 

@@ -4,12 +4,16 @@ quarantine that sets one aside.
 Every Parquet file the store writes (a segment, a merged file: `write_parquet`) carries
 two checksums: a CRC of each page (pyarrow's `write_page_checksum`), and in its footer
 metadata (`CHECKSUM_KEY`) the sha256 of every byte before the footer. A merged file's
-manifest entry adds its size and the sha256 of the whole file (manifest.py). Three
-depths of looking:
+manifest entry adds its size, the sha256 of the whole file and that of its footer
+(manifest.py). A segment's footer has no checksum of its own (nothing outside it names
+the segment until a merge): `overnight check` finds a flip there only where the footer
+no longer parses. Three depths of looking:
 
 - `quick_check`, what every reader does to every file before reading it (a stat and two
-  small reads): both magic numbers, a footer length that fits, the size its entry says.
-  It finds what crashes and copies leave behind, a truncated or partial file.
+  small reads, three for a merged file): both magic numbers, a footer length that fits,
+  the size its entry says, and its footer's sha256. It finds what crashes and copies
+  leave behind, a truncated or partial file, and a damaged footer of a merged file (the
+  footer is what DuckDB trusts for types and statistics).
 - `verify`, what merges, cleanups, prune and `overnight check` do before they trust a
   file: its checksums recomputed, its footer read, its rows and columns as its entry
   says; a file written before checksums existed is decoded whole, its page CRCs checked.
@@ -69,6 +73,7 @@ class Written:
     rows: int
     bytes: int
     sha256: str  # of the whole file
+    footer: str | None = None  # sha256 of its footer (and the 8 bytes after it)
 
 
 class _HashingSink(io.RawIOBase):
@@ -78,6 +83,7 @@ class _HashingSink(io.RawIOBase):
         self.target = target
         self.hash = hashlib.sha256()
         self.size = 0
+        self.closing: bytearray | None = None  # what is written at close: the footer
 
     def writable(self) -> bool:
         return True
@@ -85,6 +91,8 @@ class _HashingSink(io.RawIOBase):
     def write(self, data) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
         self.hash.update(view)
+        if self.closing is not None:
+            self.closing += view
         self.target.write(view)
         self.size += len(view)
         return len(view)
@@ -103,7 +111,17 @@ def write_parquet(
             rows += part.num_rows
         # Every row group is in the sink once written: only the footer comes at close.
         writer.add_key_value_metadata({CHECKSUM_KEY: sink.hash.copy().hexdigest()})
-    return Written(rows, sink.size, sink.hash.hexdigest())
+        sink.closing = bytearray()
+    return Written(rows, sink.size, sink.hash.hexdigest(), footer_sha(bytes(sink.closing)))
+
+
+def footer_sha(tail: bytes) -> str | None:
+    """The sha256 of the footer at the end of `tail` (with its length and magic bytes);
+    None if `tail` does not hold it whole."""
+    if len(tail) < 12:
+        return None
+    length = int.from_bytes(tail[-8:-4], "little") + 8
+    return hashlib.sha256(tail[-length:]).hexdigest() if length <= len(tail) else None
 
 
 def check_written(f: BinaryIO, written: Written) -> str | None:
@@ -121,13 +139,27 @@ def check_written(f: BinaryIO, written: Written) -> str | None:
     return None if rows == written.rows else f"{rows} rows in its footer, {written.rows} written"
 
 
-def quick_check(path: Path, size: int | None = None) -> str | None:
-    """Why `path` is not a whole Parquet file (of `size` bytes, when known), or None."""
+def quick_check(path: Path, size: int | None = None, footer: str | None = None) -> str | None:
+    """Why `path` is not a whole Parquet file (of `size` bytes, its footer's sha256
+    `footer`, when its manifest entry says), or None."""
     try:
         with open(path, "rb") as f:
-            return _shape(f, os.fstat(f.fileno()).st_size, size)
+            found = os.fstat(f.fileno()).st_size
+            return _shape(f, found, size) or _footer_differs(f, found, footer)
     except FileNotFoundError:
         return "missing"
+
+
+def _footer_differs(f: BinaryIO, size: int, footer: str | None) -> str | None:
+    """Why the footer of the file in `f` is not the one its entry's `footer` hashes."""
+    if footer is None:
+        return None
+    f.seek(size - 8)
+    length = int.from_bytes(f.read(4), "little") + 8
+    f.seek(size - length)
+    if footer_sha(f.read(length)) != footer:
+        return "its footer is not what was written (sha256 differs from its manifest entry)"
+    return None
 
 
 def _shape(f: BinaryIO, found: int, size: int | None) -> str | None:
@@ -153,7 +185,10 @@ def file_fingerprint(schema: pa.Schema, table: str | None) -> str:
     items `element`, where the schema says `item`: names of list items do not count."""
     if table is not None and _columns(schema) == _columns(TABLES[table]):
         return schema_fingerprint(TABLES[table])
-    return schema_fingerprint(schema)
+    # Older columns (a file merged before a column was added): `schema_fingerprint` of
+    # them as Arrow names them (`item`), what the merge that wrote them put in its entry.
+    text = ";".join(f"{f.name}:{_LIST_ITEM.sub('list<item: ', str(f.type))}" for f in schema)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _columns(schema: pa.Schema) -> list[str]:
@@ -182,6 +217,9 @@ def verify(
     _hash(f, digest, size - data_end)
     if expect.get("sha256") and expect["sha256"] != digest.hexdigest():
         return "its content is not what was written (sha256 differs from its manifest entry)"
+    why = _footer_differs(f, size, expect.get("footer"))
+    if why is not None:
+        return why
     try:
         f.seek(0)
         meta = pq.read_metadata(f)

@@ -3,7 +3,7 @@
 The manifest names the merged files and what each replaces: `{"seq": n, "merged":
 {"date=D/m-X.parquet": {"replaces": ["date=D/a.parquet", ...], "at": t, "seq": n,
 "rows": n, "version": v, "schema": fingerprint, "from": first day, "bytes": size,
-"sha256": of the file}}, "pruned_before": day}`; what the entry says of the file lets
+"sha256": of the file, "footer": sha256 of its footer}}, "pruned_before": day}`; what the entry says of the file lets
 readers bind it without opening its footer (`Segments.describe`). Readers list the
 folders first, then read the manifest: a file named `m-*` counts only once the manifest
 names it, and the files it replaces stop counting at that same moment
@@ -12,8 +12,9 @@ in a bucket (location.py) a compare-and-swap on the version read (`ManifestRef`)
 commit takes the next `seq`, the manifest's own order (clocks disagree).
 
 Nothing is hidden on an entry's word alone. An entry counts only when its file is there,
-of the size it says, and (locally) whole (`integrity.quick_check`); otherwise it is
-ignored, with a warning, and what it replaces counts as if it had never been written.
+of the size it says, and (locally) whole, its footer the one written (its sha256 in the
+entry: `integrity.quick_check`); otherwise it is ignored, with a warning, and what it
+replaces counts as if it had never been written.
 What a counted entry hides is everything under it, replaced files' own sources
 included, so an entry dropped before its sources were deleted never brings them back.
 An entry that is not an entry (no `replaces`, a name that is no merged file, one that
@@ -47,7 +48,7 @@ _MERGED_NAME = re.compile(r"date=[^/]+/m-[^/]+\.parquet")
 _SEGMENT_NAME = re.compile(r"date=[^/]+/[^/]+\.parquet")
 # What an entry's fields must be, when it has them.
 _FIELDS = {"rows": int, "bytes": int, "version": int, "seq": int, "sha256": str,
-           "schema": str, "from": str}  # fmt: skip
+           "schema": str, "from": str, "footer": str}  # fmt: skip
 
 
 @dataclass
@@ -100,7 +101,8 @@ class Segments:
         out = []
         for path, rel in zip(paths, rels, strict=True):
             # A damaged file is left out (named, once), never fatal to reading the rest.
-            why = quick_check(path, self.entries.get(rel, {}).get("bytes"))
+            entry = self.entries.get(rel, {})
+            why = quick_check(path, entry.get("bytes"), entry.get("footer"))
             if why is None:
                 out.append((path, self.describe(rel)))
                 continue
@@ -312,7 +314,8 @@ def _unsound(found: Segments, rel: str, entry: dict) -> str | None:
     if entry.get("bytes") is not None and size != entry["bytes"]:
         return f"{size} bytes, not the {entry['bytes']} its entry says"
     if not found.store.remote:
-        return quick_check(found.store.local_path(found.table, rel), entry.get("bytes"))
+        path = found.store.local_path(found.table, rel)
+        return quick_check(path, entry.get("bytes"), entry.get("footer"))
     return None
 
 

@@ -52,7 +52,7 @@ import pyarrow as pa
 from .cleanup import GRACE_SECONDS as GRACE_SECONDS  # where it was, for its readers
 from .cleanup import clean_table, verify_file
 from .faults import kill_point
-from .integrity import Damaged, file_fingerprint, footer, read_verified, set_aside
+from .integrity import Damaged, file_fingerprint, footer, footer_sha, read_verified, set_aside
 from .location import SegmentStore, segment_store
 from .manifest import (
     MERGED_PREFIX,
@@ -259,6 +259,7 @@ def commit_file(
     at = max([now, *(entries[r]["at"] for r in replaces if r in entries)])
     entry = {"replaces": list(replaces), "at": at, "seq": seq, "from": first,
              "bytes": written.bytes, "sha256": written.sha256,
+             **({"footer": written.footer} if written.footer else {}),
              **_described(table, written.rows, version)}  # fmt: skip
     why = verify_file(store, table, out, entry)
     if why is not None:  # never committed: its sources go on counting; it is removed later
@@ -310,6 +311,7 @@ def _describe_merged(store: SegmentStore, table: str) -> None:
         entry.update(rows=meta.num_rows, version=footer_version(meta.metadata))
         entry.update(schema=file_fingerprint(meta.schema.to_arrow_schema(), table))
         entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        entry.update(footer=footer_sha(data))
         described += 1
     if described:
         write_manifest(ref, manifest)  # lost to another merger: described next time

@@ -244,14 +244,37 @@ def _segment_reads(
     if same:
         check_versions(table, [v for _, v in same])
         reads.append(f"SELECT * FROM read_parquet({[f for f, _ in same]!r})")
-    for group in (other, spanning):
+    for n, group in enumerate((other, spanning)):
+        group, versions = _footers(con, group)
         if group:
-            check_versions(table, file_versions(con, group))
+            check_versions(table, versions)
             reads.append(f"SELECT * FROM read_parquet({group!r}, union_by_name = true)")
+        elif n == 1:
+            spanning = []
     if spanning:
         column = PARTITION_COLUMN[table]
         reads[-1] += f" WHERE {column} >= TIMESTAMPTZ '{first} 00:00:00+00' OR {column} IS NULL"
     return reads
+
+
+def _footers(con: duckdb.DuckDBPyConnection, files: list[str]) -> tuple[list[str], list[int]]:
+    """`files` and their schema versions (`file_versions`), less any whose footer DuckDB
+    cannot read (a flipped bit there passes `quick_check`): left out with a warning that
+    names it, not fatal to the table's other files (one per file only after a failure)."""
+    try:
+        return files, file_versions(con, files) if files else []
+    except duckdb.Error:
+        pass
+    kept, versions = [], []
+    for path in files:
+        try:
+            versions += file_versions(con, [path])
+        except duckdb.Error as e:
+            warn_once(f"{path} footer", "%s is damaged (its footer cannot be read: %s): left "
+                      "out of this read; `overnight check` says more", path, e)  # fmt: skip
+            continue
+        kept.append(path)
+    return kept, versions
 
 
 def file_versions(con: duckdb.DuckDBPyConnection, files: list[str]) -> list[int]:

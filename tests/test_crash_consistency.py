@@ -11,12 +11,14 @@ restart. `OVERNIGHT_CRASH_SOAK=N` adds a long randomised run of N rounds."""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -226,6 +228,33 @@ def test_a_prune_killed_after_renaming_a_day_away_finishes_on_rerun(tmp_path):
     assert not list((tmp_path / "completions").glob(".pruning-*"))
 
 
+@pytest.mark.parametrize("stage", ["merge-written", "merge-committed"])
+def test_a_prune_killed_while_rewriting_a_straddling_month_finishes_on_rerun(tmp_path, stage):
+    """A merged month through the cutoff is rewritten without its earlier days (committed
+    like a merge): killed before or after that commit, a rerun leaves exactly the rows
+    from the cutoff on, each once."""
+    today = dt.datetime.now(dt.UTC).date()
+    last = today.replace(day=1) - dt.timedelta(days=1)  # last month's last day
+    for i, day in enumerate(last.replace(day=d) for d in (2, 9, 12, 20)):
+        writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
+        writer.start()
+        noon = int(dt.datetime.combine(day, dt.time(12), dt.UTC).timestamp() * 1e6)
+        for j in range(2):
+            writer.append("completions", completion(10 * i + j, started_at=noon + j))
+        writer.close()
+    merge.merge_closed_days(tmp_path, now=LATER)  # the month, in one file
+    every = {f"rec{10 * i + j}" for i in range(4) for j in range(2)}
+    kept = {"rec20", "rec21", "rec30", "rec31"}  # the 12th's and the 20th's
+    days = (today - last.replace(day=10)).days  # the cutoff: the 10th
+    finish(start("prune", tmp_path, days, kill=stage), killed=True)
+    assert_sound(tmp_path, kept, exactly=kept if stage == "merge-committed" else every)
+    finish(start("prune", tmp_path, days))
+    assert_sound(tmp_path, kept, exactly=kept)
+    merge.merge_closed_days(tmp_path, now=LATER + GRACE + 1)
+    assert_sound(tmp_path, kept, exactly=kept)
+    assert len(list((tmp_path / "completions").rglob("*.parquet"))) == 1
+
+
 # -- the long randomised run ---------------------------------------------------------------------
 
 STAGES = ["segment-written", "log-compacted"]
@@ -237,19 +266,27 @@ def test_randomised_kills_and_restarts_never_lose_an_acknowledged_row(tmp_path):
     rounds = int(os.environ["OVERNIGHT_CRASH_SOAK"])
     rng = random.Random(int(os.environ.get("OVERNIGHT_CRASH_SEED", "25")))
     acked: set[str] = set()
-    now = LATER
+    now, began, kills = LATER, time.monotonic(), Counter()
     for n in range(rounds):
         kill = rng.choice([None, *(s + m for s in STAGES for m in MODES)])
         proc = start("write", tmp_path, f"r{n}", rng.randint(1, 400), kill=kill,
                      pause=rng.choice([0.0, 0.5, 1.5]))  # fmt: skip
         acked |= set(finish(proc, killed=kill is not None and ":" in kill))
+        kills[kill or "none"] += 1
         if rng.random() < 0.3:  # a merge, killed or not, its clock moved on
             now += rng.choice([0, GRACE + 1])
             stage = rng.choice([None, "merge-writing", "merge-written", "merge-committed",
                                 "cleanup-deleting"])  # fmt: skip
-            finish(start("merge", tmp_path, now, kill=stage), killed=None)
+            proc = start("merge", tmp_path, now, kill=stage)
+            finish(proc, killed=None)
+            kills[f"merge killed at {stage}" if proc.returncode else "merge, not killed"] += 1
         settle(tmp_path)
         assert_sound(tmp_path, acked)
     recover(tmp_path)
     merge.merge_closed_days(tmp_path, now=now + GRACE + 1)
     assert_sound(tmp_path, acked)
+    ids = stored(tmp_path)
+    print(f"\nsoak: {rounds} rounds in {time.monotonic() - began:.0f} s; {sum(kills.values())} "
+          f"runs: {dict(sorted(kills.items()))}; acknowledged {len(acked)}, stored "
+          f"{len(ids)}, lost {len(acked - set(ids))}, stored twice {len(ids) - len(set(ids))}; "
+          f"checked after every round")  # fmt: skip

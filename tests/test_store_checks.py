@@ -158,6 +158,25 @@ async def test_a_truncated_segment_is_left_out_named_and_set_aside(tmp_path, cap
     assert result.exit_code == 1 and finding(result.output, "quarantined", f"completions/{victim}")
 
 
+def test_a_segment_whose_footer_cannot_be_read_is_left_out_not_fatal(tmp_path, caplog):
+    """Damage inside a footer passes the shape check (magic bytes, a length that fits):
+    DuckDB then failed every reader at the footer ("don't know what type"), naming no
+    file, `overnight check` included. Now that file alone is left out, and named."""
+    written = past_day(tmp_path)
+    victim = files(tmp_path)[0]
+    lost = ids_in(tmp_path, victim)
+    path = tmp_path / "completions" / victim
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[-8:-4], "little")
+    start = len(data) - 8 - length
+    data[start : start + length // 2] = b"\xff" * (length // 2)  # the footer's first half
+    path.write_bytes(bytes(data))
+    assert record_ids(tmp_path) == sorted(set(written) - lost)
+    assert str(path) in caplog.text and "footer cannot be read" in caplog.text
+    report = check_store(tmp_path)
+    assert [(f.kind, f.where) for f in report.findings] == [("damaged", f"completions/{victim}")]
+
+
 def flip(path: Path, at: float = 0.5) -> None:
     """One bit flipped inside the data pages (before the footer)."""
     data = bytearray(path.read_bytes())
@@ -197,6 +216,56 @@ def test_a_flipped_bit_in_a_merged_file_keeps_what_it_replaced(tmp_path):
     merge.merge_closed_days(tmp_path, now=LATER + GRACE + 1)  # the cleanup that would delete
     assert [n["file"] for n in quarantined(tmp_path)] == [f"completions/{merged}"]
     assert record_ids(tmp_path) == written  # read from its three sources again
+
+
+def test_a_flipped_bit_in_a_merged_files_footer_is_seen_by_every_reader(tmp_path, caplog):
+    """A merged file's footer is hashed in its entry, and readers check that hash (the
+    footer is what DuckDB trusts for types and statistics: a flip there read back as
+    changed values, or failed the query naming no file): its entry ignored (named), the
+    file set aside, never fatal."""
+    written = past_day(tmp_path)
+    merge.merge_closed_days(tmp_path, now=LATER)
+    (merged,) = merged_files(tmp_path)
+    path = tmp_path / "completions" / merged
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[-8:-4], "little")
+    data[len(data) - 8 - length // 3] ^= 0x10  # inside the footer
+    path.write_bytes(bytes(data))
+    assert record_ids(tmp_path) == written  # its entry ignored: its sources count again
+    assert merged in caplog.text and "its footer is not what was written" in caplog.text
+    merge.merge_closed_days(tmp_path, now=LATER + 1)  # sets it aside, merges them again
+    assert [n["file"] for n in quarantined(tmp_path)] == [f"completions/{merged}"]
+    assert record_ids(tmp_path) == written and merged_files(tmp_path) != [merged]
+
+
+def test_a_merged_file_of_older_columns_written_before_checksums_stays_counted(tmp_path):
+    """An upgrade: a month merged by the previous release (no checksums; its entry's
+    columns fingerprint those of its day, a column fewer than today's) is verified and
+    described, never taken for damage (once, its list columns read back as `element`
+    did not match: the file was set aside, and its rows, its sources long gone, with it)."""
+    import pyarrow.parquet as pq
+
+    from overnight.storage.schema import TABLES, schema_fingerprint
+
+    written = past_day(tmp_path)
+    root = tmp_path / "completions"
+    old = pq.read_table([root / rel for rel in files(tmp_path)], partitioning=None)
+    old = old.drop_columns(["notes"])
+    folder = files(tmp_path)[0].split("/")[0]
+    for rel in files(tmp_path):
+        (root / rel).unlink()
+    merged = f"{folder}/{MERGED_PREFIX}0123456789ab.parquet"
+    pq.write_table(old, root / merged)  # as the previous release wrote it
+    columns = TABLES["completions"].remove(TABLES["completions"].get_field_index("notes"))
+    entry = {"replaces": [], "at": time.time() - 3 * GRACE, "rows": old.num_rows,
+             "version": 2, "schema": schema_fingerprint(columns)}  # fmt: skip
+    (root / MANIFEST).write_text(json.dumps({"merged": {merged: entry}}))
+    assert record_ids(tmp_path) == written
+    merge.merge_closed_days(tmp_path, now=LATER)  # describes it: checksums, size
+    assert quarantined(tmp_path) == [] and record_ids(tmp_path) == written
+    described = json.loads((root / MANIFEST).read_text())["merged"][merged]
+    assert len(described["sha256"]) == 64 and described["rows"] == len(written)
+    assert not check_store(tmp_path).damaged
 
 
 # -- 4. merge and prune ordered by the manifest, not clocks ----------------------------------
@@ -318,6 +387,48 @@ def test_a_failed_compaction_is_retried_within_minutes_and_once_more_at_close(
     compactor.close()  # what SIGTERM does: the failed log once more
     assert len(calls) == 9 and not list((tmp_path / "wal").glob("*.jsonl"))
     assert record_ids(tmp_path) == ["rec0"]
+
+
+def test_close_compacts_until_its_deadline_then_leaves_the_logs_to_the_next_start(
+    tmp_path, monkeypatch
+):
+    """SIGTERM's flush is bounded: what the deadline leaves stays whole, unlocked, read
+    by readers and compacted by the next start (`recover`)."""
+    from overnight.storage import compactor as compactor_module
+    from overnight.storage import recover
+
+    real = compactor_module.compact
+
+    def slow(data_dir, log_path):  # a bucket that answers slowly
+        time.sleep(0.5)
+        return real(data_dir, log_path)
+
+    monkeypatch.setattr(compactor_module, "compact", slow)
+    (tmp_path / "wal").mkdir()
+    compactor = Compactor(tmp_path, in_process=True)
+    compactor.start()
+    for n in range(6):
+        locked = LockedFile(tmp_path / "wal" / f"w.{n:06d}.jsonl", create=True)
+        locked.append([log_line("completions", completion(n))])
+        compactor.put(locked)
+    started = time.monotonic()
+    compactor.close(timeout=1.0)
+    assert time.monotonic() - started < 3.0
+    left = list((tmp_path / "wal").glob("*.jsonl"))
+    assert len(left) >= 3 and all(_unlocked(p) for p in left)
+    assert record_ids(tmp_path) == [f"rec{n}" for n in range(6)]  # the logs read live
+    monkeypatch.setattr(compactor_module, "compact", real)
+    assert recover(tmp_path) == len(left) and not list((tmp_path / "wal").glob("*.jsonl"))
+    assert record_ids(tmp_path) == [f"rec{n}" for n in range(6)]
+
+
+def _unlocked(path: Path) -> bool:
+    from overnight.storage.wal import try_lock
+
+    got = try_lock(path)
+    if got is not None:
+        got.close()
+    return got is not None
 
 
 # -- overnight check ---------------------------------------------------------------------------
