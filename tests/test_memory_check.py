@@ -72,3 +72,21 @@ def test_the_tiny_model_fits_on_this_machine(tiny_model_dir):
     said: list[str] = []
     need = check_fits(str(tiny_model_dir), TrainConfig(), "cpu", 4, said.append)
     assert need.total < memory.free_memory("cpu") and "GiB free" in said[0]
+
+
+def test_a_sequence_longer_than_a_micro_batch_counts_in_full():
+    """Such a sequence is forwarded alone (trainer/grpo/attention.py): the estimate takes
+    its length, not --micro-batch-tokens, and the refusal says so."""
+    config = TrainConfig(micro_batch_tokens=2048)
+    short = estimate(qwen_config(), config, 4)
+    long = estimate(qwen_config(), config, 4, longest=16384)
+    assert long.activations == pytest.approx(8 * short.activations)
+    assert estimate(qwen_config(), config, 4, longest=1000) == short
+
+
+def test_the_refusal_names_a_sequence_longer_than_a_micro_batch(tiny_model_dir):
+    config = TrainConfig(micro_batch_tokens=256)
+    with pytest.raises(WontFit) as refused:
+        check_fits(str(tiny_model_dir), config, "cpu", 4, lambda _: None, free=2**20,
+                   longest=9000)  # fmt: skip
+    assert "The longest sequence, 9000 tokens, is forwarded alone" in str(refused.value)

@@ -70,9 +70,11 @@ class Estimate:
                 f"{self.logits / GIB:.1f} GiB")  # fmt: skip
 
 
-def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: int = 1) -> Estimate:
+def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: int = 1,
+             longest: int = 0) -> Estimate:  # fmt: skip
     """The training peak for a transformers config of a decoder (Qwen2, Llama, Mistral);
-    with FSDP the weights are split over `shards` devices."""
+    with FSDP the weights are split over `shards` devices. A sequence longer than a
+    micro-batch (`longest` tokens) is forwarded alone, so the larger of the two counts."""
     h, layers = model_config.hidden_size, model_config.num_hidden_layers
     inter = getattr(model_config, "intermediate_size", 4 * h)
     vocab = model_config.vocab_size
@@ -93,7 +95,7 @@ def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: in
     weights = (layers * per_layer + embeddings + h) * bytes_per_value / shards
     adapted = [shapes[m] for m in config.target_modules if m in shapes]
     lora = layers * sum(config.lora_rank * (i + o) for i, o in adapted) * 4 * 4
-    tokens = config.micro_batch_tokens
+    tokens = max(config.micro_batch_tokens, longest)
     # auto: on from CHECKPOINTING_FROM parameters (trainer/grpo/checkpointing.py).
     mode = config.gradient_checkpointing
     params = layers * per_layer + embeddings
@@ -121,12 +123,13 @@ def free_memory(device: str) -> int:
 
 
 def check_fits(base_model: str, config: TrainConfig, device: str, bytes_per_value: int,
-               say=print, free: int | None = None, shards: int = 1) -> Estimate:  # fmt: skip
+               say=print, free: int | None = None, shards: int = 1,
+               longest: int = 0) -> Estimate:  # fmt: skip
     """Refuse, before loading anything, a night whose peak cannot fit; say the figures."""
     from transformers import AutoConfig
 
     model_config = AutoConfig.from_pretrained(base_model)
-    need = estimate(model_config, config, bytes_per_value, shards)
+    need = estimate(model_config, config, bytes_per_value, shards, longest)
     free = free_memory(device) if free is None else free
     usable = int(free * (1 - SPARE))
     say(f"memory: about {need.total / GIB:.1f} GiB needed on {device} ({need.parts()}), "
@@ -134,13 +137,16 @@ def check_fits(base_model: str, config: TrainConfig, device: str, bytes_per_valu
     if need.total > usable:
         tokens = config.micro_batch_tokens
         smaller = max(16, 2 ** int(math.log2(max(tokens * usable / need.total, 16))))
+        alone = (f" The longest sequence, {longest} tokens, is forwarded alone whatever "
+                 "--micro-batch-tokens: its activations count in full."
+                 if longest > tokens else "")  # fmt: skip
         raise WontFit(
             f"the night needs about {need.total / GIB:.1f} GiB on {device} ({need.parts()}) "
             f"and {free / GIB:.1f} GiB is free ({usable / GIB:.1f} usable): it stops before "
             f"loading anything. Lower --micro-batch-tokens (now {tokens}; the activations and "
             f"logits scale with it, try {smaller}), --logit-chunk-tokens, turn --gradient-checkpointing on, colocate "
             "with the vLLM that holds the GPU (--colocate on: it sleeps while the night trains), "
-            "or shard the model over several GPUs (torchrun with --fsdp)",
+            "or shard the model over several GPUs (torchrun with --fsdp)." + alone,
             status=507,
         )
     return need
