@@ -49,7 +49,6 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -58,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from trl_compare import rss_mb  # noqa: E402
+from trl_compare import rss_peak  # noqa: E402
 
 SHAPES = {
     "0.5b": dict(
@@ -267,33 +266,21 @@ def measure(step, args) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    baseline = rss_mb()
-    peak = [baseline]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_mb())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     times, cpu = [], []
-    for _ in range(1 + args.repeats):
-        t, c = time.perf_counter(), time.process_time()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-    done.set()
-    sampler.join()
+    with rss_peak() as peak:
+        for _ in range(1 + args.repeats):
+            t, c = time.perf_counter(), time.process_time()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
     pick = statistics.median if args.repeats else (lambda xs: xs[0])
     out = {"seconds": pick(times[1:] or times), "cpu_seconds": pick(cpu[1:] or cpu)}
     if cuda:
         out["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
-        out["peak_mb"] = peak[0] - baseline
+        out["peak_mb"] = peak["mb"]
     return out
 
 

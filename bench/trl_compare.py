@@ -17,6 +17,7 @@ version installed here. Time is the median of the repeats of `loss + backward`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import resource
@@ -80,31 +81,39 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def measure(step, repeats: int) -> dict:
-    """Median time, and the peak resident memory above the level before the first step.
-
-    ru_maxrss would include the model's loading; a thread samples RSS every 2 ms instead.
-    """
+@contextlib.contextmanager
+def rss_peak():
+    """The peak resident memory above the level at entry, in MB, sampled every 2 ms by a
+    thread (ru_maxrss would include the model's loading): `peak["mb"]` once exited."""
     baseline = rss_mb()
-    peak = [baseline]
+    peak = {"max": baseline, "mb": 0.0}
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], rss_mb())
+            peak["max"] = max(peak["max"], rss_mb())
             time.sleep(0.002)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    step()  # warm-up (its memory counts: a first step is a step)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    done.set()
-    sampler.join()
-    return {"seconds": statistics.median(times), "peak_mb_above_start": peak[0] - baseline}
+    try:
+        yield peak
+    finally:
+        done.set()
+        sampler.join()
+        peak["mb"] = peak["max"] - baseline
+
+
+def measure(step, repeats: int) -> dict:
+    """Median time, and the peak resident memory above the level before the first step."""
+    with rss_peak() as peak:
+        step()  # warm-up (its memory counts: a first step is a step)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+    return {"seconds": statistics.median(times), "peak_mb_above_start": peak["mb"]}
 
 
 def run_ours(model_dir: Path, repeats: int) -> dict:

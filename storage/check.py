@@ -17,16 +17,15 @@ reader's path. Below the CLI (overnight/cli_data.py), which prints `Report.lines
 from __future__ import annotations
 
 import datetime as dt
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
 
 from .cleanup import verify_file
-from .integrity import quarantined, set_aside, verify, verify_path
+from .integrity import quarantined, set_aside
 from .location import SegmentStore, segment_store
-from .manifest import MERGED_PREFIX, day_of, name_of, read_manifest
+from .manifest import day_of, read_manifest
 from .reader import open_db
 from .schema import TABLES
 from .segments import log_files, parse_log, quarantine_files
@@ -107,7 +106,7 @@ def _check_table(store: SegmentStore, table: str, report: Report, quarantine: bo
     for f in listed:
         report.files += 1
         report.bytes += f.size
-        why = _verify_listed(store, table, f.rel, entries.get(f.rel))
+        why = verify_file(store, table, f.rel, entries.get(f.rel))
         if why is not None and why != "missing":  # missing: merged away or pruned meanwhile
             done = _set_aside(store, table, f.rel, entries.get(f.rel), quarantine)
             report.add("damaged", f"{table}/{f.rel}", why, done=done)
@@ -127,27 +126,13 @@ def _check_table(store: SegmentStore, table: str, report: Report, quarantine: bo
                        "merges remove it once an hour old", damage=False)  # fmt: skip
 
 
-def _verify_listed(store: SegmentStore, table: str, rel: str, entry: dict | None) -> str | None:
-    if entry is not None:
-        return verify_file(store, table, rel, entry)
-    if name_of(rel).startswith(MERGED_PREFIX):
-        entry = {}  # uncommitted (never counted): checked all the same
-    if not store.remote:
-        return verify_path(store.local_path(table, rel), entry, table)
-    try:
-        data = store.read_bytes(table, rel)
-    except FileNotFoundError:
-        return "missing"
-    return verify(io.BytesIO(data), len(data), entry, table)
-
-
 def _set_aside(
     store: SegmentStore, table: str, rel: str, entry: dict | None, quarantine: bool
 ) -> str:
     if not quarantine:
         return "run `overnight check --quarantine` to set it aside"
     with store.lock(table):  # no merge on this machine reads it meanwhile
-        why = _verify_listed(store, table, rel, entry)
+        why = verify_file(store, table, rel, entry)
         if why is None or why == "missing":
             return "verified again under the merge lock: left where it is"
         note = set_aside(store, table, rel, why)

@@ -67,9 +67,10 @@ def clean_table(store: SegmentStore, table: str, now: float) -> None:
     _remove_strays(store, table, manifest, listed, now)
 
 
-def verify_file(store: SegmentStore, table: str, rel: str, entry: dict) -> str | None:
-    """Why merged file `rel` is not what its `entry` says (read whole: its size, sha256,
-    rows and columns), or None; "missing" when it is not there."""
+def verify_file(store: SegmentStore, table: str, rel: str, entry: dict | None) -> str | None:
+    """Why file `rel` is not what its manifest `entry` says (read whole: its size, sha256,
+    rows and columns; with no entry, its own checksums), or None; "missing" when it is
+    not there."""
     if not store.remote:
         return verify_path(store.local_path(table, rel), entry, table)
     try:
