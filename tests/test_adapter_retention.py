@@ -142,16 +142,22 @@ async def test_on_a_bucket_uploads_and_cached_copies_go_too(
     assert (await proxy.post("/v1/chat/completions", json=CHAT)).status == 200
 
 
-def test_the_cli_prunes_through_the_proxy_or_offline(tmp_path):
-    """Offline (no proxy serving the directory): under the state file's lock; the state
-    names the served adapter, which stays."""
-    data = tmp_path / "data"
+def served_and_old(data: Path) -> tuple[Path, Path]:
+    """Two nights' adapters, the newer promoted (adapters.json, no proxy running)."""
     served, old = night_adapter(data, 1), night_adapter(data, 0)
     data.joinpath("adapters.json").write_text(json.dumps({
         "version": 1, "stack": ["policy-v1"],
         "adapters": [{"name": "policy-v1", "version": 1, "path": str(served),
                       "promoted_at": "2026-12-01T00:00:00+00:00"}],
     }))  # fmt: skip
+    return served, old
+
+
+def test_the_cli_prunes_through_the_proxy_or_offline(tmp_path):
+    """Offline (no proxy serving the directory): under the state file's lock; the state
+    names the served adapter, which stays."""
+    data = tmp_path / "data"
+    served, old = served_and_old(data)
     out = CliRunner().invoke(main, ["prune", "--data", str(data), "--adapters", "--proxy", ""])
     assert out.exit_code == 0, out.output
     assert f"would delete {old}" in out.output and old.exists()
@@ -167,12 +173,7 @@ def test_prune_older_than_prunes_adapters_too(tmp_path):
     """`overnight prune --older-than` alone prunes adapters beside the days (the default
     --keep-adapters): an adapter nothing serves or can roll back to goes."""
     data = tmp_path / "data"
-    served, old = night_adapter(data, 1), night_adapter(data, 0)
-    data.joinpath("adapters.json").write_text(json.dumps({
-        "version": 1, "stack": ["policy-v1"],
-        "adapters": [{"name": "policy-v1", "version": 1, "path": str(served),
-                      "promoted_at": "2026-12-01T00:00:00+00:00"}],
-    }))  # fmt: skip
+    served, old = served_and_old(data)
     args = ["prune", "--data", str(data), "--older-than", "30d", "--proxy", ""]
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 0 and f"would delete {old}" in out.output and old.exists(), out.output

@@ -48,15 +48,7 @@ async def test_a_finishing_chunk_keeps_its_place_before_the_fingerprint_is_known
         {**CHUNK, "choices": [], "usage": {"prompt_tokens": 1}, "system_fingerprint": FINGERPRINT},
     ]
 
-    async def stream(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for chunk in chunks:
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        return response
-
-    proxy = await make_proxy(upstream=await upstream_of(aiohttp_server, stream))
+    proxy = await make_proxy(upstream=await upstream_of(aiohttp_server, _stream_of(chunks)))
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True}
     events = sse_events(await (await proxy.post("/v1/chat/completions", json=body)).text())
     order = [
