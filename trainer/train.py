@@ -122,12 +122,11 @@ def train(
         plan = gated
         say(f"gate: {len(gate_prompts)} held-out prompt(s), {len(given)} of them from groups "
             "left out of tonight's training")  # fmt: skip
-    start_adapter = (
-        saved["start_adapter"] if only is not None
-        else local_adapter(data_dir, served_adapter(state))
-    )  # fmt: skip
-    # How many promotions old each record is, against the adapter training starts from.
+    # A resumed run starts from what it started from; a new one from the served adapter
+    # (its local copy, with a bucket).
     started_from = saved["start_adapter"] if only is not None else served_adapter(state)
+    start_adapter = started_from if only is not None else local_adapter(data_dir, started_from)
+    # How many promotions old each record is, against the adapter training starts from.
     limit = config.max_staleness if only is None else None  # resumed: exactly its groups
     plan = weigh_staleness(plan, staleness_of(state, started_from), limit)
     for line in plan.lines():
