@@ -25,6 +25,8 @@ from .fake_shared import SETTINGS, dumps, record, send_stream
 # billions (tests/test_fuzz_proxy.py) once took the test process to 21 GB and the OOM
 # killer. vLLM refuses a max_tokens beyond its context; the fake refuses past this.
 MAX_TOKENS_BUILT = 1_000_000
+# vLLM's own bound on `n` (sampling_params._verify_num_sequences, VLLM_MAX_N_SEQUENCES).
+MAX_N_SEQUENCES = 16384
 
 
 def _prompt_ids(body: dict) -> list[int]:
@@ -68,6 +70,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return web.Response(body=dumps(_ruler_answer(body)), content_type="application/json")
     n = int(body.get("n") or 1)
     max_tokens = int(body.get("max_tokens") or settings["tokens"])
+    if n > MAX_N_SEQUENCES:  # as vLLM does, before it builds anything
+        message = f"n must be at most {MAX_N_SEQUENCES}, got {n}."
+        error = {"message": message, "type": "BadRequestError", "code": 400}
+        return web.json_response({"error": error}, status=400)
     if n * max_tokens > MAX_TOKENS_BUILT:  # as vLLM refuses a max_tokens past its context
         message = f"n x max_tokens is {n * max_tokens}: the fake builds at most {MAX_TOKENS_BUILT}"
         error = {"message": message, "type": "BadRequestError", "code": 400}
