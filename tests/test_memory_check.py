@@ -90,3 +90,28 @@ def test_the_refusal_names_a_sequence_longer_than_a_micro_batch(tiny_model_dir):
         check_fits(str(tiny_model_dir), config, "cpu", 4, lambda _: None, free=2**20,
                    longest=9000)  # fmt: skip
     assert "The longest sequence, 9000 tokens, is forwarded alone" in str(refused.value)
+
+
+def test_auto_turns_checkpointing_on_when_only_that_fits(tiny_model_dir):
+    """`--gradient-checkpointing auto` on a model below its size threshold: off while the
+    night fits without it, on when only that fits, a refusal when nothing does."""
+    from transformers import AutoConfig
+
+    config = TrainConfig(micro_batch_tokens=8192)
+    shape = AutoConfig.from_pretrained(str(tiny_model_dir))
+    without = estimate(shape, config, 4)
+    with_it = estimate(shape, config, 4, checkpointing=True)
+    assert not without.checkpointing and with_it.checkpointing
+    assert with_it.total < without.total
+    between = int((with_it.total + without.total) / 2 / (1 - memory.SPARE))
+    said: list[str] = []
+    need = check_fits(str(tiny_model_dir), config, "cpu", 4, said.append, free=between)
+    assert need == with_it and "checkpointing turned on" in said[0]
+    roomy = check_fits(str(tiny_model_dir), config, "cpu", 4, lambda _: None, free=2**40)
+    assert roomy == without  # fits as it is: no recompute paid for nothing
+    off = TrainConfig(micro_batch_tokens=8192, gradient_checkpointing="off")
+    with pytest.raises(WontFit):  # the operator said off: refused, not overridden
+        check_fits(str(tiny_model_dir), off, "cpu", 4, lambda _: None, free=between)
+    with pytest.raises(WontFit):
+        check_fits(str(tiny_model_dir), config, "cpu", 4, lambda _: None,
+                   free=int(with_it.total * 0.9))  # fmt: skip

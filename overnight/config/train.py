@@ -90,7 +90,8 @@ class TrainConfig:
         metadata={
             "help": "Recompute each decoder layer in the backward pass instead of keeping its "
             "activations (a third more compute, activations of one layer instead of all): "
-            "auto (on for models of 100M parameters or more), on, off.",
+            "auto (on for models of 100M parameters or more, and when the memory check finds the "
+            "night fits only with it), on, off.",
             "choices": _SWITCHES,
         },
     )

@@ -54,10 +54,10 @@ def run_training(
     shards = parallel.world if parallel.fsdp else 1
     itemsize = torch_dtype(config.dtype).itemsize
     longest = max((len(s.tokens) for s in plan.samples), default=0)
-    check_fits(base_model, config, str(parallel.device), itemsize, say, shards=shards,
-               longest=longest)  # fmt: skip
+    need = check_fits(base_model, config, str(parallel.device), itemsize, say, shards=shards,
+                      longest=longest)  # fmt: skip
     model, optimizer, state = _start_policy(
-        config, base_model, start_adapter, checkpoint, parallel, say
+        config, base_model, start_adapter, checkpoint, parallel, say, need.checkpointing
     )
     loss_config = LossConfig.from_train_config(config)
     # Before any update: what the first step's ratios are, by the records' age.
@@ -151,8 +151,10 @@ def _start_policy(
     checkpoint: Path | None,
     parallel: Parallel,
     say,
+    checkpointing: bool = False,
 ):
-    """(model on this process's device, its optimizer, the checkpoint's state or None)."""
+    """(model on this process's device, its optimizer, the checkpoint's state or None).
+    `checkpointing`: the memory check found the night fits only with it."""
     import torch
 
     from overnight.trainer.grpo.checkpointing import (
@@ -185,7 +187,7 @@ def _start_policy(
         )
         if start_adapter is None:
             model = fresh_adapter(model, config)
-    if wants_checkpointing(model, config.gradient_checkpointing):
+    if checkpointing or wants_checkpointing(model, config.gradient_checkpointing):
         enable_gradient_checkpointing(model)
     say(memory_line(memory_settings(model, config)))
     model = parallel.prepare(model)

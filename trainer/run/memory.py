@@ -59,6 +59,7 @@ class Estimate:
     lora: int
     activations: int
     logits: int
+    checkpointing: bool = False  # the activations above are with gradient checkpointing
 
     @property
     def total(self) -> int:
@@ -71,10 +72,11 @@ class Estimate:
 
 
 def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: int = 1,
-             longest: int = 0) -> Estimate:  # fmt: skip
+             longest: int = 0, checkpointing: bool | None = None) -> Estimate:  # fmt: skip
     """The training peak for a transformers config of a decoder (Qwen2, Llama, Mistral);
     with FSDP the weights are split over `shards` devices. A sequence longer than a
-    micro-batch (`longest` tokens) is forwarded alone, so the larger of the two counts."""
+    micro-batch (`longest` tokens) is forwarded alone, so the larger of the two counts.
+    `checkpointing` overrides what --gradient-checkpointing would choose."""
     h, layers = model_config.hidden_size, model_config.num_hidden_layers
     inter = getattr(model_config, "intermediate_size", 4 * h)
     vocab = model_config.vocab_size
@@ -100,11 +102,13 @@ def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: in
     mode = config.gradient_checkpointing
     params = layers * per_layer + embeddings
     checkpointed = mode == "on" or (mode == "auto" and params >= CHECKPOINTING_FROM)
+    if checkpointing is not None:
+        checkpointed = checkpointing
     per_token = h if checkpointed else 16 * h + 2 * inter
     activations = tokens * (layers * per_token + (16 * h + 2 * inter)) * bytes_per_value
     chunk = min(config.logit_chunk_tokens, tokens)
     logits = chunk * vocab * 4 * LOGIT_COPIES + min(FILTER_ROWS, chunk) * vocab * FILTER_BYTES
-    return Estimate(int(weights), int(lora), int(activations), int(logits))
+    return Estimate(int(weights), int(lora), int(activations), int(logits), checkpointed)
 
 
 def free_memory(device: str) -> int:
@@ -125,13 +129,22 @@ def free_memory(device: str) -> int:
 def check_fits(base_model: str, config: TrainConfig, device: str, bytes_per_value: int,
                say=print, free: int | None = None, shards: int = 1,
                longest: int = 0) -> Estimate:  # fmt: skip
-    """Refuse, before loading anything, a night whose peak cannot fit; say the figures."""
+    """Refuse, before loading anything, a night whose peak cannot fit; say the figures.
+
+    Under `--gradient-checkpointing auto`, a night that fits only with checkpointing gets
+    it (the returned estimate says so): a third more compute beats a night refused."""
     from transformers import AutoConfig
 
     model_config = AutoConfig.from_pretrained(base_model)
     need = estimate(model_config, config, bytes_per_value, shards, longest)
     free = free_memory(device) if free is None else free
     usable = int(free * (1 - SPARE))
+    if need.total > usable and config.gradient_checkpointing == "auto" and not need.checkpointing:
+        with_it = estimate(model_config, config, bytes_per_value, shards, longest, True)
+        if with_it.total <= usable:
+            say(f"memory: without gradient checkpointing about {need.total / GIB:.1f} GiB, "
+                f"more than the {usable / GIB:.1f} GiB usable: checkpointing turned on")  # fmt: skip
+            need = with_it
     say(f"memory: about {need.total / GIB:.1f} GiB needed on {device} ({need.parts()}), "
         f"{free / GIB:.1f} GiB free")  # fmt: skip
     if need.total > usable:
