@@ -84,8 +84,12 @@ def require_data_dir(data_dir: Path) -> None:
 
 @contextlib.contextmanager
 def read_db(data_dir: Path) -> Iterator[Any]:
-    """The data directory opened read-only for one command; clear errors if it is not one."""
+    """The data directory opened read-only for one command; clear errors if it is not one,
+    or if a query fails in a damaged file (`read_failure` names it)."""
+    import duckdb
+
     from .storage import SchemaVersionError, open_db
+    from .storage.reader import read_failure
 
     require_data_dir(data_dir)
     try:
@@ -98,6 +102,8 @@ def read_db(data_dir: Path) -> Iterator[Any]:
         yield con
     except OSError as e:  # a bucket that stopped answering mid-query
         raise click.ClickException(f"cannot read the records of {data_dir}: {e}") from e
+    except duckdb.Error as e:
+        raise click.ClickException(read_failure(data_dir, e)) from e
     finally:
         con.close()
 
@@ -148,13 +154,14 @@ def sql(data_dir: Path, query: str, fmt: str) -> None:
     """
     import duckdb
 
+    from .storage.reader import read_failure
     from .view import display
 
     with read_db(data_dir) as con:
         try:
             click.echo(display.run_query(con, query, fmt))
-        except duckdb.Error as e:
-            raise click.ClickException(str(e)) from e
+        except duckdb.Error as e:  # only the tables it names are verified
+            raise click.ClickException(read_failure(data_dir, e, query)) from e
 
 
 @click.command()

@@ -3,8 +3,9 @@ found, each finding with what to do (docs/operations.md, "Damaged files").
 
 What it reads: each table's manifest (that it parses, that its entries are entries, that
 each merged file is there and verifies: size, sha256, rows, columns), every Parquet file
-whole (`integrity.verify`: checksums, footer, and for files written before checksums, a
-decode of every page), the live logs (damaged lines), the quarantine, and, over the
+whole (`integrity.verify`: the whole file's sha256 against its entry, or a segment's
+against its record beside it, so that a flip in a footer is found too; its in-file
+checksums and footer; for files written before checksums, a decode of every page), the live logs (damaged lines), the quarantine, and, over the
 readers' view, rows stored twice (one id, two rows). With `quarantine`, each damaged
 file is set aside (integrity.set_aside) under its table's merge lock, verified again
 first. A manifest is never rewritten here: one that cannot be read is reported, and
@@ -23,7 +24,7 @@ from pathlib import Path
 import duckdb
 
 from .cleanup import verify_file
-from .integrity import quarantined, set_aside
+from .integrity import expected, quarantined, set_aside
 from .location import SegmentStore, segment_store
 from .manifest import day_of, read_manifest
 from .reader import open_db
@@ -41,7 +42,8 @@ ID_COLUMNS = {
 
 @dataclass
 class Finding:
-    kind: str  # damaged, manifest, entry, lost, duplicates, unreadable, quarantined, leftover, log
+    kind: str  # damaged, manifest, entry, lost, duplicates, unreadable, quarantined, leftover,
+    # log, record
     where: str  # `table/rel`, or a path
     detail: str
     damage: bool = True  # counts toward a non-zero exit
@@ -106,7 +108,11 @@ def _check_table(store: SegmentStore, table: str, report: Report, quarantine: bo
     for f in listed:
         report.files += 1
         report.bytes += f.size
-        why = verify_file(store, table, f.rel, entries.get(f.rel))
+        entry = expected(store, table, f.rel, entries.get(f.rel))
+        if entry is not None and "record" in entry:
+            report.add("record", f"{table}/{f.rel}", f"{entry['record']}: the segment is held "
+                       "to its own checksums only; a merge replaces both", damage=False)  # fmt: skip
+        why = verify_file(store, table, f.rel, entry)
         if why is not None and why != "missing":  # missing: merged away or pruned meanwhile
             done = _set_aside(store, table, f.rel, entries.get(f.rel), quarantine)
             report.add("damaged", f"{table}/{f.rel}", why, done=done)

@@ -12,7 +12,8 @@
    replaced merged file included, so that no entry is ever dropped while what it hid is
    still there (a merger whose clock ran ahead made that happen). Entries are taken in
    the manifest's own order (`seq`). An entry that does not verify is never acted on:
-   what it replaces stays, and its file, if damaged, is set aside.
+   what it replaces stays, and its file, if damaged, is set aside. A deleted segment's
+   record goes with it.
 3. **The deletions are committed**: the manifest is written after the files are gone,
    so a crash in between leaves entries whose files are missing, which readers ignore
    (what they hid is hidden by the entry that replaced them, manifest.py's `under`).
@@ -20,8 +21,8 @@
    unless its file is in the quarantine (restored, it counts again).
 5. **Strays removed**: merged files never committed (a merger that died before its
    commit, or lost the race to another), temporary files of killed writers
-   (`.*.tmp`), and days a killed prune renamed away (`.pruning-*`), once older than
-   `GRACE_SECONDS`.
+   (`.*.tmp`), days a killed prune renamed away (`.pruning-*`), and records of segments
+   that are gone (`.parquet.sha256`), once older than `GRACE_SECONDS`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,16 @@ import shutil
 from pathlib import Path
 
 from .faults import kill_point
-from .integrity import quarantined, quick_check, set_aside, verify, verify_path
+from .integrity import (
+    SUM_SUFFIX,
+    drop_sum,
+    expected,
+    quarantined,
+    quick_check,
+    set_aside,
+    verify,
+    verify_path,
+)
 from .location import SegmentFile, SegmentStore
 from .manifest import (
     MERGED_PREFIX,
@@ -69,8 +79,9 @@ def clean_table(store: SegmentStore, table: str, now: float) -> None:
 
 def verify_file(store: SegmentStore, table: str, rel: str, entry: dict | None) -> str | None:
     """Why file `rel` is not what its manifest `entry` says (read whole: its size, sha256,
-    rows and columns; with no entry, its own checksums), or None; "missing" when it is
-    not there."""
+    rows and columns; with no entry, a segment's record and its own checksums), or None;
+    "missing" when it is not there."""
+    entry = expected(store, table, rel, entry)
     if not store.remote:
         return verify_path(store.local_path(table, rel), entry, table)
     try:
@@ -128,6 +139,7 @@ def _delete_replaced(
     if not doomed:
         return False
     store.delete(table, doomed)
+    drop_sum(store, table, [r for r in doomed if r not in popped])  # segments' records
     kill_point("cleanup-deleting")
     for r in popped:
         entries.pop(r, None)
@@ -172,7 +184,10 @@ def _remove_strays(
     if store.remote:
         return
     root = store.local_path(table)
-    for path in [*root.glob(".*.tmp"), *root.glob("date=*/.*.tmp"), *root.glob(".pruning-*")]:
+    # A record whose segment is gone (deleted by hand, or set aside before records moved).
+    orphans = [p for p in root.glob(f"date=*/*{SUM_SUFFIX}") if not p.with_suffix("").exists()]
+    for path in [*root.glob(".*.tmp"), *root.glob("date=*/.*.tmp"), *root.glob(".pruning-*"),
+                 *orphans]:  # fmt: skip
         _remove_if_old(path, now)
 
 

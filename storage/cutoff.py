@@ -29,9 +29,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .faults import kill_point
-from .integrity import Damaged, set_aside
+from .integrity import Damaged, drop_sum, set_aside
 from .location import SegmentStore, segment_store
-from .manifest import Segments, day_of, first_day, folder_of, list_segments, read_manifest
+from .manifest import (
+    MERGED_PREFIX,
+    Segments,
+    day_of,
+    first_day,
+    folder_of,
+    list_segments,
+    name_of,
+    read_manifest,
+)
 from .manifest import write_manifest as commit
 from .merge import commit_file, conform, locked_tables, read_checked
 from .schema import SCHEMA_VERSION, TABLES
@@ -60,6 +69,8 @@ def remove_days(
         for day in days:
             if isinstance(day, str):
                 store.delete(table, objects[day])
+                segments = [r for r in objects[day] if not name_of(r).startswith(MERGED_PREFIX)]
+                drop_sum(store, table, segments)  # their records
                 removed += 1
                 continue
             doomed = day.with_name(f".pruning-{day.name}-{os.getpid()}")

@@ -5,9 +5,14 @@ Every Parquet file the store writes (a segment, a merged file: `write_parquet`) 
 two checksums: a CRC of each page (pyarrow's `write_page_checksum`), and in its footer
 metadata (`CHECKSUM_KEY`) the sha256 of every byte before the footer. A merged file's
 manifest entry adds its size, the sha256 of the whole file and that of its footer
-(manifest.py). A segment's footer has no checksum of its own (nothing outside it names
-the segment until a merge): `overnight check` finds a flip there only where the footer
-no longer parses. Three depths of looking:
+(manifest.py). A checksum inside a file cannot vouch for the footer that holds it (a flip
+in a footer's statistics or schema still parses), so a segment, which no manifest names
+until a merge, has its record beside it: `{rel}.sha256` (`write_sum`), the same fields
+as an entry (size, sha256 of the whole file and of its footer, rows) and a CRC of its
+own, written by compaction just after the segment and read as its entry by every
+`verify` (`expected`). A segment without one (written before records existed, or by a
+compaction killed between the two renames, which runs again) has its in-file checksums
+only. Three depths of looking:
 
 - `quick_check`, what every reader does to every file before reading it (a stat and two
   small reads, three for a merged file): both magic numbers, a footer length that fits,
@@ -21,14 +26,16 @@ no longer parses. Three depths of looking:
 
 DuckDB checks neither checksum (a flipped bit reads back as a wrong value), which is why
 nothing is merged from a file that was not verified. A damaged file is never deleted:
-`set_aside` moves it out of the readers' view, to `quarantine/files/{table}/{rel}`, with
-the reason beside it (`{name}.why`), where `quarantined` finds it (`/health`, `overnight
-check`). In a bucket the object moves under `{prefix}/quarantine/` and the reason stays
-on this machine. Below the segments, the merge, the reader and the check.
+`set_aside` moves it (and its record) out of the readers' view, to
+`quarantine/files/{table}/{rel}`, with the reason beside it (`{name}.why`), where
+`quarantined` finds it (`/health`, `overnight check`). In a bucket the object moves under
+`{prefix}/quarantine/` and the reason stays on this machine. Below the segments, the
+merge, the reader and the check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -36,6 +43,7 @@ import logging
 import os
 import re
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +64,7 @@ CHECKSUM_KEY = "overnight.sha256"  # footer: sha256 of the bytes before the foot
 MAGIC = b"PAR1"
 SET_ASIDE = Path("quarantine") / "files"  # under the data directory
 CHUNK = 1 << 20
+SUM_SUFFIX = ".sha256"  # a segment's record beside it: `date=D/x.parquet.sha256`
 
 
 class Damaged(Exception):
@@ -227,7 +236,7 @@ def verify(
     except Exception as e:  # what pyarrow makes of a broken footer varies
         return f"its footer cannot be read: {type(e).__name__}: {str(e)[:200]}"
     stated = (meta.metadata or {}).get(CHECKSUM_KEY.encode())
-    if stated is not None and stated.decode() != data_sha:
+    if stated is not None and stated.decode("utf-8", "replace") != data_sha:
         return "its content is not what was written (sha256 differs from its footer)"
     if expect.get("rows") is not None and meta.num_rows != expect["rows"]:
         return f"{meta.num_rows} rows, not the {expect['rows']} its manifest entry says"
@@ -280,6 +289,83 @@ def footer(data: bytes | None, table: str, rel: str) -> pq.FileMetaData:
         raise Damaged(table, rel, f"its footer cannot be read: {type(e).__name__}: {e}") from e
 
 
+# -- a segment's record beside it ----------------------------------------------------------
+
+RECORD_FIELDS = ("bytes", "sha256", "footer", "rows")
+
+
+def sum_rel(rel: str) -> str:
+    """The name of segment `rel`'s record: `date=D/x.parquet.sha256`."""
+    return rel + SUM_SUFFIX
+
+
+def sum_bytes(written: Written) -> bytes:
+    """The record of a segment just written: what `verify` holds it to, and a CRC of
+    those fields, so that a flip in the record is told from one in the segment."""
+    fields = {k: getattr(written, k) for k in RECORD_FIELDS}
+    crc = zlib.crc32(json.dumps(fields, sort_keys=True).encode())
+    return json.dumps({**fields, "crc32": crc}, sort_keys=True).encode() + b"\n"
+
+
+def parse_sum(data: bytes | None) -> dict | None:
+    """What record `data` holds a segment to (`verify`'s `expect`): None when there is
+    none; `{"record": why}` when it is damaged (its segment's in-file checksums count)."""
+    if data is None:
+        return None
+    try:
+        raw = json.loads(data)
+        fields = {k: raw[k] for k in RECORD_FIELDS}
+        sound = zlib.crc32(json.dumps(fields, sort_keys=True).encode()) == raw["crc32"]
+    except (ValueError, TypeError, KeyError) as e:  # not JSON, not an object, a field gone
+        return {"record": f"its record ({SUM_SUFFIX}) cannot be read: {type(e).__name__}"}
+    return fields if sound else {"record": f"its record ({SUM_SUFFIX}) is damaged (CRC)"}
+
+
+def expected(store: SegmentStore, table: str, rel: str, entry: dict | None) -> dict | None:
+    """What file `rel` of `table` is held to: its manifest `entry`, else its record (a
+    segment), else None. One small read (a GET in a bucket) when there is no entry."""
+    if entry is not None:
+        return entry
+    if not store.remote:
+        try:
+            return parse_sum(store.local_path(table, sum_rel(rel)).read_bytes())
+        except FileNotFoundError:
+            return None
+    return parse_sum(store.read_object(table, sum_rel(rel)))
+
+
+def write_sum(store: SegmentStore, table: str, rel: str, written: Written) -> None:
+    """Publish segment `rel`'s record, just after the segment (`drop_sum` before it):
+    locally a temporary name, fsynced, renamed; in a bucket one PUT."""
+    data = sum_bytes(written)
+    if store.remote:
+        store.put_bytes(table, sum_rel(rel), data)
+        return
+    path = store.local_path(table, sum_rel(rel))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a killed writer's: cleanup's
+    create_private(tmp)
+    try:
+        tmp.write_bytes(data)
+        replace_durably(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def drop_sum(store: SegmentStore, table: str, rels: Iterable[str]) -> None:
+    """Delete the records of segments `rels` (those that have one): before a segment is
+    written again (a record never vouches for bytes it was not made of), and with
+    segments deleted. In a bucket one request each, as a missing one fails a batch."""
+    for rel in rels:
+        if not store.remote:
+            path = store.local_path(table, sum_rel(rel))
+            if path.exists():
+                path.unlink(missing_ok=True)
+                fsync_path(path.parent)
+            continue
+        store.delete(table, [sum_rel(rel)])  # a missing one: FileNotFoundError, caught
+
+
 # -- the quarantine ------------------------------------------------------------------------
 
 
@@ -291,9 +377,14 @@ def set_aside(store: SegmentStore, table: str, rel: str, why: str) -> Path:
     moved = f"quarantine/{table}/{where.parent.name}/{where.name}"
     if store.remote:
         store.move(table, rel, moved)
+        # Its record goes with it: restored, the file is held to that record again.
+        with contextlib.suppress(FileNotFoundError):
+            store.move(table, sum_rel(rel), moved + SUM_SUFFIX)
     else:
         source = store.local_path(table, rel)
         os.replace(source, where)
+        if source.with_name(source.name + SUM_SUFFIX).exists():
+            os.replace(source.with_name(source.name + SUM_SUFFIX), sum_rel(str(where)))
         fsync_path(source.parent)
         fsync_path(where.parent)
     note = where.with_name(where.name + ".why")

@@ -52,7 +52,15 @@ import pyarrow as pa
 from .cleanup import GRACE_SECONDS as GRACE_SECONDS  # where it was, for its readers
 from .cleanup import clean_table, verify_file
 from .faults import kill_point
-from .integrity import Damaged, file_fingerprint, footer, footer_sha, read_verified, set_aside
+from .integrity import (
+    Damaged,
+    expected,
+    file_fingerprint,
+    footer,
+    footer_sha,
+    read_verified,
+    set_aside,
+)
 from .location import SegmentStore, segment_store
 from .manifest import (
     MERGED_PREFIX,
@@ -230,8 +238,10 @@ def _version(store: SegmentStore, table: str, rel: str, entry: dict | None) -> i
 
 
 def read_checked(store: SegmentStore, table: str, rel: str, entry: dict | None) -> pa.Table:
-    """Source `rel` read whole and verified (`Damaged` if it is not what was written)."""
-    return read_verified(store.read_bytes(table, rel), table, rel, entry)
+    """Source `rel` read whole and verified (`Damaged` if it is not what was written): held
+    to its `entry`, else (a segment) to its record."""
+    data = store.read_bytes(table, rel)
+    return read_verified(data, table, rel, expected(store, table, rel, entry))
 
 
 def commit_file(

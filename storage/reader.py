@@ -14,7 +14,15 @@ logs from its local directory.
 
 A damaged segment (truncated, say) is left out of the read with a warning that names
 it (manifest.py's `Segments.readable`), never fatal to the other files or tables; files
-set aside by a merge or `overnight check --quarantine` are named too.
+set aside by a merge or `overnight check --quarantine` are named too. What a reader checks
+before each read is the shape of every file (magic bytes, a footer length that fits),
+a merged file's size and footer sha256 as its entry says, and that DuckDB can read each
+footer it must open: a stat and a few small reads a file. The data's checksums are not
+checked per query (that is every byte of the store, each time): a flip in a data page
+that DuckDB still decodes reads back as a wrong value until `overnight check` (or the
+merge that rewrites the file) finds it. A query that DuckDB fails while reading
+(`read_failure`: a page header it cannot decode, say) has the files it read verified
+whole then, once, and the damaged ones named in its error, with what to do.
 
 A live log is read as compaction will read it: a value that does not fit its column is
 made to fit (with a note), and a line that cannot be stored is left out here (and set
@@ -25,12 +33,14 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
-from .integrity import SET_ASIDE, quarantined
+from .integrity import SET_ASIDE, expected, quarantined, verify_path
 from .location import segment_store
 from .manifest import list_segments, warn_once
 from .schema import TABLES, check_versions, schema_fingerprint
@@ -305,3 +315,81 @@ def finished_groups(con, settle_seconds: float, only: list[str] | None) -> list[
         wanted = set(only)
         groups = [g for g in groups if g in wanted]
     return groups
+
+
+# -- when a query fails: the files it read, verified ----------------------------------------
+
+# What DuckDB raises when it fails inside a file (a page header it cannot decode is a bare
+# `duckdb.Error`, "TProtocolException: Invalid data"); a query's own mistakes (syntax, a
+# name, a cast) are other kinds, and leave the files unread.
+READ_ERRORS = (
+    duckdb.IOException,
+    duckdb.InvalidInputException,
+    duckdb.InternalException,
+    duckdb.SerializationException,
+)
+# The stored tables each view reads.
+VIEW_TABLES = {
+    "rollout_rewards": ("rewards",),
+    "rollout_judgments": ("judgments",),
+    "rollouts": ("completions", "rewards", "finishes", "judgments"),
+    "groups": ("completions", "rewards", "finishes", "judgments"),
+}
+
+
+class DamagedRead(Exception):
+    """A read that failed in a damaged file; the message names it (`read_failure`)."""
+
+
+def read_failure(
+    data_dir: Path, error: Exception, query: str | None = None, paths: Iterable[Path] = ()
+) -> str:
+    """What to say of `error`, raised by a query over `data_dir`: the error, and when
+    DuckDB failed inside a file, the damaged files among those the query read (`paths`,
+    else every file of the tables `query` names: `tables_of`), each with why and what to
+    do. Reads every byte of those files: for after a failure, never before a read."""
+    text = str(error)
+    if not (type(error) is duckdb.Error or isinstance(error, READ_ERRORS)):
+        return text
+    try:
+        damaged = damaged_files(Path(data_dir), tables_of(query), set(map(Path, paths)))
+    except Exception as e:  # looking must never hide the error it was to explain
+        return f"{text}\n(the files it read could not be verified: {type(e).__name__}: {e})"
+    if not damaged:
+        return f"{text}\n(the files it read verify whole: no damaged file is the cause)"
+    named = "; ".join(f"{where} ({why})" for where, why in damaged)
+    return (f"{text}\n{len(damaged)} damaged file(s) among those it read: {named}. Run "
+            f"`overnight check --quarantine --data {data_dir}` to set them aside (their rows "
+            "are then left out of every read until restored; docs/operations.md, \"Damaged "
+            "files\")")  # fmt: skip
+
+
+def tables_of(query: str | None) -> list[str]:
+    """The stored tables `query` reads, by the names in it; every table when it names
+    none (or there is no query: a command's own)."""
+    words = set(re.findall(r"[a-z_]+", (query or "").lower()))
+    found = {t for t in TABLES if t in words}
+    for view, tables in VIEW_TABLES.items():
+        if view in words:
+            found.update(tables)
+    return sorted(found) or list(TABLES)
+
+
+def damaged_files(
+    data_dir: Path, tables: Iterable[str], only: set[Path] | None = None
+) -> list[tuple[str, str]]:
+    """(`table/rel`, why) of each file of `tables` that a reader reads now (this
+    machine's copy, in a bucket) and that does not verify whole (`integrity.verify`:
+    held to its manifest entry, or a segment to its record); with `only`, of those paths."""
+    store = segment_store(data_dir)
+    out = []
+    for table in tables:
+        found = list_segments(data_dir, table, store)
+        for path, _ in found.readable(None):
+            if only and Path(path) not in only:
+                continue
+            rel = f"{path.parent.name}/{path.name}"  # a copy sits where the file does
+            why = verify_path(path, expected(store, table, rel, found.entries.get(rel)), table)
+            if why is not None and why != "missing":  # missing: merged away meanwhile
+                out.append((f"{table}/{rel}", why))
+    return out

@@ -13,7 +13,8 @@ logs for its id (a literal in its line), the matching lines alone parsed. A proc
 looks again and again (the proxy) keeps each index file's ids as sorted 64-bit hashes
 (8 bytes an id, read once per file, by DuckDB) and its listing for `LISTING_SECONDS`,
 so that an id that is nowhere costs a search of the live logs and a few bisections:
-milliseconds, whatever the size of the store.
+milliseconds, whatever the size of the store. A lookup that DuckDB fails inside a file
+raises `DamagedRead` naming the damaged ones among the files it read (reader.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import orjson
 
 from .location import segment_store
 from .manifest import list_segments
+from .reader import DamagedRead, read_failure
 from .schema import SCHEMA_VERSION
 from .segments import log_files
 
@@ -82,8 +84,12 @@ class ResponseIndex:
             return live
         con = self._db()
         key = np.uint64(con.execute("SELECT hash(?)", [response_id]).fetchone()[0])  # type: ignore[index]
-        files = [p for p in self._files() if self._may_hold(con, p, key)]
-        return _from_files(con, self.data_dir, files, response_id) if files else None
+        read: list[Path] = []  # what DuckDB was given: verified, should it fail in one
+        try:
+            files = [p for p in self._files() if self._may_hold(con, p, key, read)]
+            return _from_files(con, self.data_dir, files, response_id, read) if files else None
+        except duckdb.Error as e:
+            raise DamagedRead(read_failure(self.data_dir, e, paths=read)) from e
 
     def close(self) -> None:
         if self._con is not None:
@@ -106,13 +112,16 @@ class ResponseIndex:
                 del self._hashes[gone]
         return files
 
-    def _may_hold(self, con: duckdb.DuckDBPyConnection, path: Path, key: np.uint64) -> bool:
+    def _may_hold(
+        self, con: duckdb.DuckDBPyConnection, path: Path, key: np.uint64, read: list[Path]
+    ) -> bool:
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             return False  # merged away or pruned since the listing
         known = self._hashes.get(path)
         if known is None or known[0] != size:
+            read.append(path)
             found = con.execute(
                 "SELECT hash(response_id) AS h FROM read_parquet(?) ORDER BY h", [str(path)]
             ).fetchnumpy()["h"]
@@ -132,9 +141,15 @@ def find_response(data_dir: Path, response_id: str) -> tuple[str | None, str | N
 
 
 def _from_files(
-    con: duckdb.DuckDBPyConnection, data_dir: Path, index: list[Path], response_id: str
+    con: duckdb.DuckDBPyConnection,
+    data_dir: Path,
+    index: list[Path],
+    response_id: str,
+    read: list[Path],
 ) -> tuple[str | None, str | None] | None:
-    """The record of `response_id` through the index files that may name it."""
+    """The record of `response_id` through the index files that may name it (the files
+    handed to DuckDB added to `read`)."""
+    read.extend(index)
     hit = con.execute(
         "SELECT record_id, started_at FROM read_parquet(?, union_by_name = true) "
         "WHERE response_id = ? ORDER BY started_at DESC LIMIT 1",
@@ -144,9 +159,11 @@ def _from_files(
         return None
     record_id, started = hit
     day = started.astimezone(dt.UTC).strftime("%Y-%m-%d")
-    files = [str(p) for p in list_segments(data_dir, "completions").covering(day)]
-    if not files:
+    covering = list_segments(data_dir, "completions").covering(day)
+    if not covering:
         return None
+    read.extend(covering)
+    files = [str(p) for p in covering]
     row = con.execute(
         "SELECT request, response FROM read_parquet(?, union_by_name = true) "
         "WHERE record_id = ? AND started_at = ? LIMIT 1",

@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 
 from .faults import kill_point
 from .files import create_private, private_dir, replace_durably
-from .integrity import Written, check_written, write_parquet
+from .integrity import Written, check_written, drop_sum, write_parquet, write_sum
 from .schema import (
     ARROW_ERRORS,
     JSON_COLUMNS,
@@ -213,9 +213,10 @@ def footer_version(metadata: dict[bytes, bytes] | None) -> int:
 def put_segment(store: SegmentStore, name: str, rel: str, table: pa.Table) -> Written:
     """Write segment `rel` (`date=D/x.parquet`) of table `name` (rows in its schema)
     where `store` keeps them, with the newest schema version of its rows in the footer
-    (read by `open_db` from there: no scan). See `put_segment_parts`."""
+    (read by `open_db` from there: no scan), and its record beside it (no manifest
+    names a segment until a merge: integrity.py). See `put_segment_parts`."""
     newest = pc.max(table.column("schema_version")).as_py() if table.num_rows else None
-    return put_segment_parts(store, name, rel, [table], newest or SCHEMA_VERSION)
+    return put_segment_parts(store, name, rel, [table], newest or SCHEMA_VERSION, record=True)
 
 
 def put_segment_parts(
@@ -225,6 +226,7 @@ def put_segment_parts(
     parts: Iterable[pa.Table],
     version: int,
     stage: str = "segment-written",
+    record: bool = False,
 ) -> Written:
     """Write segment `rel` from `parts` (each in the table's schema) one at a time, each
     part its own row groups, so that a month merged from its days is never in memory
@@ -234,7 +236,10 @@ def put_segment_parts(
     processes compacting one log never write into one file), fsynced, read back (its
     shape, its footer, its rows), then renamed; in a bucket checked the same in memory,
     then one PUT (an object appears whole). Page CRCs and the data's sha256 go into the
-    file (integrity.py); `stage` is the crash tests' kill point before the rename."""
+    file (integrity.py); `stage` is the crash tests' kill point before the rename. With
+    `record`, its record follows it (`integrity.write_sum`), and any earlier one is
+    deleted before the rename: a crash in between leaves a segment without a record
+    (its log, not deleted yet, is compacted again), never one held to other bytes."""
     schema = TABLES[name].with_metadata({VERSION_KEY: str(version).encode()})
     what = f"{name}/{rel}"
     if store.remote:
@@ -242,7 +247,9 @@ def put_segment_parts(
         written = write_parquet(buffer, schema, parts, ROW_GROUP_SIZES.get(name, ROW_GROUP_SIZE))
         data = buffer.getvalue()
         _published_whole(io.BytesIO(data), written, what)
-        store.put_bytes(name, rel, data)
+        store.put_bytes(name, rel, data)  # a compaction run again writes the same bytes
+        if record:
+            write_sum(store, name, rel, written)
         return written
     path = store.local_path(name, rel)
     private_dir(path.parent)
@@ -254,10 +261,14 @@ def put_segment_parts(
         with open(tmp, "rb") as f:
             _published_whole(f, written, what)
         kill_point(stage)
+        if record:
+            drop_sum(store, name, [rel])
         replace_durably(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if record:
+        write_sum(store, name, rel, written)
     return written
 
 

@@ -214,11 +214,12 @@ def test_a_closed_day_is_merged_in_the_bucket_without_counting_a_row_twice(s3, t
     assert merged.rsplit("/", 1)[1].startswith(manifest_module.MERGED_PREFIX)
     assert rows(local, count) == [{"n": 12}]
     day_objects = [k for k in objects(client, "merge") if k.startswith("completions/date=")]
-    assert len(day_objects) == 4  # the replaced ones stay for the grace period
+    records = [k for k in day_objects if k.endswith(".parquet.sha256")]  # one a segment
+    assert len(day_objects) == 4 + 3 and len(records) == 3  # replaced: kept for the grace
     assert "completions/_merged.json" in objects(client, "merge")
     merge_module.merge_closed_days(local, now=later + merge_module.GRACE_SECONDS + 1)
     day_objects = [k for k in objects(client, "merge") if k.startswith("completions/date=")]
-    assert len(day_objects) == 1 and rows(local, count) == [{"n": 12}]
+    assert len(day_objects) == 1 and rows(local, count) == [{"n": 12}]  # records gone too
     # Readers read local copies; those of objects the bucket no longer has are gone.
     copies = list((local / CACHE_DIR / "completions").glob("date=*/*.parquet"))
     assert [p.name for p in copies] == [merged.rsplit("/", 1)[1]]
@@ -336,7 +337,8 @@ def test_prune_deletes_old_days_from_the_bucket(s3, tmp_path):
     )
     assert "deleted 1 day partition(s)" in cli(*args, "--yes")
     segments = [k for k in objects(client, "prune") if k.startswith("completions/date=")]
-    assert len(segments) == 1  # beside the manifest, which records the cutoff
+    assert len(segments) == 2  # today's and its record, beside the manifest (the cutoff)
+    assert segments[1] == f"{segments[0]}.sha256"
     assert rows(local, "SELECT count(*) AS n FROM completions") == [{"n": 1}]
 
 

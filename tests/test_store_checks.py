@@ -198,9 +198,118 @@ def test_a_flipped_bit_in_a_segment_is_found_and_never_merged(tmp_path):
     assert "sha256" in report.findings[0].detail or "CRC" in report.findings[0].detail
     merge.merge_closed_days(tmp_path, now=LATER)
     assert [n["file"] for n in quarantined(tmp_path)] == [f"completions/{victim}"]
+    aside = tmp_path / "quarantine" / "files" / "completions" / victim
+    assert aside.with_name(aside.name + ".sha256").exists()  # its record went with it
     (merged,) = merged_files(tmp_path)
     assert ids_in(tmp_path, merged) == set(written) - lost
     assert record_ids(tmp_path) == sorted(set(written) - lost)
+
+
+def test_a_flipped_bit_anywhere_in_a_segment_is_found_by_check(tmp_path):
+    """The defect: the sha256 in a segment's footer vouches for its data only, and nothing
+    outside the segment held a checksum of the footer: 17 of 40 single-bit flips in a
+    footer (its statistics, schema, metadata) passed `overnight check`, and one in that
+    sha256 crashed it. Now a segment's record beside it (`x.parquet.sha256`) holds the
+    whole file's sha256: a flip anywhere is found, and named."""
+    past_day(tmp_path, logs=1)
+    (victim,) = files(tmp_path)
+    path = tmp_path / "completions" / victim
+    good = path.read_bytes()
+    length = int.from_bytes(good[-8:-4], "little")
+    start = len(good) - 8 - length  # the footer's first byte
+    spots = [0, 3, *range(4, start, start // 10), *range(start, len(good) - 8, length // 50),
+             len(good) - 8, len(good) - 5, len(good) - 1]  # fmt: skip
+    missed = []
+    for spot in spots:
+        data = bytearray(good)
+        data[spot] ^= 0x10
+        path.write_bytes(bytes(data))
+        found = [(f.kind, f.where) for f in check_store(tmp_path).findings]
+        if ("damaged", f"completions/{victim}") not in found:
+            missed.append(spot)
+    assert missed == [], f"{len(missed)} of {len(spots)} flips not found (footer from {start})"
+    result = cli("check", "--data", str(tmp_path))  # the last flip: in the closing magic
+    assert result.exit_code == 1 and finding(result.output, "damaged", f"completions/{victim}")
+    path.write_bytes(good)
+    assert not check_store(tmp_path).damaged
+
+
+def test_a_damaged_record_is_noted_and_its_segment_merged_on_its_own_checksums(tmp_path):
+    """A flip in a segment's record is told from one in the segment (the record's own
+    CRC): a note, the segment held to its in-file checksums, merged; the records of
+    merged segments go with them."""
+    written = past_day(tmp_path)
+    victim = files(tmp_path)[0]
+    record = tmp_path / "completions" / f"{victim}.sha256"
+    data = bytearray(record.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    record.write_bytes(bytes(data))
+    report = check_store(tmp_path)
+    assert [(f.kind, f.where, f.damage) for f in report.findings] == [
+        ("record", f"completions/{victim}", False)
+    ]
+    merge.merge_closed_days(tmp_path, now=LATER)
+    assert quarantined(tmp_path) == [] and record_ids(tmp_path) == written
+    merge.merge_closed_days(tmp_path, now=LATER + GRACE + 1)  # replaced segments deleted
+    assert files(tmp_path) == merged_files(tmp_path)
+    assert list((tmp_path / "completions").glob("date=*/*.sha256")) == []
+
+
+def flip_page_header(path: Path, column: str) -> None:
+    """One bit flipped in the header of `column`'s first data page (found in the footer):
+    DuckDB fails the read ("TProtocolException: Invalid data"), naming no file."""
+    import pyarrow.parquet as pq
+
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    (spot,) = [group.column(i).data_page_offset for i in range(group.num_columns)
+               if group.column(i).path_in_schema == column]  # fmt: skip
+    data = bytearray(path.read_bytes())
+    data[spot] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+async def test_a_query_that_fails_in_a_damaged_page_names_the_file(tmp_path, make_proxy):
+    """The defect: a flip in a data page's header failed `overnight sql`, `ls` and `/ui`
+    with DuckDB's "TProtocolException: Invalid data", naming no file. Now the files the
+    query read are verified whole, and the damaged one is named with what to do; a query
+    of other tables, and a query's own mistakes, are answered as before."""
+    import duckdb
+
+    past_day(tmp_path)
+    victim = files(tmp_path)[1]
+    flip_page_header(tmp_path / "completions" / victim, "group_id")
+    with pytest.raises(duckdb.Error) as failed:
+        rows(tmp_path, "SELECT * FROM completions")
+    assert victim not in str(failed.value)  # DuckDB's own words
+    data = ["--data", str(tmp_path)]
+    for args in (["sql", *data, "SELECT * FROM completions"], ["sql", *data, "FROM groups"],
+                 ["ls", *data]):  # fmt: skip
+        result = cli(*args)
+        assert result.exit_code == 1 and f"completions/{victim} (" in result.output, result.output
+        assert "sha256 differs" in result.output and "overnight check --quarantine" in result.output
+    assert cli("sql", *data, "SELECT count(*) AS n FROM rewards").exit_code == 0
+    result = cli("sql", *data, "SELEC 1")
+    assert result.exit_code == 1 and "syntax error" in result.output
+    assert "damaged" not in result.output and "verif" not in result.output
+    proxy = await make_proxy(data_dir=tmp_path)
+    page = await proxy.get("/ui")
+    assert page.status == 500 and f"completions/{victim} (" in await page.text()
+
+
+def test_a_responses_lookup_that_fails_in_a_damaged_index_names_the_file(tmp_path):
+    from overnight.storage.reader import DamagedRead
+    from overnight.storage.response_index import find_response
+
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
+    writer.start()
+    for i in range(5):
+        writer.append("completions", responses_record(i))
+    writer.close()
+    assert find_response(tmp_path, "resp_000003") is not None
+    (victim,) = files(tmp_path, "response_ids")
+    flip_page_header(tmp_path / "response_ids" / victim, "response_id")
+    with pytest.raises(DamagedRead, match=f"response_ids/{victim} \\(.*check --quarantine"):
+        find_response(tmp_path, "resp_000003")
 
 
 def test_a_flipped_bit_in_a_merged_file_keeps_what_it_replaced(tmp_path):

@@ -10,9 +10,11 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import duckdb
 from aiohttp import web
 
 from overnight.storage import open_db
+from overnight.storage.reader import read_failure
 
 # What the view reads, through `request.config_dict`: set on the parent app by whoever
 # mounts the view (the proxy's create_app). The keys live here, not in the proxy: view/
@@ -27,13 +29,16 @@ UNCAPTURED = web.AppKey[Callable[[], dict[str, int]]]("uncaptured")
 
 
 async def query(request: web.Request, render):
-    """Run `render(con)` on a fresh DuckDB over the data directory, off the loop."""
+    """Run `render(con)` on a fresh DuckDB over the data directory, off the loop; a query
+    that fails in a damaged file answers 500 naming it (`read_failure`)."""
     data_dir = request.config_dict[DATA_DIR]
 
     def work():
         con = open_db(data_dir)
         try:
             return render(con)
+        except duckdb.Error as e:
+            raise web.HTTPInternalServerError(text=read_failure(data_dir, e)) from e
         finally:
             con.close()
 
