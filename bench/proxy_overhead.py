@@ -11,11 +11,14 @@ first use), one worker, no callbacks, no database.
     python bench/proxy_overhead.py                 # everything, about 4 minutes
     python bench/proxy_overhead.py --skip-litellm  # without the reference
     python bench/proxy_overhead.py --only common --rounds 5 --duration 3 [--profile DIR]
+    python bench/proxy_overhead.py --only observe --rounds 5 --duration 3
 
 `--only common` measures the common path alone (a plain agent's whole chat completion at
 c1 and c16: direct, overnight, the bare aiohttp forwarder), the three in turn each round,
 and prints each round and the medians; `--profile DIR` then samples the proxy with py-spy
 under the c16 load (DIR/overnight.txt: collapsed stacks) and prints where its time went.
+`--only observe` runs the same path through one proxy per OBSERVE variant (an integration
+on or off: Prometheus metrics), in turn each round, and prints their ratios.
 
 The agent in the main scenarios is a plain client (it asks for neither token ids
 nor logprobs), so overnight adds them upstream and removes them again: its common,
@@ -47,6 +50,12 @@ from overnight.testing.processes import spawn_serve  # noqa: E402
 LITELLM_VERSION = "1.110.2"
 # Both proxies check a client key (LiteLLM refuses to start without a master key).
 API_KEY = "sk-bench-0123456789abcdef0123456789abcdef"
+# `--only observe`: one proxy each, the same traffic in turn; name -> (serve flags, env).
+# The first is the reference the others are compared with.
+OBSERVE = {
+    "metrics off": (("--no-metrics",), {}),
+    "metrics on": ((), {}),
+}
 MESSAGES = [
     {"role": "system", "content": "You are a helpful agent."},
     {"role": "user", "content": "Which city is warmest today? Use the tools."},
@@ -191,8 +200,12 @@ def main() -> None:
     parser.add_argument("--skip-litellm", action="store_true")
     parser.add_argument("--litellm-venv", type=Path, default=ROOT / ".cache" / "bench-litellm")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--only", choices=["common"], help="common: the common path alone")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of --only common")
+    parser.add_argument(
+        "--only",
+        choices=["common", "observe"],
+        help="common: the common path alone; observe: it with integrations on and off",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --only common/observe")
     parser.add_argument("--profile", type=Path, help="--only common: py-spy's samples here")
     args = parser.parse_args()
     if not shutil.which("wrk"):
@@ -203,14 +216,16 @@ def main() -> None:
     try:
         if args.only == "common":
             results = run_common(args, work, stops)
+        elif args.only == "observe":
+            results = run_observe(args, work, stops)
         else:
             results = run_all(args, work, stops)
     finally:
         for halt in reversed(stops):
             halt()
-    if args.only != "common":
+    if args.only is None:
         report(results, args)
-    elif args.json:
+    elif args.json:  # --only common, --only observe
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
     shutil.rmtree(work, ignore_errors=True)
@@ -385,11 +400,6 @@ def run_common(args, work: Path, stops: list[Callable[[], object]]) -> dict:
             flush=True,
         )
 
-    def median(values: list[float]) -> float:
-        values = sorted(values)
-        mid = len(values) // 2
-        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
     summary = {
         "c16 req/s overnight": median([r["c16/overnight"].rps for r in rounds]),
         "c16 req/s bare-aiohttp": median([r["c16/bare-aiohttp"].rps for r in rounds]),
@@ -410,6 +420,71 @@ def run_common(args, work: Path, stops: list[Callable[[], object]]) -> dict:
     print(f"{'failed requests':<52}{errors:>10}")
     if args.profile:
         profile(proxy.pid, f"{proxy.url}/v1/chat/completions", body, args, work)
+    return {
+        "rounds": [{k: v.__dict__ for k, v in row.items()} for row in rounds],
+        "summary": summary,
+        "errors": errors,
+    }
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def run_observe(args, work: Path, stops: list[Callable[[], object]]) -> dict:
+    """The common path (a plain agent's whole chat completion, c1 and c16) through one
+    proxy per OBSERVE variant, each in turn every round; each compared with the first."""
+    port = free_port()
+    fake = [sys.executable, "-m", "overnight.testing.fake_upstream", "--port", str(port)]
+    upstream = f"http://127.0.0.1:{port}"
+    proc = start(pinned(1, [*fake, "--tokens", str(args.tokens)]), upstream + "/health")
+    stops.append(lambda: stop(proc))
+    targets = {}
+    for i, (name, (flags, env)) in enumerate(OBSERVE.items()):
+        proxy = spawn_serve(
+            work / f"observe-{i}",
+            "--upstream",
+            upstream,
+            "--api-key",
+            API_KEY,
+            *flags,
+            env={**os.environ, **env},
+            prefix=pinned(0, []),
+        )
+        stops.append(proxy.stop)
+        targets[name] = proxy.url
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": args.tokens}
+    for url in targets.values():  # warm up
+        wrk(f"{url}/v1/chat/completions", body, 16, 2, work)
+    rounds = []
+    for i in range(args.rounds):
+        row = {
+            f"c{c}/{name}": wrk(f"{url}/v1/chat/completions", body, c, args.duration, work)
+            for c in (1, 16)
+            for name, url in targets.items()
+        }
+        rounds.append(row)
+        print(f"round {i + 1}: " + ", ".join(f"{k} {r.rps:.0f} req/s p50 {r.p50_ms:.3f} ms"
+                                             for k, r in row.items()), flush=True)  # fmt: skip
+    reference, *others = targets
+    summary = {}
+    for name in targets:
+        summary[f"c16 req/s {name}"] = median([r[f"c16/{name}"].rps for r in rounds])
+        summary[f"c1 p50 {name} (ms)"] = median([r[f"c1/{name}"].p50_ms for r in rounds])
+    for name in others:
+        summary[f"c16 {name} / {reference} (per round, median)"] = median(
+            [r[f"c16/{name}"].rps / r[f"c16/{reference}"].rps for r in rounds]
+        )
+        summary[f"c1 p50 {name} - {reference} (per round, median, ms)"] = median(
+            [r[f"c1/{name}"].p50_ms - r[f"c1/{reference}"].p50_ms for r in rounds]
+        )
+    print()
+    for name, value in summary.items():
+        print(f"{name:<56}{value:>10.3f}")
+    errors = sum(r.errors for row in rounds for r in row.values())
+    print(f"{'failed requests':<56}{errors:>10}")
     return {
         "rounds": [{k: v.__dict__ for k, v in row.items()} for row in rounds],
         "summary": summary,

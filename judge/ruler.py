@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from overnight.config import JudgeConfig
+from overnight.telemetry import phase
 
 from . import import_litellm
 from .budget import Block, Counter, Cut, estimate, fit
@@ -283,8 +284,31 @@ def new_judgment(group: Group, config: JudgeConfig, prompt: Prompt) -> Judgment:
     return Judgment(group.group_id, prompt_key(key, prompt.messages), key, cut=prompt.cut)
 
 
+def _judge_span(j: Judgment) -> dict:
+    """A judge call's span (one per group, its retries and corrections included): the
+    GenAI conventions' names for the model and tokens; never the prompt."""
+    return {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.usage.input_tokens": j.prompt_tokens,
+        "gen_ai.usage.output_tokens": j.completion_tokens,
+        "group_id": j.group_id,
+        "judge.attempts": j.attempts,
+        "judge.cost_usd": j.cost_usd,
+        "error.type": j.error_class,
+    }
+
+
 async def judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None = None) -> Judgment:
-    """Score a group; never raises for the judge's failures (they are in `.error`)."""
+    """Score a group; never raises for the judge's failures (they are in `.error`). In a
+    traced night, a span each (overnight/telemetry.py)."""
+    model = {"gen_ai.request.model": config.model, "gen_ai.provider.name": "litellm"}
+    with phase("judge", group_id=group.group_id, **model) as span:
+        judgment = await _judge_group(group, config, prompt)
+        span.set(**_judge_span(judgment))
+    return judgment
+
+
+async def _judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None) -> Judgment:
     litellm = import_litellm()
 
     prompt = prompt or prompt_for(group, config)

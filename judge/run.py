@@ -30,6 +30,7 @@ from overnight.storage import (
     open_db,
 )
 from overnight.storage.siblings import add_turn_views
+from overnight.telemetry import traced
 
 from .budget import Counter as TokenCounter
 from .budget import budget_for, counter_for
@@ -88,6 +89,7 @@ class Summary:
         return out
 
 
+@traced("score", lambda s: {"judged": s.judged, "failed": s.failed, "cost_usd": s.cost_usd})
 def judge_step(
     data_dir: Path,
     config: JudgeConfig | None,

@@ -200,7 +200,11 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     """
     import datetime as dt
 
+    from .telemetry import night
+
     require_data_dir(data_dir)
+    # One trace for the whole night (resample, judge, train), when tracing is configured.
+    ctx.with_resource(night())
     dry_run = values["dry_run"]
     model, base_url = values["judge_model"], values["judge_base_url"]
     judge = JudgeConfig(model=model, base_url=base_url) if model else None
@@ -227,11 +231,12 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
             since=since,
             say=click.echo,
         )
+    judged = None  # the judge's batch: its tokens and cost go to the night's W&B run
     if (values["judge_model"] or reward) and not dry_run:
         # Score first, with the judge's own batch (the trainer never calls the judge).
         from .judge.run import judge_step
 
-        judge_step(
+        judged = judge_step(
             data_dir, judge, reward, say=click.echo, settle_seconds=values["settle"], **tool_calls
         )
     if values["preset"] == "tiny-cpu":
@@ -255,6 +260,7 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
         max_groups=values["max_groups"],
         say=click.echo,
         scorer=pair_scorer(values["gate_reward"] or reward, judge),
+        judge=judged,
     )
 
 

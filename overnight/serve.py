@@ -9,6 +9,8 @@ spreads connections over them). Each has its own log writer (its own files under
 DATA/wal, so they never contend) and follows DATA/adapters.json, so a promotion made
 through any of them reaches all. This process only starts them, restarts one that
 dies, and on SIGINT/SIGTERM sends each one SIGTERM, once, and waits for its cleanup.
+Their Prometheus metrics meet in PROMETHEUS_MULTIPROC_DIR (proxy/observe/metrics.py):
+a directory wiped before they start, where a dead worker is marked dead.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from .config import ProxyConfig, VLLMConfig
 from .errors import ConfigError
@@ -28,6 +33,7 @@ log = logging.getLogger("overnight")
 # A worker finishing its requests and compacting its log may take a while; then SIGKILL
 # (its log is recovered at the next start: nothing committed is lost).
 WORKER_STOP_S = 90.0
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode
 
 
 @dataclass(frozen=True)
@@ -72,9 +78,11 @@ def serve_forever(
     """
     from overnight.proxy.address import proxy_url, remove_address, write_address
     from overnight.proxy.launch.launcher import VLLMProcess
+    from overnight.telemetry import check_environment as check_tracing
 
     if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
         raise ConfigError(f"with vLLM at {vllm.url}, the proxy's upstream must be its URL")
+    check_tracing()  # OTEL_* that cannot work stop here, before vLLM or any worker starts
     if vllm is not None and proxy.shadow_samples:
         vllm = with_priority_scheduling(vllm)
     if vllm is not None:  # what `overnight train --colocate auto` asks /admin/adapters
@@ -98,6 +106,7 @@ def serve_forever(
             proxy.data_dir,
             f", {workers} workers" if workers > 1 else "",
         )
+        metrics_dir = _metrics_dir() if proxy.metrics and (workers > 1 or _given_dir()) else None
         if workers == 1:
             _run(proxy, host, port, advertise_address=True)
         else:
@@ -105,9 +114,11 @@ def serve_forever(
             write_address(proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
             try:
                 # Each worker holds requests for a maintenance window on its own: refused.
-                _supervise(replace(proxy, workers=workers), host, port, workers)
+                _supervise(replace(proxy, workers=workers), host, port, workers, metrics_dir)
             finally:
                 remove_address(proxy.data_dir)
+                if metrics_dir is not None and not _given_dir():
+                    shutil.rmtree(metrics_dir, ignore_errors=True)
     except KeyboardInterrupt:
         log.info("interrupted")
     finally:
@@ -179,7 +190,38 @@ def _worker(proxy: ProxyConfig, host: str, port: int, log_level: int) -> None:
     _run(proxy, host, port, advertise_address=False)
 
 
-def _supervise(proxy: ProxyConfig, host: str, port: int, n: int) -> None:
+def _given_dir() -> str | None:
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+def _metrics_dir() -> Path:
+    """Where the workers' metrics meet: the operator's PROMETHEUS_MULTIPROC_DIR, its
+    metric files of an earlier run removed (they would count again), or a new temporary
+    directory, named in the environment the workers inherit."""
+    given = _given_dir()
+    if given is None:
+        path = Path(tempfile.mkdtemp(prefix="overnight-metrics-"))
+        os.environ[MULTIPROC_ENV] = str(path)
+        return path
+    path = Path(given)
+    path.mkdir(parents=True, exist_ok=True)
+    for old in path.glob("*.db"):
+        old.unlink(missing_ok=True)
+    return path
+
+
+def _mark_dead(metrics_dir: Path | None, pid: int | None) -> None:
+    """A dead worker's gauges leave the sums (its counters stay: they were counted)."""
+    if metrics_dir is None or pid is None:
+        return
+    from prometheus_client.multiprocess import mark_process_dead
+
+    mark_process_dead(pid, str(metrics_dir))
+
+
+def _supervise(
+    proxy: ProxyConfig, host: str, port: int, n: int, metrics_dir: Path | None = None
+) -> None:
     """Start n workers, restart any that dies, stop them all on SIGINT/SIGTERM."""
     context = multiprocessing.get_context("spawn")  # no copy of this process's loop or locks
     level = logging.getLogger().getEffectiveLevel()
@@ -201,6 +243,7 @@ def _supervise(proxy: ProxyConfig, host: str, port: int, n: int) -> None:
             for i, worker in enumerate(workers):
                 if not worker.is_alive() and not stopping:
                     log.error("worker %s exited (code %s): restarting it", i, worker.exitcode)
+                    _mark_dead(metrics_dir, worker.pid)
                     time.sleep(1.0)  # a worker that cannot start must not spin
                     workers[i] = start(i)
     finally:
@@ -214,6 +257,7 @@ def _supervise(proxy: ProxyConfig, host: str, port: int, n: int) -> None:
                 log.error("worker %s did not stop in time: killed", worker.pid)
                 worker.kill()
                 worker.join()
+            _mark_dead(metrics_dir, worker.pid)
         for s, h in previous.items():
             signal.signal(s, h)
 

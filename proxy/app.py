@@ -30,6 +30,8 @@ from .capture.redact import REDACTOR, Redactor
 from .capture.state import TurnCounter
 from .capture.uncaptured import UNCAPTURED, Uncaptured
 from .forward.balancer import Balancer
+from .observe import tracing
+from .observe.metrics import METRICS, Metrics
 from .routes import admin, maintenance
 from .routes.agent_api import completions, post_finish, post_reward, prefixed
 from .routes.auth import make_guard
@@ -94,7 +96,12 @@ def create_app(config: ProxyConfig) -> web.Application:
         workers=config.workers,
     )
     app[SHADOW] = ShadowSampler(config, balancer, app[REDACTOR])
+    tracing.install(app, config)  # OpenTelemetry, when OTEL_*/LANGFUSE_* ask for it
     app.cleanup_ctx.append(_lifecycle)
+    if config.metrics:  # Prometheus at /metrics (observe/metrics.py)
+        app[METRICS] = metrics = Metrics(app, registry, config.data_dir)
+        app.cleanup_ctx.append(metrics.lifecycle)  # after _lifecycle: the writer is there
+        app.router.add_get("/metrics", metrics.handle)
 
     r = app.router
     r.add_get("/health", health)

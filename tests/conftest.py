@@ -6,6 +6,8 @@ tests/vllm_fixtures.py), marked `vllm`.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from overnight.config import ProxyConfig
@@ -13,6 +15,12 @@ from overnight.proxy import create_app
 from overnight.testing.fake_upstream import RECEIVED, SETTINGS, create_fake_upstream
 
 pytest_plugins = ["tests.vllm_fixtures"]
+
+# A developer's own W&B key or collector must not make every test's night report to W&B
+# or every proxy trace (`--report-to auto`, the OTEL_*/LANGFUSE_* switches): the tests
+# that exercise them set their own (tests/test_wandb.py, tests/test_tracing.py).
+for _name in [n for n in os.environ if n.startswith(("OTEL_", "LANGFUSE_"))] + ["WANDB_API_KEY"]:
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@
   gate compares it with the served adapter on held-out prompts (night/gate.py) -> promote
   it through the proxy's admin API (night/proxy_client.py) -> record the run
   (run/record.py), write the report. Before all that, the watch (night/watch.py) rolls
-  back a promoted adapter that live rewards show worse.
+  back a promoted adapter that live rewards show worse. With --report-to wandb the steps,
+  the gate and the promotion also go to the night's W&B run (run/wandb_run.py).
 
 Under torchrun every process runs this; process 0 decides what to train on and does
 everything with side effects (files, the run record, the promotion). Progress goes to
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 from overnight.config import LOGPROB_GAP_WARNING, SETTLE_SECONDS, TrainConfig
+from overnight.telemetry import traced
 from overnight.view.report import write_report
 
 from .grpo.parallel import Parallel
@@ -50,6 +52,7 @@ from .night.watch import watch as watch_served
 from .run.checkpoint import kill_point, this_run, unfinished_run
 from .run.loop import TrainError, run_training, step_schedule
 from .run.record import RunResult, record_run
+from .run.wandb_run import Report
 
 # Re-exported: the CLI, the tests and the benchmarks import these from here.
 __all__ = [
@@ -71,6 +74,8 @@ __all__ = [
 log = logging.getLogger("overnight.trainer")
 
 
+# One trace per night (overnight/telemetry.py): this root, or the CLI's around the judge too.
+@traced("overnight night", lambda result: _night_attributes(result), root=True)
 def train(
     data_dir: Path,
     config: TrainConfig,
@@ -84,8 +89,10 @@ def train(
     max_groups: int | None = None,
     say=print,
     scorer: Scorer | None = None,
+    judge=None,
 ) -> RunResult:
     """One night. A run that was interrupted is resumed first, on the same groups.
+    `judge`: the summary of the judge's batch that scored for it (its cost goes to W&B).
 
     Kept as one function on purpose: it is the night's story read top to bottom
     (resume, plan, train, save, promote, record); each step is a call.
@@ -94,6 +101,7 @@ def train(
     parallel = Parallel() if dry_run else Parallel.start(fsdp=config.fsdp)
     if parallel.rank != 0:
         say = _silent
+    report = Report(config, parallel.rank, say)  # W&B, or nothing (run/wandb_run.py)
     run_dir, saved = parallel.agree(this_run(data_dir, dry_run))
     only = saved.get("groups")  # a resumed run's groups
     say(f"run {run_dir.run_id}: " + _what_it_trains_on(only))
@@ -104,10 +112,10 @@ def train(
     base_model = config.base_model or (None if dry_run else _base_model(state))
     defaults = server_defaults(base_model, config.generation_config)  # vLLM's, where unsaid
     served_only = None if only is None else [g for g in only if not is_turn_group(g)]
+    tokenizer = _tokenizer(base_model)
     plan = plan_run(
-        data_dir, config, settle_seconds, since, max_groups, served_only, _tokenizer(base_model),
-        defaults,
-    )  # fmt: skip
+        data_dir, config, settle_seconds, since, max_groups, served_only, tokenizer, defaults
+    )
     # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
     # before the gate takes its prompts, so that it takes them from outside the plan.
     plan = add_turn_groups(
@@ -139,6 +147,8 @@ def train(
     say(f"training on {base_model}, starting from {start_adapter or 'a fresh LoRA adapter'}")
     if parallel.rank == 0:
         run_dir.begin(plan.groups, start_adapter)
+    report.begin(run_dir.run_id, data_dir, config, base_model, start_adapter, plan, tokenizer,
+                 judge, resumed=only is not None)  # fmt: skip
     adapter_dir = data_dir / "adapters" / run_dir.run_id
     # One GPU for vLLM and the night: vLLM sleeps while training and the gate hold it.
     colocated = bool(proxy_url) and should_colocate(config.colocate, state, _on_gpu(), say)
@@ -149,8 +159,9 @@ def train(
             if colocated:
                 kill_point("asleep")
             result.metrics = run_training(
-                plan, config, base_model, start_adapter, adapter_dir, say, run_dir.checkpoint
-            )
+                plan, config, base_model, start_adapter, adapter_dir, say, run_dir.checkpoint,
+                on_step=report.step,
+            )  # fmt: skip
             for line in gap_lines(result.metrics.get("logprob_gaps", {})):
                 if line.startswith("warning"):
                     log.warning(line)
@@ -172,26 +183,32 @@ def train(
                 # Live traffic decides: the next watch promotes or drops it (canary.py).
                 name = start_canary(proxy_url, admin_token, shared, config.canary, say)
                 result.gate.reason += f"; serving it first as canary {name} to {config.canary:.0%}"
+                report.promotion(None, canary=name)
             elif result.gate.promote:
                 result.promoted_as = _promote_once(proxy_url, admin_token, shared, say)
+                report.promotion(result.promoted_as)
+        report.gate(result.gate)
         kill_point("promoting")
     except Exception as e:
         if parallel.rank == 0:  # failed runs are recorded too: the report shows them
             error = f"{type(e).__name__}: {e}"
             record_run(data_dir, result, config, base_model, start_adapter, started, error)
             say(f"report: {write_report(data_dir)}")
+        report.finish(result, error=f"{type(e).__name__}: {e}")
         raise
     # Recorded before the run is marked finished: a run killed in between is found
     # recorded by the next night (and only marked finished), never trained again.
     record_run(data_dir, result, config, base_model, start_adapter, started, None)
     kill_point("recorded")
     run_dir.finish()
+    report.finish(result)
     if promote and proxy_url and config.keep_adapters:
         prune_adapters(proxy_url, admin_token, config.keep_adapters, say)
     say(f"report: {write_report(data_dir)}")
     return result
 
 
+@traced("gate", lambda v: {"promote": v.promote, "reason": v.reason})
 def _gate(
     config: TrainConfig,
     scorer: Scorer | None,
@@ -222,6 +239,7 @@ def _gate(
     return verdict
 
 
+@traced("promotion", lambda name: {"promoted_as": name})
 def _promote_once(proxy_url: str, token: str | None, shared: str, say) -> str:
     """Promote the adapter (`shared`: its path, or its upload with a bucket) unless the
     proxy serves it already (a resumed run killed after its promotion); its name."""
@@ -310,3 +328,10 @@ def _asleep(colocated: bool, proxy_url, token, holder: str, config: TrainConfig,
 
 def _silent(_line: str) -> None:
     pass
+
+
+def _night_attributes(result: RunResult) -> dict:
+    """What the night's root span says of it (a resumed night shows the same run id)."""
+    gate = result.gate
+    return {"run_id": result.run_id, "groups": len(result.plan.groups),
+            "promoted_as": result.promoted_as, "gate_promote": gate and gate.promote}  # fmt: skip

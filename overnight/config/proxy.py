@@ -70,6 +70,18 @@ class ProxyConfig:
             "envvar": "OVERNIGHT_ADMIN_TOKEN",
         },
     )
+    # Prometheus (proxy/observe/metrics.py): bounded labels, no prompt, key or id, so open
+    # like /health unless a scraper's token is set; the admin token is never required
+    # (a scraper holding it could promote adapters).
+    metrics: bool = field(default=True, metadata={"help": "Serve Prometheus metrics at /metrics."})
+    metrics_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "Bearer token /metrics requires (the admin token is accepted too); unset: "
+            "open like /health (env OVERNIGHT_METRICS_TOKEN).",
+            "envvar": "OVERNIGHT_METRICS_TOKEN",
+        },
+    )
     # Never the client's key.
     upstream_api_key: str | None = field(
         default=None,
@@ -188,6 +200,15 @@ class ProxyConfig:
             "record before it is written."
         },
     )
+    # Off: messages carry personal data, and a trace backend is one more place that keeps
+    # them. On, they are taken from the records after --redact (proxy/observe/tracing.py).
+    trace_contents: bool = field(
+        default=False,
+        metadata={
+            "help": "Put message contents (gen_ai.input/output.messages, after --redact) "
+            "on the completion spans when tracing is on (OTEL_* or LANGFUSE_* variables)."
+        },
+    )
     # vLLM restarted under the proxy has no adapters: this often, the proxy checks that the
     # promoted one is still served and loads it again (a 404 for it checks at once).
     upstream_check_interval: float = field(
@@ -292,6 +313,8 @@ class ProxyConfig:
             raise ConfigError(
                 f"redact must be module:function or file.py:function, got {self.redact!r}"
             )
+        if self.metrics_token == "":
+            raise ConfigError("metrics_token must not be empty (unset: /metrics is open)")
         if any(not k for k in self.api_keys):
             raise ConfigError("api keys must not be empty")
 

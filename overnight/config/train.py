@@ -22,6 +22,7 @@ _ATTENTION = ("auto", "sdpa", "eager", "flex_attention")
 # The promotion gate (trainer/night/gate.py, docs/grpo.md).
 GATE_MODES = ("not-worse", "better", "off")
 COLOCATE_MODES = ("auto", "on", "off")
+REPORT_TO = ("auto", "wandb", "none")  # where a night reports (trainer/run/wandb_run.py)
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,17 @@ class TrainConfig:
         default="",
         metadata={"help": "vLLM URL to resample from (default: the proxy's upstream)."},
     )
+    # auto, as ART decides: on when WANDB_API_KEY is set (an offline run, WANDB_MODE=offline,
+    # needs no key but must be asked for). Off costs nothing: wandb is not even imported.
+    report_to: str = field(
+        default="auto",
+        metadata={
+            "help": "Report the night to Weights & Biases (a run per night: its steps, the gate, "
+            "sample trajectories, the promotion): auto (when WANDB_API_KEY is set), wandb, or "
+            "none. WANDB_PROJECT (default overnight), WANDB_ENTITY and WANDB_MODE are honoured.",
+            "choices": REPORT_TO,
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:
@@ -338,6 +350,8 @@ class TrainConfig:
             raise ConfigError(f"canary must be a share in [0, 1) of the traffic, got {self.canary}")
         if self.resample < 0 or self.resample_max_turns < 0:
             raise ConfigError("resample and resample_max_turns must be at least 0")
+        if self.report_to not in REPORT_TO:
+            raise ConfigError(f"report_to must be auto, wandb or none, got {self.report_to!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.lora_alpha is None:

@@ -9,6 +9,7 @@ objects.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from overnight.proxy.adapters.promotions import Route
 from overnight.storage import new_id
@@ -33,6 +34,9 @@ class Capture:
         "t0",
         "ttft_ms",
         "latency_ms",
+        "span",
+        "sent_at",
+        "first_chunk_at",
     )
 
     def __init__(self, endpoint: str, stream: bool, request_body: dict, route: Route):
@@ -48,10 +52,19 @@ class Capture:
         self.t0 = time.perf_counter()
         self.ttft_ms: float | None = None
         self.latency_ms: float | None = None
+        self.span: Any = None  # its OpenTelemetry span, when tracing is on (observe/tracing.py)
+        # On the t0 clock, for the proxy's own time (observe/metrics.py): the request sent
+        # upstream (its first try), a stream's first chunk written to the client.
+        self.sent_at: float | None = None
+        self.first_chunk_at: float | None = None
 
     def first_byte(self) -> None:
         if self.ttft_ms is None:
             self.ttft_ms = (time.perf_counter() - self.t0) * 1000
+
+    def sent(self) -> None:
+        if self.sent_at is None:
+            self.sent_at = time.perf_counter()
 
     def done(self) -> None:
         self.latency_ms = (time.perf_counter() - self.t0) * 1000

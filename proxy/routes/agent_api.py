@@ -39,6 +39,8 @@ from overnight.proxy.capture.records import completion_rows, finish_row, parse_r
 from overnight.proxy.capture.redact import REDACTOR
 from overnight.proxy.capture.state import Capture
 from overnight.proxy.forward.jsonio import read_json_object
+from overnight.proxy.observe.metrics import METRICS
+from overnight.proxy.observe.tracing import TRACING
 from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import ADAPTERS, MAINTENANCE, STATS, TURNS, WRITER
 from overnight.storage import now_us
@@ -101,17 +103,25 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     tail = request.match_info.get("tail", request.path.removeprefix("/v1/"))
     endpoint = ENDPOINTS[tail]
     started = now_us()
-    body = await read_json_object(request)
-    check_fields(body)
-    who = attribute(
-        request.headers, request.match_info.get("group"), request.match_info.get("rollout"), body
-    )
     app = request.app
+    try:
+        body = await read_json_object(request)
+        check_fields(body)
+        group, rollout = request.match_info.get("group"), request.match_info.get("rollout")
+        who = attribute(request.headers, group, rollout, body)
+    except OvernightError as e:  # refused before anything was forwarded: counted here
+        metrics = app.get(METRICS)
+        if metrics is not None:
+            metrics.refused(endpoint, e)
+        raise
     adapters = app[ADAPTERS]
     # A canary takes a sticky share of the alias: keyed by the rollout (or its group).
     route = adapters.route(body.get("model"), who.rollout_id or who.group_id)
     stream = lax_bool(body.get("stream")) is True  # as vLLM reads it
     capture = Capture(endpoint, stream, request_body=body, route=route)
+    tracing = app.get(TRACING)  # absent unless tracing is on: then no span at all
+    if tracing is not None:
+        tracing.start(request, capture, who, started)
     try:
         upstream_body = dict(body, model=route.served)
         added: Additions | ResponsesAdditions
@@ -189,6 +199,9 @@ def _remember_chain(app: web.Application, capture: Capture) -> None:
 def _record(
     app: web.Application, capture: Capture, who: Attribution, started: int, logged: bool
 ) -> None:
+    metrics = app.get(METRICS)  # absent with --no-metrics
+    if metrics is not None:  # first: its clock stops when the answer was written
+        metrics.observe(capture, started)
     writer = app[WRITER]
     try:
         rows = completion_rows(
@@ -201,9 +214,13 @@ def _record(
         )
     except Exception:  # a response of a shape the capture did not foresee: say so loudly
         log.exception("could not build the record of request %s", capture.request_id)
+        if capture.span is not None:
+            app[TRACING].end(capture, [])
         return
     for row in app[REDACTOR].apply(rows):  # the user's --redact hook (redact.py)
         writer.append("completions", row)
+    if capture.span is not None:  # after the hook: a trace shows what the store keeps
+        app[TRACING].end(capture, rows)
     app[SHADOW].offer(rows)  # siblings of the turn, asked for now that its answer was sent
 
 

@@ -2,6 +2,8 @@
 
 - `/v1/...` and the rollout routes: a client API key (`Authorization: Bearer`) when any
   are configured; `/health` never needs one.
+- `/metrics`: open like `/health` (bounded labels: no prompt, key or id), or the metrics
+  token when one is set (a scraper's own; the admin token is accepted too).
 - `/admin/...` and the web view at `/ui`: the admin token when one is set, else
   loopback clients only. A browser brings the token once as `/ui?token=`, which the
   view turns into a cookie; the cookie (or a bearer header) carries it from then on.
@@ -75,12 +77,16 @@ class Access:
     def __init__(self, config: ProxyConfig):
         self.api_keys = tuple(_secret(k) for k in config.api_keys)
         self.admin_token = None if config.admin_token is None else _secret(config.admin_token)
+        self.metrics_token = None if config.metrics_token is None else _secret(config.metrics_token)
         self.sessions: OrderedDict[str, float] = OrderedDict()  # web view: id -> expiry
 
     def check(self, request: web.Request, path: str) -> bool:
         """Raise unless the request may pass; True when it opens a web-view session."""
         if path.startswith(("/admin/", "/ui")):
             return self._check_admin(request, path)
+        if path == "/metrics":
+            self._check_metrics(request)
+            return False
         if self.api_keys and path != "/health" and not self._is_api_key(bearer(request)):
             raise OvernightError("missing or incorrect API key", status=401, code="invalid_api_key")
         return False
@@ -106,6 +112,19 @@ class Access:
                 "missing or wrong admin token", status=401, code="invalid_admin_token"
             )
         return False
+
+    def _check_metrics(self, request: web.Request) -> None:
+        token = bearer(request)
+        if self.metrics_token is None or (token is not None and self._is_metrics_token(token)):
+            return
+        raise OvernightError("missing or wrong metrics token", status=401, code="invalid_token")
+
+    def _is_metrics_token(self, token: str) -> bool:
+        given = _secret(token)  # both compared: the time does not say which matched
+        matched = hmac.compare_digest(given, self.metrics_token)
+        if self.admin_token is not None:
+            matched |= hmac.compare_digest(given, self.admin_token)
+        return matched
 
     def _is_admin_token(self, token: str) -> bool:
         return hmac.compare_digest(_secret(token), self.admin_token)

@@ -13,6 +13,7 @@ or, once a stream has started, an error event in the stream.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 
 import aiohttp
@@ -34,6 +35,7 @@ from overnight.proxy.forward.jsonio import json_dumps, whole_dumps
 from overnight.proxy.forward.paths import check_forwarded
 from overnight.proxy.forward.sse import encode_event
 from overnight.proxy.forward.upstream import UpstreamResponse
+from overnight.proxy.observe.tracing import TRACING, sent_to
 from overnight.proxy.state import CONFIG, FINGERPRINT, SESSION, UPSTREAM
 
 from .events import EventRelay, ResponsesEventRelay, learn_fingerprint
@@ -132,8 +134,11 @@ async def forward(
     config = app[CONFIG]
     headers = upstream_headers(request)
     headers["Content-Type"] = "application/json"
+    if capture.span is not None:  # vLLM's spans nest under the proxy's (observe/tracing.py)
+        app[TRACING].forwarded(capture, headers)
     sent = body
     watch = StallWatch(None, config.read_timeout)  # from now to the answer's last byte
+    capture.sent()  # where the upstream's part of the time begins (observe/metrics.py)
     try:
         while True:  # twice at most: a request refused with the proxy's additions
             try:
@@ -165,6 +170,7 @@ async def forward(
             refused_additions(app).add(str(body.get("model")))  # asked plainly from now on
         async with upstream:
             capture.first_byte()
+            sent_to(capture, upstream)
             capture.status = upstream.status
             content_type = upstream.headers.get("Content-Type", "")
             if upstream.status == 200 and "text/event-stream" in content_type:
@@ -319,6 +325,8 @@ async def _relay_stream(
                     await response.write(out)
                 except ConnectionResetError:
                     raise _ClientLeft from None
+                if not sent:  # the time to the first chunk (observe/metrics.py)
+                    capture.first_chunk_at = time.perf_counter()
                 sent = True
         if not (relay.parser.done or capture.acc.complete):
             # Responses and Messages streams end with their last event, not [DONE].

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from overnight.config import TrainConfig
+from overnight.telemetry import traced
 
 from .attention import kernel, sharing_path, sharing_pays
 from .data import Sample
@@ -112,6 +113,11 @@ class StepResult:
     logprob_gap: float  # largest |logp - logged logprob| of a trained token, all processes
 
 
+@traced(
+    "step",
+    lambda out: {"loss": out.loss, "grad_norm": out.grad_norm, "logprob_gap": out.logprob_gap,
+                 "tokens": out.stats.get("tokens")},
+)  # fmt: skip
 def optimizer_step(
     model,
     optimizer,

@@ -29,6 +29,7 @@ import numpy as np
 
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
+from overnight.telemetry import traced
 
 from .gate import CONFIDENCE, bootstrap_means, margin_for, passes
 from .live import live_rewards, rewards_of
@@ -122,6 +123,7 @@ def settle(
     return verdict
 
 
+@traced("canary", lambda name: {"canary": name})
 def start(proxy_url: str, token: str | None, adapter: str, fraction: float, say=print) -> str:
     """Serve the candidate (`adapter`: its path, or its upload with a bucket) to
     `fraction` of the alias's rollouts; the canary's name. A run resumed after it started

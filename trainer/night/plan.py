@@ -40,6 +40,7 @@ import pyarrow as pa
 from overnight.config import TrainConfig
 from overnight.storage import finished_groups, now_us, open_db
 from overnight.storage.siblings import TURN_PREFIX
+from overnight.telemetry import traced
 from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages
 from overnight.trainer.grpo.records import Loaded, load_samples
 
@@ -195,6 +196,11 @@ def candidate_groups(
     return candidates
 
 
+@traced(
+    "plan",
+    lambda plan: {"groups": len(plan.groups), "samples": len(plan.samples),
+                  "considered": len(plan.considered), "skipped": sum(plan.skipped.values())},
+)  # fmt: skip
 def plan_run(
     data_dir: Path,
     config: TrainConfig,

@@ -46,6 +46,7 @@ from overnight.storage.siblings import (
     requested_limit,
     sibling_rows,
 )
+from overnight.telemetry import traced
 
 from .proxy_client import serving_state
 
@@ -93,6 +94,7 @@ class ResampleSummary:
         return out
 
 
+@traced("resample", lambda s: {"turns": s.turns, "siblings": s.siblings, "failed": s.failed})
 def resample_turns(
     data_dir: Path,
     config: TrainConfig,

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from overnight.config import TrainConfig
+from overnight.telemetry import traced
 
 from .gate import CONFIDENCE, bootstrap_means
 from .live import live_rewards, rewards_of
@@ -81,6 +82,7 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> WatchVerdict:
     return verdict
 
 
+@traced("watch", lambda v: {"served": v.current, "worse": v.worse})
 def watch(
     data_dir: Path,
     proxy_url: str,

@@ -10,11 +10,13 @@ at the end. The numerics are grpo/'s; what a run keeps on disk is checkpoint.py'
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from pathlib import Path
 
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
+from overnight.telemetry import traced
 from overnight.trainer.grpo.parallel import Parallel
 from overnight.trainer.grpo.step import Gap, behaviour_pass, fresh_adapter, optimizer_step
 from overnight.trainer.night.plan import Plan
@@ -27,6 +29,7 @@ class TrainError(OvernightError):
     code = "train_error"
 
 
+@traced("training", lambda metrics: {"steps": len(metrics["steps"])})
 def run_training(
     plan: Plan,
     config: TrainConfig,
@@ -35,12 +38,14 @@ def run_training(
     out_dir: Path,
     say=print,
     checkpoint: Path | None = None,
+    on_step=None,
 ) -> dict:
     """Train on the plan's samples; saves the adapter to `out_dir`; returns metrics.
 
     With `checkpoint`, the adapter and optimizer are saved there after every step, and
     a checkpoint found there is resumed: the steps it covers are skipped (the shuffles
     replay from the seed, so the remaining steps see the data they would have seen).
+    `on_step(record)` is called after each step's checkpoint (the night's W&B report).
     """
     import torch
 
@@ -73,7 +78,11 @@ def run_training(
         if number <= done_steps:
             continue  # done before the interruption
         step_samples = [s for s in samples if s.group_id in step_groups]
+        step_started = time.perf_counter()
         out = optimizer_step(model, optimizer, parallel, step_samples, loss_config, config)
+        # Each rollout's reward once, however many sequences it was cut into.
+        rollouts = {s.rollout_id: 0 for s in step_samples}
+        rewards = [plan.rewards[r] for r in rollouts if r in plan.rewards]
         record = {
             **out.stats,
             "step": len(steps) + 1,
@@ -82,11 +91,18 @@ def run_training(
             "grad_norm": out.grad_norm,
             "groups": len(step_groups),
             "sequences": len(step_samples),
+            "reward_mean": statistics.fmean(rewards) if rewards else None,
+            "reward_std": statistics.pstdev(rewards) if rewards else None,
+            "logprob_gap": out.logprob_gap,  # this step's tokens, before its update
+            "learning_rate": optimizer.param_groups[0]["lr"],
+            "seconds": time.perf_counter() - step_started,
         }
         steps.append(record)
         kill_point(f"step-{len(steps)}")  # computed, not yet checkpointed
         if checkpoint is not None:
             save_checkpoint(checkpoint, parallel, model, optimizer, steps, gaps)
+        if on_step is not None:  # right after the checkpoint: a resumed run starts after it
+            on_step(record)
         # Tokens this process trained (a resumed run's earlier steps took no time here).
         rate = sum(s["tokens"] for s in steps[done_steps:]) / (time.perf_counter() - started)
         say(

@@ -1,0 +1,444 @@
+"""Prometheus metrics of the proxy, served at `/metrics` (prometheus_client's own text).
+
+What vLLM cannot see and does not export already (`vllm:*`): completions by the model asked
+for, the adapter served, the endpoint and status; failures by type; the duration a client
+sees, its time to the first chunk, the proxy's own part; tokens by adapter; the recording
+pipeline; uncaptured generating requests; shadow siblings; the alias's adapter; the last
+nights. `overnight_` names (no colons: those are for recording rules); `model_name` is the
+base model's name, as on vLLM's metrics, so a query joins the two on it.
+
+Three kinds of update, by cost: a finished completion is observed once, after its answer
+was written (`observe`: a few cached series, nothing on the forwarding path); the counts
+the proxy keeps already (writer, shadow sampler, uncaptured paths) are copied by `sync` at
+each scrape (and every SYNC_SECONDS in each worker under `--workers N`); what every worker
+sees alike (the alias, the training runs in the data directory) is collected at scrape time
+by the worker answering (`Shared`).
+
+Labels are bounded: a model name counts as itself only when the proxy knows it (the alias,
+the base model, a promoted adapter), else as "other"; no rollout, group or request id is a
+label. Each app has its own registry (tests make many apps in one process). Under
+`--workers N` the supervisor (overnight/serve.py) sets PROMETHEUS_MULTIPROC_DIR to a
+directory it wiped and marks dead workers there; any worker's scrape reads all the files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+from prometheus_client.aiohttp import make_aiohttp_handler
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from overnight.errors import OvernightError
+from overnight.proxy.adapters.registry import AdapterRegistry
+from overnight.proxy.capture.redact import REDACTOR
+from overnight.proxy.capture.state import Capture
+from overnight.proxy.capture.uncaptured import UNCAPTURED
+from overnight.proxy.shadow.sampler import SHADOW
+from overnight.proxy.state import WRITER
+from overnight.storage import now_us
+from overnight.storage.runs import RunsCache, RunsSummary
+
+log = logging.getLogger("overnight.proxy")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# How stale another worker's copied counts may be in a scrape under --workers N.
+SYNC_SECONDS = 5.0
+# The training runs are read again at most this often (a scrape comes every 15 s or so;
+# a night ends once a day).
+RUNS_SECONDS = 30.0
+
+# OpenTelemetry GenAI semantic conventions' buckets: gen_ai.client.operation.duration
+# and gen_ai.server.time_to_first_token (seconds).
+DURATION_BUCKETS = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+FIRST_CHUNK_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+# The proxy's own time is a fraction of a millisecond when all is well (BENCHMARKS.md):
+# the GenAI buckets start at 10 ms and would put every request in the first one.
+OWN_TIME_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
+OTHER = "other"  # a model name the proxy does not know, as a label
+
+# Counters copied from the counts the proxy keeps (`sync`): key, name, help.
+COPIED = (
+    ("appended", "records_appended", "Rows queued for the log (acknowledged)."),
+    ("committed", "records_committed", "Rows on disk (fsynced)."),
+    ("lost", "records_lost", "Rows that will never be on disk."),
+    ("write_errors", "records_write_errors", "Log batches that failed (each lost its rows)."),
+    ("compacted", "records_compacted", "Rows moved from the log into Parquet."),
+    ("compact_errors", "records_compact_errors", "Compactions that failed (tried again)."),
+    ("redaction", "redaction_failures", "Records the --redact hook failed on."),
+    ("shadow_requests", "shadow_requests", "Turns whose shadow siblings were asked of vLLM."),
+    ("shadow_cancelled", "shadow_cancelled", "Shadow attempts cancelled for served traffic."),
+    ("shadow_failed", "shadow_failed", "Shadow requests that failed."),
+    ("shadow_dropped", "shadow_dropped", "Turns dropped because the shadow queue was full."),
+    ("shadow_siblings", "shadow_siblings", "Shadow sibling rows stored."),
+)
+# Gauges of each worker's state (`sync`): key, name, help, how workers' values combine.
+GAUGES = (
+    ("queued", "records_queued", "Rows waiting to be written to the log.", "livesum"),
+    (
+        "degraded",
+        "recording_degraded",
+        "1 while recording is degraded (batches cannot be written, or damaged files are set "
+        "aside): the signal that recording stopped.",
+        "livemax",
+    ),
+    ("quarantined", "records_files_quarantined", "Damaged Parquet files set aside.", "livemax"),
+    ("shadow_queued", "shadow_queued", "Turns waiting for shadow sampling.", "livesum"),
+)
+
+
+# How the relay's messages (relay.py, agent_api.py) begin, as error types; then statuses.
+ERROR_PREFIXES = (
+    ("client disconnected", "client_disconnected"),
+    ("maintenance:", "maintenance"),
+    ("internal error", "internal_error"),
+    ("upstream HTTP", "upstream_status"),  # vLLM's error status, passed through
+    ("upstream stream broke", "upstream_disconnected"),
+)
+STATUS_ERRORS = {502: "upstream_unavailable", 504: "upstream_timeout"}
+
+
+def error_type(capture: Capture) -> str | None:
+    """A finished completion's failure as one of a few words; None when it succeeded."""
+    error, status = capture.error, capture.status
+    if error is None and status < 400:
+        return None
+    for prefix, kind in ERROR_PREFIXES:
+        if error is not None and error.startswith(prefix):
+            return kind
+    if status in STATUS_ERRORS:
+        return STATUS_ERRORS[status]
+    return "upstream_status" if status >= 400 else "upstream_malformed"  # 200, unreadable
+
+
+@dataclass(frozen=True, slots=True)
+class _Children:
+    requests: Any
+    duration: Any
+    first_chunk: Any
+    own_time: Any
+    prompt_tokens: Any
+    generation_tokens: Any
+
+
+class Metrics:
+    """The proxy's collectors on their own registry, and the `/metrics` handler."""
+
+    def __init__(self, app: web.Application, adapters: AdapterRegistry, data_dir) -> None:
+        self.app = app
+        self.adapters = adapters
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
+        disable_created_metrics()  # a `_created` per series doubles a scrape; nothing uses it
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._define()
+        self._copied: dict[tuple, float] = {}  # (counter, labels) -> value copied so far
+        self._known_key: tuple | None = None
+        self._known: frozenset[str] = frozenset()
+        self._children: dict[tuple, _Children] = {}  # bounded: every label is
+        self.shared = Shared(adapters, data_dir)
+        if self.multiprocess:  # every worker's files, read at each scrape
+            exposed = CollectorRegistry()
+            MultiProcessCollector(exposed)
+        else:
+            exposed = self.registry
+        exposed.register(self.shared)
+        self._generate = make_aiohttp_handler(exposed)
+
+    def _define(self) -> None:
+        r = self.registry
+        by_request = ["model_name", "endpoint", "requested_model", "adapter", "status"]
+        self.requests = Counter(
+            "overnight_requests",
+            "Completions answered, by model asked for, adapter served, endpoint and status.",
+            by_request,
+            registry=r,
+        )
+        self.failures = Counter(
+            "overnight_request_failures",
+            "Completions that failed, by error type (client_disconnected, upstream_status, "
+            "upstream_unavailable, upstream_timeout, upstream_disconnected, maintenance, "
+            "internal_error, or the proxy's own refusal code such as invalid_json).",
+            ["model_name", "endpoint", "error_type"],
+            registry=r,
+        )
+        timing = ["model_name", "endpoint", "stream"]
+        self.duration = Histogram(
+            "overnight_request_duration_seconds",
+            "A completion's duration as its client sees it: from its request's arrival to "
+            "its answer's last byte written.",
+            timing,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.first_chunk = Histogram(
+            "overnight_time_to_first_chunk_seconds",
+            "Streamed completions: from the request's arrival to the first chunk written.",
+            timing,
+            buckets=FIRST_CHUNK_BUCKETS,
+            registry=r,
+        )
+        self.own_time = Histogram(
+            "overnight_proxy_time_seconds",
+            "The proxy's own part of a successful completion's duration: the duration less "
+            "the time from the request sent upstream to the upstream's last byte.",
+            timing,
+            buckets=OWN_TIME_BUCKETS,
+            registry=r,
+        )
+        tokens = ["model_name", "adapter"]
+        self.prompt_tokens = Counter(
+            "overnight_prompt_tokens", "Prompt tokens by adapter (usage).", tokens, registry=r
+        )
+        self.generation_tokens = Counter(
+            "overnight_generation_tokens",
+            "Generated tokens by adapter (usage).",
+            tokens,
+            registry=r,
+        )
+        # Copied from the counts the proxy keeps (sync).
+        self.copied = {
+            key: Counter(f"overnight_{name}", help, registry=r) for key, name, help in COPIED
+        }
+        self.uncaptured = Counter(
+            "overnight_uncaptured_requests",
+            "Generating requests forwarded whose output the proxy does not record, by path.",
+            ["path"],
+            registry=r,
+        )
+        # Each worker's state, summed or the worst over the live workers.
+        self.gauges = {
+            key: Gauge(f"overnight_{name}", help, registry=r, multiprocess_mode=mode)
+            for key, name, help, mode in GAUGES
+        }
+
+    # -- the request side ---------------------------------------------------------------
+
+    def label_of(self, model: str | None) -> str:
+        """A client's model name as a label: itself when the proxy knows it, else "other"."""
+        adapters = self.adapters
+        key = (adapters.version, adapters.base_model, len(adapters.history))
+        if key != self._known_key:
+            names = {a.name for a in adapters.history}
+            names |= {adapters.alias, adapters.base_model or ""}
+            self._known, self._known_key = frozenset(names - {""}), key
+        return model if model in self._known else OTHER
+
+    def model_name(self) -> str:
+        return self.adapters.base_model or ""
+
+    def observe(self, capture: Capture, started_us: int) -> None:
+        """One finished completion, after its answer was written (agent_api._record)."""
+        try:
+            self._observe(capture, started_us)
+        except Exception:  # metrics never fail a request; say it once in the log
+            log.exception("metrics: could not observe request %s", capture.request_id)
+
+    def _observe(self, capture: Capture, started_us: int) -> None:
+        # Clocks: the request's arrival in wall-clock microseconds (the record's start);
+        # the rest relative to capture.t0 on the performance counter.
+        duration = max(0.0, (now_us() - started_us) / 1e6)
+        before_t0 = max(0.0, duration - (time.perf_counter() - capture.t0))  # body read
+        requested = capture.request_body.get("model") if capture.request_body else None
+        key = (
+            capture.endpoint,
+            self.label_of(requested),
+            self.label_of(capture.route.served),
+            capture.status or 499,  # no status: the client left before any
+            capture.stream,
+            self.model_name(),
+        )
+        c = self._children.get(key) or self._make_children(key)
+        c.requests.inc()
+        c.duration.observe(duration)
+        failure = error_type(capture)
+        if failure is not None:
+            self.failures.labels(key[-1], capture.endpoint, failure).inc()
+        elif capture.sent_at is not None and capture.latency_ms is not None:
+            upstream = capture.t0 + capture.latency_ms / 1000 - capture.sent_at
+            c.own_time.observe(max(0.0, duration - upstream))
+        if capture.stream and capture.first_chunk_at is not None:
+            c.first_chunk.observe(before_t0 + capture.first_chunk_at - capture.t0)
+        usage = capture.acc.usage
+        if usage:
+            prompt, generated = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and prompt > 0:
+                c.prompt_tokens.inc(prompt)
+            if isinstance(generated, int) and generated > 0:
+                c.generation_tokens.inc(generated)
+
+    def _make_children(self, key: tuple) -> _Children:
+        """The labelled series of one kind of request, looked up once: `labels()` costs a
+        lock and a dict per call, and a completion touches five series."""
+        endpoint, requested, adapter, status, stream, model_name = key
+        timing = (model_name, endpoint, "true" if stream else "false")
+        children = _Children(
+            self.requests.labels(model_name, endpoint, requested, adapter, str(status)),
+            self.duration.labels(*timing),
+            self.first_chunk.labels(*timing),
+            self.own_time.labels(*timing),
+            self.prompt_tokens.labels(model_name, adapter),
+            self.generation_tokens.labels(model_name, adapter),
+        )
+        self._children[key] = children
+        return children
+
+    def refused(self, endpoint: str, error: OvernightError) -> None:
+        """A completion the proxy refused before forwarding it (a body it cannot read)."""
+        model_name = self.model_name()
+        self.requests.labels(model_name, endpoint, OTHER, OTHER, str(error.status)).inc()
+        self.failures.labels(model_name, endpoint, error.code).inc()
+
+    # -- counts the proxy keeps, copied ---------------------------------------------------
+
+    def sync(self) -> None:
+        """Copy the writer's, the shadow sampler's and the uncaptured paths' counts."""
+        app = self.app
+        writer = app.get(WRITER)
+        if writer is not None:
+            health = writer.health()
+            self._copy("appended", writer.appended)
+            self._copy("committed", health.rows_written)
+            self._copy("lost", health.rows_lost)
+            self._copy("write_errors", health.write_errors)
+            self._copy("compacted", health.rows_compacted)
+            self._copy("compact_errors", health.compact_errors)
+            waiting = writer.appended - health.rows_written - health.rows_lost
+            self.gauges["queued"].set(max(0, waiting))
+            self.gauges["degraded"].set(0 if health.status == "ok" else 1)
+            self.gauges["quarantined"].set(health.files_quarantined)
+        self._copy("redaction", app[REDACTOR].failures)
+        shadow = app[SHADOW]
+        stats = shadow.stats
+        self._copy("shadow_requests", stats.requests)
+        self._copy("shadow_cancelled", stats.preempted)
+        self._copy("shadow_failed", stats.failed)
+        self._copy("shadow_dropped", stats.dropped)
+        self._copy("shadow_siblings", stats.siblings)
+        self.gauges["shadow_queued"].set(shadow.queue.qsize())
+        for path, n in app[UNCAPTURED].snapshot().items():
+            self._copy_labelled(self.uncaptured, (f"/v1/{path}",), n)
+
+    def _copy(self, name: str, value: int) -> None:
+        self._copy_labelled(self.copied[name], (), value)
+
+    def _copy_labelled(self, counter: Counter, labels: tuple[str, ...], value: float) -> None:
+        key = (counter, labels)
+        delta = value - self._copied.get(key, 0)
+        if delta > 0:
+            (counter.labels(*labels) if labels else counter).inc(delta)
+            self._copied[key] = value
+
+    # -- the handler and the worker's loop ------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.sync()
+        self.shared.summary = await asyncio.to_thread(self.shared.runs.read)  # cached
+        return await self._generate(request)
+
+    async def lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
+        """Under --workers N, each worker copies its counts every SYNC_SECONDS: a scrape
+        is answered by one worker, from every worker's files."""
+        task = asyncio.create_task(self._sync_loop()) if self.multiprocess else None
+        yield
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            self.sync()  # the last counts, before the writer closes
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SYNC_SECONDS)
+            try:
+                self.sync()
+            except Exception:
+                log.exception("metrics: could not copy the proxy's counts")
+
+
+class Shared:
+    """What every worker sees alike, collected by the one answering the scrape: the
+    adapter behind the alias (and a canary), the last training runs."""
+
+    def __init__(self, adapters: AdapterRegistry, data_dir):
+        self.adapters = adapters
+        self.runs = RunsCache(data_dir, RUNS_SECONDS)  # read before each scrape (handle)
+        self.summary: RunsSummary | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # collected at scrape time only (nothing to check at registration)
+
+    def collect(self) -> Iterable[Metric]:
+        adapters = self.adapters
+        info = GaugeMetricFamily(
+            "overnight_adapter_info",
+            "1 for what the alias serves: role served (or canary), the adapter's name and "
+            "version (adapter empty, version 0: the base model).",
+            labels=["model_name", "alias", "role", "adapter", "version"],
+        )
+        for role, adapter in (("served", adapters.current), ("canary", adapters.canary)):
+            if adapter is not None or role == "served":
+                name, version = (adapter.name, adapter.version) if adapter else ("", 0)
+                labels = [adapters.base_model or "", adapters.alias, role, name, str(version)]
+                info.add_metric(labels, 1)
+        yield info
+        yield from self._runs()
+
+    def _runs(self) -> Iterable[Metric]:
+        summary = self.summary
+        if summary is None:
+            return
+        counts = GaugeMetricFamily(
+            "overnight_training_runs",
+            "Training runs in the data directory, by status (trained, failed).",
+            labels=["status"],
+        )
+        for status, n in sorted(summary.counts.items()):
+            counts.add_metric([status], n)
+        yield counts
+        last = summary.last
+        if last is None:
+            return
+        info = GaugeMetricFamily(
+            "overnight_last_training_run_info",
+            "1 for the newest training run: its status (trained, failed) and whether its "
+            "adapter was promoted.",
+            labels=["status", "promoted"],
+        )
+        info.add_metric([last.status, "true" if last.promoted else "false"], 1)
+        yield info
+        yield GaugeMetricFamily(
+            "overnight_last_training_run_end_timestamp_seconds",
+            "When the newest training run ended (Unix time), whatever its status.",
+            value=last.ended_at,
+        )
+        if summary.last_trained_at is not None:
+            yield GaugeMetricFamily(
+                "overnight_last_successful_training_run_end_timestamp_seconds",
+                "When the newest run that trained ended (Unix time): alert on its age.",
+                value=summary.last_trained_at,
+            )
+
+
+METRICS = web.AppKey("metrics", Metrics)
