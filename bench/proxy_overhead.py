@@ -18,7 +18,11 @@ c1 and c16: direct, overnight, the bare aiohttp forwarder), the three in turn ea
 and prints each round and the medians; `--profile DIR` then samples the proxy with py-spy
 under the c16 load (DIR/overnight.txt: collapsed stacks) and prints where its time went.
 `--only observe` runs the same path through one proxy per OBSERVE variant (an integration
-on or off: Prometheus metrics), in turn each round, and prints their ratios.
+on or off: Prometheus metrics, then OpenTelemetry tracing with metrics on, exporting to a
+loopback OTLP sink, bench/otlp_sink.py, on the load generator's core), in turn each round,
+and prints each one's ratio to the variant it adds to, per round and their median, with
+the proxy's CPU per request (/proc: all its threads, the exporter's too), which a busy
+shared machine disturbs far less than requests per second.
 
 The agent in the main scenarios is a plain client (it asks for neither token ids
 nor logprobs), so overnight adds them upstream and removes them again: its common,
@@ -50,11 +54,19 @@ from overnight.testing.processes import spawn_serve  # noqa: E402
 LITELLM_VERSION = "1.110.2"
 # Both proxies check a client key (LiteLLM refuses to start without a master key).
 API_KEY = "sk-bench-0123456789abcdef0123456789abcdef"
-# `--only observe`: one proxy each, the same traffic in turn; name -> (serve flags, env).
-# The first is the reference the others are compared with.
+# `--only observe`: one proxy each, the same traffic in turn; name -> (serve flags, env,
+# the variant it is compared with: its cost). "{sink}" is the loopback OTLP collector's URL
+# (bench/otlp_sink.py), started when a variant names it.
 OBSERVE = {
-    "metrics off": (("--no-metrics",), {}),
-    "metrics on": ((), {}),
+    "metrics off": (("--no-metrics",), {}, None),
+    "metrics on": ((), {}, "metrics off"),
+    "tracing on": ((), {"OTEL_EXPORTER_OTLP_ENDPOINT": "{sink}"}, "metrics on"),
+    # what tracing costs where no span is sampled: ids and vLLM's traceparent only
+    "tracing, none sampled": (
+        (),
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "{sink}", "OTEL_TRACES_SAMPLER": "always_off"},
+        "metrics on",
+    ),
 }
 MESSAGES = [
     {"role": "system", "content": "You are a helpful agent."},
@@ -68,6 +80,8 @@ class Result:
     p50_ms: float
     p99_ms: float
     errors: int
+    requests: int = 0
+    cpu_us: float | None = None  # the proxy's CPU per request (--only observe)
 
 
 def pinned(core: int, cmd: list[str]) -> list[str]:
@@ -127,7 +141,23 @@ def wrk(url: str, body: dict, connections: int, duration: float, workdir: Path) 
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     socket = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     errors = (int(bad.group(1)) if bad else 0) + (sum(map(int, socket.groups())) if socket else 0)
-    return Result(rps, p50, p99, errors)
+    requests = int(re.search(r"(\d+) requests in", out).group(1))
+    return Result(rps, p50, p99, errors, requests)
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU a process has used so far, all its threads (user and system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(pid: int, url: str, body: dict, connections: int, duration: float, work: Path):
+    """wrk's result, with the proxy's CPU per request over the same seconds: on a shared
+    machine a far steadier measure of what a variant costs than its requests per second."""
+    before = cpu_seconds(pid)
+    result = wrk(url, body, connections, duration, work)
+    result.cpu_us = (cpu_seconds(pid) - before) / max(result.requests, 1) * 1e6
+    return result
 
 
 # `litellm[proxy]` pins a `litellm-proxy` package the registry does not have; the proxy
@@ -435,14 +465,23 @@ def median(values: list[float]) -> float:
 
 def run_observe(args, work: Path, stops: list[Callable[[], object]]) -> dict:
     """The common path (a plain agent's whole chat completion, c1 and c16) through one
-    proxy per OBSERVE variant, each in turn every round; each compared with the first."""
+    proxy per OBSERVE variant, each in turn every round; each compared with the variant
+    it adds to (tracing on with metrics on), round by round."""
     port = free_port()
     fake = [sys.executable, "-m", "overnight.testing.fake_upstream", "--port", str(port)]
     upstream = f"http://127.0.0.1:{port}"
     proc = start(pinned(1, [*fake, "--tokens", str(args.tokens)]), upstream + "/health")
     stops.append(lambda: stop(proc))
-    targets = {}
-    for i, (name, (flags, env)) in enumerate(OBSERVE.items()):
+    sink = None
+    if any("{sink}" in v for _, env, _ in OBSERVE.values() for v in env.values()):
+        port = free_port()
+        cmd = [sys.executable, str(ROOT / "bench" / "otlp_sink.py"), "--port", str(port)]
+        sink_proc = start(pinned(1, cmd), f"http://127.0.0.1:{port}/health")
+        stops.append(lambda: stop(sink_proc))
+        sink = f"http://127.0.0.1:{port}"
+    targets, traced, pids = {}, [], {}
+    for i, (name, (flags, env, _)) in enumerate(OBSERVE.items()):
+        env = {k: v.replace("{sink}", sink or "") for k, v in env.items()}
         proxy = spawn_serve(
             work / f"observe-{i}",
             "--upstream",
@@ -450,46 +489,82 @@ def run_observe(args, work: Path, stops: list[Callable[[], object]]) -> dict:
             "--api-key",
             API_KEY,
             *flags,
-            env={**os.environ, **env},
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, **env},
             prefix=pinned(0, []),
         )
         stops.append(proxy.stop)
-        targets[name] = proxy.url
+        targets[name], pids[name] = proxy.url, proxy.pid
+        if "OTEL_EXPORTER_OTLP_ENDPOINT" in env and env.get("OTEL_TRACES_SAMPLER") != "always_off":
+            traced.append(proxy.url)
     body = {"model": "policy", "messages": MESSAGES, "max_tokens": args.tokens}
     for url in targets.values():  # warm up
         wrk(f"{url}/v1/chat/completions", body, 16, 2, work)
+    compared = [(name, base) for name, (_, _, base) in OBSERVE.items() if base in targets]
     rounds = []
     for i in range(args.rounds):
+        # Every other round in the reverse order: a machine that gets busier or quieter
+        # during a round then favours neither the first variant nor the last.
+        order = list(targets.items())[:: -1 if i % 2 else 1]
         row = {
-            f"c{c}/{name}": wrk(f"{url}/v1/chat/completions", body, c, args.duration, work)
+            f"c{c}/{name}": measured(
+                pids[name], f"{url}/v1/chat/completions", body, c, args.duration, work
+            )
             for c in (1, 16)
-            for name, url in targets.items()
+            for name, url in order
         }
         rounds.append(row)
+        ratios = ", ".join(f"{name} / {base} {row[f'c16/{name}'].rps / row[f'c16/{base}'].rps:.3f}x"
+                           for name, base in compared)  # fmt: skip
         print(f"round {i + 1}: " + ", ".join(f"{k} {r.rps:.0f} req/s p50 {r.p50_ms:.3f} ms"
-                                             for k, r in row.items()), flush=True)  # fmt: skip
-    reference, *others = targets
+                                             f" {r.cpu_us:.0f} µs CPU/req" for k, r in row.items())
+              + f"; c16 {ratios}", flush=True)  # fmt: skip
     summary = {}
     for name in targets:
         summary[f"c16 req/s {name}"] = median([r[f"c16/{name}"].rps for r in rounds])
         summary[f"c1 p50 {name} (ms)"] = median([r[f"c1/{name}"].p50_ms for r in rounds])
-    for name in others:
-        summary[f"c16 {name} / {reference} (per round, median)"] = median(
-            [r[f"c16/{name}"].rps / r[f"c16/{reference}"].rps for r in rounds]
+        summary[f"c16 CPU µs/request {name}"] = median([r[f"c16/{name}"].cpu_us for r in rounds])
+    for name, base in compared:
+        summary[f"c16 {name} / {base} (per round, median)"] = median(
+            [r[f"c16/{name}"].rps / r[f"c16/{base}"].rps for r in rounds]
         )
-        summary[f"c1 p50 {name} - {reference} (per round, median, ms)"] = median(
-            [r[f"c1/{name}"].p50_ms - r[f"c1/{reference}"].p50_ms for r in rounds]
+        summary[f"c1 p50 {name} - {base} (per round, median, ms)"] = median(
+            [r[f"c1/{name}"].p50_ms - r[f"c1/{base}"].p50_ms for r in rounds]
+        )
+        # The throughput a CPU-bound proxy would keep: the base's CPU per request over its.
+        summary[f"c16 CPU {base} / {name} (per round, median)"] = median(
+            [r[f"c16/{base}"].cpu_us / r[f"c16/{name}"].cpu_us for r in rounds]
         )
     print()
     for name, value in summary.items():
         print(f"{name:<56}{value:>10.3f}")
     errors = sum(r.errors for row in rounds for r in row.values())
     print(f"{'failed requests':<56}{errors:>10}")
+    spans = None
+    if sink is not None:
+        spans, requests = exported_spans(sink, traced)
+        print(f"{'spans at the sink / traced requests':<56}{f'{spans}/{requests}':>10}")
     return {
         "rounds": [{k: v.__dict__ for k, v in row.items()} for row in rounds],
         "summary": summary,
         "errors": errors,
+        "spans_exported": spans,
     }
+
+
+def exported_spans(sink: str, proxies: list[str]) -> tuple[int, int]:
+    """(spans the sink decoded, requests the traced proxies served), once the exporters'
+    last batch (at most OTEL_BSP_SCHEDULE_DELAY, 5 s, after the last request) is in."""
+    requests = 0
+    for url in proxies:
+        with urllib.request.urlopen(url + "/admin/stats") as r:
+            requests += json.loads(r.read())["requests"]
+    for _ in range(40):
+        with urllib.request.urlopen(sink + "/health") as r:
+            spans = int(r.read())
+        if spans >= requests:
+            break
+        time.sleep(0.25)
+    return spans, requests
 
 
 def profile(pid: int, url: str, body: dict, args, work: Path) -> None:

@@ -7,13 +7,14 @@ the exporter posts to `{host}/api/public/otel/v1/traces` with Basic auth). Off c
 nothing: `from_environment` returns None without importing the SDK, and every caller
 checks for None before it makes a span.
 
-On, spans go OTLP over HTTP (protobuf) from a `BatchSpanProcessor`: ended spans are
-queued and a thread of the SDK's exports them, so neither a request nor a night waits
-for the collector, and a collector that is down costs a logged warning, never a failure.
+On, a night's spans go OTLP over HTTP (protobuf) from a `BatchSpanProcessor`: ended
+spans are queued and a thread of the SDK's exports them, so the night never waits for
+the collector, and a collector that is down costs a logged warning, never a failure.
 The SDK reads the rest of the standard variables itself (`OTEL_EXPORTER_OTLP_HEADERS`,
 `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`, `OTEL_BSP_*`,
-timeouts, certificates). Each app or run owns its `Tracing` (never the global provider),
-so two proxies in one process (the tests) keep their spans apart.
+timeouts, certificates). Each run owns its `Tracing` (never the global provider). The
+proxy's completion spans, one per request, take a cheaper way of their own to the same
+collector (proxy/observe/otlp.py: the target and the resource come from here).
 
 The night's spans (`night`, `phase`) live here too: the CLI, the trainer and the judge
 each open theirs through the night's tracer, which a context variable carries, so no
@@ -130,14 +131,10 @@ def from_environment(
     if not check_environment(environ):
         return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    standard = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    langfuse = None if standard else langfuse_target(environ)
+    langfuse = langfuse_only(environ)
     if exporter is None:
         # The SDK reads os.environ itself: a standard endpoint is left to it (with its
         # /v1/traces suffix rule); Langfuse's is given, with its header.
@@ -145,15 +142,40 @@ def from_environment(
             exporter = OTLPSpanExporter(endpoint=langfuse[0], headers=langfuse[1])
         else:
             exporter = OTLPSpanExporter()
-    endpoint = langfuse[0] if langfuse else getattr(exporter, "_endpoint", str(standard))
-    resource = Resource.create()  # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES
-    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({SERVICE_NAME: service}))
+    endpoint = langfuse[0] if langfuse else getattr(exporter, "_endpoint", endpoint_of(environ))
     # shutdown_on_exit off: our owner stops it, with a deadline (Tracing.shutdown).
-    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    provider = TracerProvider(resource=resource(service), shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     log.info("tracing: OTLP/HTTP spans to %s", endpoint)
     return Tracing(provider, endpoint)
+
+
+def langfuse_only(environ: Mapping[str, str]) -> tuple[str, dict[str, str]] | None:
+    """Langfuse's target when no standard endpoint is set (a standard one wins)."""
+    standard = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    return None if standard else langfuse_target(environ)
+
+
+def endpoint_of(environ: Mapping[str, str]) -> str:
+    """The standard endpoint, as the OTLP/HTTP exporter resolves it: the traces variable
+    as given, else the general one with /v1/traces appended."""
+    if traces := environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return traces
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
+    return f"{base.removesuffix('/')}/v1/traces"
+
+
+def resource(service: str) -> Any:
+    """The SDK's resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, its detectors),
+    named `service` when neither variable names it."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    found = Resource.create()
+    if str(found.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        found = found.merge(Resource({SERVICE_NAME: service}))
+    return found
 
 
 # -- the night's spans -----------------------------------------------------------------
