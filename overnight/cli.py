@@ -9,6 +9,7 @@ options are built from their fields (overnight/options.py); a command's own are 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -17,11 +18,12 @@ from typing import Any
 
 import click
 
+from .cli_adapters import ADAPTER_COMMANDS
 from .cli_data import COMMANDS, admin_token_option, data_option, proxy_option, require_data_dir
 from .cli_data import proxy_of as _proxy
 from .config import SETTLE_SECONDS, JudgeConfig, ProxyConfig, TrainConfig, VLLMConfig
 from .errors import OvernightError
-from .options import build, config_options, load_config_file
+from .options import build, config_options, load_config_file, policy_options
 from .serve import ServeConfig
 
 
@@ -246,22 +248,47 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
             if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
                 values[name] = value
     from .judge.scoring import pair_scorer
+    from .trainer.night.proxy_client import proxy_policies
     from .trainer.train import train as run
 
-    run(
-        data_dir,
-        build(TrainConfig, values),
-        proxy_url=None if dry_run else _proxy(data_dir, values["proxy_url"]),
-        admin_token=values["admin_token"],
-        promote=not values["no_promote"],
-        dry_run=dry_run,
-        settle_seconds=values["settle"],
-        since=since,
-        max_groups=values["max_groups"],
-        say=click.echo,
-        scorer=pair_scorer(values["gate_reward"] or reward, judge),
-        judge=judged,
+    config = build(TrainConfig, values)
+    proxy_url = None if dry_run else _proxy(data_dir, values["proxy_url"])
+    # One policy (--policy), or each the proxy serves, one run after another; without a
+    # proxy, every group as before policies.
+    policies = (
+        [config.policy] if config.policy else proxy_policies(proxy_url, values["admin_token"])
     )
+    failed: list[str] = []
+    for policy in policies or [None]:
+        if len(policies) > 1:
+            click.echo(f"policy {policy}: its own groups, adapter, gate and promotion")
+        # The config file's [policies.NAME] options for this policy's night.
+        own = build(TrainConfig, {**values, **policy_options(ctx, policy)}) if policy else config
+        try:
+            run(
+                data_dir,
+                dataclasses.replace(own, policy=policy),
+                proxy_url=proxy_url,
+                admin_token=values["admin_token"],
+                promote=not values["no_promote"],
+                dry_run=dry_run,
+                settle_seconds=values["settle"],
+                since=since,
+                max_groups=values["max_groups"],
+                say=click.echo,
+                scorer=pair_scorer(values["gate_reward"] or reward, judge),
+                judge=judged,
+            )
+        except Exception as e:  # one policy's failure does not stop the others' nights
+            if len(policies) <= 1:
+                raise
+            failed.append(str(policy))
+            click.echo(f"policy {policy}: the night failed: {type(e).__name__}: {e}", err=True)
+    if failed:
+        raise OvernightError(
+            f"the night failed for policy {', '.join(failed)}; the other policies' nights "
+            "ran (see the lines above; a run that failed while training is in `overnight runs`)"
+        )
 
 
 def _tool_call_options(values: dict[str, Any]) -> dict[str, Any]:
@@ -277,7 +304,7 @@ def _tool_call_options(values: dict[str, Any]) -> dict[str, Any]:
 @data_option
 @proxy_option
 @admin_token_option
-@config_options(TrainConfig, only=["watch_min_rollouts", "reward_sources", "seed"])
+@config_options(TrainConfig, only=["watch_min_rollouts", "reward_sources", "seed", "policy"])
 @click.option("--dry-run", is_flag=True, help="Say what the watch finds; roll nothing back.")
 def watch(
     data_dir: Path, proxy_url: str | None, admin_token: str | None, dry_run: bool, **values: Any
@@ -293,9 +320,14 @@ def watch(
     url = _proxy(data_dir, proxy_url)
     if url is None:
         raise click.UsageError("--proxy is empty: the watch rolls back through the proxy")
+    from .trainer.night.proxy_client import proxy_policies
     from .trainer.night.watch import watch as run_watch
 
-    run_watch(data_dir, url, admin_token, build(TrainConfig, values), click.echo, not dry_run)
+    config = build(TrainConfig, values)
+    # One policy (--policy), else each the proxy serves: each its own canary and watch.
+    for policy in [config.policy] if config.policy else proxy_policies(url, admin_token) or [None]:
+        policy_config = dataclasses.replace(config, policy=policy)
+        run_watch(data_dir, url, admin_token, policy_config, click.echo, not dry_run)
 
 
 @main.command()
@@ -337,56 +369,6 @@ def demo(data_dir: Path, port: int, model_dir: Path, days: int, **values: Any) -
     run_demo(str(data_dir), port, str(model_dir), days=days, say=say, **values)
 
 
-@main.command()
-@data_option
-@proxy_option
-@admin_token_option
-@click.option(
-    "--offline",
-    is_flag=True,
-    help="No proxy runs: change DATA/adapters.json; the next serve restores the previous one.",
-)
-@click.option("--reason", default="", help="Why: kept with the rollback, shown in /ui.")
-@click.option("--canary", is_flag=True, help="Only stop the canary (the alias keeps serving).")
-def rollback(
-    data_dir: Path,
-    proxy_url: str | None,
-    admin_token: str | None,
-    offline: bool,
-    reason: str,
-    canary: bool,
-) -> None:
-    """Serve the previous adapter again (or the base model).
-
-    \b
-    Example:
-      overnight rollback --proxy http://127.0.0.1:8000 --reason "answers got longer"
-      overnight rollback --data /var/lib/overnight --offline   # while the proxy is stopped
-      overnight rollback --canary --reason "not now"   # drop the canary only
-    """
-    said = f" ({reason})" if reason else ""
-    if offline:
-        if canary:
-            raise click.UsageError("--canary needs the proxy: without one no canary is served")
-        from .proxy.adapters.promotions import rollback_on_disk
-
-        now = rollback_on_disk(data_dir / "adapters.json", reason)
-        served = f"{now.path} (was {now.name})" if now else "the base model"
-        click.echo(f"the next overnight serve on {data_dir} will serve {served}{said}")
-        return
-    from .trainer.night.proxy_client import admin_call
-
-    url = _proxy(data_dir, proxy_url)
-    if url is None:
-        raise click.UsageError("--proxy is empty: give the proxy's URL, or use --offline")
-    payload = {"reason": reason, **({"canary": True} if canary else {})}
-    state = admin_call(url, "/admin/adapters/rollback", admin_token, payload)
-    current = state.get("current")
-    served = current["name"] if current else "the base model"
-    what = "dropped the canary; " if canary else ""
-    click.echo(f"{what}the alias {state['alias']} now serves {served}{said}")
-
-
 @main.command(name="tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, help="Weights and tokenizer follow from it.")
@@ -402,7 +384,7 @@ def tiny_model(out_dir: Path, seed: int) -> None:
     click.echo(f"tiny model in {build_tiny_model(out_dir, seed=seed)}")
 
 
-for _command in COMMANDS:
+for _command in [*COMMANDS, *ADAPTER_COMMANDS]:
     main.add_command(_command)
 
 

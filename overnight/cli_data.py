@@ -25,6 +25,12 @@ proxy_option = click.option(
 admin_token_option = click.option(
     "--admin-token", envvar="OVERNIGHT_ADMIN_TOKEN", help="The proxy's admin token."
 )
+# One of the proxy's policies (proxy/adapters/policies.py); unset: the default one.
+policy_option = click.option(
+    "--policy",
+    help="The policy (an alias the proxy serves) this is about [default: the proxy's default "
+    "policy, --alias].",
+)
 
 
 def proxy_of(data_dir: Path, given: str | None, fallback: str | None = DEFAULT_PROXY) -> str | None:
@@ -112,17 +118,19 @@ def read_db(data_dir: Path) -> Iterator[Any]:
 @data_option
 @click.option("--group", help="Only this rollout group.")
 @click.option("--limit", default=20, show_default=True, help="Most recent groups shown.")
-def ls_command(data_dir: Path, group: str | None, limit: int) -> None:
+@click.option("--policy", help="Only groups that asked for this policy's alias.")
+def ls_command(data_dir: Path, group: str | None, limit: int, policy: str | None) -> None:
     """List rollout groups and their rollouts, newest first.
 
     \b
     Example:
       overnight ls --limit 5
+      overnight ls --policy support
     """
     from .view import display
 
     with read_db(data_dir) as con:
-        click.echo(display.list_groups(con, group=group, limit=limit))
+        click.echo(display.list_groups(con, group=group, limit=limit, policy=policy))
 
 
 @click.command()
@@ -198,17 +206,20 @@ def export(data_dir: Path, fmt: str, table: str, out_path: Path) -> None:
 @click.command()
 @data_option
 @click.option("--limit", default=20, show_default=True, help="Most recent runs shown.")
-def runs(data_dir: Path, limit: int) -> None:
-    """List training runs, newest first.
+@click.option("--policy", help="Only this policy's runs and adapter events.")
+def runs(data_dir: Path, limit: int, policy: str | None) -> None:
+    """List training runs, newest first, with the policy each trained.
 
     \b
     Example:
       overnight runs --limit 5
+      overnight runs --policy support
     """
     from .view import display
 
     with read_db(data_dir) as con:
-        click.echo(display.list_runs(con, limit, display.adapter_events(data_dir)))
+        events = display.adapter_events(data_dir, policy)
+        click.echo(display.list_runs(con, limit, events, policy=policy))
 
 
 @click.command()

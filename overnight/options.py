@@ -80,6 +80,7 @@ def load_config_file(ctx: click.Context, _param, value: str | None):
     group: click.Group = ctx.command  # type: ignore[assignment]
     shared = {k: v for k, v in data.items() if not isinstance(v, dict)}
     tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    policies = _policy_tables(group, value, tables.pop(POLICY_TABLES, {}))
     unknown_tables = set(tables) - set(group.commands)
     if unknown_tables:
         raise click.BadParameter(f"{value}: no command named {sorted(unknown_tables)}")
@@ -100,8 +101,56 @@ def load_config_file(ctx: click.Context, _param, value: str | None):
             by_flag[k]: [v] if by_flag[k] in repeatable and isinstance(v, str) else v
             for k, v in entries.items()
         }
+    if policies:
+        # Each table names a policy `overnight serve` serves (beside --policy's), and its
+        # own options for the nights (`policy_options`).
+        serve = default_map.setdefault("serve", {})
+        named = serve.get("policies") or []
+        serve["policies"] = [*named, *(p for p in policies if p not in named)]
+    ctx.meta[POLICY_TABLES] = policies
     ctx.default_map = default_map
     return value
+
+
+# `[policies.NAME]` in the config file: a policy, with its own `overnight train` options.
+POLICY_TABLES = "policies"
+
+
+def _policy_tables(group: click.Group, where: str, tables: object) -> dict[str, dict[str, Any]]:
+    """policy -> {parameter: value} from `[policies.NAME]` tables, their keys spelled as
+    `overnight train`'s options (a policy's reward function, gate, canary, ...)."""
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise click.BadParameter(f"{where}: [policies] holds one table per policy: [policies.NAME]")
+    from .config import TrainConfig
+
+    # The night's own options (TrainConfig's): the judge's and --reward score every
+    # policy's groups in one batch before the nights, so they are not a policy's.
+    fields = {param_name(f) for f in dataclasses.fields(TrainConfig)} - {"policy"}
+    train = group.commands["train"]
+    by_flag = {k: v for k, v in _flags(train).items() if v in fields}
+    repeatable = {p.name for p in train.params if getattr(p, "multiple", False)}
+    out = {}
+    for name, entries in tables.items():
+        unknown = sorted(set(entries) - set(by_flag))
+        if unknown:
+            raise click.BadParameter(
+                f"{where}: [policies.{name}] has no option {unknown} of a night's "
+                "(`overnight train`'s training options)"
+            )
+        # A repeatable option as click gives it: a tuple (one value in the file: of one).
+        out[name] = {
+            by_flag[k]: (tuple([v] if isinstance(v, str) else v) if by_flag[k] in repeatable else v)
+            for k, v in entries.items()
+        }
+    return out
+
+
+def policy_options(ctx: click.Context, policy: str | None) -> dict[str, Any]:
+    """The options the config file's `[policies.POLICY]` gives a night of `policy`, less
+    those given on the command line or in the environment (which win, as everywhere)."""
+    given = ctx.find_root().meta.get(POLICY_TABLES, {}).get(policy, {}) if policy else {}
+    explicit = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    return {k: v for k, v in given.items() if ctx.get_parameter_source(k) not in explicit}
 
 
 def _flags(command: click.Command) -> dict[str, str]:

@@ -24,7 +24,7 @@ from overnight.storage import LogWriter, WriterConfig, attach
 from overnight.view import web as view
 
 from .adapters.maintenance import Maintenance
-from .adapters.registry import AdapterRegistry
+from .adapters.policies import Policies
 from .capture.conversation import CHAINS, ResponseChains
 from .capture.redact import REDACTOR, Redactor
 from .capture.state import TurnCounter
@@ -35,12 +35,16 @@ from .observe.metrics import METRICS, Metrics
 from .routes import admin, maintenance
 from .routes.agent_api import completions, post_finish, post_reward, prefixed
 from .routes.auth import make_guard
+from .routes.keys import KeyRing
+from .routes.keys import install as install_keys
+from .routes.models import models
 from .shadow.sampler import SHADOW, ShadowSampler
 from .state import (
     ADAPTERS,
     CONFIG,
     FINGERPRINT,
     MAINTENANCE,
+    POLICIES,
     SESSION,
     STATS,
     TURNS,
@@ -55,9 +59,10 @@ def create_app(config: ProxyConfig) -> web.Application:
     # --data a URL (s3://...): the app works in its local directory; segments go there.
     config = dataclasses.replace(config, data_dir=attach(config.data_dir, config.local_dir))
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    keys = KeyRing(config)  # the client keys, plain and scoped (routes/keys.py)
     app = web.Application(
         client_max_size=config.max_body_bytes,  # every path, the pass-through too (relay.py)
-        middlewares=[make_guard(config)],
+        middlewares=[make_guard(config, keys)],
         # aiohttp arms this timer when a connection opens and closes the connection if no
         # whole request head has arrived by then (and after each response, if no next
         # one): the header-read timeout it has no option for. Header sizes keep aiohttp's
@@ -65,6 +70,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         handler_args={"keepalive_timeout": config.header_timeout},
     )
     app[CONFIG] = config
+    install_keys(app, config, keys)
     app[STATS] = ProxyStats()
     app[UNCAPTURED] = Uncaptured()
     app[CHAINS] = ResponseChains(data_dir=config.data_dir)  # chains before a restart
@@ -77,9 +83,10 @@ def create_app(config: ProxyConfig) -> web.Application:
         config.keepalive_timeout,
         passive_checks=config.upstream_check_interval > 0,
     )
-    app[ADAPTERS] = registry = AdapterRegistry(
-        alias=config.alias,
-        state_path=config.data_dir / "adapters.json",
+    # One registry per policy (--alias, the default, and each --policy): policies.py.
+    app[POLICIES] = policies = Policies(
+        config.policy_names,
+        config.data_dir,
         balancer=balancer,
         session_headers=_upstream_auth(config),
         drain_timeout=config.drain_timeout,
@@ -87,19 +94,20 @@ def create_app(config: ProxyConfig) -> web.Application:
         check_interval=config.upstream_check_interval,
         follow_interval=config.state_poll_interval,
     )
+    app[ADAPTERS] = policies.get(None)
     app[MAINTENANCE] = Maintenance(
         balancer,
         _upstream_auth(config),
         hold=config.maintenance_hold,
         drain=config.maintenance_drain,
-        after_wake=registry.check_upstream,  # what vLLM lost asleep, loaded again
+        after_wake=policies.check_upstream,  # what vLLM lost asleep, loaded again
         workers=config.workers,
     )
     app[SHADOW] = ShadowSampler(config, balancer, app[REDACTOR])
     tracing.install(app, config)  # OpenTelemetry, when OTEL_*/LANGFUSE_* ask for it
     app.cleanup_ctx.append(_lifecycle)
     if config.metrics:  # Prometheus at /metrics (observe/metrics.py)
-        app[METRICS] = metrics = Metrics(app, registry, config.data_dir)
+        app[METRICS] = metrics = Metrics(app, policies, config.data_dir)
         app.cleanup_ctx.append(metrics.lifecycle)  # after _lifecycle: the writer is there
         app.router.add_get("/metrics", metrics.handle)
 
@@ -118,13 +126,14 @@ def create_app(config: ProxyConfig) -> web.Application:
     r.add_get("/admin/stats", admin.stats)
     r.add_get("/admin/maintenance", maintenance.state)
     r.add_post("/admin/maintenance", maintenance.change)
+    r.add_get("/v1/models", models)  # vLLM's list, with every policy's alias on it
     r.add_route("*", "/rollouts/{group}/{rollout}/v1/{tail:.*}", prefixed)
     r.add_route("*", "/v1/{tail:.*}", maintenance.held)
 
     # The web view reads what it needs through request.config_dict, under its own keys:
     # it never imports this module (view/ sits below the proxy).
     app[view.DATA_DIR] = config.data_dir
-    app[view.ADAPTER_STATE] = registry.describe
+    app[view.ADAPTER_STATE] = policies.describe
     app[view.UNCAPTURED] = app[UNCAPTURED].snapshot
     app.add_subapp("/ui", view.create_web_view())
     return app
@@ -168,16 +177,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     )
     writer.start()
     app[WRITER] = writer
-    registry = app[ADAPTERS]
-    registry.session = session
+    policies = app[POLICIES]
+    policies.session = session
     app[MAINTENANCE].session = session
     await app[MAINTENANCE].recover()  # a vLLM left asleep by a night that died with us
-    await registry.restore()
+    await policies.restore()
     app[SHADOW].start(writer)
     yield
     await app[SHADOW].close()
     await app[MAINTENANCE].close()
-    await registry.close()
+    await policies.close()
     app[UPSTREAM].close()
     await session.close()
     # Blocking: commit the queue, seal and compact. Nothing is lost on a clean stop.

@@ -17,6 +17,7 @@ from overnight.config import ProxyConfig
 from overnight.storage import LogWriter
 
 from .adapters.maintenance import Maintenance
+from .adapters.policies import Policies
 from .adapters.registry import AdapterRegistry
 from .capture.state import TurnCounter
 from .forward.balancer import Balancer
@@ -49,6 +50,9 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 # (balancer.py, upstream.py).
 UPSTREAM = web.AppKey("upstream", Balancer)
 WRITER = web.AppKey("writer", LogWriter)
+# Every policy's registry (the alias's adapters), routing by the model asked for.
+POLICIES = web.AppKey("policies", Policies)
+# The default policy's registry (`--alias`): the one of a proxy that serves one policy.
 ADAPTERS = web.AppKey("adapters", AdapterRegistry)
 STATS = web.AppKey("stats", ProxyStats)
 TURNS = web.AppKey("turns", TurnCounter)

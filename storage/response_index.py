@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import mmap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import duckdb
@@ -173,38 +174,53 @@ def _from_files(
 
 
 def _in_live_logs(data_dir: Path, response_id: str) -> tuple[str | None, str | None] | None:
-    """The record in a log not compacted yet: the logs searched for the id's bytes, and
-    only the lines that hold them parsed."""
-    needle = json.dumps(response_id).encode()
+    """The record in a log not compacted yet (`live_completion`)."""
+
+    def answers(row: dict) -> bool:
+        response = row.get("response")
+        return isinstance(response, dict) and response.get("id") == response_id
+
+    row = live_completion(data_dir, response_id, answers)
+    return None if row is None else (_text(row.get("request")), _text(row["response"]))
+
+
+def live_completion(data_dir: Path, value: str, match: Callable[[dict], bool]) -> dict | None:
+    """The first of `live_completions`, or None (the search stops there)."""
+    rows = live_completions(data_dir, value, match)
+    try:
+        return next(rows, None)
+    finally:
+        rows.close()
+
+
+def live_completions(data_dir: Path, value: str, match: Callable[[dict], bool]) -> Iterator[dict]:
+    """The completion rows of the live logs that hold the JSON text `value` and that
+    `match` accepts: the logs searched for the value's bytes, and only the lines that hold
+    them parsed (a Responses id here, a rollout id in rollout_lookup.py)."""
+    needle = json.dumps(value).encode()
     for path in log_files(data_dir):
-        try:
+        try:  # rows are parsed copies: the map may close whenever the caller stops
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                found = _search(m, needle, response_id)
+                yield from _search(m, needle, match)
         except (FileNotFoundError, ValueError):  # compacted meanwhile; or empty (mmap)
             continue
-        if found is not None:
-            return found
-    return None
 
 
-def _search(m: mmap.mmap, needle: bytes, response_id: str) -> tuple[str | None, str | None] | None:
+def _search(m: mmap.mmap, needle: bytes, match: Callable[[dict], bool]) -> Iterator[dict]:
     at = m.find(needle)
     while at != -1:
         start = m.rfind(b"\n", 0, at) + 1
         end = m.find(b"\n", at)
         if end == -1:
-            return None  # a torn last line: never committed
+            return  # a torn last line: never committed
         try:
             entry = orjson.loads(m[start:end])
         except ValueError:
             entry = None
         row = entry.get("r") if isinstance(entry, dict) and entry.get("t") == "completions" else {}
-        response = row.get("response") if isinstance(row, dict) else None
-        if isinstance(response, dict) and response.get("id") == response_id:
-            request = row.get("request")
-            return _text(request), _text(response)
+        if isinstance(row, dict) and match(row):
+            yield row
         at = m.find(needle, end)
-    return None
 
 
 def _text(value: object) -> str | None:

@@ -48,7 +48,8 @@ async def drained(proxy) -> None:
             state["current"]["name"]
         }:
             served = await (await proxy.get("/v1/models")).json()
-            if len(served["data"]) <= 2:  # the base model and the current adapter
+            served = [m for m in served["data"] if m.get("owned_by") != "overnight"]
+            if len(served) <= 2:  # the base model and the current adapter (not the alias)
                 return
         await asyncio.sleep(0.05)
     raise AssertionError("the replaced adapter was never unloaded")

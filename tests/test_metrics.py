@@ -121,6 +121,7 @@ async def test_known_traffic_is_counted_with_its_labels_and_durations(
     assert info == [
         {
             "model_name": base,
+            "policy": "policy",
             "alias": "policy",
             "role": "served",
             "adapter": promoted,

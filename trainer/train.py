@@ -35,6 +35,7 @@ from .night.colocation import window as maintenance_window
 from .night.gate import Scorer, Verdict, run_gate, skipped
 from .night.gate_prompts import held_out_prompts
 from .night.plan import Plan, plan_run
+from .night.policy_scope import PolicyScope
 from .night.proxy_client import (
     admin_call,
     base_model_of,
@@ -102,30 +103,39 @@ def train(
     if parallel.rank != 0:
         say = _silent
     report = Report(config, parallel.rank, say)  # W&B, or nothing (run/wandb_run.py)
-    run_dir, saved = parallel.agree(this_run(data_dir, dry_run))
+    # The night's policy (config.policy; None: every group, as before policies): its own
+    # groups, its own interrupted run, its own selection record (policy_scope.py).
+    scope = PolicyScope.of(
+        config.policy, parallel.agree(serving_state(proxy_url, admin_token, config.policy))
+    )
+    run_dir, saved = parallel.agree(this_run(data_dir, dry_run, scope and scope.owns))
     only = saved.get("groups")  # a resumed run's groups
     say(f"run {run_dir.run_id}: " + _what_it_trains_on(only))
     started = time.time_ns() // 1000
     if promote and proxy_url and config.watch and parallel.rank == 0:
         watch_served(data_dir, proxy_url, admin_token, config, say)
-    state = parallel.agree(serving_state(proxy_url, admin_token))  # after the watch's rollback
+    # After the watch's rollback; of this night's policy (config.policy; None: the default).
+    state = parallel.agree(serving_state(proxy_url, admin_token, config.policy))
     base_model = config.base_model or (None if dry_run else _base_model(state))
     defaults = server_defaults(base_model, config.generation_config)  # vLLM's, where unsaid
     served_only = None if only is None else [g for g in only if not is_turn_group(g)]
     tokenizer = _tokenizer(base_model)
     plan = plan_run(
-        data_dir, config, settle_seconds, since, max_groups, served_only, tokenizer, defaults
-    )
+        data_dir, config, settle_seconds, since, max_groups, served_only, tokenizer, defaults,
+        scope=scope,
+    )  # fmt: skip
     # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
     # before the gate takes its prompts, so that it takes them from outside the plan.
     plan = add_turn_groups(
         data_dir, plan, config, since=since, max_groups=max_groups, only=only,
-        sampling_defaults=defaults,
+        sampling_defaults=defaults, scope=scope,
     )  # fmt: skip
     gate_prompts: list = []
     given: list[str] = []  # groups the gate took from the plan
     if promote and proxy_url and not dry_run and skipped(config, scorer) is None:
-        gate_prompts, gated = held_out_prompts(data_dir, plan, config.gate_prompts, only is None)
+        gate_prompts, gated = held_out_prompts(
+            data_dir, plan, config.gate_prompts, only is None, scope=scope
+        )
         given = [g for g in plan.groups if g not in set(gated.groups)]
         plan = gated
         say(f"gate: {len(gate_prompts)} held-out prompt(s), {len(given)} of them from groups "
@@ -146,7 +156,7 @@ def train(
         return result
     say(f"training on {base_model}, starting from {start_adapter or 'a fresh LoRA adapter'}")
     if parallel.rank == 0:
-        run_dir.begin(plan.groups, start_adapter)
+        run_dir.begin(plan.groups, start_adapter, config.policy)
     report.begin(run_dir.run_id, data_dir, config, base_model, start_adapter, plan, tokenizer,
                  judge, resumed=only is not None)  # fmt: skip
     adapter_dir = data_dir / "adapters" / run_dir.run_id
@@ -181,11 +191,15 @@ def train(
         if result.gate is not None:  # promote and proxy_url: the gate decided
             if result.gate.promote and config.canary:
                 # Live traffic decides: the next watch promotes or drops it (canary.py).
-                name = start_canary(proxy_url, admin_token, shared, config.canary, say)
+                name = start_canary(
+                    proxy_url, admin_token, shared, config.canary, say, config.policy
+                )
                 result.gate.reason += f"; serving it first as canary {name} to {config.canary:.0%}"
                 report.promotion(None, canary=name)
             elif result.gate.promote:
-                result.promoted_as = _promote_once(proxy_url, admin_token, shared, say)
+                result.promoted_as = _promote_once(
+                    proxy_url, admin_token, shared, say, config.policy
+                )
                 report.promotion(result.promoted_as)
         report.gate(result.gate)
         kill_point("promoting")
@@ -193,7 +207,7 @@ def train(
         if parallel.rank == 0:  # failed runs are recorded too: the report shows them
             error = f"{type(e).__name__}: {e}"
             record_run(data_dir, result, config, base_model, start_adapter, started, error)
-            say(f"report: {write_report(data_dir)}")
+            say(f"report: {_report(data_dir, config.policy)}")
         report.finish(result, error=f"{type(e).__name__}: {e}")
         raise
     # Recorded before the run is marked finished: a run killed in between is found
@@ -203,8 +217,8 @@ def train(
     run_dir.finish()
     report.finish(result)
     if promote and proxy_url and config.keep_adapters:
-        prune_adapters(proxy_url, admin_token, config.keep_adapters, say)
-    say(f"report: {write_report(data_dir)}")
+        prune_adapters(proxy_url, admin_token, config.keep_adapters, say, config.policy)
+    say(f"report: {_report(data_dir, config.policy)}")
     return result
 
 
@@ -225,7 +239,7 @@ def _gate(
     """The gate's verdict on the new adapter against the one served now; a resumed run
     whose adapter (`shared`: as the proxies name it) is served already passed it before
     it was interrupted."""
-    served = served_adapter(serving_state(proxy_url, token))
+    served = served_adapter(serving_state(proxy_url, token, config.policy))
     if served == shared:
         return Verdict(config.gate, True, "promoted before the run was interrupted")
     verdict = skipped(config, scorer) or run_gate(
@@ -240,16 +254,24 @@ def _gate(
 
 
 @traced("promotion", lambda name: {"promoted_as": name})
-def _promote_once(proxy_url: str, token: str | None, shared: str, say) -> str:
-    """Promote the adapter (`shared`: its path, or its upload with a bucket) unless the
-    proxy serves it already (a resumed run killed after its promotion); its name."""
-    current = serving_state(proxy_url, token).get("current") or {}
+def _promote_once(
+    proxy_url: str, token: str | None, shared: str, say, policy: str | None = None
+) -> str:
+    """Promote the adapter (`shared`: its path, or its upload with a bucket) to `policy`
+    unless the proxy serves it already (a resumed run killed after its promotion); its name."""
+    current = serving_state(proxy_url, token, policy).get("current") or {}
     if current.get("path") == shared:
         say(f"the proxy already serves it as {current['name']}")
         return current["name"]
-    promoted = promote_adapter(proxy_url, token, shared)
+    promoted = promote_adapter(proxy_url, token, shared, policy)
     say(f"promoted: the proxy now serves it as {promoted}")
     return promoted
+
+
+def _report(data_dir: Path, policy: str | None) -> Path:
+    """The whole report (every policy's runs), and the night's policy's own page: its path."""
+    whole = write_report(data_dir)
+    return whole if policy is None else write_report(data_dir, policy)
 
 
 def _what_it_trains_on(only: list[str] | None) -> str:

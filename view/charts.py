@@ -71,14 +71,25 @@ def line_chart(
     return f"<figure><figcaption>{html.escape(title)}</figcaption>{''.join(parts)}</figure>"
 
 
-def training_charts(con) -> list[str]:
-    """Reward over nightly runs, reward by serving adapter, the last run's loss."""
+def training_charts(con, policy: str | None = None) -> list[str]:
+    """Reward over nightly runs, reward by serving adapter, the last run's loss; of
+    `policy`'s runs and traffic only, when given."""
+    from overnight.view.display import RUN_POLICY
+
+    where, args = (f"WHERE {RUN_POLICY} = ?", [policy]) if policy is not None else ("", [])
     runs = con.execute(
-        "SELECT run_id, reward_mean, metrics FROM training_runs ORDER BY started_at"
+        f"SELECT run_id, reward_mean, metrics FROM training_runs {where} ORDER BY started_at",
+        args,
     ).fetchall()
+    own = (
+        "WHERE group_id IN (SELECT group_id FROM completions WHERE model_requested = ?) "
+        if policy is not None
+        else ""
+    )
     served = con.execute(
-        "SELECT models_served, avg(reward) FROM rollouts GROUP BY models_served "
-        "HAVING count(reward) > 0 ORDER BY min(started_at)"
+        f"SELECT models_served, avg(reward) FROM rollouts {own}GROUP BY models_served "
+        "HAVING count(reward) > 0 ORDER BY min(started_at)",
+        args,
     ).fetchall()
     nightly = [(i + 1, reward) for i, (_, reward, _) in enumerate(runs) if reward is not None]
     charts = [

@@ -77,13 +77,25 @@ def newest_groups(
     ).fetchall()
 
 
-def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -> str:
+def list_groups(
+    con: duckdb.DuckDBPyConnection, group: str | None, limit: int, policy: str | None = None
+) -> str:
+    """`overnight ls`: the newest groups (of those that asked for `policy`'s alias), each
+    with the model its turns asked for (the policy) and its rollouts."""
     columns = "group_id, rollouts, turns, tokens, mean_reward, finished, models_served, ended_at"
+    # A policy is the alias a group's turns asked for (`model_requested`).
+    where = ["group_id IN (SELECT group_id FROM completions WHERE model_requested = ?)"]
+    where, args = (where, [policy]) if policy is not None else ([], [])
     if group:
-        groups = con.execute(f"SELECT {columns} FROM groups WHERE group_id = ?", [group]).fetchall()
+        groups = con.execute(
+            f"SELECT {columns} FROM groups WHERE group_id = ? AND {' AND '.join(['TRUE', *where])}",
+            [group, *args],
+        ).fetchall()
     else:
-        groups = newest_groups(con, columns, "ended_at", limit)
+        groups = newest_groups(con, columns, "ended_at", limit, where, args)
     if not groups:
+        if policy is not None:
+            return f"no group asked for the policy {policy!r}" + (f" as {group!r}" if group else "")
         return "no records yet" if not group else f"no group {group!r}"
     # Counted on the turns: the `groups` view would aggregate every rollout to count them.
     total = con.execute(
@@ -93,6 +105,14 @@ def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -
     # One query for the rollouts of every shown group, not one per group: each query
     # aggregates the rewards and judgments again.
     by_group: dict[str, list[tuple]] = {g[0]: [] for g in groups}
+    asked = dict(
+        con.execute(
+            "SELECT group_id, string_agg(DISTINCT model_requested, ',' ORDER BY model_requested) "
+            f"FROM completions WHERE group_id IN ({','.join('?' * len(by_group))}) "
+            "GROUP BY group_id",
+            list(by_group),
+        ).fetchall()
+    )
     for row in con.execute(
         "SELECT group_id, rollout_id, turns, prompt_tokens, completion_tokens, reward, "
         "reward_source, judge_score, finished_at IS NOT NULL, models_served, errors FROM rollouts "
@@ -103,7 +123,8 @@ def list_groups(con: duckdb.DuckDBPyConnection, group: str | None, limit: int) -
     for g in groups:
         out.append(
             f"group {g[0]}: {g[1]} rollout(s), {g[2]} turn(s), {g[3]} tokens, "
-            f"mean reward {_cell(g[4])}, {g[5]} finished, served by {g[6]}"
+            f"mean reward {_cell(g[4])}, {g[5]} finished, asked for {asked.get(g[0]) or '-'}, "
+            f"served by {g[6]}"
         )
         rollouts = by_group[g[0]]
         table = _table(
@@ -280,46 +301,78 @@ def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
     return "\n".join(out)
 
 
-def adapter_events(data_dir: Path) -> list[dict]:
-    """Rollbacks and canary decisions with their reasons, from DATA/adapters.json: with a
-    bucket its `adapters.json` (a machine that never ran a proxy has no local copy), the
-    local copy when the bucket cannot be read."""
+def adapter_events(data_dir: Path, policy: str | None = None) -> list[dict]:
+    """Rollbacks and canary decisions with their reasons, each with its `policy`, from
+    every policy's promotion state (of `policy`'s only, when given): DATA/adapters.json
+    (with a bucket its `adapters.json`: a machine that never ran a proxy has no local
+    copy; the local copy when the bucket cannot be read) and DATA/policies/*/adapters.json
+    (proxy/adapters/promotions.py lays them out), oldest first."""
     text = None
     store = segment_store(data_dir)
     if store.remote:
         with contextlib.suppress(OSError):
             text, _ = conditional.get(store.fs, store.url, store.key("adapters.json"))
-    try:
-        text = text if text is not None else (Path(data_dir) / "adapters.json").read_bytes()
-        return list(json.loads(text).get("events", []))
-    except (OSError, ValueError):
-        return []
+    texts = [text] if text is not None else []
+    paths = [] if texts else [Path(data_dir) / "adapters.json"]
+    paths += sorted((Path(data_dir) / "policies").glob("*/adapters.json"))
+    for path in paths:
+        with contextlib.suppress(OSError):
+            texts.append(path.read_bytes())
+    events = []
+    for text in texts:
+        try:
+            state = json.loads(text)
+            alias = state.get("alias")
+            if policy is None or alias == policy:
+                events += [{**e, "policy": alias} for e in state.get("events", [])]
+        except (ValueError, AttributeError):
+            continue
+    return sorted(events, key=lambda e: str(e.get("at")))
 
 
-def list_runs(con: duckdb.DuckDBPyConnection, limit: int, events: Sequence[dict] = ()) -> str:
-    """`overnight runs`: the newest runs, with the gap between logged and recomputed
-    logprobs before each run's first update, and a note on the ones large enough to matter;
-    then the latest rollbacks and canary decisions (`events`, adapter_events) and why."""
+# A training run's policy (SQL on `training_runs`): in its metrics (and its config), not a
+# column of its own, so no schema change; a run from before policies says none ("").
+RUN_POLICY = (
+    "coalesce(json_extract_string(metrics, '$.policy'), "
+    "json_extract_string(config, '$.policy'), '')"
+)
+
+
+def list_runs(
+    con: duckdb.DuckDBPyConnection,
+    limit: int,
+    events: Sequence[dict] = (),
+    policy: str | None = None,
+) -> str:
+    """`overnight runs`: the newest runs (of `policy`, when given), each with its policy,
+    with the gap between logged and recomputed logprobs before each run's first update,
+    and a note on the ones large enough to matter; then the latest rollbacks and canary
+    decisions (`events`, adapter_events) and why."""
+    where, args = (f"WHERE {RUN_POLICY} = ?", [policy]) if policy is not None else ("", [])
     rows = con.execute(
         "SELECT run_id, status, len(groups), rollouts, steps, trained_tokens, reward_mean, "
         "max_logprob_gap, promoted_as, started_at, json_extract_string(metrics, '$.gate.verdict'), "
         "json_extract_string(metrics, '$.gate.reason'), "
         "json_extract_string(metrics, '$.logprob_gaps'), "
-        "CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE) FROM training_runs "
-        f"ORDER BY started_at DESC LIMIT {int(limit)}"
+        f"CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE), {RUN_POLICY} "
+        f"FROM training_runs {where} ORDER BY started_at DESC LIMIT {int(limit)}",
+        args,
     ).fetchall()
-    headers = ["run_id", "status", "groups", "rollouts", "steps", "trained_tokens"]
+    headers = ["run_id", "policy", "status", "groups", "rollouts", "steps", "trained_tokens"]
     headers += ["reward_mean", "logprob_gap", "stale_gap", "promoted_as", "started_at", "gate"]
     headers += ["asleep_s"]  # a colocated night's window: vLLM asleep, requests held
     shown = [
-        r[:7] + (_gap(r[7]), _number(stale_gap(r[12]))) + r[8:11] + (_number(r[13]),) for r in rows
-    ]
+        r[:1] + (r[14],) + r[1:7] + (_gap(r[7]), _number(stale_gap(r[12]))) + r[8:11]
+        + (_number(r[13]),)
+        for r in rows
+    ]  # fmt: skip
     out = _table(headers, shown) + f"\n({len(rows)} row(s))"
     # Why the gate refused (trainer/night/gate.py): the candidate stays on disk, unserved.
     out += "".join(f"\n{r[0]}: gate refused: {r[11]}" for r in rows if r[10] == "refused")
     shown_events = [e for e in events if e.get("action") != "promote"][-int(limit) :]
     out += "".join(
-        f"\n{e.get('at')}: {e.get('action')} {e.get('adapter')}, then served "
+        f"\n{e.get('at')}: {e.get('policy') or ''}{': ' if e.get('policy') else ''}"
+        f"{e.get('action')} {e.get('adapter')}, then served "
         f"{e.get('serves') or 'the base model'}: {e.get('reason') or 'no reason given'}"
         for e in reversed(shown_events)
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from overnight.config import LOGPROB_GAP_WARNING
 from overnight.storage import open_db
 from overnight.view.charts import training_charts
-from overnight.view.display import stale_gap
+from overnight.view.display import RUN_POLICY, stale_gap
 
 
 def _gap_cell(gap: float | None) -> str:
@@ -54,17 +54,21 @@ def _gate_section(runs: list[tuple]) -> str:
     )
 
 
-def write_report(data_dir: Path) -> Path:
+def write_report(data_dir: Path, policy: str | None = None) -> Path:
+    """reports/training.html: every run, each with its policy; with `policy`, that
+    policy's own page, reports/training-POLICY.html: its runs, its traffic's charts."""
+    where, args = (f"WHERE {RUN_POLICY} = ?", [policy]) if policy is not None else ("", [])
     con = open_db(data_dir)
     try:
         runs = con.execute(
-            "SELECT run_id, started_at, status, len(groups), rollouts, steps, reward_mean, promoted_as, "
-            "max_logprob_gap, json_extract(metrics, '$.logprob_gaps'), "
-            "json_extract(metrics, '$.gate') FROM training_runs ORDER BY started_at"
+            f"SELECT run_id, {RUN_POLICY}, started_at, status, len(groups), rollouts, steps, "
+            "reward_mean, promoted_as, max_logprob_gap, json_extract(metrics, '$.logprob_gaps'), "
+            f"json_extract(metrics, '$.gate') FROM training_runs {where} ORDER BY started_at",
+            args,
         ).fetchall()
         # (..., gap, stale gap, gate): the stale gap from the run's gaps by age.
         runs = [(*r[:-2], stale_gap(r[-2]), json.loads(r[-1]) if r[-1] else None) for r in runs]
-        charts = training_charts(con)
+        charts = training_charts(con, policy)
     finally:
         con.close()
     rows = "".join(
@@ -94,16 +98,18 @@ def write_report(data_dir: Path) -> Path:
             "or more old: drift, not a serving mismatch; trained with their importance ratios "
             "(--max-staleness 0 leaves them out).</p>"
         )
+    title = f" of the policy {html.escape(policy)}" if policy is not None else ""
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>overnight training</title>
 <style>body{{font:14px system-ui,sans-serif;margin:2em;max-width:1200px}}figure{{display:inline-block;margin:1em}}
 table{{border-collapse:collapse}}td,th{{border:1px solid #ddd;padding:4px 8px;text-align:right}}
 .warn{{color:#b00}}</style></head>
-<body><h1>overnight: training runs</h1>{"".join(charts)}
-<h2>Runs</h2><table><tr><th>run</th><th>started</th><th>status</th><th>groups</th><th>rollouts</th>
+<body><h1>overnight: training runs{title}</h1>{"".join(charts)}
+<h2>Runs</h2><table><tr><th>run</th><th>policy</th><th>started</th><th>status</th><th>groups</th><th>rollouts</th>
 <th>steps</th><th>reward mean</th><th>promoted as</th><th>logprob gap</th><th>stale gap</th><th>gate</th></tr>{rows}</table>
 {warning}{_gate_section(runs)}
 </body></html>"""
-    out = Path(data_dir) / "reports" / "training.html"
+    name = "training.html" if policy is None else f"training-{policy}.html"
+    out = Path(data_dir) / "reports" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
     return out

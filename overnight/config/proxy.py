@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .common import DEFAULT_DATA_DIR
+from .keys import PolicyToken, ScopedKey, check_keys, parse_keys, policy_names
 
 _ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -54,6 +55,17 @@ class ProxyConfig:
     )
     # The stable model name agents ask for.
     alias: str = field(default="policy", metadata={"help": "Model name that follows promotions."})
+    # More aliases, each a policy of its own (its own promotion stack, canary and nights;
+    # proxy/adapters/policies.py). The alias above is always one and the default: an
+    # admin request without `?policy=` and DATA/adapters.json are its.
+    policies: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "Another alias served as a policy of its own: its own adapter, promotions "
+            "and nights (repeatable; --alias stays the default policy).",
+            "flag": "--policy",
+        },
+    )
     # `Authorization: Bearer KEY`; empty means no client auth.
     api_keys: tuple[str, ...] = field(
         default=(),
@@ -69,6 +81,29 @@ class ProxyConfig:
             "help": "Token for /admin/ (else loopback only; env OVERNIGHT_ADMIN_TOKEN).",
             "envvar": "OVERNIGHT_ADMIN_TOKEN",
         },
+    )
+    # Scoped client keys and per-policy admin tokens (overnight/config/keys.py): a TOML
+    # file of its own, since a list of tables cannot be a command-line option. The field
+    # holds the file's text until __post_init__ parses it into `keys` and `policy_tokens`.
+    keys_toml: str = field(
+        default="",
+        metadata={
+            "help": "TOML file of scoped client keys ([[key]]: name, sha256 or key_env, "
+            "policies, models, group_prefixes, rate, burst, concurrency) and per-policy admin "
+            "tokens ([[admin]]: name, policy, sha256 or key_env).",
+            "name": "keys_file",
+            "flag": "--keys-file",
+            "file": True,
+            "envvar": "OVERNIGHT_KEYS_FILE",
+        },
+    )
+    keys: tuple[ScopedKey, ...] = field(
+        default=(),
+        metadata={"help": "Scoped client keys (from --keys-file).", "flag": None},
+    )
+    policy_tokens: tuple[PolicyToken, ...] = field(
+        default=(),
+        metadata={"help": "Per-policy admin tokens (from --keys-file).", "flag": None},
     )
     # Prometheus (proxy/observe/metrics.py): bounded labels, no prompt, key or id, so open
     # like /health unless a scraper's token is set; the admin token is never required
@@ -290,6 +325,7 @@ class ProxyConfig:
             raise ConfigError(
                 f"alias must be 1-64 characters of [A-Za-z0-9._-], got {self.alias!r}"
             )
+        self._check_policies()
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         for name in (
@@ -317,6 +353,29 @@ class ProxyConfig:
             raise ConfigError("metrics_token must not be empty (unset: /metrics is open)")
         if any(not k for k in self.api_keys):
             raise ConfigError("api keys must not be empty")
+        if self.keys_toml:  # parsed once: dataclasses.replace() must not add them again
+            keys, tokens = parse_keys(self.keys_toml)
+            object.__setattr__(self, "keys", (*self.keys, *keys))
+            object.__setattr__(self, "policy_tokens", (*self.policy_tokens, *tokens))
+            object.__setattr__(self, "keys_toml", "")
+        check_keys(self.keys, self.policy_tokens, self.api_keys, policy_names(self))
+
+    @property
+    def policy_names(self) -> tuple[str, ...]:
+        """Every policy the proxy serves, the default (`alias`) first."""
+        return (self.alias, *(p for p in self.policies if p != self.alias))
+
+    def _check_policies(self) -> None:
+        """`policies` as a tuple of valid names (they name a folder: DATA/policies/NAME)."""
+        names = (self.policies,) if isinstance(self.policies, str) else tuple(self.policies)
+        for name in names:
+            if not isinstance(name, str) or not _ALIAS.fullmatch(name) or name in (".", ".."):
+                raise ConfigError(
+                    f"a policy name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}"
+                )
+        if len(set(names)) != len(names):
+            raise ConfigError(f"a policy is given twice: {list(names)}")
+        object.__setattr__(self, "policies", names)
 
     def _check_upstreams(self) -> None:
         """`upstreams` normalised (one URL given as text is a tuple of one), `upstream` its first."""

@@ -241,6 +241,18 @@ class TrainConfig:
             "rollouts first (sticky per rollout); the watch promotes or drops it on live rewards."
         },
     )
+    # The proxy's policies (proxy/adapters/policies.py): a night trains one, on its own
+    # groups (trainer/night/policy_scope.py), from its served adapter, to it. Unset in
+    # `overnight train`: each policy the proxy serves, one run after another. Kept in the
+    # run's `config` JSON: its row says its policy without a schema change.
+    policy: str | None = field(
+        default=None,
+        metadata={
+            "help": "Train (watch, promote) this policy only: the groups that asked for its "
+            "alias, from its served adapter [default: every policy the proxy serves, each "
+            "its own run]."
+        },
+    )
     # auto: sleep vLLM while training when the proxy launched it on this machine (its
     # GPU) with sleep routes and the trainer uses a GPU (trainer/night/colocation.py).
     colocate: str = field(

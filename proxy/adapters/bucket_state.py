@@ -58,11 +58,13 @@ class StateUnreachable(AdapterError):
 class BucketState:
     remote = True
 
-    def __init__(self, store: SegmentStore, mirror: Path):
+    def __init__(self, store: SegmentStore, mirror: Path, name: str | None = None):
         self.store = store
         self.url = store.url or ""
         self.path = Path(mirror)  # the local copy; what log lines name
-        self.key = store.key(self.path.name)
+        # Its name under the prefix: adapters.json, or a policy's policies/NAME/adapters.json.
+        self.name = name or self.path.name
+        self.key = store.key(self.name)
         self.lock_key = f"{self.key}.lock"
         self._seen: str | None = ABSENT  # the ETag the last read saw, for write's If-Match
         self._seen_version = 0
@@ -93,7 +95,7 @@ class BucketState:
         if data is None:
             self._seen, self._seen_version = ABSENT, 0
             return {}
-        state = parse_state(data, f"{self.url}/{self.path.name}")
+        state = parse_state(data, f"{self.url}/{self.name}")
         self._seen, self._seen_version = tag, state["version"]
         self._mirror(state)
         return state

@@ -3,8 +3,10 @@ offline rollback, for the registry (registry.py) and for the CLI when no proxy r
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,15 +17,61 @@ from .lora_client import AdapterError
 from .state_file import StateFile
 
 EVENTS_KEPT = 200  # promotions, rollbacks and canary decisions kept in adapters.json
+STATE_FILE = "adapters.json"
+POLICIES_DIR = "policies"  # DATA/policies/NAME/adapters.json: a policy but the default's
 
 
-def open_state(path: Path) -> StateFile | BucketState:
-    """The promotion state at `path` (DATA/adapters.json): that file, or, when the data
-    directory's segments are in a bucket, the bucket's `adapters.json`."""
-    store = segment_store(Path(path).parent)
+def state_path(data_dir: Path, policy: str, default: str) -> Path:
+    """Where `policy`'s promotion state lives: the default policy's is DATA/adapters.json
+    (so a data directory of one alias reads as it, unchanged), any other's its own file."""
+    if policy == default:
+        return Path(data_dir) / STATE_FILE
+    return Path(data_dir) / POLICIES_DIR / policy / STATE_FILE
+
+
+def offline_state_path(data_dir: Path, policy: str | None) -> Path:
+    """The state file of `policy` when no proxy runs to say which policy is the default:
+    the one whose state names it as its alias (None: DATA/adapters.json, as before)."""
+    if policy is None:
+        return Path(data_dir) / STATE_FILE
+    for path in policy_state_paths(data_dir):
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(path.read_text()).get("alias") == policy:
+                return path
+    raise AdapterError(
+        f"no promotion state of a policy {policy!r} in {data_dir}: nothing was ever "
+        "promoted to it here (the policies with one: "
+        f"{', '.join(_aliases(data_dir)) or 'none'})",
+        status=404,
+    )
+
+
+def _aliases(data_dir: Path) -> list[str]:
+    out = []
+    for path in policy_state_paths(data_dir):
+        with contextlib.suppress(OSError, ValueError):
+            out.append(str(json.loads(path.read_text()).get("alias")))
+    return out
+
+
+def policy_state_paths(data_dir: Path) -> list[Path]:
+    """Every promotion state on disk in `data_dir` (the default policy's first), whichever
+    policies a proxy serves now: what an offline prune must keep the adapters of."""
+    data_dir = Path(data_dir)
+    others = sorted((data_dir / POLICIES_DIR).glob(f"*/{STATE_FILE}"))
+    return [data_dir / STATE_FILE, *others]
+
+
+def open_state(path: Path, data_dir: Path | None = None) -> StateFile | BucketState:
+    """The promotion state at `path` (DATA/adapters.json, or a policy's
+    DATA/policies/NAME/adapters.json: then `data_dir` says where DATA is): that file, or,
+    when the data directory's segments are in a bucket, the same name in the bucket."""
+    path = Path(path)
+    data_dir = path.parent if data_dir is None else Path(data_dir)
+    store = segment_store(data_dir)
     if not store.remote:
         return StateFile(path)
-    return BucketState(store, path)
+    return BucketState(store, path, path.relative_to(data_dir).as_posix())
 
 
 @dataclass(frozen=True)
@@ -80,15 +128,18 @@ def in_canary(key: str, fraction: float) -> bool:
 class Route:
     served: str  # model name sent upstream
     version: int | None  # adapter version, None for the base model or a pass-through
+    policy: str | None = None  # the alias asked for; None: a pass-through
 
 
-def rollback_on_disk(state_path: Path, why: str = "") -> Adapter | None:
+def rollback_on_disk(
+    state_path: Path, why: str = "", data_dir: Path | None = None
+) -> Adapter | None:
     """The rollback for when no proxy runs on this data directory: drop the newest
     promotion from `adapters.json` (in the bucket, with `--data s3://...`), so the next
     `overnight serve` restores the one before it (or serves the base model). Returns
     what will serve. (A proxy that does run follows the change too, loading that adapter
-    again.)"""
-    shared = open_state(state_path)
+    again.) `data_dir`: DATA, for a policy's state below it (DATA/policies/NAME)."""
+    shared = open_state(state_path, data_dir)
     with shared.locked_blocking():
         state = shared.read()
         if not state:

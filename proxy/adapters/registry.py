@@ -125,20 +125,28 @@ class AdapterRegistry(Serving):
             )
             return now
 
-    async def prune(self, keep: int, dry_run: bool) -> retention.Pruned:
+    async def prune(
+        self, keep: int, dry_run: bool, others: tuple[AdapterRegistry, ...] = ()
+    ) -> retention.Pruned:
         """Delete the adapters neither served, a canary, one of the previous `keep` of the
         stack, nor loaded anywhere (retention.py); with `dry_run`, only say which. Under
-        the promotion locks: no promotion picks an adapter while it goes."""
-        async with self._lock, self.shared.locked():
-            self._adopt(await self._io(self.shared.read))
-            state = await self._io(self.shared.read)
+        the promotion locks: no promotion picks an adapter while it goes. `others`: the
+        other policies' registries (policies.py), whose adapters are kept alike; their
+        locks are taken too, always in the same order."""
+        async with contextlib.AsyncExitStack() as locks:
+            states: list[dict] = []
             loaded = {n for r in self.balancer.replicas for n in r.served}
-            loaded |= set(self.in_flight) | {
-                n for names in self.flight.marks.elsewhere().values() for n in names
-            }
-            data_dir = self.state_path.parent
+            for registry in (self, *others):
+                await locks.enter_async_context(registry._lock)
+                await locks.enter_async_context(registry.shared.locked())
+                registry._adopt(await registry._io(registry.shared.read))
+                states.append(await registry._io(registry.shared.read))
+                loaded |= set(registry.in_flight) | {
+                    n for names in registry.flight.marks.elsewhere().values() for n in names
+                }
+            data_dir = self.data_dir
             store = segment_store(data_dir)
-            pruned = await asyncio.to_thread(retention.plan, data_dir, store, state, keep, loaded)
+            pruned = await asyncio.to_thread(retention.plan, data_dir, store, states, keep, loaded)
             if not dry_run:
                 await asyncio.to_thread(retention.delete, data_dir, store, pruned)
             return pruned

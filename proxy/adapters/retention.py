@@ -18,6 +18,7 @@ shared state's, so no promotion can pick an adapter while it goes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -76,9 +77,14 @@ def kept_adapters(state: dict, keep: int, loaded: set[str]) -> dict[str, str]:
     return why
 
 
-def plan(data_dir: Path, store: SegmentStore, state: dict, keep: int, loaded: set[str]) -> Pruned:
-    """What `delete` would delete (nothing is touched)."""
-    why = kept_adapters(state, keep, loaded)
+def plan(
+    data_dir: Path, store: SegmentStore, states: list[dict], keep: int, loaded: set[str]
+) -> Pruned:
+    """What `delete` would delete (nothing is touched). `states`: every policy's promotion
+    state (adapters are the data directory's: one policy's prune keeps the others')."""
+    why: dict[str, str] = {}
+    for state in states:
+        why = {**kept_adapters(state, keep, loaded), **why}
     out = Pruned(keep)
     nights = sorted((data_dir / ADAPTERS_DIR).glob("*"), key=lambda p: p.name)
     nights = [p for p in nights if p.is_dir() and not p.name.startswith(".")]
@@ -149,7 +155,7 @@ def prune_offline(data_dir: Path, keep: int, dry_run: bool) -> Pruned:
     down). With a bucket another machine's proxy may be promoting: refused."""
     from overnight.errors import OvernightError
 
-    from .promotions import open_state
+    from .promotions import open_state, policy_state_paths
 
     store = segment_store(data_dir)
     if store.url is not None:
@@ -158,7 +164,10 @@ def prune_offline(data_dir: Path, keep: int, dry_run: bool) -> Pruned:
             "machine's proxy may be loading one",
             status=409,
         )
-    state_file = open_state(data_dir / "adapters.json")
-    with state_file.locked_blocking():
-        pruned = plan(data_dir, store, state_file.read(), keep, set())
+    files = [open_state(path, data_dir) for path in policy_state_paths(data_dir)]
+    with contextlib.ExitStack() as locks:
+        for state_file in files:
+            locks.enter_context(state_file.locked_blocking())
+        states = [state_file.read() for state_file in files]
+        pruned = plan(data_dir, store, states, keep, set())
         return pruned if dry_run else delete(data_dir, store, pruned)

@@ -45,10 +45,13 @@ class Serving:
         base_model: str | None = None,
         check_interval: float = 10.0,
         follow_interval: float = 1.0,
+        data_dir: Path | None = None,
     ):
         self.alias = alias
         self.state_path = Path(state_path)
-        self.shared = open_state(state_path)
+        # DATA; a policy other than the default keeps its state below it (policies.py).
+        self.data_dir = self.state_path.parent if data_dir is None else Path(data_dir)
+        self.shared = open_state(state_path, self.data_dir)
         self.files = AdapterFiles.of(self.shared)  # where replicas load an adapter from
         self.balancer = balancer
         self.lora = LoraClient(session_headers)
@@ -74,6 +77,9 @@ class Serving:
         self.follow_interval = follow_interval
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
+        # The registries sharing these replicas (one per policy, policies.py): a replica
+        # is live only once it serves what each of them serves.
+        self.siblings: list[Serving] = [self]
         balancer.on_down = lambda _replica: self._wake.set()
         self._stamp, state = self.shared.initial()
         self._take(state)
@@ -99,11 +105,11 @@ class Serving:
         if requested == self.alias:
             current, canary = self.current, self.canary
             if canary is not None and key is not None and in_canary(key, self.canary_fraction):
-                route = Route(canary.name, canary.version)
+                route = Route(canary.name, canary.version, requested)
             elif current is not None:
-                route = Route(current.name, current.version)
+                route = Route(current.name, current.version, requested)
             else:
-                route = Route(self.base_model or requested, None)
+                route = Route(self.base_model or requested, None, requested)
         else:
             route = Route(requested or self.base_model or "", None)
         self.flight.add(route.served)
@@ -219,9 +225,9 @@ class Serving:
         return {a.name for a in (self.current, self.canary) if a is not None}
 
     def _mark_synced(self) -> None:
-        current = self.current
+        served = [s.current.name for s in self.siblings if s.current is not None]
         for r in self.balancer.replicas:
-            r.synced = current is None or current.name in r.served
+            r.synced = all(name in r.served for name in served)
         self.balancer.refresh()
 
     # -- onto the replicas and off them ------------------------------------------------

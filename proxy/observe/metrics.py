@@ -12,7 +12,7 @@ was written (`observe`: a few cached series, nothing on the forwarding path); th
 the proxy keeps already (writer, shadow sampler, uncaptured paths) are copied by `sync` at
 each scrape (and every SYNC_SECONDS in each worker under `--workers N`); what every worker
 sees alike (the alias, the training runs in the data directory) is collected at scrape time
-by the worker answering (`Shared`).
+by the worker answering (`Shared`, shared.py).
 
 Labels are bounded: a model name counts as itself only when the proxy knows it (the alias,
 the base model, a promoted adapter), else as "other"; no rollout, group or request id is a
@@ -28,7 +28,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,27 +41,24 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.aiohttp import make_aiohttp_handler
-from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from overnight.errors import OvernightError
-from overnight.proxy.adapters.registry import AdapterRegistry
+from overnight.proxy.adapters.policies import Policies
 from overnight.proxy.capture.redact import REDACTOR
 from overnight.proxy.capture.state import Capture
 from overnight.proxy.capture.uncaptured import UNCAPTURED
 from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import WRITER
 from overnight.storage import now_us
-from overnight.storage.runs import RunsCache, RunsSummary
+
+from .shared import Shared
 
 log = logging.getLogger("overnight.proxy")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # How stale another worker's copied counts may be in a scrape under --workers N.
 SYNC_SECONDS = 5.0
-# The training runs are read again at most this often (a scrape comes every 15 s or so;
-# a night ends once a day).
-RUNS_SECONDS = 30.0
 
 # OpenTelemetry GenAI semantic conventions' buckets: gen_ai.client.operation.duration
 # and gen_ai.server.time_to_first_token (seconds).
@@ -146,7 +143,7 @@ class _Children:
 class Metrics:
     """The proxy's collectors on their own registry, and the `/metrics` handler."""
 
-    def __init__(self, app: web.Application, adapters: AdapterRegistry, data_dir) -> None:
+    def __init__(self, app: web.Application, adapters: Policies, data_dir) -> None:
         self.app = app
         self.adapters = adapters
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
@@ -237,16 +234,16 @@ class Metrics:
 
     def label_of(self, model: str | None) -> str:
         """A client's model name as a label: itself when the proxy knows it, else "other"."""
-        adapters = self.adapters
-        key = (adapters.version, adapters.base_model, len(adapters.history))
+        registries = self.adapters.registries  # one per policy: each alias is known
+        key = tuple((r.version, r.base_model, len(r.history)) for r in registries)
         if key != self._known_key:
-            names = {a.name for a in adapters.history}
-            names |= {adapters.alias, adapters.base_model or ""}
+            names = {a.name for r in registries for a in r.history}
+            names |= {n for r in registries for n in (r.alias, r.base_model or "")}
             self._known, self._known_key = frozenset(names - {""}), key
         return model if model in self._known else OTHER
 
     def model_name(self) -> str:
-        return self.adapters.base_model or ""
+        return self.adapters.get(None).base_model or ""
 
     def observe(self, capture: Capture, started_us: int) -> None:
         """One finished completion, after its answer was written (agent_api._record)."""
@@ -375,70 +372,6 @@ class Metrics:
                 self.sync()
             except Exception:
                 log.exception("metrics: could not copy the proxy's counts")
-
-
-class Shared:
-    """What every worker sees alike, collected by the one answering the scrape: the
-    adapter behind the alias (and a canary), the last training runs."""
-
-    def __init__(self, adapters: AdapterRegistry, data_dir):
-        self.adapters = adapters
-        self.runs = RunsCache(data_dir, RUNS_SECONDS)  # read before each scrape (handle)
-        self.summary: RunsSummary | None = None
-
-    def describe(self) -> Iterable[Metric]:
-        return []  # collected at scrape time only (nothing to check at registration)
-
-    def collect(self) -> Iterable[Metric]:
-        adapters = self.adapters
-        info = GaugeMetricFamily(
-            "overnight_adapter_info",
-            "1 for what the alias serves: role served (or canary), the adapter's name and "
-            "version (adapter empty, version 0: the base model).",
-            labels=["model_name", "alias", "role", "adapter", "version"],
-        )
-        for role, adapter in (("served", adapters.current), ("canary", adapters.canary)):
-            if adapter is not None or role == "served":
-                name, version = (adapter.name, adapter.version) if adapter else ("", 0)
-                labels = [adapters.base_model or "", adapters.alias, role, name, str(version)]
-                info.add_metric(labels, 1)
-        yield info
-        yield from self._runs()
-
-    def _runs(self) -> Iterable[Metric]:
-        summary = self.summary
-        if summary is None:
-            return
-        counts = GaugeMetricFamily(
-            "overnight_training_runs",
-            "Training runs in the data directory, by status (trained, failed).",
-            labels=["status"],
-        )
-        for status, n in sorted(summary.counts.items()):
-            counts.add_metric([status], n)
-        yield counts
-        last = summary.last
-        if last is None:
-            return
-        info = GaugeMetricFamily(
-            "overnight_last_training_run_info",
-            "1 for the newest training run: its status (trained, failed) and whether its "
-            "adapter was promoted.",
-            labels=["status", "promoted"],
-        )
-        info.add_metric([last.status, "true" if last.promoted else "false"], 1)
-        yield info
-        yield GaugeMetricFamily(
-            "overnight_last_training_run_end_timestamp_seconds",
-            "When the newest training run ended (Unix time), whatever its status.",
-            value=last.ended_at,
-        )
-        if summary.last_trained_at is not None:
-            yield GaugeMetricFamily(
-                "overnight_last_successful_training_run_end_timestamp_seconds",
-                "When the newest run that trained ended (Unix time): alert on its age.",
-                value=summary.last_trained_at,
-            )
 
 
 METRICS = web.AppKey("metrics", Metrics)

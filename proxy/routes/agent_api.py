@@ -42,9 +42,10 @@ from overnight.proxy.forward.jsonio import read_json_object
 from overnight.proxy.observe.metrics import METRICS
 from overnight.proxy.observe.tracing import TRACING
 from overnight.proxy.shadow.sampler import SHADOW
-from overnight.proxy.state import ADAPTERS, MAINTENANCE, STATS, TURNS, WRITER
+from overnight.proxy.state import MAINTENANCE, POLICIES, STATS, TURNS, WRITER
 from overnight.storage import now_us
 
+from .keys import check_completion, check_rollout, remember
 from .relay import CLIENT_LEFT_EARLY, forward, passthrough
 
 log = logging.getLogger("overnight.proxy")
@@ -109,16 +110,18 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         check_fields(body)
         group, rollout = request.match_info.get("group"), request.match_info.get("rollout")
         who = attribute(request.headers, group, rollout, body)
+        check_completion(request, body.get("model"), who)  # a scoped key's policies, groups
     except OvernightError as e:  # refused before anything was forwarded: counted here
         metrics = app.get(METRICS)
         if metrics is not None:
             metrics.refused(endpoint, e)
         raise
-    adapters = app[ADAPTERS]
+    adapters = app[POLICIES]  # the requested alias's policy, or a pass-through
     # A canary takes a sticky share of the alias: keyed by the rollout (or its group).
     route = adapters.route(body.get("model"), who.rollout_id or who.group_id)
     stream = lax_bool(body.get("stream")) is True  # as vLLM reads it
     capture = Capture(endpoint, stream, request_body=body, route=route)
+    remember(request, who, capture.request_id, body.get("model"))  # for scoped rewards
     tracing = app.get(TRACING)  # absent unless tracing is on: then no span at all
     if tracing is not None:
         tracing.start(request, capture, who, started)
@@ -233,6 +236,7 @@ async def prefixed(request: web.Request) -> web.StreamResponse:
 
 async def post_reward(request: web.Request) -> web.Response:
     rollout_id = request.match_info["rollout_id"]
+    await check_rollout(request, rollout_id)  # a scoped key: its policies' rollouts only
     reward, metrics = parse_reward(await read_json_object(request))
     writer = request.app[WRITER]
     row = reward_row(rollout_id, reward, metrics, writer.writer_id)
@@ -242,6 +246,7 @@ async def post_reward(request: web.Request) -> web.Response:
 
 async def post_finish(request: web.Request) -> web.Response:
     rollout_id = request.match_info["rollout_id"]
+    await check_rollout(request, rollout_id)
     if request.body_exists:
         await read_json_object(request)  # must be JSON if present; nothing in it is used
     writer = request.app[WRITER]

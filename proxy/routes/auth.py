@@ -1,12 +1,15 @@
 """Who may call what, and the one middleware that enforces it and shapes errors.
 
 - `/v1/...` and the rollout routes: a client API key (`Authorization: Bearer`) when any
-  are configured; `/health` never needs one.
+  are configured, plain or scoped (keys.py: its policies, groups and limits); `/health`
+  never needs one.
 - `/metrics`: open like `/health` (bounded labels: no prompt, key or id), or the metrics
   token when one is set (a scraper's own; the admin token is accepted too).
 - `/admin/...` and the web view at `/ui`: the admin token when one is set, else
   loopback clients only. A browser brings the token once as `/ui?token=`, which the
   view turns into a cookie; the cookie (or a bearer header) carries it from then on.
+  A per-policy admin token (the keys file's `[[admin]]`) may read, promote and roll back
+  the adapters of its policy (`?policy=`, absent: the default one) and nothing else.
 
 Secrets are compared with `hmac.compare_digest`, so an answer's timing says nothing
 about how much of a guess was right. The web view's cookie holds a random session id
@@ -22,6 +25,7 @@ cross-site form can send text/plain, never application/json, without asking firs
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -35,9 +39,12 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from overnight.config import ProxyConfig
+from overnight.config.keys import policy_names
 from overnight.errors import OvernightError
 from overnight.storage import new_id
 from overnight.view.web import COOKIE as VIEW_COOKIE
+
+from .keys import KEY, KeyRing, check_path
 
 log = logging.getLogger("overnight.proxy")
 
@@ -51,6 +58,15 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 SESSION_SECONDS = 12 * 3600
 MAX_SESSIONS = 1024
+# What a per-policy admin token may do, on its own policy only.
+POLICY_ADMIN = frozenset(
+    {
+        ("GET", "/admin/adapters"),
+        ("HEAD", "/admin/adapters"),
+        ("POST", "/admin/adapters/promote"),
+        ("POST", "/admin/adapters/rollback"),
+    }
+)
 
 
 def bearer(request: web.Request) -> str | None:
@@ -74,8 +90,10 @@ def _secret(text: str) -> bytes:
 class Access:
     """The proxy's keys, encoded once; `check` raises unless the request may pass."""
 
-    def __init__(self, config: ProxyConfig):
-        self.api_keys = tuple(_secret(k) for k in config.api_keys)
+    def __init__(self, config: ProxyConfig, keys: KeyRing | None = None):
+        self.keys = KeyRing(config) if keys is None else keys
+        self.policy_tokens = tuple((bytes.fromhex(t.sha256), t) for t in config.policy_tokens)
+        self.default_policy = policy_names(config)[0]
         self.admin_token = None if config.admin_token is None else _secret(config.admin_token)
         self.metrics_token = None if config.metrics_token is None else _secret(config.metrics_token)
         self.sessions: OrderedDict[str, float] = OrderedDict()  # web view: id -> expiry
@@ -87,13 +105,20 @@ class Access:
         if path == "/metrics":
             self._check_metrics(request)
             return False
-        if self.api_keys and path != "/health" and not self._is_api_key(bearer(request)):
-            raise OvernightError("missing or incorrect API key", status=401, code="invalid_api_key")
+        if self.keys.required and path != "/health":
+            matched, scoped = self.keys.match(bearer(request))
+            if not matched:
+                raise OvernightError(
+                    "missing or incorrect API key", status=401, code="invalid_api_key"
+                )
+            if scoped is not None:
+                check_path(request, scoped, path)
+                request[KEY] = scoped  # the handlers scope by it; the guard limits it
         return False
 
     def _check_admin(self, request: web.Request, path: str) -> bool:
         if self.admin_token is None:
-            if not is_loopback(request.remote):
+            if not is_loopback(request.remote) and not self._policy_admin(request, path):
                 raise OvernightError(
                     "the admin API and web view answer loopback clients only unless an admin token is set",
                     status=403,
@@ -108,10 +133,35 @@ class Access:
             if token is not None and self._is_admin_token(token):
                 return True
         if token is None or not self._is_admin_token(token):
+            if self._policy_admin(request, path):
+                return False
             raise OvernightError(
                 "missing or wrong admin token", status=401, code="invalid_admin_token"
             )
         return False
+
+    def _policy_admin(self, request: web.Request, path: str) -> bool:
+        """True when the bearer is a per-policy admin token and the request is one it may
+        make; 403 when it is one and the request is not; False when it is none."""
+        token = bearer(request)
+        if token is None or not self.policy_tokens:
+            return False
+        digest = hashlib.sha256(_secret(token)).digest()
+        found = None
+        for key, spec in self.policy_tokens:  # every one compared, as for client keys
+            if hmac.compare_digest(digest, key):
+                found = spec
+        if found is None:
+            return False
+        asked = request.query.getall("policy", [self.default_policy])
+        if (request.method, path) in POLICY_ADMIN and asked == [found.policy]:
+            return True
+        raise OvernightError(
+            f"admin token {found.name!r} may read, promote and roll back the adapters of "
+            f"policy {found.policy!r} only (?policy={found.policy})",
+            status=403,
+            code="admin_forbidden",
+        )
 
     def _check_metrics(self, request: web.Request) -> None:
         token = bearer(request)
@@ -148,15 +198,6 @@ class Access:
             secure=request.secure or None,
             max_age=SESSION_SECONDS,
         )
-
-    def _is_api_key(self, token: str | None) -> bool:
-        if token is None:
-            return False
-        given = _secret(token)
-        matched = False
-        for key in self.api_keys:  # every key compared: the time does not say which matched
-            matched |= hmac.compare_digest(given, key)
-        return matched
 
 
 class Hosts:
@@ -202,7 +243,7 @@ def rebindable(config: ProxyConfig) -> tuple[str, ...]:
     admin API and /ui with no admin token (loopback is trusted), rewards and finishes
     with no API keys. With a token or keys a rebound page has nothing to send: browsers
     attach neither a bearer token nor, to evil.example, the view's cookie."""
-    no_token, no_keys = config.admin_token is None, not config.api_keys
+    no_token, no_keys = config.admin_token is None, not (config.api_keys or config.keys)
     return tuple(
         p
         for p, ambient in zip(BROWSER_GUARDED, (no_token, no_token, no_keys), strict=True)
@@ -257,20 +298,23 @@ def _is_json_type(content_type: str) -> bool:
 
 
 def error_response(exc: OvernightError) -> web.Response:
-    retry_after = getattr(exc, "retry_after", None)  # a 503 during maintenance, say
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return web.json_response(exc.body(), status=exc.status, headers=headers)
+    retry_after = getattr(exc, "retry_after", None)  # a 503 during maintenance, a 429
+    headers = dict(getattr(exc, "headers", None) or {})  # a 429's x-ratelimit-*
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return web.json_response(exc.body(), status=exc.status, headers=headers or None)
 
 
-def make_guard(config: ProxyConfig):
+def make_guard(config: ProxyConfig, keys: KeyRing | None = None):
     """The app's middleware: authenticate, refuse cross-site requests, and turn every
     error the proxy makes into OpenAI-shaped JSON, unexpected ones included.
 
     One middleware rather than two: each layer costs a coroutine per request. A closure
     over the config: no app lookup per request, and it serves the web view's
     sub-application too, whose own `request.app` holds none of the proxy's keys.
+    `keys`: the app's KeyRing (its counts are /admin/stats'); else one of its own.
     """
-    access = Access(config)
+    access = Access(config, keys)
     hosts = Hosts(config.allowed_hosts)
     rebind = rebindable(config)
     too_large = f"request body is larger than the limit of {config.max_body_bytes} bytes"
@@ -281,7 +325,15 @@ def make_guard(config: ProxyConfig):
             path = request.path
             new_session = access.check(request, path)
             check_browser(request, path, hosts, rebind)
-            response = await handler(request)
+            key = request.get(KEY)
+            if key is None:
+                response = await handler(request)
+            else:  # a scoped key: its rate and concurrency (keys.py)
+                key.admit(request)
+                try:
+                    response = await handler(request)
+                finally:
+                    key.leave()
             if new_session:
                 access.open_session(request, response)
             return response

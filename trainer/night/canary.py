@@ -32,7 +32,7 @@ from overnight.errors import OvernightError
 from overnight.telemetry import traced
 
 from .gate import CONFIDENCE, bootstrap_means, margin_for, passes
-from .live import live_rewards, rewards_of
+from .live import live_rewards, policy_of, rewards_of
 from .proxy_client import admin_call, serving_state
 
 
@@ -63,7 +63,7 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> CanaryVerdict:
         return CanaryVerdict(None, served, reason="no canary runs")
     by_name = {a["name"]: a for a in state.get("adapters") or []}
     since = by_name.get(canary["name"], {}).get("promoted_at")
-    by_served = live_rewards(data_dir, config.reward_sources, since)
+    by_served = live_rewards(data_dir, config.reward_sources, since, policy_of(state))
     new = by_served.get(canary["name"], [])
     old = rewards_of(state, current["path"] if current else None, by_served)
     verdict = CanaryVerdict(canary["name"], served, "wait", len(new), len(old))
@@ -100,7 +100,7 @@ def settle(
     act: bool = True,
 ) -> CanaryVerdict:  # fmt: skip
     """Check the canary and promote or drop it through the proxy (unless `act` is False)."""
-    state = serving_state(proxy_url, token)
+    state = serving_state(proxy_url, token, config.policy)
     verdict = check(data_dir, state, config)
     if verdict.canary is None:
         return verdict
@@ -114,17 +114,24 @@ def settle(
     if verdict.action == "promote":
         path = next(a["path"] for a in state["adapters"] if a["name"] == verdict.canary)
         admin_call(proxy_url, "/admin/adapters/promote", token,
-                   {"path": path, "reason": f"canary: {verdict.reason}"})  # fmt: skip
+                   {"path": path, "reason": f"canary: {verdict.reason}"}, config.policy)  # fmt: skip
         say(f"canary: promoted {verdict.canary}: {verdict.reason}")
     else:
         payload = {"canary": True, "reason": f"canary: {verdict.reason}"}
-        admin_call(proxy_url, "/admin/adapters/rollback", token, payload)
+        admin_call(proxy_url, "/admin/adapters/rollback", token, payload, config.policy)
         say(f"canary: dropped {verdict.canary}: {verdict.reason}")
     return verdict
 
 
 @traced("canary", lambda name: {"canary": name})
-def start(proxy_url: str, token: str | None, adapter: str, fraction: float, say=print) -> str:
+def start(
+    proxy_url: str,
+    token: str | None,
+    adapter: str,
+    fraction: float,
+    say=print,
+    policy: str | None = None,
+) -> str:
     """Serve the candidate (`adapter`: its path, or its upload with a bucket) to
     `fraction` of the alias's rollouts; the canary's name. A run resumed after it started
     the canary finds it running and starts nothing."""
@@ -133,7 +140,7 @@ def start(proxy_url: str, token: str | None, adapter: str, fraction: float, say=
             f"--canary must be between 0 and 1 (a share of traffic), got {fraction}"
         )
     path = str(adapter)
-    state = serving_state(proxy_url, token)
+    state = serving_state(proxy_url, token, policy)
     canary = state.get("canary")
     by_name = {a["name"]: a for a in state.get("adapters") or []}
     if canary and by_name.get(canary["name"], {}).get("path") == path:
@@ -142,6 +149,6 @@ def start(proxy_url: str, token: str | None, adapter: str, fraction: float, say=
     if canary:
         say(f"canary: {canary['name']} is replaced by the new candidate before it was settled")
     payload = {"path": path, "canary": fraction, "reason": "passed the gate"}
-    name = admin_call(proxy_url, "/admin/adapters/promote", token, payload)["promoted"]
+    name = admin_call(proxy_url, "/admin/adapters/promote", token, payload, policy)["promoted"]
     say(f"canary: {name} serves {fraction:.0%} of the alias's rollouts until the watch settles it")
     return name

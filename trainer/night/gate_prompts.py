@@ -34,6 +34,7 @@ from overnight.storage import open_db
 from overnight.storage.siblings import add_turn_views
 
 from .plan import Plan, trained_groups, without
+from .policy_scope import PolicyScope
 from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
 from .turn_groups import conversation_key, is_turn_group, trained_turn_sources
 
@@ -85,10 +86,15 @@ def prompt_of(group_id: str, request_text: str | None) -> GatePrompt | None:
 
 
 def held_out_prompts(
-    data_dir: Path, plan: Plan, count: int, take_from_plan: bool = True
+    data_dir: Path,
+    plan: Plan,
+    count: int,
+    take_from_plan: bool = True,
+    scope: PolicyScope | None = None,
 ) -> tuple[list[GatePrompt], Plan]:
     """Up to `count` distinct recent prompts the candidate does not train on (see the
-    module's docstring), and the plan to train on: `plan` less the groups it gave."""
+    module's docstring), and the plan to train on: `plan` less the groups it gave. With
+    `scope`, only the policy's own traffic: another agent's prompts say nothing of it."""
     con = open_db(data_dir)
     try:
         add_turn_views(con)
@@ -96,7 +102,7 @@ def held_out_prompts(
         # groups of their siblings) are not held out: the candidate has seen them.
         done = trained_groups(con) | trained_turn_sources(con)
         conversations = _plan_conversations(con, plan.groups)
-        recent = _first_turns(con, 50 * count)
+        recent = _first_turns(con, 50 * count, scope)
         resampled = _resampled(con, [record for record, _, _ in recent])
     finally:
         con.close()
@@ -154,13 +160,14 @@ def _give(plan: Plan, given: list[str]) -> Plan:
     return plan
 
 
-def _first_turns(con, limit: int) -> list[tuple[str, str, str]]:
-    """(record, group, request) of recent first turns, newest first."""
+def _first_turns(con, limit: int, scope: PolicyScope | None = None) -> list[tuple[str, str, str]]:
+    """(record, group, request) of recent first turns (of `scope`'s policy), newest first."""
+    condition, params = scope.requested() if scope is not None else ("TRUE", [])
     return con.execute(
         "SELECT record_id, group_id, request FROM completions "
-        "WHERE turn_index = 0 AND logged AND error IS NULL AND request IS NOT NULL "
+        f"WHERE turn_index = 0 AND logged AND error IS NULL AND request IS NOT NULL AND {condition} "
         "ORDER BY started_at DESC, record_id LIMIT ?",
-        [limit],
+        [*params, limit],
     ).fetchall()
 
 

@@ -28,20 +28,30 @@ def rewards_of(state: dict, path: str | None, by_served: dict[str, list[float]])
     return [r for name in names_of(state, path) for r in by_served.get(name, [])]
 
 
+def policy_of(state: dict) -> str | None:
+    """The alias whose traffic alone counts for `state`'s adapters when the proxy serves
+    several policies (the base model serves them all: its rewards must be the policy's
+    own); None with one policy, where every rollout counts, as before policies."""
+    return state.get("alias") if len(state.get("policies") or []) > 1 else None
+
+
 def live_rewards(
-    data_dir: Path, sources: tuple[str, ...], since: str | None = None
+    data_dir: Path, sources: tuple[str, ...], since: str | None = None, requested: str | None = None
 ) -> dict[str, list[float]]:
     """Rewards of rollouts served by one model name throughout, by that name; with `since`
-    (an ISO time), only rollouts that began then or later."""
+    (an ISO time), only rollouts that began then or later; with `requested`, only those
+    that asked for that alias (a policy's: policy_of)."""
+    only = "AND model_requested = ? " if requested is not None else ""
     con = open_db(data_dir)
     try:
         served = con.execute(
             "SELECT rollout_id, min(model_served) FROM completions "
             "WHERE logged AND error IS NULL AND rollout_id IS NOT NULL AND model_served IS NOT NULL "
-            "GROUP BY rollout_id HAVING min(model_served) = max(model_served) "
+            f"{only}GROUP BY rollout_id HAVING min(model_served) = max(model_served) "
             "AND min(started_at) >= CAST(? AS TIMESTAMPTZ)",
-            [since or "1970-01-01T00:00:00+00:00"],
-        ).fetchall()
+            [*([requested] if requested is not None else []),
+             since or "1970-01-01T00:00:00+00:00"],
+        ).fetchall()  # fmt: skip
         rewards = chosen_rewards(con, sources)
     finally:
         con.close()

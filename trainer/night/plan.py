@@ -44,6 +44,7 @@ from overnight.telemetry import traced
 from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages
 from overnight.trainer.grpo.records import Loaded, load_samples
 
+from .policy_scope import PolicyScope
 from .selection import (
     TURN_HELD_KEY,
     TURN_PENDING_KEY,
@@ -210,19 +211,21 @@ def plan_run(
     only: list[str] | None = None,
     tokenizer=None,
     sampling_defaults: dict | None = None,
+    scope: PolicyScope | None = None,
 ) -> Plan:
     """The groups to train on, in order, up to `max_groups`; `plan.skipped` says why not others.
 
     Only groups changed since the last run's selection are looked at (see the module's
     docstring), and token ids are read only for those whose rewards could give a
-    signal: most groups a night considers are left out for their rewards alone."""
+    signal: most groups a night considers are left out for their rewards alone. With
+    `scope`, only the policy's own groups (policy_scope.py), from its own last record."""
     looked_at = now_us()
     # With `since`, days before it are not even listed (their groups began earlier).
     days_from = since.astimezone(dt.UTC).date() if since is not None else None
     con = open_db(data_dir, days_from=None if only is not None else days_from)
     try:
         full = only is not None or since is not None or config.rescan
-        last = None if full else last_selection(con, config)
+        last = None if full else last_selection(con, config, scope)
         done = trained_groups(con)
         turn_pool = None  # per-turn groups: all
         if last is None:
@@ -231,6 +234,10 @@ def plan_run(
         else:
             rollouts, turn_pool = _changed_since(data_dir, con, last, settle_seconds, done)
             candidates = list(rollouts)
+        if scope is not None and only is None:  # another policy's groups are not looked at
+            own = scope.groups(con, candidates)
+            candidates = [g for g in candidates if g in own]
+            rollouts = {g: rollouts[g] for g in candidates}
         rewards = chosen_rewards(
             con, config.reward_sources, [r for rs in rollouts.values() for r in rs]
         )
@@ -270,6 +277,7 @@ def plan_run(
             "pending": plan.waiting,
             "settle_seconds": settle_seconds,
             "basis": selection_basis(config),
+            "policy": scope.name if scope is not None else None,
         }
     return plan
 

@@ -1,13 +1,16 @@
 """The trainer's side of the proxy's admin API: what is served, and promoting a new adapter.
 
 Plain urllib: a nightly job makes two or three calls, and the CLI's `rollback` uses
-the same client without importing torch.
+the same client without importing torch. A call about one policy (proxy/adapters/
+policies.py) says it in the query, `?policy=NAME`; without it the proxy answers for its
+default policy, as before there were policies.
 """
 
 from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -21,10 +24,18 @@ class ProxyError(OvernightError):
     code = "proxy_error"
 
 
-def admin_call(proxy_url: str, path: str, token: str | None, payload: dict | None = None) -> dict:
-    """GET `path` (POST `payload` as JSON when given) under the proxy's admin token."""
+def admin_call(
+    proxy_url: str,
+    path: str,
+    token: str | None,
+    payload: dict | None = None,
+    policy: str | None = None,
+) -> dict:
+    """GET `path` (POST `payload` as JSON when given) under the proxy's admin token, about
+    `policy` (None: the proxy's default policy)."""
+    query = f"?{urllib.parse.urlencode({'policy': policy})}" if policy is not None else ""
     request = urllib.request.Request(
-        proxy_url.rstrip("/") + path,
+        proxy_url.rstrip("/") + path + query,
         method="POST" if payload is not None else "GET",
         data=json.dumps(payload).encode() if payload is not None else None,
         headers={
@@ -43,9 +54,21 @@ def admin_call(proxy_url: str, path: str, token: str | None, payload: dict | Non
         raise ProxyError(f"cannot reach the proxy at {proxy_url}: {e}") from e
 
 
-def serving_state(proxy_url: str | None, token: str | None) -> dict:
-    """The proxy's adapters and base model ({} without a proxy)."""
-    return admin_call(proxy_url, "/admin/adapters", token) if proxy_url else {}
+def serving_state(proxy_url: str | None, token: str | None, policy: str | None = None) -> dict:
+    """The proxy's adapters of `policy` and its base model ({} without a proxy); the
+    names of all its policies under `policies`, the default one under `default`."""
+    return admin_call(proxy_url, "/admin/adapters", token, policy=policy) if proxy_url else {}
+
+
+def proxy_policies(proxy_url: str | None, token: str | None) -> list[str]:
+    """The policies the proxy serves, its default first (a proxy from before policies:
+    its one alias); [] without a proxy, or when it cannot be asked (the night then
+    fails, or runs without one, as it did before policies)."""
+    try:
+        state = serving_state(proxy_url, token)
+    except ProxyError:
+        return []
+    return list(state.get("policies") or [state["alias"]]) if state else []
 
 
 def served_adapter(state: dict) -> str | None:
@@ -58,11 +81,12 @@ def base_model_of(state: dict) -> str | None:
     return state.get("base_model_path") or state.get("base_model") or None
 
 
-def promote_adapter(proxy_url: str, token: str | None, adapter_dir) -> str:
-    """Have the proxy load `adapter_dir` and serve it under its alias; the new name."""
-    return admin_call(proxy_url, "/admin/adapters/promote", token, {"path": str(adapter_dir)})[
-        "promoted"
-    ]
+def promote_adapter(
+    proxy_url: str, token: str | None, adapter_dir, policy: str | None = None
+) -> str:
+    """Have the proxy load `adapter_dir` and serve it under `policy`'s alias; the new name."""
+    payload = {"path": str(adapter_dir)}
+    return admin_call(proxy_url, "/admin/adapters/promote", token, payload, policy)["promoted"]
 
 
 def shared_adapter(data_dir: Path, adapter_dir: Path) -> str:
@@ -84,12 +108,15 @@ def local_adapter(data_dir: Path, adapter: str | None) -> str | None:
     return str(adapter_sync.fetch(segment_store(data_dir), adapter))
 
 
-def prune_adapters(proxy_url: str, token: str | None, keep: int, say=print) -> dict | None:
+def prune_adapters(
+    proxy_url: str, token: str | None, keep: int, say=print, policy: str | None = None
+) -> dict | None:
     """After a night: the proxy deletes adapters beyond the served one, a canary and the
-    previous `keep` (proxy/adapters/retention.py). A failure is said, never fatal."""
+    previous `keep` of every policy (proxy/adapters/retention.py). A failure is said,
+    never fatal."""
     try:
         pruned = admin_call(proxy_url, "/admin/adapters/prune", token,
-                            {"keep": keep, "dry_run": False})  # fmt: skip
+                            {"keep": keep, "dry_run": False}, policy)  # fmt: skip
     except ProxyError as e:
         say(f"warning: adapters not pruned: {e}")
         return None

@@ -38,8 +38,10 @@ def selection_basis(config: TrainConfig) -> dict:
     return {"reward_sources": list(config.reward_sources), "min_group_size": config.min_group_size}
 
 
-def last_selection(con, config: TrainConfig) -> dict | None:
-    """The newest selection record of a trained run made under this config's basis.
+def last_selection(con, config: TrainConfig, scope=None) -> dict | None:
+    """The newest selection record of a trained run made under this config's basis; with
+    `scope` (a PolicyScope), of that policy's nights (a record from before policies is the
+    default policy's).
 
     A failed run's record is not used: the groups it meant to train were not trained,
     and the next night must find them again."""
@@ -56,6 +58,7 @@ def last_selection(con, config: TrainConfig) -> dict | None:
             isinstance(record, dict)
             and isinstance(record.get("watermark"), int)
             and record.get("basis") == selection_basis(config)
+            and (scope.owns(record) if scope is not None else record.get("policy") is None)
         ):
             return record
     return None

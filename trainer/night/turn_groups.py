@@ -40,6 +40,7 @@ from .plan import (
     chosen_rewards,
     trained_groups,
 )
+from .policy_scope import PolicyScope
 from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
 
 # Rewards a per-turn group trains on: only those the judge writes. A reward an agent
@@ -72,6 +73,7 @@ def add_turn_groups(
     max_groups: int | None = None,
     only: list[str] | None = None,
     sampling_defaults: dict | None = None,
+    scope: PolicyScope | None = None,
 ) -> Plan:
     """`plan` plus the per-turn groups no run trained on whose members all have a reward
     from the judge and whose rewards differ; exactly the turn groups in `only` for a
@@ -85,6 +87,9 @@ def add_turn_groups(
     try:
         add_turn_views(con)
         members = _members(con, since, only, None if full else plan.turn_pool)
+        if scope is not None and only is None:  # a turn is its own group's policy's
+            own = scope.groups(con, sorted({group for _, group in members.values()}))
+            members = {g: m for g, m in members.items() if m[1] in own}
         done = trained_groups(con)
         candidates = [g for g in members if g not in done]
         plan.considered += candidates

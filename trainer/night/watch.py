@@ -24,7 +24,7 @@ from overnight.config import TrainConfig
 from overnight.telemetry import traced
 
 from .gate import CONFIDENCE, bootstrap_means
-from .live import live_rewards, rewards_of
+from .live import live_rewards, policy_of, rewards_of
 from .proxy_client import admin_call, serving_state
 
 
@@ -58,7 +58,7 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> WatchVerdict:
     if before == current["path"]:
         verdict.reason = "its predecessor is the same adapter"
         return verdict
-    by_served = live_rewards(data_dir, config.reward_sources)
+    by_served = live_rewards(data_dir, config.reward_sources, requested=policy_of(state))
     new = rewards_of(state, current["path"], by_served)
     old = rewards_of(state, before, by_served)
     verdict.new, verdict.old = len(new), len(old)
@@ -96,7 +96,7 @@ def watch(
     from .canary import settle
 
     settle(data_dir, proxy_url, token, config, say, act)
-    verdict = check(data_dir, serving_state(proxy_url, token), config)
+    verdict = check(data_dir, serving_state(proxy_url, token, config.policy), config)
     if not verdict.worse:
         say(f"watch: {verdict.current or 'base model'} keeps serving: {verdict.reason}")
         return verdict
@@ -104,7 +104,9 @@ def watch(
         say(f"watch: {verdict.current} is worse, not rolled back (--dry-run): {verdict.reason}")
         return verdict
     why = f"watch: {verdict.current} worse on live traffic: {verdict.reason}"
-    now = admin_call(proxy_url, "/admin/adapters/rollback", token, {"reason": why}).get("current")
+    payload = {"reason": why}
+    now = admin_call(proxy_url, "/admin/adapters/rollback", token, payload, config.policy)
+    now = now.get("current")
     verdict.rolled_back_to = now["name"] if now else None
     say(
         f"watch: rolled back {verdict.current}: {verdict.reason}; the alias now serves "

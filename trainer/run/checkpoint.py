@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,11 +48,12 @@ class RunDir:
         """What `begin` wrote: {"groups": [...], "start_adapter": path or None}."""
         return json.loads((self.path / "run.json").read_text())
 
-    def begin(self, groups: list[str], start_adapter: str | None) -> None:
+    def begin(
+        self, groups: list[str], start_adapter: str | None, policy: str | None = None
+    ) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "run.json").write_text(
-            json.dumps({"groups": groups, "start_adapter": start_adapter})
-        )
+        saved = {"groups": groups, "start_adapter": start_adapter, "policy": policy}
+        (self.path / "run.json").write_text(json.dumps(saved))
 
     def finish(self) -> None:
         (self.path / "finished").touch()
@@ -59,11 +61,14 @@ class RunDir:
         shutil.rmtree(self.checkpoint, ignore_errors=True)
 
 
-def unfinished_run(data_dir: Path) -> Path | None:
-    """The newest run directory that began training and never finished, if any."""
+def unfinished_run(data_dir: Path, owns: Callable[[dict], bool] | None = None) -> Path | None:
+    """The newest run directory that began training and never finished, if any; of those
+    `owns` accepts (what they saved: a policy's night resumes its own runs only)."""
     runs = sorted((Path(data_dir) / "runs").glob("*/run.json"))
     for run in reversed(runs):
-        if not (run.parent / "finished").exists():
+        if (run.parent / "finished").exists():
+            continue
+        if owns is None or owns(json.loads(run.read_text())):
             return run.parent
     return None
 
@@ -149,12 +154,15 @@ def load_checkpoint(path: Path | None) -> dict | None:
     return None
 
 
-def this_run(data_dir: Path, dry_run: bool) -> tuple[RunDir, dict]:
-    """The interrupted run to resume and what it saved, or a new run ({} saved)."""
-    resumed = None if dry_run else unfinished_run(data_dir)
+def this_run(
+    data_dir: Path, dry_run: bool, owns: Callable[[dict], bool] | None = None
+) -> tuple[RunDir, dict]:
+    """The interrupted run to resume (of those `owns` accepts) and what it saved, or a
+    new run ({} saved)."""
+    resumed = None if dry_run else unfinished_run(data_dir, owns)
     while resumed is not None and recorded(data_dir, resumed.name):
         RunDir(resumed).finish()  # killed after it was recorded: it only missed this mark
-        resumed = unfinished_run(data_dir)
+        resumed = unfinished_run(data_dir, owns)
     if resumed is not None:
         run = RunDir(resumed)
         return run, run.saved()

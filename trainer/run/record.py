@@ -75,6 +75,7 @@ def record_run(
                     "seconds": metrics.get("seconds"),
                     "gate": result.gate.as_dict() if result.gate else None,
                     "selection": plan.selection,  # where the next night's selection starts
+                    "policy": config.policy,  # the night's policy (None: before policies)
                 }
             ),
         },

@@ -21,8 +21,9 @@ from overnight.storage.reader import read_failure
 # imports neither the proxy, the judge nor the trainer, so the proxy imports them from
 # the layer below and nothing imports the app module back (no import cycle).
 DATA_DIR = web.AppKey("data_dir", Path)
-# The adapter registry's `describe()`: alias, current adapter, promotion history.
-ADAPTER_STATE = web.AppKey[Callable[[], dict]]("adapter_state")
+# A policy's registry `describe(policy)` (None: the default policy's): alias, current
+# adapter, promotion history, and `policies`, every policy's name.
+ADAPTER_STATE = web.AppKey[Callable[..., dict]]("adapter_state")
 # POSTs that produced model output on paths the proxy forwards but does not record:
 # path -> count, since the proxy started. Optional: a view mounted without it shows none.
 UNCAPTURED = web.AppKey[Callable[[], dict[str, int]]]("uncaptured")

@@ -3,6 +3,10 @@
     /ui/adapters              adapter versions: the promotion stack, and when each served
     /ui/runs                  training runs, with reward and loss curves
 
+Both take `?policy=NAME` (one of the proxy's policies): that policy's adapters, its runs
+and its traffic; without it, the default policy's adapters and every run. Each page
+links to every policy's.
+
 The adapters page reads the adapter registry's `describe()` (ADAPTER_STATE) beside the
 completions each adapter served; the runs page reads `training_runs` and draws its
 curves (charts.py).
@@ -13,19 +17,35 @@ from __future__ import annotations
 from aiohttp import web
 
 from overnight.view.charts import training_charts
+from overnight.view.display import RUN_POLICY
 
 from .data import ADAPTER_STATE, query
 from .frame import esc, html_page, html_table, num, stamp
 
 
+def policy_links(request: web.Request, page: str, names: list[str], shown: str | None) -> str:
+    """Links to the page of each policy (none with one policy: nothing to choose)."""
+    if len(names) < 2:
+        return ""
+    links = [
+        f"<strong>{esc(n)}</strong>" if n == shown
+        else f'<a href="{esc(page)}?policy={esc(n)}">{esc(n)}</a>'
+        for n in names
+    ]  # fmt: skip
+    return f'<p class="policies">policies: {" | ".join(links)}</p>'
+
+
 async def adapters_page(request: web.Request) -> web.Response:
-    state = request.config_dict[ADAPTER_STATE]()
+    policy = request.query.get("policy")
+    state = request.config_dict[ADAPTER_STATE](policy)  # an unknown one: 404
+    where, args = ("WHERE c.model_requested = ? ", [policy]) if policy is not None else ("", [])
 
     def render(con):
         return con.execute(
             "SELECT model_served, count(*), min(started_at), max(started_at), "
             "avg(r.reward) FROM completions c LEFT JOIN rollout_rewards r USING (rollout_id) "
-            "GROUP BY model_served ORDER BY min(started_at)"
+            f"{where}GROUP BY model_served ORDER BY min(started_at)",
+            args,
         ).fetchall()
 
     served = await query(request, render)
@@ -67,8 +87,9 @@ async def adapters_page(request: web.Request) -> web.Response:
         [[esc(m), num(n), stamp(a), stamp(b), num(r)] for m, n, a, b, r in served],
         numeric={1, 4},
     )
+    links = policy_links(request, "adapters", state.get("policies") or [], state.get("alias"))
     body = (
-        f"<p>alias <strong>{esc(state.get('alias'))}</strong> now serves "
+        f"{links}<p>alias <strong>{esc(state.get('alias'))}</strong> now serves "
         f'<strong id="current">{esc(current.get("name") or "the base model")}</strong>'
         f" (base model {esc(state.get('base_model'))})</p>{canary_line}"
         f"<h2>Promotions and rollbacks, newest first</h2>{history}"
@@ -79,21 +100,27 @@ async def adapters_page(request: web.Request) -> web.Response:
 
 
 async def runs_page(request: web.Request) -> web.Response:
+    policy = request.query.get("policy")
+    names = request.config_dict[ADAPTER_STATE]().get("policies") or []
+    where, args = (f"WHERE {RUN_POLICY} = ? ", [policy]) if policy is not None else ("", [])
+
     def render(con):
         runs = con.execute(
             "SELECT run_id, started_at, status, len(groups), rollouts, steps, trained_tokens, "
             "reward_mean, promoted_as, max_logprob_gap, error, "
             "json_extract_string(metrics, '$.gate.verdict'), "
             "json_extract_string(metrics, '$.gate.reason'), "
-            "CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE) FROM training_runs "
-            "ORDER BY started_at DESC"
+            f"CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE), {RUN_POLICY} "
+            f"FROM training_runs {where}ORDER BY started_at DESC",
+            args,
         ).fetchall()
-        return runs, training_charts(con)
+        return runs, training_charts(con, policy)
 
     runs, charts = await query(request, render)
     table = html_table(
         [
             "run",
+            "policy",
             "started",
             "status",
             "groups",
@@ -110,6 +137,7 @@ async def runs_page(request: web.Request) -> web.Response:
         [
             [
                 esc(r[0]),
+                esc(r[14] or "-"),
                 stamp(r[1]),
                 esc(r[2]),
                 *(num(v) for v in r[3:8]),
@@ -121,6 +149,7 @@ async def runs_page(request: web.Request) -> web.Response:
             ]
             for r in runs
         ],
-        numeric={3, 4, 5, 6, 7, 9, 12},
+        numeric={4, 5, 6, 7, 8, 10, 13},
     )
-    return html_page(request, "Training runs", "".join(charts) + table)
+    links = policy_links(request, "runs", names, policy)
+    return html_page(request, "Training runs", links + "".join(charts) + table)
