@@ -35,6 +35,13 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except OvernightError as e:
             raise click.ClickException(str(e)) from e
+        except Exception as e:
+            # A batch step's read that failed in a damaged file (storage/reader.py names
+            # it); storage is not imported for commands that never read it.
+            reader = sys.modules.get("overnight.storage.reader")
+            if reader is not None and isinstance(e, reader.DamagedRead):
+                raise click.ClickException(str(e)) from e
+            raise
 
 
 @click.group(
@@ -149,6 +156,13 @@ def judge(data_dir: Path, reward: str | None, combine: bool, **values: Any) -> N
     require_data_dir(data_dir)
     if combine and not (judge_model and reward):
         raise click.UsageError("--combine needs both --judge-model and --reward")
+    from .storage.reader import naming_damaged_files
+
+    with naming_damaged_files(data_dir):
+        _judge(data_dir, judge_model, reward, combine, values)
+
+
+def _judge(data_dir: Path, judge_model, reward, combine: bool, values: dict[str, Any]) -> None:
     from .judge.run import judge_step
 
     judge_step(
@@ -200,13 +214,20 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
       overnight train --learning-rate 1e-5 --epochs 1
       crontab: 0 3 * * *  overnight train --data /var/lib/overnight >> train.log 2>&1
     """
-    import datetime as dt
-
+    from .storage.reader import naming_damaged_files
     from .telemetry import night
 
     require_data_dir(data_dir)
     # One trace for the whole night (resample, judge, train), when tracing is configured.
     ctx.with_resource(night())
+    # A read that fails in a damaged file names it (`overnight check --quarantine`).
+    with naming_damaged_files(data_dir):
+        _train(ctx, data_dir, reward, values)
+
+
+def _train(ctx: click.Context, data_dir: Path, reward: str | None, values: dict[str, Any]) -> None:
+    import datetime as dt
+
     dry_run = values["dry_run"]
     model, base_url = values["judge_model"], values["judge_base_url"]
     judge = JudgeConfig(model=model, base_url=base_url) if model else None

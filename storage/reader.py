@@ -31,10 +31,11 @@ aside when its log is compacted), so one bad line never stops a reader.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import duckdb
@@ -349,7 +350,7 @@ def read_failure(
     else every file of the tables `query` names: `tables_of`), each with why and what to
     do. Reads every byte of those files: for after a failure, never before a read."""
     text = str(error)
-    if not (type(error) is duckdb.Error or isinstance(error, READ_ERRORS)):
+    if not is_read_error(error):
         return text
     try:
         damaged = damaged_files(Path(data_dir), tables_of(query), set(map(Path, paths)))
@@ -357,6 +358,35 @@ def read_failure(
         return f"{text}\n(the files it read could not be verified: {type(e).__name__}: {e})"
     if not damaged:
         return f"{text}\n(the files it read verify whole: no damaged file is the cause)"
+    return damage_text(text, damaged, data_dir)
+
+
+def is_read_error(error: Exception) -> bool:
+    """DuckDB failed while reading a file (not a query's own mistake)."""
+    return type(error) is duckdb.Error or isinstance(error, READ_ERRORS)
+
+
+@contextlib.contextmanager
+def naming_damaged_files(data_dir: Path) -> Iterator[None]:
+    """Around a batch step that reads the store (a night, a judge run): a read DuckDB
+    fails inside a damaged file is raised again as `DamagedRead`, naming the file and what
+    to do; any other error (a query's mistake, a read of sound files) passes as it was,
+    its traceback kept. Verifies every table's files, once, only after such a failure."""
+    try:
+        yield
+    except duckdb.Error as e:
+        if not is_read_error(e):
+            raise
+        try:
+            damaged = damaged_files(Path(data_dir), TABLES)
+        except Exception:  # looking must never hide the error it was to explain
+            damaged = []
+        if not damaged:
+            raise
+        raise DamagedRead(damage_text(str(e), damaged, data_dir)) from e
+
+
+def damage_text(text: str, damaged: list[tuple[str, str]], data_dir: Path) -> str:
     named = "; ".join(f"{where} ({why})" for where, why in damaged)
     return (f"{text}\n{len(damaged)} damaged file(s) among those it read: {named}. Run "
             f"`overnight check --quarantine --data {data_dir}` to set them aside (their rows "

@@ -668,3 +668,22 @@ def test_a_malformed_promotion_state_names_its_file(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match=f"{path} is not a promotion state"):
             StateFile(path).read()
+
+
+def test_a_batch_step_that_fails_in_a_damaged_page_names_the_file(tmp_path):
+    """The nightly job's reads, as `sql`'s: `overnight judge` and `overnight train` over a
+    store with a damaged data page stop naming the file and what to do, not with DuckDB's
+    bare "TProtocolException"; a store that verifies gives the error as it was."""
+    past_day(tmp_path)
+    victim = files(tmp_path)[1]
+    flip_page_header(tmp_path / "completions" / victim, "group_id")
+    data = ["--data", str(tmp_path)]
+    reward = "examples/rewards.py:weather_reward"
+    for args in (["judge", *data, "--reward", reward], ["train", *data, "--dry-run"]):
+        result = cli(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert f"completions/{victim} (" in result.output, (args, result.output)
+        assert "overnight check --quarantine" in result.output
+    assert cli("check", *data, "--quarantine").exit_code == 1  # set aside: the rest reads
+    result = cli("judge", *data, "--reward", reward)
+    assert "damaged" not in result.output, result.output
