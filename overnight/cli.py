@@ -390,6 +390,25 @@ def demo(data_dir: Path, port: int, model_dir: Path, days: int, **values: Any) -
     run_demo(str(data_dir), port, str(model_dir), days=days, say=say, **values)
 
 
+@main.command(name="key-hash")
+def key_hash() -> None:
+    """Print the sha256 a keys file holds for a client key read from standard input.
+
+    Read from stdin, not an argument, so the key stays out of the shell's history and
+    the process list; one trailing newline is dropped.
+
+    \b
+    Example:
+      openssl rand -hex 24 | tee support.key | overnight key-hash
+    """
+    from .config.keys import key_digest
+
+    key = click.get_text_stream("stdin").read().removesuffix("\n").removesuffix("\r")
+    if not key:
+        raise click.UsageError("no key on standard input")
+    click.echo(key_digest(key))
+
+
 @main.command(name="tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, help="Weights and tokenizer follow from it.")

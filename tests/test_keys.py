@@ -110,6 +110,24 @@ def test_a_keys_file_keeps_hashes_only_and_names_what_is_wrong(monkeypatch):
         ProxyConfig(upstream="http://x", keys_toml=twice + twice.replace(key_digest(ALL), "1" * 64))
 
 
+def test_key_hash_prints_what_a_keys_file_holds_for_a_key_on_stdin():
+    """`overnight key-hash`: the key from standard input (not the command line, where the
+    shell's history and the process list would keep it); one trailing newline dropped."""
+    import hashlib
+
+    from click.testing import CliRunner
+
+    from overnight.cli import main
+
+    runner = CliRunner()
+    for given in (f"{RESEARCH}\n", RESEARCH, f"{RESEARCH}\r\n"):
+        result = runner.invoke(main, ["key-hash"], input=given)
+        assert result.exit_code == 0, result.output
+        assert result.output.strip() == hashlib.sha256(RESEARCH.encode()).hexdigest()
+        assert result.output.strip() == key_digest(RESEARCH)
+    assert runner.invoke(main, ["key-hash"], input="").exit_code == 2  # no key: usage error
+
+
 def test_serve_reads_the_keys_file_given_with_keys_file(tmp_path, monkeypatch):
     from overnight.cli import main
     from overnight.options import build
