@@ -403,7 +403,7 @@ def key_hash() -> None:
     """
     from .config.keys import key_digest
 
-    key = click.get_text_stream("stdin").read().removesuffix("\n").removesuffix("\r")
+    key = sys.stdin.read().removesuffix("\n").removesuffix("\r")
     if not key:
         raise click.UsageError("no key on standard input")
     click.echo(key_digest(key))
