@@ -75,6 +75,7 @@ def read_run(run_dir: Path) -> dict:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             out["id"] = record.run.run_id
+            out["name"], out["group"] = record.run.display_name, record.run.run_group
             updates = record.run.config.update
         elif kind == "config":
             updates = record.config.update
@@ -126,8 +127,8 @@ async def test_a_night_reports_its_steps_samples_gate_and_promotion_to_an_offlin
     reward.write_text("def same(rollout):\n    return 1.0\n")  # a tie: not worse, promoted
     config = TrainConfig(
         base_model=str(tiny_model_dir), learning_rate=1e-2, epochs=2, lora_rank=4,
-        groups_per_step=3, gate_prompts=8, report_to="wandb",
-    )  # fmt: skip
+        groups_per_step=3, gate_prompts=8, report_to="wandb", policy="policy",
+    )  # fmt: skip  # the proxy's default policy: every group here is its
     judged = Summary(judged=6, prompt_tokens=1200, completion_tokens=90, cost_usd=0.0125)
     from overnight.judge.scoring import pair_scorer
     from overnight.trainer.train import train
@@ -143,6 +144,8 @@ async def test_a_night_reports_its_steps_samples_gate_and_promotion_to_an_offlin
     (run_dir,) = offline_runs(data)
     run = read_run(run_dir)
     assert run["id"] == result.run_id and run["exit_code"] == 0
+    # Named after its policy, in the policy's group: each agent's nights plotted together.
+    assert run["name"] == f"policy/{result.run_id}" and run["group"] == "policy"
     assert run["config"]["base_model"] == str(tiny_model_dir)
     assert run["config"]["learning_rate"] == 1e-2 and run["config"]["groups"] == 6
     # Every step, against the night's own record of it.
@@ -206,6 +209,7 @@ def test_a_resumed_night_continues_its_run(offline, tmp_path, tiny_model_dir):
     resumed = train(tmp_path, config, say=lambda _line: None)
     first, second = (read_run(r) for r in offline_runs(tmp_path))
     assert first["id"] == second["id"] == resumed.run_id  # one W&B run for the night
+    assert first["name"] == second["name"] == resumed.run_id and first["group"] == ""
     assert first["exit_code"] == 1 and first["summary"]["night/error"].startswith("Killed")
     assert second["exit_code"] == 0
     assert [h["training_step"] for h in steps_of(first)] == [1, 2]

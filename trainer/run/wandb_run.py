@@ -112,7 +112,9 @@ class Report:
             lambda: wandb.init(
                 project=os.environ.get("WANDB_PROJECT") or PROJECT,
                 id=run_id,
-                name=run_id,
+                name=f"{config.policy}/{run_id}" if config.policy else run_id,
+                # One W&B group per policy: each agent's nights plotted together.
+                group=config.policy,
                 resume="allow",
                 job_type="train",
                 # Beside the night's other files unless WANDB_DIR says where.
