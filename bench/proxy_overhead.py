@@ -81,7 +81,7 @@ class Result:
     p99_ms: float
     errors: int
     requests: int = 0
-    cpu_us: float | None = None  # the proxy's CPU per request (--only observe)
+    cpu_us: float | None = None  # the proxy's CPU per request (--only common, observe)
 
 
 def pinned(core: int, cmd: list[str]) -> list[str]:
@@ -409,6 +409,8 @@ def run_common(args, work: Path, stops: list[Callable[[], object]]) -> dict:
         "bare-aiohttp": f"http://127.0.0.1:{port}",
     }
     body = {"model": "policy", "messages": MESSAGES, "max_tokens": args.tokens}
+    # The CPU per request of the two on core 0 (direct's is the fake vLLM's: not counted).
+    pids = {"overnight": proxy.pid, "bare-aiohttp": bare_proc.pid}
     rounds: list[dict] = []
     for url in targets.values():  # warm up
         wrk(f"{url}/v1/chat/completions", body, 16, 2, work)
@@ -416,9 +418,11 @@ def run_common(args, work: Path, stops: list[Callable[[], object]]) -> dict:
         row = {}
         for c in (1, 16):
             for name, url in targets.items():
-                row[f"c{c}/{name}"] = wrk(
-                    f"{url}/v1/chat/completions", body, c, args.duration, work
-                )
+                path = f"{url}/v1/chat/completions"
+                if name in pids:
+                    row[f"c{c}/{name}"] = measured(pids[name], path, body, c, args.duration, work)
+                else:
+                    row[f"c{c}/{name}"] = wrk(path, body, c, args.duration, work)
         rounds.append(row)
         ratio = row["c16/overnight"].rps / row["c16/bare-aiohttp"].rps
         added = row["c1/overnight"].p50_ms - row["c1/direct"].p50_ms
@@ -426,7 +430,8 @@ def run_common(args, work: Path, stops: list[Callable[[], object]]) -> dict:
         print(
             f"round {i + 1}: c16 req/s overnight {row['c16/overnight'].rps:.0f}, bare"
             f" {row['c16/bare-aiohttp'].rps:.0f} ({ratio:.3f}x); c1 added p50 overnight"
-            f" {added:.3f} ms, bare {bare_added:.3f} ms",
+            f" {added:.3f} ms, bare {bare_added:.3f} ms; c16 CPU/request overnight"
+            f" {row['c16/overnight'].cpu_us:.0f} µs, bare {row['c16/bare-aiohttp'].cpu_us:.0f} µs",
             flush=True,
         )
 
@@ -441,6 +446,11 @@ def run_common(args, work: Path, stops: list[Callable[[], object]]) -> dict:
         "c1 p50 bare-aiohttp (ms)": median([r["c1/bare-aiohttp"].p50_ms for r in rounds]),
         "c1 p50 overnight - bare (per round, median, ms)": median(
             [r["c1/overnight"].p50_ms - r["c1/bare-aiohttp"].p50_ms for r in rounds]
+        ),
+        "c16 CPU µs/request overnight": median([r["c16/overnight"].cpu_us for r in rounds]),
+        "c16 CPU µs/request bare-aiohttp": median([r["c16/bare-aiohttp"].cpu_us for r in rounds]),
+        "c16 CPU bare / overnight (per round, median)": median(
+            [r["c16/bare-aiohttp"].cpu_us / r["c16/overnight"].cpu_us for r in rounds]
         ),
     }
     print()
@@ -577,14 +587,19 @@ def profile(pid: int, url: str, body: dict, args, work: Path) -> None:
     out = args.profile / "overnight.txt"
     seconds = max(args.duration, 4)
     record = [spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "400"]
-    spying = subprocess.Popen(
-        [*record, "--format", "raw", "--output", str(out), "--nonblocking"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    time.sleep(0.5)
-    wrk(url, body, 16, seconds, work)
-    spying.wait(60)
+    said = args.profile / "py-spy.log"  # py-spy's own words, for when it wrote nothing
+    with open(said, "wb") as log:
+        spying = subprocess.Popen(
+            [*record, "--format", "raw", "--output", str(out), "--nonblocking"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        time.sleep(0.5)
+        wrk(url, body, 16, seconds, work)
+        spying.wait(60)
+    if not out.exists():
+        print(f"py-spy wrote no samples (exit {spying.returncode}): {said.read_text()[-500:]}")
+        return
     total, own, inside = 0, {}, {}
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
