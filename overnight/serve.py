@@ -78,6 +78,7 @@ def serve_forever(
     """
     from overnight.proxy.address import proxy_url, remove_address, write_address
     from overnight.proxy.launch.launcher import VLLMProcess
+    from overnight.proxy.routes.key_buckets import make_file as make_buckets
     from overnight.telemetry import check_environment as check_tracing
 
     if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
@@ -112,11 +113,14 @@ def serve_forever(
         else:
             # DATA/proxy.json names this process: the one `overnight train` finds alive.
             write_address(proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
+            buckets = make_buckets(proxy)  # the keys' rates, held across the workers
             try:
                 # Each worker holds requests for a maintenance window on its own: refused.
                 _supervise(replace(proxy, workers=workers), host, port, workers, metrics_dir)
             finally:
                 remove_address(proxy.data_dir)
+                if buckets is not None:
+                    buckets.unlink(missing_ok=True)
                 if metrics_dir is not None and not _given_dir():
                     shutil.rmtree(metrics_dir, ignore_errors=True)
     except KeyboardInterrupt:

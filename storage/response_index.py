@@ -197,7 +197,7 @@ def live_completions(data_dir: Path, value: str, match: Callable[[dict], bool]) 
     """The completion rows of the live logs that hold the JSON text `value` and that
     `match` accepts: the logs searched for the value's bytes, and only the lines that hold
     them parsed (a Responses id here, a rollout id in rollout_lookup.py)."""
-    needle = json.dumps(value).encode()
+    needle = orjson.dumps(value)  # as the logs hold it: raw UTF-8, not escaped
     for path in log_files(data_dir):
         try:  # rows are parsed copies: the map may close whenever the caller stops
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:

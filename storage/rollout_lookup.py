@@ -24,10 +24,16 @@ DAYS = 2  # today and yesterday (UTC): rewards come within a settle time of the 
 
 def find_rollout(data_dir, rollout_id: str) -> tuple[str | None, str | None] | None:
     """(model_requested, group_id) of the records of `rollout_id`, (None, None) when the
-    live logs, or else Parquet, hold it under two, or None when none of the live logs and
-    the last `DAYS` days of Parquet has one."""
-    found = _in_live_logs(data_dir, rollout_id)
-    return found if found is not None else _in_parquet(data_dir, rollout_id)
+    live logs and Parquet together hold it under two, or None when none of the live logs
+    and the last `DAYS` days of Parquet has one. Both are read: a live log's answer alone
+    would let a second team's use of an id hide the first's, compacted already."""
+    live = _in_live_logs(data_dir, rollout_id)
+    if live == (None, None):
+        return live
+    stored = _in_parquet(data_dir, rollout_id)
+    if live is None or stored is None:
+        return live or stored
+    return live if live == stored else (None, None)
 
 
 def _in_live_logs(data_dir, rollout_id: str) -> tuple[str | None, str | None] | None:

@@ -9,13 +9,22 @@ import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
+import json
+import os
+import urllib.error
+import urllib.request
 
 import pytest
 
 from overnight.config import ConfigError, ProxyConfig
 from overnight.config.keys import key_digest
+from overnight.proxy.capture.records import add_key_note
+from overnight.proxy.routes.key_buckets import BUCKETS_ENV, LocalBucket, SharedSlot
+from overnight.proxy.routes.key_buckets import make_file as make_buckets_file
+from overnight.proxy.routes.keys import KEYS, KeyRing
 from overnight.storage import LogWriter, WriterConfig
 from overnight.storage.rollout_lookup import DAYS, find_rollout
+from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
 from .helpers import adapter_dir, await_until, completion_row, rows, wait_for_rows, wait_until
 
@@ -148,7 +157,7 @@ def test_serve_reads_the_keys_file_given_with_keys_file(tmp_path, monkeypatch):
 async def test_hashed_and_env_keys_work_and_wrong_ones_do_not(keyed, tmp_path):
     proxy = await keyed()
     assert (await post_chat(proxy, "policy", "s1", key=SUPPORT)).status == 200
-    assert (await post_chat(proxy, "research", "r1", key=RESEARCH)).status == 200
+    assert (await post_chat(proxy, "research", "r1", key=RESEARCH, group="r")).status == 200
     assert (await post_chat(proxy, "research", "a1", key=ALL)).status == 200
     wrong = await post_chat(proxy, "policy", "x", key=key_digest(SUPPORT))  # the hash is no key
     assert wrong.status == 401 and (await wrong.json())["error"]["code"] == "invalid_api_key"
@@ -183,7 +192,7 @@ async def test_a_key_of_one_policy_is_refused_the_other_alias(keyed, received, t
 async def test_rewards_and_finishes_only_from_a_key_of_the_rollouts_policy(keyed, tmp_path):
     proxy = await keyed()
     assert (await post_chat(proxy, "policy", "support-1", key=SUPPORT)).status == 200
-    assert (await post_chat(proxy, "research", "research-1", key=RESEARCH)).status == 200
+    assert (await post_chat(proxy, "research", "research-1", key=RESEARCH, group="r")).status == 200
     reward = {"reward": 1.0}
     for path in ("reward", "finish"):
         other = await proxy.post(
@@ -229,7 +238,7 @@ async def test_a_rollout_served_by_another_proxy_or_before_a_restart_is_looked_u
 async def test_a_rollout_id_used_under_two_policies_is_nobodys(keyed, tmp_path):
     proxy = await keyed()
     assert (await post_chat(proxy, "policy", "shared", key=SUPPORT)).status == 200
-    assert (await post_chat(proxy, "research", "shared", key=RESEARCH)).status == 200
+    assert (await post_chat(proxy, "research", "shared", key=RESEARCH, group="r")).status == 200
     for key in (SUPPORT, RESEARCH):
         r = await proxy.post("/v1/rollouts/shared/reward", json={"reward": 1}, headers=auth(key))
         assert r.status == 403
@@ -341,6 +350,126 @@ async def test_a_rate_limited_key_gets_429_with_retry_after_while_another_is_ser
     assert 'overnight_key_refusals_total{key="loop",reason="rate"} 1.0' in metrics
 
 
+async def test_a_record_names_its_key_and_the_refusals_since_the_keys_last_record(
+    make_proxy, tmp_path
+):
+    """`overnight sql` answers which agent made a completion and how often it was turned
+    away: the key's name on each of its records, its refusals on its next record."""
+    table = (
+        f'[[key]]\nname = "bot"\nsha256 = "{key_digest(SUPPORT)}"\npolicies = ["policy"]\n'
+        "rate = 0.001\nburst = 3\n"
+    )
+    proxy = await make_proxy(keys_toml=table, api_keys=(ALL,))
+    assert (await post_chat(proxy, "policy", "b0")).status == 200
+    assert (await post_chat(proxy, "fake-base", "bx")).status == 403  # not its model
+    assert (await post_chat(proxy, "policy", "b1")).status == 200
+    assert [(await post_chat(proxy, "policy", f"r{i}")).status for i in range(2)] == [429, 429]
+    bot = next(k for k in proxy.server.app[KEYS].live if k.name == "bot")
+    bot.bucket.tokens = 1.0  # the bucket refilled (a second at rate 1000), without waiting
+    assert (await post_chat(proxy, "policy", "b2")).status == 200
+    assert (await post_chat(proxy, "policy", "p0", key=ALL)).status == 200  # a plain key
+    data = tmp_path / "data"
+    await wait_for_rows(data, 4)
+    notes = {
+        r["rollout_id"]: (r["k"], r["refused"])
+        for r in rows(
+            data,
+            "SELECT rollout_id, json_extract_string(notes, '$.key') AS k, "
+            "json_extract_string(notes, '$.key_refused') AS refused FROM completions",
+        )
+    }
+    assert notes == {
+        "b0": ("bot", None),
+        "b1": ("bot", '{"model":1}'),
+        "b2": ("bot", '{"rate":2}'),
+        "p0": (None, None),
+    }
+    # The question as an operator asks it, over every record of the key.
+    (summary,) = rows(
+        data,
+        "SELECT count(*) AS served, "
+        "sum(CAST(json_extract(notes, '$.key_refused.rate') AS INT)) AS rate, "
+        "sum(CAST(json_extract(notes, '$.key_refused.model') AS INT)) AS model "
+        "FROM completions WHERE json_extract_string(notes, '$.key') = 'bot'",
+    )
+    assert summary == {"served": 3, "rate": 2, "model": 1}
+
+
+def test_a_keys_note_joins_the_records_other_notes_and_counts_refusals_once():
+    """n choices: the key on every row, its refusals on the first only (a sum over rows
+    counts each once); a note already there (the token ids') stays."""
+    rows_ = [{"notes": {"completion_token_ids": "no ids"}}, {}]
+    add_key_note(rows_, {"key": "bot", "key_refused": {"rate": 2}})
+    assert rows_ == [
+        {"notes": {"completion_token_ids": "no ids", "key": "bot", "key_refused": {"rate": 2}}},
+        {"notes": {"key": "bot"}},
+    ]
+    plain = [{}]
+    add_key_note(plain, None)  # no scoped key: nothing said
+    assert plain == [{}]
+
+
+def test_the_workers_of_one_proxy_share_a_keys_bucket(tmp_path, monkeypatch):
+    """Two workers' key rings (as `--workers 2` makes them) on the supervisor's file: the
+    burst is the key's, not each worker's; a ring made later (a restarted worker) finds
+    the bucket as it was, and a key without a rate has none."""
+    table = (
+        f'[[key]]\nname = "bot"\nsha256 = "{key_digest(SUPPORT)}"\nrate = 0.001\nburst = 3\n'
+        f'[[key]]\nname = "free"\nsha256 = "{key_digest(RESEARCH)}"\n'
+    )
+    config = ProxyConfig(upstream="http://x", data_dir=tmp_path, keys_toml=table, workers=2)
+    monkeypatch.setenv(BUCKETS_ENV, "")  # so that the name make_file sets is undone after
+    made = make_buckets_file(config)
+    assert os.environ[BUCKETS_ENV] == str(made) and made.stat().st_size == 0
+    one, two = KeyRing(config), KeyRing(config)
+    bot_one, bot_two = one.live[0], two.live[0]
+    assert isinstance(bot_one.bucket, SharedSlot) and one.live[1].bucket is None
+    taken = [bot_one.bucket.take(), bot_two.bucket.take(), bot_one.bucket.take()]
+    taken.append(bot_two.bucket.take())
+    assert taken[:3] == [0.0, 0.0, 0.0] and taken[3] > 0  # three in all, not three each
+    assert KeyRing(config).live[0].bucket.take() > 0  # a restarted worker: still empty
+    alone = KeyRing(dataclasses.replace(config, workers=1))  # one process: its own bucket
+    assert isinstance(alone.live[0].bucket, LocalBucket) and alone.live[0].bucket.take() == 0.0
+    made.unlink()
+
+
+@pytest.mark.slow
+def test_a_keys_rate_holds_across_the_workers_of_a_real_serve(tmp_path):
+    """`overnight serve --workers 2`, both workers serving (seen in the records of a key
+    without a rate): the limited key still gets its burst of 3, not 3 from each."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        f'[[key]]\nname = "bot"\nsha256 = "{key_digest(SUPPORT)}"\nrate = 0.001\nburst = 3\n'
+        f'[[key]]\nname = "free"\nsha256 = "{key_digest(RESEARCH)}"\n'
+    )
+    body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "Hi"}],
+                       "max_tokens": 2}).encode()  # fmt: skip
+    data = tmp_path / "data"
+
+    def post(url: str, key: str) -> int:
+        headers = {**auth(key), "Content-Type": "application/json"}
+        request = urllib.request.Request(url + "/v1/chat/completions", body, headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:  # a new connection each
+                r.read()
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def both_serve(url: str) -> bool:
+        assert post(url, RESEARCH) == 200
+        return len(rows(data, "SELECT DISTINCT proxy_id FROM completions")) == 2
+
+    args = ("--workers", "2", "--keys-file", str(keys))
+    with (
+        spawn_fake_upstream() as upstream,
+        spawn_serve(data, "--upstream", upstream.url, *args) as serve,
+    ):
+        wait_until(lambda: both_serve(serve.url), timeout=60, what="both workers serving")
+        statuses = [post(serve.url, SUPPORT) for _ in range(24)]
+    assert sorted(statuses) == [200] * 3 + [429] * 21, statuses
+
+
 async def test_a_key_over_its_concurrency_gets_429_while_another_is_served(
     make_proxy, fake_settings
 ):
@@ -366,3 +495,258 @@ async def test_a_key_over_its_concurrency_gets_429_while_another_is_served(
         "in_flight": 0,
         "refused": {"model": 0, "group": 0, "rollout": 0, "path": 0, "rate": 0, "concurrency": 1},
     }
+
+
+# -- a key steers no policy it may not use (the security review, issue 27) ----------------
+
+
+async def test_a_key_may_not_serve_in_another_policys_group_nor_train_it(keyed, tmp_path):
+    """research adding a rollout to support's group is refused; the base model research
+    may ask for trains no policy when the proxy serves several; a group mixed across
+    workers (where the proxy does not remember it) is trained by neither policy."""
+    from overnight.storage import open_db
+    from overnight.trainer.night.policy_scope import PolicyScope
+
+    proxy = await keyed()
+    group = "support/ticket-4411"
+    assert (await post_chat(proxy, "policy", "s-1", key=SUPPORT, group=group)).status == 200
+    r = await post_chat(proxy, "research", "evil-1", key=RESEARCH, group=group)
+    assert r.status == 403, await r.text()
+    assert (await r.json())["error"]["code"] == "permission_denied"
+    # The other way too: support may not serve in a group first served as the base model.
+    assert (await post_chat(proxy, "fake-base", "b-1", key=RESEARCH, group="base")).status == 200
+    assert (await post_chat(proxy, "policy", "s-2", key=SUPPORT, group="base")).status == 403
+    other_worker = await keyed()  # a fresh memory: the proxy lets this one through
+    assert (
+        await post_chat(other_worker, "research", "evil-2", key=RESEARCH, group=group)
+    ).status == 200
+    await wait_for_rows(tmp_path / "data", 3)
+    state = await (await proxy.get("/admin/adapters", headers=auth(ADMIN))).json()
+    assert state["others_trained"] is False
+    con = open_db(tmp_path / "data")
+    try:
+        for name in ("policy", "research"):
+            assert PolicyScope.of(name, state).groups(con, [group, "base"]) == set(), name
+    finally:
+        con.close()
+    stats = await (await proxy.get("/admin/stats", headers=auth(ADMIN))).json()
+    assert stats["keys"]["research"]["refused"]["group"] == 1
+    assert stats["keys"]["support"]["refused"]["group"] == 1
+
+
+async def test_with_one_policy_the_base_model_trains_it_as_before(make_proxy, tmp_path):
+    """With one policy every key limited to policies has it: the base model trains it."""
+    from overnight.storage import open_db
+    from overnight.trainer.night.live import policy_of
+    from overnight.trainer.night.policy_scope import PolicyScope
+
+    table = (
+        f'[[key]]\nname = "s"\nsha256 = "{key_digest(SUPPORT)}"\npolicies = ["policy"]\n'
+        'models = ["fake-base"]\n'
+    )
+    proxy = await make_proxy(keys_toml=table)
+    state = await (await proxy.get("/admin/adapters")).json()
+    assert state["others_trained"] is True
+    assert (await post_chat(proxy, "fake-base", "b-1", group="x")).status == 200
+    await wait_for_rows(tmp_path / "data", 1)
+    con = open_db(tmp_path / "data")
+    try:
+        assert PolicyScope.of("policy", state).groups(con, ["x"]) == {"x"}
+    finally:
+        con.close()
+    assert policy_of(state) is None  # the watch counts every rollout, as before
+
+
+async def test_a_reused_rollout_id_is_nobodys_by_branch_restart_or_another_worker(keyed, tmp_path):
+    """A second team serving an id another served (as a branch `x.1` of an n=3 request,
+    after a restart, on another worker) gets no reward into it, nor does the first."""
+    data = tmp_path / "data"
+    proxy = await keyed()
+    body, headers = chat("research", "x", key=RESEARCH, group="r")
+    r = await proxy.post("/v1/chat/completions", json={**body, "n": 3}, headers=headers)
+    assert r.status == 200, await r.text()
+    assert (await post_chat(proxy, "policy", "x.1", key=SUPPORT, group="s")).status == 200
+    for key in (SUPPORT, RESEARCH):
+        r = await proxy.post("/v1/rollouts/x.1/reward", json={"reward": 1}, headers=auth(key))
+        assert r.status == 403, key
+    own = await proxy.post("/v1/rollouts/x.2/reward", json={"reward": 1}, headers=auth(RESEARCH))
+    assert own.status == 200  # research's other branches stay its own
+    assert (await post_chat(proxy, "research", "ep-1", key=RESEARCH, group="r")).status == 200
+    await wait_for_rows(data, 5)
+    await proxy.close()  # a restart: ep-1 is in Parquet only
+    assert find_rollout(data, "ep-1") == ("research", "r")
+    second = await keyed()
+    other_worker = await keyed()  # the same directory, another memory
+    assert (await post_chat(second, "policy", "ep-1", key=SUPPORT, group="s")).status == 200
+    assert (await post_chat(second, "research", "ep-2", key=RESEARCH, group="r")).status == 200
+    await wait_for_rows(data, 7)
+    assert (await post_chat(other_worker, "policy", "ep-2", key=SUPPORT, group="s")).status == 200
+    for proxy, rollout in ((second, "ep-1"), (other_worker, "ep-2")):
+        for key in (SUPPORT, RESEARCH):
+            r = await proxy.post(
+                f"/v1/rollouts/{rollout}/reward", json={"reward": 1}, headers=auth(key)
+            )
+            assert r.status == 403, (rollout, key)
+    # The store's answer joins the live logs' (support's ep-1) and Parquet's (research's).
+    assert find_rollout(data, "ep-1") == (None, None)
+    assert stored(data, "rewards") == ["x.2"]
+
+
+async def test_a_non_ascii_rollout_id_is_found_in_the_live_logs(keyed, tmp_path):
+    first, other_worker = await keyed(), await keyed()
+    assert (await post_chat(first, "policy", "épisode-1", key=SUPPORT)).status == 200
+    await wait_for_rows(tmp_path / "data", 1)
+    assert find_rollout(tmp_path / "data", "épisode-1") == ("policy", "g")
+    r = await other_worker.post(
+        "/v1/rollouts/%C3%A9pisode-1/reward", json={"reward": 1}, headers=auth(SUPPORT)
+    )
+    assert r.status == 200, await r.text()
+
+
+async def test_a_refusal_consults_the_store_as_for_an_unknown_id(keyed, monkeypatch):
+    """Another team's remembered id and an unknown one are refused after the same store
+    lookup (the time tells nothing); the key's own remembered id needs one lookup only."""
+    from overnight.proxy.routes import served_rollouts as lookups
+
+    looked: list[str] = []
+
+    def counting(data_dir, rollout_id):
+        looked.append(rollout_id)
+        return find_rollout(data_dir, rollout_id)
+
+    monkeypatch.setattr(lookups, "find_rollout", counting)
+    monkeypatch.setattr(lookups, "CACHE_SECONDS", 0.0)  # every answer looked up again
+    proxy = await keyed()
+    assert (await post_chat(proxy, "policy", "s-1", key=SUPPORT, group="s")).status == 200
+    for key, rollout, status in (
+        (SUPPORT, "s-1", 200),  # the first time: memory and the store merged
+        (SUPPORT, "s-1", 200),  # then memory alone
+        (RESEARCH, "s-1", 403),
+        (RESEARCH, "unknown", 403),
+    ):
+        r = await proxy.post(f"/v1/rollouts/{rollout}/finish", headers=auth(key))
+        assert r.status == status, (key, rollout)
+    assert looked == ["s-1", "s-1", "unknown"]
+
+
+async def test_store_lookups_are_bounded_per_key_and_in_time(keyed, monkeypatch):
+    """While one lookup hangs: a key's next lookup past its cap gets 503 and Retry-After,
+    another key's still waits its turn, until the queue is full; a lookup past its time
+    limit is a 503 too (an unscoped key looks nothing up)."""
+    import threading
+
+    from overnight.proxy.routes import served_rollouts as lookups
+
+    release = threading.Event()
+
+    def hanging(data_dir, rollout_id):
+        release.wait(10)
+        return None
+
+    monkeypatch.setattr(lookups, "find_rollout", hanging)
+    monkeypatch.setattr(lookups, "PER_KEY", 1)
+    monkeypatch.setattr(lookups, "LOOKUP_SECONDS", 30.0)
+    proxy = await keyed()
+    try:
+        first = asyncio.create_task(proxy.post("/v1/rollouts/a/finish", headers=auth(SUPPORT)))
+        served = proxy.app[lookups.SERVED]
+        await await_until(lambda: served.waiting == 1)
+        busy = await proxy.post("/v1/rollouts/b/finish", headers=auth(SUPPORT))
+        assert busy.status == 503 and busy.headers["Retry-After"] == "1"
+        assert (await busy.json())["error"]["code"] == "rollout_lookups_busy"
+        other = asyncio.create_task(proxy.post("/v1/rollouts/c/finish", headers=auth(RESEARCH)))
+        await await_until(lambda: served.waiting == 2)
+        monkeypatch.setattr(lookups, "PER_KEY", 5)
+        monkeypatch.setattr(lookups, "QUEUE", 2)
+        full = await proxy.post("/v1/rollouts/d/finish", headers=auth(SUPPORT))
+        assert full.status == 503  # the queue is full
+        assert (await proxy.post("/v1/rollouts/d/finish", headers=auth(ALL))).status == 200
+        release.set()
+        assert (await first).status == 403 and (await other).status == 403
+        release.clear()
+        monkeypatch.setattr(lookups, "LOOKUP_SECONDS", 0.2)
+        slow = await proxy.post("/v1/rollouts/e/finish", headers=auth(SUPPORT))
+        assert slow.status == 503
+    finally:
+        release.set()
+
+
+async def test_a_key_may_not_continue_or_read_another_policys_response(keyed, tmp_path, received):
+    """support naming research's response as `previous_response_id` is refused (vLLM would
+    prompt with research's conversation), as is reading it back; research continues its
+    own, and after a restart (the chain from the store) still."""
+    proxy = await keyed()
+    research = {**auth(RESEARCH), "X-Rollout-Id": "res-1", "X-Rollout-Group": "r"}
+    body = {"model": "research", "input": "research's prompt"}
+    r = await proxy.post("/v1/responses", json=body, headers=research)
+    assert r.status == 200, await r.text()
+    response_id = (await r.json())["id"]
+    support = {**auth(SUPPORT), "X-Rollout-Id": "sup-1", "X-Rollout-Group": "s"}
+    follow = {"model": "policy", "input": "next", "previous_response_id": response_id}
+    r = await proxy.post("/v1/responses", json=follow, headers=support)
+    assert r.status == 403 and (await r.json())["error"]["code"] == "permission_denied"
+    unknown = {**follow, "previous_response_id": "resp_nowhere"}
+    assert (await proxy.post("/v1/responses", json=unknown, headers=support)).status == 403
+    assert (await proxy.get(f"/v1/responses/{response_id}", headers=auth(SUPPORT))).status == 403
+    own = {**follow, "model": "research"}
+    assert (await proxy.post("/v1/responses", json=own, headers=research)).status == 200
+    await wait_for_rows(tmp_path / "data", 2)
+    await proxy.close()
+    again = await keyed()  # the chain from the store
+    assert (await again.post("/v1/responses", json=follow, headers=support)).status == 403
+    assert (await again.post("/v1/responses", json=own, headers=research)).status == 200
+    sent = [
+        r["body"].get("previous_response_id") for r in received if r["path"].endswith("responses")
+    ]
+    assert sent == [None, response_id, response_id]  # nothing refused reached vLLM
+    requests = rows(tmp_path / "data", "SELECT model_requested, request FROM completions")
+    assert all(
+        "research's prompt" not in r["request"]
+        for r in requests
+        if r["model_requested"] == "policy"
+    )
+
+
+async def test_the_rollouts_memory_keeps_no_clients_model_string(make_proxy):
+    """A model name no limited key may use is remembered as "" (a huge one pins nothing),
+    and the memory stays within its bound when store answers are added too."""
+    from overnight.proxy.routes.keys import SERVED
+
+    table = f'[[key]]\nname = "x"\nsha256 = "{key_digest(SUPPORT)}"\npolicies = ["policy"]\n'
+    proxy = await make_proxy(api_keys=(ALL,), keys_toml=table)
+    big = "m" * 100_000
+    for i in range(3):
+        body, headers = chat(big, f"big-{i}", key=ALL)
+        await proxy.post("/v1/chat/completions", json=body, headers=headers)
+    assert (await post_chat(proxy, "policy", "mine", key=SUPPORT, group="s")).status == 200
+    served = proxy.app[SERVED]
+    assert {served.seen[f"big-{i}"] for i in range(3)} == {("", "g")}
+    assert served.seen["mine"] == ("policy", "s") and served.groups == {"g": "", "s": "policy"}
+    served.capacity = 2
+    for rollout in ("mine", "big-0", "big-1"):  # store answers merged in, kept bounded
+        await proxy.post(f"/v1/rollouts/{rollout}/finish", headers=auth(SUPPORT))
+    assert len(served.seen) <= 2
+
+
+def test_a_keys_file_refuses_unbounded_rates_and_the_empty_keys_digest():
+    zero = "0" * 64
+    bad = {
+        f'sha256 = "{zero}"\nrate = nan': "rate must be",
+        f'sha256 = "{zero}"\nrate = inf': "rate must be",
+        f'sha256 = "{zero}"\nrate = 1e-320\nburst = 1': "rate must be",
+        f'sha256 = "{zero}"\nrate = 1e300': "rate must be",
+        f'sha256 = "{zero}"\nrate = 1\nburst = 10_000_000': "burst must be",
+        f'sha256 = "{hashlib.sha256(b"").hexdigest()}"': "the empty key",
+    }
+    for table, message in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            ProxyConfig(upstream="http://x", keys_toml=f'[[key]]\nname = "a"\n{table}\n')
+    empty_admin = (
+        f'[[admin]]\nname = "a"\npolicy = "policy"\nsha256 = "{hashlib.sha256(b"").hexdigest()}"\n'
+    )
+    with pytest.raises(ConfigError, match="the empty key"):
+        ProxyConfig(upstream="http://x", keys_toml=empty_admin)
+    slow = ProxyConfig(
+        upstream="http://x", keys_toml=f'[[key]]\nname = "a"\nsha256 = "{zero}"\nrate = 1e-6\n'
+    )
+    assert slow.keys[0].bucket == 1

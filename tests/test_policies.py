@@ -323,8 +323,9 @@ def test_a_policys_night_plans_its_own_groups_only(tmp_path):
 
     assert planned("support") == ["s1", "s2"]
     assert planned("research") == ["r1"]
-    # The default policy keeps what asked for no policy (the base model): as before.
-    assert planned("policy") == ["b1", "p1"]
+    # What asked for no policy (the base model) trains none of several: any policy's key
+    # may be let ask for it, and no key steers a policy it may not use.
+    assert planned("policy") == ["p1"]
     assert planned(None) == ["b1", "p1", "r1", "s1", "s2"]  # no proxy: every group
     # Without the proxy's list, a named policy is its own alias's groups.
     alone = PolicyScope.of("support", {})
@@ -332,6 +333,26 @@ def test_a_policys_night_plans_its_own_groups_only(tmp_path):
         "s1",
         "s2",
     ]
+
+
+def test_a_group_mixing_two_policies_trains_neither(tmp_path):
+    """A rollout asking for another policy in a policy's group (across workers, where the
+    proxy does not remember the group) is not the policy's: the group trains nobody,
+    and with one policy the base model's groups train it, as before."""
+    write_groups(tmp_path, {"s1": "support", "s2": "support", "b1": "fake-base"})
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
+    writer.start()
+    writer.append("completions", completion_row("s1.x", "s1", model_requested="research"))
+    writer.close()
+    config = TrainConfig()
+    for name in ("support", "research"):
+        planned = plan_run(tmp_path, config, settle_seconds=600, scope=scope(name)).groups
+        assert "s1" not in planned, name
+    assert sorted(
+        plan_run(tmp_path, config, settle_seconds=600, scope=scope("support")).groups
+    ) == ["s2"]
+    one = PolicyScope.of("policy", {"policies": ["policy"], "others_trained": True})
+    assert "b1" in plan_run(tmp_path, config, settle_seconds=600, scope=one).groups
 
 
 def test_each_policy_reads_its_own_selection_record(tmp_path):
@@ -473,6 +494,73 @@ async def test_ui_pages_per_policy(make_proxy, tmp_path):
     assert "night-support" in runs and "night-policy" not in runs
 
 
+async def test_ui_groups_pages_per_policy(make_proxy, tmp_path):
+    """The groups, a group and a rollout per policy: a group is the policy's whose first
+    turn asked for its alias; what asked for none is no policy's when there are several
+    (storage/policy_scope.py)."""
+    proxy = await make_proxy(policies=("support",))
+
+    async def turn(group: str, rollout: str, model: str) -> None:
+        headers = {"X-Rollout-Group": group, "X-Rollout-Id": rollout}
+        r = await proxy.post("/v1/chat/completions", json=chat(model), headers=headers)
+        assert r.status == 200, await r.text()
+
+    await turn("s-1", "s-1.a", "support")
+    await turn("s-1", "s-1.a", "policy")  # a later turn asks elsewhere: still support's
+    await turn("p-1", "p-1.a", "policy")
+    await turn("b-1", "b-1.a", "fake-base")  # no policy asked for: none of several
+    await wait_for_rows(tmp_path / "data", 4)
+
+    async def page(path: str, status: int = 200, **query) -> str:
+        r = await proxy.get(path, params=query)
+        text = await r.text()
+        assert r.status == status, text
+        return text
+
+    support = await page("/ui", policy="support")
+    assert "1 of 1 group(s) shown" in support
+    assert '<a href="/ui/groups/s-1?policy=support">s-1</a>' in support
+    assert "groups/p-1" not in support and "groups/b-1" not in support
+    assert '<input type="hidden" name="policy" value="support">' in support  # filters stay
+    assert '<a href="/ui/adapters?policy=support">adapters</a>' in support  # so do the links
+    default = await page("/ui", policy="policy")
+    assert "1 of 1 group(s) shown" in default and "groups/s-1" not in default
+    assert "groups/b-1" not in default
+    every = await page("/ui")
+    assert "3 of 3 group(s) shown" in every
+    assert '<a href="/ui?policy=support">support</a>' in every  # the switcher
+    assert "1 of 3 group(s)" in await page("/ui", q="b-")  # filters within
+    assert "0 of 1 group(s)" in await page("/ui", policy="support", q="p-")  # within one
+
+    group = await page("/ui/groups/s-1")
+    assert '<p id="policy">policy <a href="/ui?policy=support">support</a></p>' in group
+    assert 'id="policy"' not in await page("/ui/groups/b-1")  # no policy's
+    assert "s-1.a?policy=support" in await page("/ui/groups/s-1", policy="support")
+    await page("/ui/groups/s-1", 404, policy="policy")  # another policy's group
+    assert "no rollout" in await page("/ui/rollouts/s-1.a", 404, policy="policy")
+    assert "2 turn(s)" in await page("/ui/rollouts/s-1.a", policy="support")
+
+    # A name from the browser that is no policy here: refused, and not said back.
+    for path in ("/ui", "/ui/groups/s-1", "/ui/rollouts/s-1.a", "/ui/runs"):
+        text = await page(path, 404, policy="<script>alert(1)</script>")
+        assert "<script>" not in text and "serves policy, support" in text
+    assert "3 of 3 group(s)" in await page("/ui", policy="")  # empty: every policy
+
+
+def test_ls_and_the_nights_read_one_definition_of_a_policys_groups(tmp_path):
+    """`overnight ls --policy` lists a group by its first turn, as the nights choose it."""
+    write_groups(tmp_path, {"s1": "support", "p1": "policy"})
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
+    writer.start()
+    # A later turn of p1 asks for support: p1 stays the default policy's.
+    writer.append("completions", completion_row("p1.x", "p1", model_requested="support"))
+    writer.close()
+    out = CliRunner().invoke(main, ["ls", "--data", str(tmp_path), "--policy", "support"])
+    assert "group s1:" in out.output and "group p1:" not in out.output, out.output
+    con = open_db(tmp_path)
+    assert PolicyScope("support", default=False).groups(con, ["s1", "p1"]) == {"s1"}
+
+
 def test_live_rewards_and_gate_prompts_are_the_policys_own(tmp_path):
     """The base model serves every policy before its first promotion: the watch and the
     canary count only the policy's own rollouts for it, and the gate's held-out prompts
@@ -572,3 +660,60 @@ def test_a_table_per_policy_in_the_config_file(monkeypatch, tmp_path):
     config.write_text("[policies.support]\njudge_model = 'x'\n")
     out = cli.invoke(main, [*base, "train", "--data", str(tmp_path), "--dry-run"])
     assert out.exit_code != 0 and "[policies.support] has no option ['judge_model']" in out.output
+
+
+async def test_changing_the_default_policy_does_not_hand_it_the_old_ones_adapters(
+    make_proxy, tmp_path
+):
+    """DATA/adapters.json is the default policy's: started with another `--alias`, the
+    proxy refuses, naming the file's policy, instead of serving its adapters as the new."""
+    old = await make_proxy()  # a directory of one alias, `policy`
+    r = await old.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a1")})
+    assert r.status == 200, await r.text()
+    await old.close()
+    with pytest.raises(ConfigError, match="promotion state of policy 'policy', not of 'support'"):
+        await make_proxy(alias="support", policies=("policy",))
+    again = await make_proxy(alias="policy", policies=("support",))  # as it was: serves it
+    state = await (await again.get("/admin/adapters")).json()
+    assert state["alias"] == "policy" and len(state["stack"]) == 1
+
+
+def test_a_policy_may_not_be_named_as_the_base_model_or_another_policys_adapter():
+    for policies, base in ((("fake-base",), "fake-base"), (("policy-v1-abcdef",), None)):
+        with pytest.raises(ConfigError, match="name the policy otherwise|name it otherwise"):
+            ProxyConfig(upstream="http://x", policies=policies, base_model=base)
+    assert ProxyConfig(upstream="http://x", base_model="fake-base").policies == ()  # one: as before
+
+
+async def test_a_request_naming_a_policys_adapter_is_in_that_policys_flight(
+    make_proxy, fake_settings
+):
+    """Asked for by its versioned name, research's adapter is counted in research's
+    flight (its drain waits for the request), not the default policy's."""
+    proxy = await make_proxy(policies=("research",))
+    fake_settings["delay"] = 0.5
+    name = "research-v1-abcdef"
+    body = {"model": name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    slow = asyncio.create_task(proxy.post("/v1/chat/completions", json=body))
+
+    async def flight(policy: str) -> dict:
+        return (await (await proxy.get("/admin/adapters", params={"policy": policy})).json())[
+            "in_flight"
+        ]
+
+    await await_until(lambda: flight("research"), what="the request in research's flight")
+    assert (await flight("research")) == {name: 1} and (await flight("policy")) == {}
+    assert (await slow).status == 200
+    assert await flight("research") == {}
+
+
+def test_a_rollout_with_a_turn_of_another_model_is_not_the_policys_live_reward(tmp_path):
+    write_groups(tmp_path, {"s1": "support"})
+    writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0))
+    writer.start()  # a later turn of s1.0 asked for research (served the same name)
+    writer.append(
+        "completions",
+        completion_row("s1.0", "s1", model_requested="research", model_served="support"),
+    )
+    writer.close()
+    assert live_rewards(tmp_path, ("agent",), requested="support") == {"support": [0.0]}

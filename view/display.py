@@ -16,6 +16,7 @@ import duckdb
 from overnight.config import LOGPROB_GAP_WARNING
 from overnight.errors import OvernightError
 from overnight.storage import conditional, segment_store
+from overnight.storage.policy_scope import PolicyScope
 
 
 def _table(headers: list[str], rows: list[tuple]) -> str:
@@ -83,9 +84,12 @@ def list_groups(
     """`overnight ls`: the newest groups (of those that asked for `policy`'s alias), each
     with the model its turns asked for (the policy) and its rollouts."""
     columns = "group_id, rollouts, turns, tokens, mean_reward, finished, models_served, ended_at"
-    # A policy is the alias a group's turns asked for (`model_requested`).
-    where = ["group_id IN (SELECT group_id FROM completions WHERE model_requested = ?)"]
-    where, args = (where, [policy]) if policy is not None else ([], [])
+    # A policy's groups are those whose first turn asked for its alias, as its nights
+    # choose them (storage/policy_scope.py; offline, no proxy says which others exist).
+    where, args = [], []
+    if policy is not None:
+        condition, args = PolicyScope(policy, default=False).group_condition()
+        where = [condition]
     if group:
         groups = con.execute(
             f"SELECT {columns} FROM groups WHERE group_id = ? AND {' AND '.join(['TRUE', *where])}",

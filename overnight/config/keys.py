@@ -41,6 +41,9 @@ KEY_FIELDS = frozenset(
     | {"concurrency"}
 )
 ADMIN_FIELDS = frozenset({"name", "sha256", "key_env", "policy"})
+MIN_RATE = 1e-6  # requests a second: one in about eleven days
+MAX_COUNT = 1_000_000  # the most a rate, a burst or a concurrency may say
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 
 
 def key_digest(key: str) -> str:
@@ -143,11 +146,16 @@ def _key(t: dict, where: str) -> ScopedKey:
     if models and policies is None:
         raise ConfigError(f"{where}: models widen a key limited to policies; give policies too")
     rate, burst, concurrency = t.get("rate"), t.get("burst"), t.get("concurrency")
-    if rate is not None and (_not_number(rate, int | float) or rate <= 0):
-        raise ConfigError(f"{where}: rate must be a positive number of requests a second")
+    # Bounded both ways: nan or inf would be no limit at all, and a tiny or huge rate
+    # overflows the wait a 429 names (math.ceil).
+    if rate is not None and (_not_number(rate, int | float) or not MIN_RATE <= rate <= MAX_COUNT):
+        raise ConfigError(
+            f"{where}: rate must be a number of requests a second from {MIN_RATE:g} to "
+            f"{MAX_COUNT:g}"
+        )
     for label, value in (("burst", burst), ("concurrency", concurrency)):
-        if value is not None and (_not_number(value, int) or value < 1):
-            raise ConfigError(f"{where}: {label} must be a whole number >= 1")
+        if value is not None and (_not_number(value, int) or not 1 <= value <= MAX_COUNT):
+            raise ConfigError(f"{where}: {label} must be a whole number from 1 to {MAX_COUNT}")
     if burst is not None and rate is None:
         raise ConfigError(f"{where}: burst needs a rate")
     return ScopedKey(
@@ -185,6 +193,8 @@ def _digest(t: dict, where: str) -> str:
         return key_digest(value)
     if not isinstance(digest, str) or not _SHA256.fullmatch(digest.strip().lower()):
         raise ConfigError(f'{where}: sha256 must be 64 hex digits (printf %s "$KEY" | sha256sum)')
+    if digest.strip().lower() == EMPTY_DIGEST:  # `Authorization: Bearer ` would match it
+        raise ConfigError(f"{where}: sha256 is the digest of the empty key; hash the key itself")
     return digest.strip().lower()
 
 

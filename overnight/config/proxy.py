@@ -375,6 +375,21 @@ class ProxyConfig:
                 )
         if len(set(names)) != len(names):
             raise ConfigError(f"a policy is given twice: {list(names)}")
+        every = (self.alias, *(n for n in names if n != self.alias))
+        # A request names a policy, the base model or an adapter (`NAME-v3-9c1e2a`,
+        # proxy/adapters/serving.py): no name may be two of these.
+        if len(every) > 1 and self.base_model in every:
+            raise ConfigError(
+                f"policy {self.base_model!r} is the base model's name: its requests would "
+                "train that policy; name the policy otherwise"
+            )
+        for name in every:
+            for other in every:
+                if other != name and re.fullmatch(rf"{re.escape(other)}-v\d+-[0-9a-f]{{6}}", name):
+                    raise ConfigError(
+                        f"policy {name!r} looks like an adapter of policy {other!r} "
+                        f"({other}-vN-xxxxxx); name it otherwise"
+                    )
         object.__setattr__(self, "policies", names)
 
     def _check_upstreams(self) -> None:

@@ -15,8 +15,8 @@ directory needs no migration.
 
 Versioned adapter names start with the policy (`support-v3-9c1e2a`): vLLM's adapter
 names are one namespace for all of them. Requests for any other model name (the base
-model) pass through untrained, as before. What the replicas must serve before they are
-live is every policy's adapter (`Serving.siblings`). Pruning adapters is of the data
+model) pass through, untrained when there are several policies (storage/policy_scope.py).
+What the replicas must serve before they are live is every policy's adapter (`Serving.siblings`). Pruning adapters is of the data
 directory: a prune through any policy keeps what every policy needs.
 """
 
@@ -53,6 +53,10 @@ class Policies:
         follow_interval: float = 1.0,
     ):
         self.default = names[0]
+        # Whether the default policy's nights train on what asked for no policy (the base
+        # model): with one policy only, where every key limited to policies has it
+        # (storage/policy_scope.py).
+        self.others_trained = len(names) == 1
         self.by_name: dict[str, AdapterRegistry] = {}
         for name in names:
             path = promotions.state_path(data_dir, name, self.default)
@@ -98,13 +102,19 @@ class Policies:
 
     def route(self, requested: str | None, key: str | None = None) -> Route:
         """The alias's adapter (or its canary, or the base model before a promotion); any
-        other name passes through (counted in the default registry's flight)."""
-        registry = self.by_name.get(requested) if requested is not None else None
-        return (registry or self.by_name[self.default]).route(requested, key)
+        other name passes through, counted in the flight of the policy whose adapter it
+        names (`support-v3-9c1e2a`: its drain waits for it), else the default's."""
+        return self._owner(requested).route(requested, key)
 
     def release(self, route: Route) -> None:
-        registry = self.by_name.get(route.policy) if route.policy is not None else None
-        (registry or self.by_name[self.default]).release(route)
+        self._owner(route.policy or route.served).release(route)
+
+    def _owner(self, name: str | None) -> AdapterRegistry:
+        registry = self.by_name.get(name) if name is not None else None
+        if registry is None and name is not None and len(self.by_name) > 1:
+            named = promotions.ADAPTER_NAME.fullmatch(name)
+            registry = self.by_name.get(named.group(1)) if named else None
+        return registry or self.by_name[self.default]
 
     def notice_missing(self, served: str) -> None:
         for registry in self.by_name.values():
@@ -139,7 +149,12 @@ class Policies:
 
     def describe(self, name: str | None = None) -> dict:
         """One policy's state (the default's without `name`), with the list of policies."""
-        return {**self.get(name).describe(), "policies": self.names, "default": self.default}
+        return {
+            **self.get(name).describe(),
+            "policies": self.names,
+            "default": self.default,
+            "others_trained": self.others_trained,
+        }
 
     def describe_all(self) -> dict[str, dict]:
         return {name: registry.describe() for name, registry in self.by_name.items()}

@@ -7,6 +7,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from .state_file import StateFile
 EVENTS_KEPT = 200  # promotions, rollbacks and canary decisions kept in adapters.json
 STATE_FILE = "adapters.json"
 POLICIES_DIR = "policies"  # DATA/policies/NAME/adapters.json: a policy but the default's
+# A versioned adapter's name: its policy, its version, six hex digits (serving.py).
+ADAPTER_NAME = re.compile(r"(.+)-v\d+-[0-9a-f]{6}")
 
 
 def state_path(data_dir: Path, policy: str, default: str) -> Path:

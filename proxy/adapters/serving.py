@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from overnight.errors import ConfigError
 from overnight.proxy.forward.balancer import Balancer, Replica
 
 from . import loading, promotions
@@ -82,6 +83,15 @@ class Serving:
         self.siblings: list[Serving] = [self]
         balancer.on_down = lambda _replica: self._wake.set()
         self._stamp, state = self.shared.initial()
+        if state.get("alias") not in (None, alias):
+            # Which file is a policy's follows from which is the default (policies.py):
+            # changing --alias would hand the old default's adapters to the new one.
+            raise ConfigError(
+                f"{self.state_path} is the promotion state of policy {state['alias']!r}, "
+                f"not of {alias!r}: the default policy (--alias) keeps DATA/adapters.json; "
+                f"start with --alias {state['alias']} (and --policy {alias}), or move the "
+                f"file aside to start {alias!r} from the base model"
+            )
         self._take(state)
         self._unreachable = False  # the shared state could not be read at the last look
 

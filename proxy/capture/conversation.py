@@ -79,6 +79,7 @@ ABSENT_KEPT = 10_000
 class Chain:
     messages: list[dict]  # what a continuation carries over (`carried_over`)
     missing: str | None = None  # a response id further back whose history is unknown
+    model: str | None = None  # the model it asked for: a scoped key continues its own only
 
 
 class ResponseChains:
@@ -109,9 +110,16 @@ class ResponseChains:
             self.chains.move_to_end(response_id)
         return found
 
-    def remember(self, response_id: str, conversation: list[dict], missing: str | None = None):
-        """`conversation`: the request's messages, then, last, its reply."""
-        self._keep(response_id, Chain(carried_over(conversation), missing))
+    def remember(
+        self,
+        response_id: str,
+        conversation: list[dict],
+        missing: str | None = None,
+        model: str | None = None,
+    ):
+        """`conversation`: the request's messages, then, last, its reply; `model`: what
+        the request asked for (its policy's alias)."""
+        self._keep(response_id, Chain(carried_over(conversation), missing, model))
 
     def _keep(self, response_id: str, chain: Chain) -> None:
         old = self.chains.pop(response_id, None)
@@ -201,7 +209,8 @@ def stored_chain(index: ResponseIndex, response_id: str) -> Chain | None:
     if response.get("id") != response_id:
         return None
     reply = ((response.get("choices") or [{}])[0]).get("message") or {}
-    return Chain(carried_over([*request["messages"], reply]), request.get("history_missing"))
+    messages = carried_over([*request["messages"], reply])
+    return Chain(messages, request.get("history_missing"), request.get("model"))
 
 
 CHAINS = web.AppKey("response_chains", ResponseChains)

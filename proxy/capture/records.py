@@ -91,6 +91,16 @@ def completion_rows(
     return rows
 
 
+def add_key_note(rows: list[dict], note: dict | None) -> None:
+    """A scoped key's note (routes/keys.py `record_note`) in the rows' `notes`: its name on
+    every choice's row, its refusals on the first only, so a sum over rows counts each once."""
+    if note is None:
+        return
+    for i, row in enumerate(rows):
+        extra = note if i == 0 else {"key": note["key"]}
+        row["notes"] = {**(row.get("notes") or {}), **extra}
+
+
 def _ids_note(acc, state: ChoiceState | None) -> str | None:
     """Why a choice's record is not token-exact, when the capture knows (else None)."""
     note = getattr(acc, "note", None)

@@ -35,7 +35,13 @@ from overnight.proxy.capture.conversation import (
     messages_request,
     resolve_responses_request,
 )
-from overnight.proxy.capture.records import completion_rows, finish_row, parse_reward, reward_row
+from overnight.proxy.capture.records import (
+    add_key_note,
+    completion_rows,
+    finish_row,
+    parse_reward,
+    reward_row,
+)
 from overnight.proxy.capture.redact import REDACTOR
 from overnight.proxy.capture.state import Capture
 from overnight.proxy.forward.jsonio import read_json_object
@@ -45,7 +51,7 @@ from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import MAINTENANCE, POLICIES, STATS, TURNS, WRITER
 from overnight.storage import now_us
 
-from .keys import check_completion, check_rollout, remember
+from .keys import check_chain, check_completion, check_rollout, record_note, remember
 from .relay import CLIENT_LEFT_EARLY, forward, passthrough
 
 log = logging.getLogger("overnight.proxy")
@@ -111,6 +117,8 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         group, rollout = request.match_info.get("group"), request.match_info.get("rollout")
         who = attribute(request.headers, group, rollout, body)
         check_completion(request, body.get("model"), who)  # a scoped key's policies, groups
+        if endpoint == RESPONSES:  # nor another policy's Responses chain
+            await check_chain(request, body, app[CHAINS])
     except OvernightError as e:  # refused before anything was forwarded: counted here
         metrics = app.get(METRICS)
         if metrics is not None:
@@ -177,9 +185,9 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             _remember_chain(app, capture)
         # Built once the response is on its way (aiohttp writes it before this task next
         # yields), so a burst of answers is not held up by the records of the earlier ones.
-        asyncio.get_running_loop().call_soon(
-            _record, app, capture, who, started, logging_enabled(request.headers)
-        )
+        logged = logging_enabled(request.headers)
+        note = record_note(request)  # a scoped key's name and refusals, for its record
+        asyncio.get_running_loop().call_soon(_record, app, capture, who, started, logged, note)
 
 
 async def _as_chat(app: web.Application, endpoint: str, body: dict) -> dict:
@@ -196,11 +204,17 @@ def _remember_chain(app: web.Application, capture: Capture) -> None:
         return
     reply = capture.acc.response(0)["choices"][0]["message"]
     missing = capture.request_body.get("history_missing")
-    app[CHAINS].remember(response_id, [*capture.request_body["messages"], reply], missing)
+    model = capture.request_body.get("model")
+    app[CHAINS].remember(response_id, [*capture.request_body["messages"], reply], missing, model)
 
 
 def _record(
-    app: web.Application, capture: Capture, who: Attribution, started: int, logged: bool
+    app: web.Application,
+    capture: Capture,
+    who: Attribution,
+    started: int,
+    logged: bool,
+    key_note: dict | None = None,
 ) -> None:
     metrics = app.get(METRICS)  # absent with --no-metrics
     if metrics is not None:  # first: its clock stops when the answer was written
@@ -215,6 +229,7 @@ def _record(
             logged=logged,
             proxy_id=writer.writer_id,
         )
+        add_key_note(rows, key_note)
     except Exception:  # a response of a shape the capture did not foresee: say so loudly
         log.exception("could not build the record of request %s", capture.request_id)
         if capture.span is not None:

@@ -6,30 +6,40 @@ Without a scope a key may do what any client key could (plain `--api-key` keys a
 A scoped key:
 - asks only for its policies (the aliases) and the other model names it lists, in groups
   that start with one of its prefixes; anything else is refused with 403 before it is
-  forwarded (no record: nothing was served; the refusal is counted);
+  forwarded (no record: nothing was served; the refusal is counted); nor in a group this
+  process first served under a model the key may not use (its rollouts would train that
+  policy; remembered beside the rollouts, bounded: the nights train a group mixing two
+  policies for neither, storage/policy_scope.py);
 - posts a reward or finish only for a rollout served under one of those, in one of those
   groups. Which model and group a rollout was served under is remembered here for the
-  rollouts this process served (bounded), and looked up in the store for the others
-  (another worker's, or before a restart: storage/rollout_lookup.py, off the event loop).
-  A rollout not found, or served under two models, is refused like another policy's:
-  one answer for both, so a key cannot probe which rollout ids other teams use;
+  rollouts this process served (bounded), and looked up in the store (storage/
+  rollout_lookup.py, off the event loop) for the others, and once for each of its own
+  too: another worker, or this directory before a restart, may have served the same id.
+  A rollout not found, or served under two models or groups (a branch `r.1` of an n > 1
+  request and an `r.1` of its own included), is refused like another policy's: one
+  answer, after the same store lookup, for both, so a key cannot probe which rollout ids
+  other teams use, by the answer nor by its time (`ServedRollouts`);
+- continues (`previous_response_id`) only a Responses chain begun under a model it may
+  use, and reads no stored response (`GET /v1/responses/{id}`) when limited to policies;
 - is limited, when its table says so, to a request rate (a token bucket: `rate` a
   second, `burst` at once) and a number of requests in flight; over either it gets 429
   with `Retry-After`, as OpenAI and LiteLLM answer, and the refusal is counted.
 
-The limits are per proxy process: under `--workers N` each worker keeps its own.
+Counted in the metrics and /admin/stats, and in the records: each completion record a
+scoped key made names it in its `notes` (`key`), and its first row carries the key's
+refusals by reason since its previous record in this process (`key_refused`), so
+`overnight sql` sums them per key (`record_note`; docs/operations.md).
+
+Under `--workers N` the rate holds across the workers (one bucket per key in a file they
+all map: key_buckets.py); the concurrency cap, and the counts, are per worker.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import logging
 import math
-import re
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 from prometheus_client import Counter
@@ -39,17 +49,18 @@ from overnight.config.keys import ScopedKey
 from overnight.errors import OvernightError
 from overnight.proxy.capture.attribution import Attribution
 from overnight.proxy.observe.metrics import METRICS, Metrics
-from overnight.storage.rollout_lookup import DAYS, find_rollout
+from overnight.storage.rollout_lookup import DAYS
+
+from .key_buckets import LocalBucket, SharedSlot, buckets_for
+from .served_rollouts import SERVED, ServedRollouts
 
 log = logging.getLogger("overnight.proxy")
 
-BRANCH = re.compile(r"\.\d+$")  # `r.3`: the fourth choice of rollout `r` (attribution.py)
 REASONS = ("model", "group", "rollout", "path", "rate", "concurrency")
 # Where the proxy reads the model asked for (and records the answer). Elsewhere a POST
 # passes through unread (embeddings, tokenize, ...): its model could be another
 # policy's adapter by its versioned name, so a key limited to policies may not POST there.
 SCOPED_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
-MISS_SECONDS = 5.0  # an id not found is looked up again after this (it may be written since)
 
 
 class KeyForbidden(OvernightError):
@@ -72,10 +83,10 @@ class LiveKey:
     """One scoped key while the proxy runs: its scope, its bucket, its requests in flight
     and what it was refused."""
 
-    __slots__ = ("name", "allowed", "prefixes", "rate", "size", "tokens", "stamp", "cap")
-    __slots__ += ("in_flight", "requests", "refused", "scoped")
+    __slots__ = ("name", "allowed", "prefixes", "rate", "size", "bucket", "cap")
+    __slots__ += ("in_flight", "requests", "refused", "scoped", "unrecorded")
 
-    def __init__(self, spec: ScopedKey):
+    def __init__(self, spec: ScopedKey, bucket: LocalBucket | SharedSlot | None = None):
         self.name = spec.name
         self.allowed = (
             None if spec.policies is None else frozenset(spec.policies) | frozenset(spec.models)
@@ -83,10 +94,12 @@ class LiveKey:
         self.prefixes = spec.group_prefixes
         self.scoped = self.allowed is not None or self.prefixes is not None
         self.rate, self.size = spec.rate, spec.bucket
-        self.tokens, self.stamp = float(self.size), time.monotonic()
+        # Its rate's (key_buckets.py): under --workers N the one every worker shares.
+        self.bucket = bucket
         self.cap = spec.concurrency
         self.in_flight = self.requests = 0
         self.refused = dict.fromkeys(REASONS, 0)
+        self.unrecorded: dict[str, int] = {}  # refusals not yet on a record, by reason
 
     def may_use(self, model: str | None) -> bool:
         return self.allowed is None or model in self.allowed
@@ -108,12 +121,9 @@ class LiveKey:
                     retry_after=1,
                 ),
             )
-        if self.rate is not None:
-            now = time.monotonic()
-            self.tokens = min(self.size, self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-            if self.tokens < 1.0:
-                wait = (1.0 - self.tokens) / self.rate
+        if self.bucket is not None:
+            wait = self.bucket.take()
+            if wait > 0.0:
                 headers = {
                     "x-ratelimit-limit-requests": str(self.size),
                     "x-ratelimit-remaining-requests": "0",
@@ -126,7 +136,6 @@ class LiveKey:
                     headers=headers,
                 )
                 raise refuse(request, self, "rate", error)
-            self.tokens -= 1.0
         self.in_flight += 1
         self.requests += 1
 
@@ -139,7 +148,8 @@ class KeyRing:
 
     def __init__(self, config: ProxyConfig):
         self.plain = tuple(k.encode("utf-8", "surrogatepass") for k in config.api_keys)
-        self.live = tuple(LiveKey(k) for k in config.keys)
+        buckets = buckets_for(config)  # shared by the workers under --workers N
+        self.live = tuple(LiveKey(k, b) for k, b in zip(config.keys, buckets, strict=True))
         self.digests = tuple(bytes.fromhex(k.sha256) for k in config.keys)
         self.required = bool(self.plain or self.live)  # else no client auth at all
         self._counter: Counter | None = None
@@ -190,6 +200,7 @@ KEYS = web.AppKey("keys", KeyRing)
 def refuse(request: web.Request, key: LiveKey, reason: str, error: OvernightError):
     """Count a refusal (here and in the metrics); the error, for the caller to raise."""
     key.refused[reason] += 1
+    key.unrecorded[reason] = key.unrecorded.get(reason, 0) + 1
     ring, metrics = request.app.get(KEYS), request.app.get(METRICS)  # no METRICS: --no-metrics
     if ring is not None and metrics is not None:
         try:
@@ -199,9 +210,25 @@ def refuse(request: web.Request, key: LiveKey, reason: str, error: OvernightErro
     return error
 
 
+def record_note(request: web.Request) -> dict | None:
+    """What a completion's record says of its scoped key: its name, and its refusals since
+    its previous record (taken: the next record starts from none). None for no such key
+    (plain `--api-key` keys have no name)."""
+    key = request.get(KEY)
+    if key is None:
+        return None
+    note: dict = {"key": key.name}
+    if key.unrecorded:
+        note["key_refused"], key.unrecorded = key.unrecorded, {}
+    return note
+
+
 def check_path(request: web.Request, key: LiveKey, path: str) -> None:
-    """Refuse a POST of a key limited to policies outside the routes that check them."""
-    if key.allowed is None or request.method != "POST":
+    """Refuse a POST of a key limited to policies outside the routes that check them, and
+    any request for a stored response (`/v1/responses/{id}`: vLLM answers any policy's)."""
+    if key.allowed is None:
+        return
+    if request.method != "POST" and not path.startswith("/v1/responses/"):
         return
     if path.endswith(SCOPED_POSTS) or path.startswith("/v1/rollouts/"):
         return
@@ -232,6 +259,42 @@ def check_completion(request: web.Request, model: str | None, who: Attribution) 
                 f"{list(key.prefixes)}; send X-Rollout-Group with one (got {group!r:.100})"
             ),
         )
+    # A rollout added to another policy's group would be trained as that policy's: the
+    # group is refused when it was first served under a model this key may not use.
+    served = request.app.get(SERVED)
+    first = None if served is None or group is None else served.groups.get(group)
+    if first is not None and not key.may_use(first):
+        raise refuse(
+            request,
+            key,
+            "group",
+            KeyForbidden(
+                f"key {key.name!r} may not serve in rollout group {group!r:.100}: it was "
+                f"started under a model this key may not use; start a group of its own"
+            ),
+        )
+
+
+async def check_chain(request: web.Request, body: dict, chains) -> None:
+    """Refuse a scoped key's Responses request continuing (`previous_response_id`) a chain
+    begun under a model the key may not use: vLLM would prompt with the other team's
+    conversation, and its record would hold it. A chain the proxy does not know (not in
+    memory nor the store, or not found in time) is refused too: whose it is is unknown."""
+    key = request.get(KEY)
+    previous = body.get("previous_response_id")
+    if key is None or key.allowed is None or not previous:
+        return
+    chain = await chains.find(previous)
+    if chain is None or not key.may_use(chain.model):
+        raise refuse(
+            request,
+            key,
+            "model",
+            KeyForbidden(
+                f"key {key.name!r} may not continue response {previous!r:.100}: it was not "
+                f"answered under a model of this key (or is not known to this proxy)"
+            ),
+        )
 
 
 async def check_rollout(request: web.Request, rollout_id: str) -> None:
@@ -240,8 +303,13 @@ async def check_rollout(request: web.Request, rollout_id: str) -> None:
     if key is None or not key.scoped:
         return
     served = request.app.get(SERVED)
-    found = None if served is None else await served.find(rollout_id)
+    if served is None:
+        found, looked = None, True
+    else:
+        found, looked = await served.find(rollout_id, key.name)
     if found is None or not (key.may_use(found[0]) and key.may_group(found[1])):
+        if not looked:  # the store consulted as for an unknown id: the time tells nothing
+            await served.from_store(rollout_id, key.name)
         raise refuse(
             request,
             key,
@@ -252,56 +320,6 @@ async def check_rollout(request: web.Request, rollout_id: str) -> None:
                 f"directory, in the last {DAYS} days)"
             ),
         )
-
-
-class ServedRollouts:
-    """Rollout id -> (model asked for, group) of the rollouts served here, bounded, most
-    recent last; the store for the others. A rollout served under two models or groups
-    is remembered as (None, None): no scoped key may post for it."""
-
-    def __init__(self, data_dir, capacity: int = 100_000):
-        self.data_dir = data_dir
-        self.capacity = capacity
-        self.seen: dict[str, tuple[str | None, str | None]] = {}
-        self.misses: dict[str, float] = {}  # id -> when it was not found; bounded
-        self._pool: ThreadPoolExecutor | None = None  # one lookup at a time
-
-    def remember(self, rollout_id: str, model: str | None, group: str) -> None:
-        """Called for every completion routed (any key's), when scoped keys exist."""
-        before = self.seen.pop(rollout_id, None)
-        self.seen[rollout_id] = (model, group) if before in (None, (model, group)) else (None, None)
-        self.misses.pop(rollout_id, None)
-        if len(self.seen) > self.capacity:
-            del self.seen[next(iter(self.seen))]
-
-    async def find(self, rollout_id: str) -> tuple[str | None, str | None] | None:
-        found = self.seen.get(rollout_id)
-        if found is None:  # `r.2` of a request with n > 1 was remembered as `r`
-            base = BRANCH.sub("", rollout_id)
-            found = self.seen.get(base) if base != rollout_id else None
-        if found is not None:
-            return found
-        missed = self.misses.get(rollout_id)
-        if missed is not None and time.monotonic() - missed < MISS_SECONDS:
-            return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="overnight-rollouts")
-        loop = asyncio.get_running_loop()
-        found = await loop.run_in_executor(self._pool, find_rollout, self.data_dir, rollout_id)
-        if found is None:
-            self.misses[rollout_id] = time.monotonic()
-            while len(self.misses) > 10_000:
-                del self.misses[next(iter(self.misses))]
-        else:
-            self.seen.setdefault(rollout_id, found)
-        return found
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-SERVED = web.AppKey("served_rollouts", ServedRollouts)
 
 
 def remember(request: web.Request, who: Attribution, request_id: str, model: str | None) -> None:
@@ -317,7 +335,8 @@ def install(app: web.Application, config: ProxyConfig, keys: KeyRing) -> None:
     rollouts' memory (closed with the app)."""
     app[KEYS] = keys
     if config.keys:
-        app[SERVED] = served = ServedRollouts(config.data_dir)
+        names = frozenset(config.policy_names).union(*(k.models for k in config.keys))
+        app[SERVED] = served = ServedRollouts(config.data_dir, names=names)
 
         async def close(_app: web.Application) -> None:
             served.close()

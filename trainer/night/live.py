@@ -31,8 +31,11 @@ def rewards_of(state: dict, path: str | None, by_served: dict[str, list[float]])
 def policy_of(state: dict) -> str | None:
     """The alias whose traffic alone counts for `state`'s adapters when the proxy serves
     several policies (the base model serves them all: its rewards must be the policy's
-    own); None with one policy, where every rollout counts, as before policies."""
-    return state.get("alias") if len(state.get("policies") or []) > 1 else None
+    own), or with one when a key limited to other models could steer it (`others_trained`:
+    storage/policy_scope.py); None with one policy otherwise, where every rollout counts,
+    as before policies."""
+    several = len(state.get("policies") or []) > 1
+    return state.get("alias") if several or state.get("others_trained") is False else None
 
 
 def live_rewards(
@@ -40,14 +43,15 @@ def live_rewards(
 ) -> dict[str, list[float]]:
     """Rewards of rollouts served by one model name throughout, by that name; with `since`
     (an ISO time), only rollouts that began then or later; with `requested`, only those
-    that asked for that alias (a policy's: policy_of)."""
-    only = "AND model_requested = ? " if requested is not None else ""
+    that asked for that alias throughout (a policy's: policy_of; a rollout with a turn
+    that asked for another model is not the policy's)."""
+    only = "AND bool_and(coalesce(model_requested = ?, FALSE)) " if requested is not None else ""
     con = open_db(data_dir)
     try:
         served = con.execute(
             "SELECT rollout_id, min(model_served) FROM completions "
             "WHERE logged AND error IS NULL AND rollout_id IS NOT NULL AND model_served IS NOT NULL "
-            f"{only}GROUP BY rollout_id HAVING min(model_served) = max(model_served) "
+            f"GROUP BY rollout_id HAVING min(model_served) = max(model_served) {only}"
             "AND min(started_at) >= CAST(? AS TIMESTAMPTZ)",
             [*([requested] if requested is not None else []),
              since or "1970-01-01T00:00:00+00:00"],

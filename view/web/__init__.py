@@ -6,6 +6,9 @@
     /ui/adapters              adapter versions: the promotion stack, and when each served
     /ui/runs                  training runs, with reward and loss curves
 
+Every page takes `?policy=NAME`, one of the proxy's policies (policies.py): that policy's
+groups, adapters and runs, and links that keep to it.
+
 Plain HTML and inline SVG, no script and nothing fetched: it works on a machine with
 no network, and a filter is a link that can be shared. Each page opens its own DuckDB
 over the Parquet segments and live logs (as `overnight ls` does), in a worker thread
@@ -17,8 +20,8 @@ or once as `?token=`, which the middleware answers with a random session id in t
 `COOKIE`), else loopback clients only.
 
 The pages live in groups.py (the traffic) and training.py (adapters, runs); they stand on
-frame.py (the page frame, tables, escaping) and data.py (the keys the mounter sets, the
-query off the loop).
+frame.py (the page frame, tables, escaping), data.py (the keys the mounter sets, the
+query off the loop) and policies.py (which policy a page shows).
 """
 
 from __future__ import annotations

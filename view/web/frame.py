@@ -53,10 +53,15 @@ def stamp(value) -> str:
     return esc(value)
 
 
-def html_page(request: web.Request, title: str, body: str) -> web.Response:
+def html_page(
+    request: web.Request, title: str, body: str, policy: str | None = None
+) -> web.Response:
+    """A page; `policy` (one of the proxy's, checked): the header's links stay on it."""
+    q = "" if policy is None else f"?policy={esc(quote(policy, safe=''))}"
+    shown = "" if policy is None else f" &middot; policy <strong>{esc(policy)}</strong>"
     text = f"""<!doctype html><html><head><meta charset="utf-8"><title>{esc(title)} - overnight</title>
-<style>{STYLE}</style></head><body><header><strong>overnight</strong> &nbsp;
-<a href="/ui">groups</a><a href="/ui/adapters">adapters</a><a href="/ui/runs">training runs</a>
+<style>{STYLE}</style></head><body><header><strong>overnight</strong>{shown} &nbsp;
+<a href="/ui{q}">groups</a><a href="/ui/adapters{q}">adapters</a><a href="/ui/runs{q}">training runs</a>
 </header><main><h1>{esc(title)}</h1>{body}</main></body></html>"""
     # `/ui?token=...` once: the proxy's middleware answers it with the COOKIE, a session id.
     return web.Response(text=text, content_type="text/html")

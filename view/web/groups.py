@@ -5,7 +5,9 @@
     /ui/rollouts/{rollout}    one conversation turn by turn, tool calls included
 
 A filter is a link that can be shared: the groups page's filters are its query
-parameters, checked (`BadFilter`, a 400) before they become SQL parameters.
+parameters, checked (`BadFilter`, a 400) before they become SQL parameters. Each page
+takes `?policy=NAME` (policies.py): the groups whose first turn asked for that policy,
+as its nights choose them (storage/policy_scope.py); its links keep the policy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from overnight.view.display import load_rollout, message_parts, newest_groups
 
 from .data import UNCAPTURED, query
 from .frame import esc, html_page, html_table, num, stamp, url_segment
+from .policies import Chosen, chosen_policy, is_policys, owner, policy_links
 
 # -- groups ---------------------------------------------------------------------------
 
@@ -85,7 +88,7 @@ def _group_filters(request: web.Request) -> GroupFilters:
     return GroupFilters(search, adapter, status, limit, where, args)
 
 
-def _filter_form(request: web.Request, f: GroupFilters, adapters: list[str]) -> str:
+def _filter_form(request: web.Request, f: GroupFilters, adapters: list[str], chosen: Chosen) -> str:
     options = "".join(
         f'<option value="{esc(s)}"{" selected" if s == f.status else ""}>{esc(s)}</option>'
         for s in STATUSES
@@ -94,30 +97,40 @@ def _filter_form(request: web.Request, f: GroupFilters, adapters: list[str]) -> 
         f'<option value="{esc(a)}"{" selected" if a == f.adapter else ""}>{esc(a)}</option>'
         for a in adapters
     )
-    return f"""<form class="filters" method="get" action="/ui">
+    # The policy rides along as a hidden field: filtering stays within it.
+    policy = (
+        f'<input type="hidden" name="policy" value="{esc(chosen.name)}">' if chosen.name else ""
+    )
+    return f"""<form class="filters" method="get" action="/ui">{policy}
 <label>group id contains<input name="q" value="{esc(f.search)}"></label>
 <label>served by<select name="adapter">{adapter_options}</select></label>
 <label>status<select name="status">{options}</select></label>
 <label>mean reward from<input name="min_reward" size="5" value="{esc(request.query.get("min_reward", ""))}"></label>
 <label>to<input name="max_reward" size="5" value="{esc(request.query.get("max_reward", ""))}"></label>
 <label>at most<input name="limit" size="5" value="{f.limit}"></label>
-<button type="submit">filter</button> <a href="/ui">clear</a></form>"""
+<button type="submit">filter</button> <a href="/ui{esc(chosen.query())}">clear</a></form>"""
 
 
 async def groups_page(request: web.Request) -> web.Response:
     f = _group_filters(request)
+    chosen = chosen_policy(request)  # an unknown one: 404
+    mine, mine_args = chosen.scope.group_condition() if chosen.scope else ("TRUE", [])
 
     def render(con):
         # Counted on the turns (one pass for both), newest first from the last days
-        # back (newest_groups): neither aggregates every group of the history.
+        # back (newest_groups): neither aggregates every group of the history (but a
+        # policy's: which groups are its is decided by each one's first turn).
         total, served = con.execute(
-            "SELECT count(DISTINCT group_id), list(DISTINCT model_served) FROM completions"
+            "SELECT count(DISTINCT group_id), list(DISTINCT model_served) FROM completions "
+            f"WHERE {mine}",
+            mine_args,
         ).fetchone()
         columns = (
             "group_id, rollouts, finished, rewarded, mean_reward, turns, tokens, "
             "models_served, started_at"
         )
-        rows = newest_groups(con, columns, "started_at", f.limit, f.where, f.args)
+        where, args = [*f.where, mine], [*f.args, *mine_args]
+        rows = newest_groups(con, columns, "started_at", f.limit, where, args)
         return total, rows, sorted(m for m in served or [] if m)
 
     total, rows, adapters = await query(request, render)
@@ -135,7 +148,7 @@ async def groups_page(request: web.Request) -> web.Response:
         ],
         [
             [
-                f'<a href="/ui/groups/{url_segment(g)}">{esc(g)}</a>',
+                f'<a href="/ui/groups/{url_segment(g)}{esc(chosen.query())}">{esc(g)}</a>',
                 num(n),
                 num(fin),
                 num(scored),
@@ -150,8 +163,10 @@ async def groups_page(request: web.Request) -> web.Response:
         numeric={1, 2, 3, 4, 5, 6},
     )
     summary = f'<p class="meta" id="count">{len(rows)} of {total} group(s) shown</p>'
-    body = _uncaptured_html(request) + _filter_form(request, f, adapters) + summary + table
-    return html_page(request, "Groups", body)
+    links = policy_links("/ui", chosen.names, chosen.name, every=True)
+    form = _filter_form(request, f, adapters, chosen)
+    body = _uncaptured_html(request) + links + form + summary + table
+    return html_page(request, "Groups", body, chosen.name)
 
 
 def _uncaptured_html(request: web.Request) -> str:
@@ -172,18 +187,23 @@ def _uncaptured_html(request: web.Request) -> str:
 
 async def group_page(request: web.Request) -> web.Response:
     group = request.match_info["group"]
+    chosen = chosen_policy(request)  # an unknown one: 404
+    mine, mine_args = chosen.scope.group_condition() if chosen.scope else ("TRUE", [])
 
     def render(con):
-        return con.execute(
+        rows = con.execute(
             "SELECT rollout_id, turns, prompt_tokens + completion_tokens, reward, reward_source, "
             "judge_score, judge_explanation, finished_at, models_served, errors "
-            "FROM rollouts WHERE group_id = ? ORDER BY reward DESC NULLS LAST, rollout_id",
-            [group],
+            f"FROM rollouts WHERE group_id = ? AND {mine} "
+            "ORDER BY reward DESC NULLS LAST, rollout_id",
+            [group, *mine_args],
         ).fetchall()
+        return rows, owner(con, chosen, group) if rows and len(chosen.names) > 1 else None
 
-    rows = await query(request, render)
+    rows, policy = await query(request, render)
     if not rows:
-        raise OvernightError(f"no group {group!r}", status=404, code="not_found")
+        of = f" of the policy {chosen.name}" if chosen.name else ""
+        raise OvernightError(f"no group {group!r}{of}", status=404, code="not_found")
     table = html_table(
         [
             "rollout",
@@ -199,7 +219,7 @@ async def group_page(request: web.Request) -> web.Response:
         ],
         [
             [
-                f'<a href="/ui/rollouts/{url_segment(r)}">{esc(r)}</a>',
+                f'<a href="/ui/rollouts/{url_segment(r)}{esc(chosen.query())}">{esc(r)}</a>',
                 num(turns),
                 num(tokens),
                 num(reward),
@@ -214,7 +234,13 @@ async def group_page(request: web.Request) -> web.Response:
         ],
         numeric={1, 2, 3, 5, 9},
     )
-    return html_page(request, f"Group {group}", table)
+    # Whose it is, with several policies: a link to that policy's groups.
+    line = (
+        f'<p id="policy">policy <a href="/ui?policy={url_segment(policy)}">{esc(policy)}</a></p>'
+        if policy is not None
+        else ""
+    )
+    return html_page(request, f"Group {group}", line + table, chosen.name)
 
 
 def _message_html(message: dict) -> str:
@@ -225,9 +251,23 @@ def _message_html(message: dict) -> str:
 
 
 async def rollout_page(request: web.Request) -> web.Response:
-    r = await query(request, lambda con: load_rollout(con, request.match_info["rollout"]))
+    chosen = chosen_policy(request)  # an unknown one: 404
+    rollout_id = request.match_info["rollout"]
+
+    def render(con):
+        r = load_rollout(con, rollout_id)
+        if not is_policys(con, chosen.scope, r.group_id):
+            raise OvernightError(
+                f"no rollout {rollout_id!r} of the policy {chosen.name}",
+                status=404,
+                code="not_found",
+            )
+        return r
+
+    r = await query(request, render)
+    group_link = f"/ui/groups/{url_segment(r.group_id)}{chosen.query()}"
     head = [
-        f'<p>group <a href="/ui/groups/{url_segment(r.group_id)}">{esc(r.group_id)}</a> &middot; '
+        f'<p>group <a href="{esc(group_link)}">{esc(r.group_id)}</a> &middot; '
         f'{len(r.turns)} turn(s) &middot; reward <strong id="reward">{num(r.reward)}</strong>'
         f" ({esc(r.reward_source or 'none')}) &middot; "
         f"{'finished' if r.finished else 'not finished'}</p>"
@@ -248,4 +288,4 @@ async def rollout_page(request: web.Request) -> web.Response:
             f"tokens &middot; {t.latency_ms:.0f} ms &middot; finish {esc(t.finish_reason)}</div>"
             f"{''.join(parts)}</section>"
         )
-    return html_page(request, f"Rollout {r.rollout_id}", "".join(head) + "".join(body))
+    return html_page(request, f"Rollout {r.rollout_id}", "".join(head) + "".join(body), chosen.name)

@@ -3,9 +3,9 @@
     /ui/adapters              adapter versions: the promotion stack, and when each served
     /ui/runs                  training runs, with reward and loss curves
 
-Both take `?policy=NAME` (one of the proxy's policies): that policy's adapters, its runs
-and its traffic; without it, the default policy's adapters and every run. Each page
-links to every policy's.
+Both take `?policy=NAME` (one of the proxy's policies; another is refused, 404): that
+policy's adapters, its runs and its traffic; without it, the default policy's adapters
+and every run. Each page links to every policy's (policies.py).
 
 The adapters page reads the adapter registry's `describe()` (ADAPTER_STATE) beside the
 completions each adapter served; the runs page reads `training_runs` and draws its
@@ -21,22 +21,11 @@ from overnight.view.display import RUN_POLICY
 
 from .data import ADAPTER_STATE, query
 from .frame import esc, html_page, html_table, num, stamp
-
-
-def policy_links(request: web.Request, page: str, names: list[str], shown: str | None) -> str:
-    """Links to the page of each policy (none with one policy: nothing to choose)."""
-    if len(names) < 2:
-        return ""
-    links = [
-        f"<strong>{esc(n)}</strong>" if n == shown
-        else f'<a href="{esc(page)}?policy={esc(n)}">{esc(n)}</a>'
-        for n in names
-    ]  # fmt: skip
-    return f'<p class="policies">policies: {" | ".join(links)}</p>'
+from .policies import chosen_policy, policy_links
 
 
 async def adapters_page(request: web.Request) -> web.Response:
-    policy = request.query.get("policy")
+    policy = request.query.get("policy") or None
     state = request.config_dict[ADAPTER_STATE](policy)  # an unknown one: 404
     where, args = ("WHERE c.model_requested = ? ", [policy]) if policy is not None else ("", [])
 
@@ -87,7 +76,7 @@ async def adapters_page(request: web.Request) -> web.Response:
         [[esc(m), num(n), stamp(a), stamp(b), num(r)] for m, n, a, b, r in served],
         numeric={1, 4},
     )
-    links = policy_links(request, "adapters", state.get("policies") or [], state.get("alias"))
+    links = policy_links("adapters", state.get("policies") or [], state.get("alias"))
     body = (
         f"{links}<p>alias <strong>{esc(state.get('alias'))}</strong> now serves "
         f'<strong id="current">{esc(current.get("name") or "the base model")}</strong>'
@@ -96,12 +85,12 @@ async def adapters_page(request: web.Request) -> web.Response:
         f"<h2>Why it changed, newest first</h2>{events}"
         f"<h2>When each served</h2>{usage}"
     )
-    return html_page(request, "Adapters", body)
+    return html_page(request, "Adapters", body, policy)
 
 
 async def runs_page(request: web.Request) -> web.Response:
-    policy = request.query.get("policy")
-    names = request.config_dict[ADAPTER_STATE]().get("policies") or []
+    chosen = chosen_policy(request)  # an unknown one: 404
+    policy = chosen.name
     where, args = (f"WHERE {RUN_POLICY} = ? ", [policy]) if policy is not None else ("", [])
 
     def render(con):
@@ -151,5 +140,5 @@ async def runs_page(request: web.Request) -> web.Response:
         ],
         numeric={4, 5, 6, 7, 8, 10, 13},
     )
-    links = policy_links(request, "runs", names, policy)
-    return html_page(request, "Training runs", links + "".join(charts) + table)
+    links = policy_links("runs", chosen.names, policy, every=True)
+    return html_page(request, "Training runs", links + "".join(charts) + table, policy)
