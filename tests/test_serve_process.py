@@ -62,13 +62,19 @@ def in_flight(base: str) -> int:
     return sum(get_json(base + "/admin/adapters")["in_flight"].values())
 
 
-def test_sigterm_with_requests_in_flight_loses_nothing(fake_process, tmp_path):
-    with spawn_serve(tmp_path, "--upstream", fake_process) as serve, ThreadPoolExecutor(8) as pool:
+def test_sigterm_with_requests_in_flight_loses_nothing(tmp_path):
+    # An upstream slow enough (3 s) that all eight overlap however the machine's load
+    # spreads their starts (at 0.3 s a loaded run once never saw the eight at once).
+    with (
+        spawn_fake_upstream("--delay", "3") as fake,
+        spawn_serve(tmp_path, "--upstream", fake.url) as serve,
+        ThreadPoolExecutor(8) as pool,
+    ):
         futures = [
             pool.submit(post, serve.url + "/v1/chat/completions", CHAT, {"X-Rollout-Id": f"f{i}"})
             for i in range(8)
         ]
-        # SIGTERM once all eight are waiting on the (0.3 s) upstream.
+        # SIGTERM once all eight are waiting on the upstream.
         wait_until(lambda: in_flight(serve.url) == 8, timeout=10, what="8 requests in flight")
         serve.process.send_signal(signal.SIGTERM)
         statuses = [f.result()[0] for f in futures]
