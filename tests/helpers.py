@@ -8,6 +8,8 @@ import json
 import os
 import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -213,3 +215,19 @@ async def served_turn_and_its_sibling(proxy, vllm_url: str, data: Path, request:
     (sibling,) = sibling_rows(turn, answer, origin="resample", writer_id="w", started_at=0,
                               ended_at=0, sent=body)  # fmt: skip
     return turn, sibling
+
+
+def post_status(url: str, body: dict, headers: dict | None = None) -> int:
+    """POST `body` as JSON over a new connection (so a proxy's workers each get some) and
+    return the status, an error's included: for tests against a real `overnight serve`."""
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code

@@ -9,10 +9,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
-import json
 import os
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -26,7 +23,15 @@ from overnight.storage import LogWriter, WriterConfig
 from overnight.storage.rollout_lookup import DAYS, find_rollout
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
-from .helpers import adapter_dir, await_until, completion_row, rows, wait_for_rows, wait_until
+from .helpers import (
+    adapter_dir,
+    await_until,
+    completion_row,
+    post_status,
+    rows,
+    wait_for_rows,
+    wait_until,
+)
 
 SUPPORT, RESEARCH, ALL, ADMIN, OPS = "sk-support", "sk-research", "sk-all", "adm-root", "adm-ops"
 KEYS_FILE = f"""
@@ -442,19 +447,11 @@ def test_a_keys_rate_holds_across_the_workers_of_a_real_serve(tmp_path):
         f'[[key]]\nname = "bot"\nsha256 = "{key_digest(SUPPORT)}"\nrate = 0.001\nburst = 3\n'
         f'[[key]]\nname = "free"\nsha256 = "{key_digest(RESEARCH)}"\n'
     )
-    body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "Hi"}],
-                       "max_tokens": 2}).encode()  # fmt: skip
+    body = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     data = tmp_path / "data"
 
     def post(url: str, key: str) -> int:
-        headers = {**auth(key), "Content-Type": "application/json"}
-        request = urllib.request.Request(url + "/v1/chat/completions", body, headers)
-        try:
-            with urllib.request.urlopen(request, timeout=30) as r:  # a new connection each
-                r.read()
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
+        return post_status(url + "/v1/chat/completions", body, auth(key))
 
     def both_serve(url: str) -> bool:
         assert post(url, RESEARCH) == 200

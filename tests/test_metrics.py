@@ -25,7 +25,7 @@ from overnight.proxy.routes.relay import CLIENT_LEFT
 from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
-from .helpers import adapter_dir, version_of, wait_until
+from .helpers import adapter_dir, post_status, version_of, wait_until
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 DELAY = 0.05  # the fake upstream's, so that durations have a floor a test can check
@@ -230,18 +230,6 @@ async def test_the_last_nights_come_from_the_data_directory(make_proxy, tmp_path
 # -- a real `overnight serve --workers 2` --------------------------------------------------
 
 
-def _post(url: str, body: dict) -> int:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as r:  # a new connection each
-            r.read()
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
 def _scrape(base: str) -> dict:
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         return samples(r.read().decode())
@@ -273,10 +261,10 @@ def test_workers_sum_their_counts_and_a_dead_one_stays_counted(tmp_path):
         with ThreadPoolExecutor(8) as pool:
             bodies = [{**CHAT, "stream": i % 2 == 1} for i in range(n)]
             statuses = list(
-                pool.map(lambda b: _post(serve.url + "/v1/chat/completions", b), bodies)
+                pool.map(lambda b: post_status(serve.url + "/v1/chat/completions", b), bodies)
             )
         assert statuses == [200] * n
-        assert _post(serve.url + "/v1/chat/completions", {"model": 1}) == 400
+        assert post_status(serve.url + "/v1/chat/completions", {"model": 1}) == 400
         pids = wait_until(lambda: len(_pids(metrics_dir)) >= 2 and _pids(metrics_dir))
         served = {pid: _worker_requests(metrics_dir, pid) for pid in pids}
         assert all(served.values()), served  # both workers served some (SO_REUSEPORT)
@@ -296,7 +284,7 @@ def test_workers_sum_their_counts_and_a_dead_one_stays_counted(tmp_path):
         victim = int(sorted(pids)[0])
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: len(_pids(metrics_dir)) >= 3, timeout=30, what="a new worker")
-        wait_until(lambda: _post(serve.url + "/v1/chat/completions", CHAT) == 200)
+        wait_until(lambda: post_status(serve.url + "/v1/chat/completions", CHAT) == 200)
         m = wait_until(
             lambda: (
                 (s := _scrape(serve.url))
