@@ -76,6 +76,32 @@ def test_shared_prompts_give_each_rollout_its_own_logprobs(tiny_model_dir, atten
     assert torch.allclose(ours, reference, atol=1e-5), (ours - reference).abs().max()
 
 
+def test_flash_attention_gets_one_row_without_a_mask(tiny_model_dir):
+    """Under flash attention's variable-length kernel a micro-batch is one row with no mask,
+    shared prompts repeated, each sequence's positions from 0 (what transformers reads the
+    sequences' bounds from). The kernel needs CUDA, so the layout itself is checked here:
+    run under sdpa, which reads the same position ids, it gives today's logprobs."""
+    prompt = list(range(10, 30))
+    samples = [sample(prompt, [50, 41, 42]), sample(prompt, [50, 51]), sample([7] * 5, [70], "b")]
+    batch = pack(samples, share_prompts=True, attention="flash_attention_2")
+    assert batch["input_ids"].shape == (1, 23 + 22 + 6)
+    assert "attention_mask" not in batch and "block" not in batch
+    starts = (batch["position_ids"][0] == 0).nonzero().squeeze(1).tolist()
+    assert starts == [0, 23, 45]
+    model = load_policy(tiny_model_dir)
+    with torch.no_grad():
+        one_row = trained_logprobs(model, batch)
+        today = trained_logprobs(model, pack(samples, share_prompts=True))
+    assert torch.allclose(one_row, today, atol=1e-5), (one_row - today).abs().max()
+
+
+def test_flash_attention_without_its_kernel_is_a_clear_error(tiny_model_dir):
+    from overnight.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="flash_attention_2 cannot be used here.*flash-attn"):
+        load_policy(tiny_model_dir, attention="flash_attention_2")
+
+
 def test_shared_prompts_keep_rows_no_longer_than_the_longest_rollout():
     prompt = list(range(3, 23))
     samples = [sample(prompt, list(range(100, 100 + n))) for n in (30, 10, 10, 5)]

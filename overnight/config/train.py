@@ -18,7 +18,7 @@ LOGPROB_GAP_WARNING = 0.02
 
 _DTYPES = ("auto", "float32", "bfloat16")
 _SWITCHES = ("auto", "on", "off")
-_ATTENTION = ("auto", "sdpa", "eager", "flex_attention")
+_ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 # The promotion gate (trainer/night/gate.py, docs/grpo.md).
 GATE_MODES = ("not-worse", "better", "off")
 COLOCATE_MODES = ("auto", "on", "off")
@@ -101,8 +101,9 @@ class TrainConfig:
         default="auto",
         metadata={
             "help": "Attention kernel to train with: auto (transformers' default, sdpa), sdpa, "
-            "eager, or flex_attention (shared prompts under a block mask instead of an "
-            "(L x L) one; trains on CUDA only).",
+            "eager, flex_attention (shared prompts under a block mask instead of an "
+            "(L x L) one; trains on CUDA only), or flash_attention_2/_3 (a micro-batch in "
+            "one row with no mask, prompts repeated; CUDA and the flash-attn package).",
             "choices": _ATTENTION,
         },
     )

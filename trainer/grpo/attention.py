@@ -14,6 +14,10 @@ Three ways a group's rollouts can share their prompt in a row (policy.py packs t
 
 Rows without a shared prompt need no mask of ours: transformers reads the packed
 sequences from the position ids (a block mask under flex, an (L x L) mask under sdpa).
+Under flash attention (`VARLEN`: flash-attn's variable-length kernel, CUDA only) it does
+so for a row of batch size one with no mask at all, and the kernel's cost is each
+sequence's own square, not the row's: a micro-batch is then packed into one row, its
+shared prompts repeated (the kernel takes no mask).
 A long row runs in a forward pass of its own, without its padding (`row_passes`): one
 sequence alone is then plain causal attention, with no mask at all.
 """
@@ -25,6 +29,10 @@ import torch
 # A row at least this long is forwarded alone: a (B, L, L) mask over rows this long
 # costs more than a pass per row (below it, one pass for all rows is faster).
 LONG_ROW = 1024
+
+# Kernels that read packed sequences from the position ids of a one-row batch, with no
+# mask (transformers' flash-attention integration: cu_seqlens from the position resets).
+VARLEN = ("flash_attention_2", "flash_attention_3")
 
 
 def kernel(model) -> str:

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from overnight.config import TrainConfig
+from overnight.errors import ConfigError
 
-from .attention import explicit_mask, flex_mask, kernel, row_passes
+from .attention import VARLEN, explicit_mask, flex_mask, kernel, row_passes
 from .data import Sample
 from .head import chunked_logprobs
 from .sampling import NEUTRAL, SamplingParams, sampling_tensors
@@ -60,7 +61,16 @@ def load_policy(
     from transformers import AutoModelForCausalLM
 
     options = {} if attention == "auto" else {"attn_implementation": attention}
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, **options)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, **options)
+    except (ImportError, ValueError) as e:
+        if attention not in VARLEN:
+            raise
+        # transformers' own words say which part is missing (the package, CUDA, a dtype).
+        raise ConfigError(
+            f"--attention {attention} cannot be used here: {e} (it needs a CUDA GPU and "
+            "the flash-attn package; --attention sdpa or flex_attention work without it)"
+        ) from e
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
     return model
@@ -136,9 +146,12 @@ def pack(
     block of its own that nothing attends to and nothing is trained on. `attention`
     (the model's kernel) decides the shared prompts' mask: sdpa and eager get an
     explicit one here; flex attention gets its block mask from `block` and `parent`
-    where the model runs (`trained_logprobs`).
+    where the model runs (`trained_logprobs`); flash attention (`VARLEN`) gets every
+    sample in one row and no mask, the sequences told apart by their position ids.
     """
     capacity = max(row_tokens, max(len(s.tokens) for s in samples))
+    if attention in VARLEN:  # one row: each sequence costs its own square, padding nothing
+        capacity, share_prompts = sum(len(s.tokens) for s in samples), False
     flex = attention == "flex_attention"
     units = _units(samples, None if flex else capacity, share_prompts)
     rows = _first_fit(units, samples, capacity)
