@@ -3,7 +3,9 @@
 Reads the data directory with DuckDB, judges groups concurrently (a bounded number at
 a time), and appends judgments and the rewards derived from them through the same
 durable log the proxy uses (its own files, compacted to Parquet at the end). One
-failing group is recorded as failed and never stops the batch.
+failing group is recorded as failed and never stops the batch. With a policy's scope
+(`overnight judge --policy`, and each policy's night of `overnight train`), only that
+policy's groups are scored, as its night trains them (storage/policy_scope.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from overnight.storage import (
     now_us,
     open_db,
 )
+from overnight.storage.policy_scope import PolicyScope
 from overnight.storage.siblings import add_turn_views
 from overnight.telemetry import traced
 
@@ -206,17 +209,21 @@ async def run_judge(
     progress: bool = True,
     tool_call_parser: str | None = None,
     tool_parser_tokenizer: str | None = None,
+    scope: PolicyScope | None = None,
 ) -> Summary:
-    """Score the finished groups and per-turn groups not scored yet. Siblings' tool
-    calls are read with `tool_call_parser` (the server's `--tool-call-parser`; '' for
-    none; None: the judge config's, else hermes), built with `tool_parser_tokenizer`
-    (the served model's; None: the config's) when it needs one."""
+    """Score the finished groups and per-turn groups not scored yet (of `scope`'s policy
+    only, when given). Siblings' tool calls are read with `tool_call_parser` (the server's
+    `--tool-call-parser`; '' for none; None: the judge config's, else hermes), built with
+    `tool_parser_tokenizer` (the served model's; None: the config's) when it needs one."""
     started = time.perf_counter()
     summary = Summary()
     rubric = (config.rubric if config else "") or DEFAULT_RUBRIC
     con = open_db(data_dir)
     try:
         candidates = finished_groups(con, settle_seconds, groups)
+        if scope is not None:  # another policy's groups are not looked at
+            own = scope.groups(con, candidates)
+            candidates = [g for g in candidates if g in own]
         memory = Memory()
         if config is not None and not rejudge:
             memory = remembered(con, config, rubric_hash(rubric), key_of(config))
@@ -233,6 +240,9 @@ async def run_judge(
                 wanted.append(group_id)
         sources = (["function"] if reward else []) + (["ruler"] if config else [])
         turns = turn_candidates(con, sources, rejudge, groups, memory.no_signal) if sources else []
+        if scope is not None:  # a per-turn group is its served turn's group's policy's
+            own = scope.turn_groups(con, turns)
+            turns = [g for g in turns if g in own]
         if max_groups is not None:
             wanted = wanted[:max_groups]
             turns = turns[: max(max_groups - len(wanted), 0)]

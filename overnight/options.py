@@ -118,24 +118,26 @@ POLICY_TABLES = "policies"
 
 def _policy_tables(group: click.Group, where: str, tables: object) -> dict[str, dict[str, Any]]:
     """policy -> {parameter: value} from `[policies.NAME]` tables, their keys spelled as
-    `overnight train`'s options (a policy's reward function, gate, canary, ...)."""
+    `overnight train`'s and `overnight judge`'s options (a policy's reward function,
+    judge, rubric, gate, canary, ...)."""
     if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
         raise click.BadParameter(f"{where}: [policies] holds one table per policy: [policies.NAME]")
-    from .config import TrainConfig
+    from .config import JudgeConfig, TrainConfig
 
-    # The night's own options (TrainConfig's): the judge's and --reward score every
-    # policy's groups in one batch before the nights, so they are not a policy's.
-    fields = {param_name(f) for f in dataclasses.fields(TrainConfig)} - {"policy"}
-    train = group.commands["train"]
-    by_flag = {k: v for k, v in _flags(train).items() if v in fields}
-    repeatable = {p.name for p in train.params if getattr(p, "multiple", False)}
+    # A night's own options: training's, and its scoring's (each policy's groups are
+    # scored with its own judge or reward function: overnight/cli_policies.py).
+    fields = {param_name(f) for c in (TrainConfig, JudgeConfig) for f in dataclasses.fields(c)}
+    fields = (fields | {"reward", "gate_reward"}) - {"policy"}
+    commands = [group.commands["train"], group.commands["judge"]]
+    by_flag = {k: v for c in commands for k, v in _flags(c).items() if v in fields}
+    repeatable = {p.name for c in commands for p in c.params if getattr(p, "multiple", False)}
     out = {}
     for name, entries in tables.items():
         unknown = sorted(set(entries) - set(by_flag))
         if unknown:
             raise click.BadParameter(
                 f"{where}: [policies.{name}] has no option {unknown} of a night's "
-                "(`overnight train`'s training options)"
+                "(`overnight train`'s and `overnight judge`'s options)"
             )
         # A repeatable option as click gives it: a tuple (one value in the file: of one).
         out[name] = {

@@ -5,10 +5,11 @@ the proxy that promotes an adapter uploads its directory to the bucket and every
 that follows the promotion downloads it into its local data directory first.
 
 In the bucket an adapter is `adapters/<key>/<its files>` plus `adapters/<key>.json`,
-its manifest (every file's name, size and sha256), written last: an adapter without
-a manifest is an upload that has not finished (or died) and is never fetched. `<key>`
-is a hash of the manifest, so the same weights are uploaded once, and a manifest that
-does not hash to its key is refused. A download goes to a temporary directory, each
+its manifest (every file's name, size and sha256; the policy it was trained for),
+written last: an adapter without a manifest is an upload that has not finished (or
+died) and is never fetched. `<key>` is a hash of the manifest's files and policy, so
+the same weights are uploaded once per policy, and a manifest that does not hash to its
+key is refused. A download goes to a temporary directory, each
 file is checked against the manifest, and only then is the directory renamed into
 `adapter-cache/<key>` in the local data directory: a proxy loads only whole, checked
 copies. The promoting proxy puts its own copy there too, so that every proxy, on every
@@ -54,15 +55,25 @@ def manifest_of(path: Path) -> dict:
 
 
 def key_of(manifest: dict) -> str:
-    canonical = json.dumps(manifest["files"], sort_keys=True, separators=(",", ":"))
+    # The policy it names is hashed with the files: an upload is one policy's (the same
+    # weights published for two policies are two uploads, not the first one's), and a
+    # manifest whose "policy" was edited no longer hashes to its key. Without a policy
+    # (uploads from before policies), the files alone, as then.
+    named = manifest.get("policy")
+    hashed = manifest["files"] if named is None else {"files": manifest["files"], "policy": named}
+    canonical = json.dumps(hashed, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
 
-def publish(store: SegmentStore, path: Path) -> tuple[str, Path]:
+def publish(store: SegmentStore, path: Path, policy: str | None = None) -> tuple[str, Path]:
     """Upload the adapter at `path` (unless the bucket has it whole already) and keep a
-    copy in the local cache. Returns its URL in the bucket and the local copy."""
+    copy in the local cache. Returns its URL in the bucket and the local copy. `policy`:
+    the one it was trained for, named in its manifest (and hashed into its key): what a
+    per-policy admin token may promote (proxy/adapters/ownership.py)."""
     assert store.url is not None, "a local data directory shares adapters by path"
     manifest = manifest_of(path)
+    if policy is not None:
+        manifest["policy"] = policy
     key = key_of(manifest)
     root = store.key(FOLDER)
     if etag(store.fs, store.url, f"{root}/{key}.json") is None:
@@ -82,27 +93,12 @@ def publish(store: SegmentStore, path: Path) -> tuple[str, Path]:
 def fetch(store: SegmentStore, source: str) -> Path:
     """The local copy of the adapter at `source` (a URL `publish` returned), downloaded
     and checked first if this machine does not have it yet."""
-    assert store.url is not None
-    # Only this store's uploads: a URL given to the admin API must not make a proxy read
-    # whatever else its credentials reach.
-    folder = f"{store.url}/{FOLDER}/"
-    key = source.rstrip("/").removeprefix(folder)
-    if not source.startswith(folder) or not re.fullmatch(r"[0-9a-f]{24}", key):
-        raise AdapterSyncError(f"{source}: not an adapter uploaded to {folder}")
+    key = _upload_key(store, source)
     local = cache_dir(store) / key
     if local.is_dir():
         return local
     remote = f"{store.key(FOLDER)}/{key}"
-    data, _ = get(store.fs, store.url, f"{remote}.json")
-    if data is None:
-        raise AdapterSyncError(f"{source}: no manifest: its upload has not finished")
-    try:
-        manifest = json.loads(data)
-        names = [_safe_name(f["name"]) for f in manifest["files"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise AdapterSyncError(f"{source}: its manifest is damaged: {e}") from e
-    if key_of(manifest) != key:
-        raise AdapterSyncError(f"{source}: its manifest does not hash to its name")
+    manifest, names = _manifest(store, source, key)
     tmp = _scratch(local)
     try:
         with on_bucket(store.url, f"downloading the adapter {source}"):
@@ -115,6 +111,40 @@ def fetch(store: SegmentStore, source: str) -> Path:
         raise
     _settle(tmp, local)
     return local
+
+
+def upload_policy(store: SegmentStore, source: str) -> str | None:
+    """The policy the upload at `source` was trained for, as its manifest names it (None:
+    it names none, as uploads from before policies)."""
+    manifest, _ = _manifest(store, source, _upload_key(store, source))
+    policy = manifest.get("policy")
+    return policy if isinstance(policy, str) else None
+
+
+def _upload_key(store: SegmentStore, source: str) -> str:
+    """The key of `source`, which must be an upload of this store: a URL given to the
+    admin API must not make a proxy read whatever else its credentials reach."""
+    assert store.url is not None
+    folder = f"{store.url}/{FOLDER}/"
+    key = source.rstrip("/").removeprefix(folder)
+    if not source.startswith(folder) or not re.fullmatch(r"[0-9a-f]{24}", key):
+        raise AdapterSyncError(f"{source}: not an adapter uploaded to {folder}")
+    return key
+
+
+def _manifest(store: SegmentStore, source: str, key: str) -> tuple[dict, list[str]]:
+    """The finished upload's manifest, checked against its key, and its files' names."""
+    data, _ = get(store.fs, store.url, f"{store.key(FOLDER)}/{key}.json")
+    if data is None:
+        raise AdapterSyncError(f"{source}: no manifest: its upload has not finished")
+    try:
+        manifest = json.loads(data)
+        names = [_safe_name(f["name"]) for f in manifest["files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise AdapterSyncError(f"{source}: its manifest is damaged: {e}") from e
+    if key_of(manifest) != key:
+        raise AdapterSyncError(f"{source}: its manifest does not hash to its name")
+    return manifest, names
 
 
 def cache_dir(store: SegmentStore) -> Path:

@@ -93,6 +93,22 @@ class PolicyScope:
         ).fetchall()
         return {g for (g,) in rows}
 
+    def turn_groups(self, con, turn_groups: list[str]) -> set[str]:
+        """Of per-turn groups (`turn:<record id>`), those whose served turn's own group is
+        this policy's (`groups`), as its night trains them. Needs the `turn_groups` view
+        on `con` (storage/siblings.py: add_turn_views)."""
+        if not turn_groups:
+            return set()
+        con.register("_scope_turns", pa.table({"group_id": pa.array(turn_groups, pa.string())}))
+        served = dict(
+            con.execute(
+                "SELECT group_id, served_group_id FROM turn_groups "
+                "WHERE group_id IN (SELECT group_id FROM _scope_turns)"
+            ).fetchall()
+        )
+        own = self.groups(con, sorted(set(served.values())))
+        return {turn for turn, group in served.items() if group in own}
+
     def owns(self, record: dict) -> bool:
         """Whether a selection record (or a run's metrics) is this policy's night."""
         policy = record.get("policy")

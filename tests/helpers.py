@@ -109,6 +109,46 @@ def adapter_dir(tmp_path, name: str) -> str:
     return str(path)
 
 
+# A night of the tiny model on real vLLM: two quick steps (tests/test_train.py,
+# tests/test_policies_vllm.py).
+TINY_NIGHT = dict(learning_rate=1e-3, lora_rank=8, lora_alpha=16, groups_per_step=2,
+                  micro_batch_tokens=128, loss="dapo")  # fmt: skip
+
+
+async def log_digit_group(
+    proxy, group: str, messages: list[dict], size: int, model: str = "policy", max_tokens: int = 10
+) -> None:
+    """`size` rollouts of one task through the proxy, each rewarded with the share of
+    digits in its reply (plus a tie-breaker, so every group gives a signal), finished."""
+    for i in range(size):
+        rollout = f"{group}.{i}"
+        r = await proxy.post(
+            "/v1/chat/completions",
+            headers={"X-Rollout-Group": group, "X-Rollout-Id": rollout},
+            json={"model": model, "messages": messages, "max_tokens": max_tokens,
+                  "temperature": 1.0},
+        )  # fmt: skip
+        assert r.status == 200, await r.text()
+        text = (await r.json())["choices"][0]["message"]["content"]
+        reward = sum(c.isdigit() for c in text) / max(len(text), 1)
+        await proxy.post(f"/v1/rollouts/{rollout}/reward", json={"reward": reward + i * 1e-3})
+        await proxy.post(f"/v1/rollouts/{rollout}/finish")
+
+
+def night_adapter(data_dir, run: str, policy: str | None) -> str:
+    """A night's adapter as `overnight train` leaves one: DATA/adapters/<run>, and its run
+    DATA/runs/<run>/run.json naming the policy it trained (a per-policy admin token
+    promotes only its own: proxy/adapters/ownership.py)."""
+    runs = Path(data_dir) / "runs" / run
+    runs.mkdir(parents=True)
+    (runs / "run.json").write_text(json.dumps({"groups": [], "start_adapter": None,
+                                               "policy": policy}))  # fmt: skip
+    path = Path(data_dir) / "adapters" / run
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    return str(path)
+
+
 def lora_calls(received) -> list[tuple[str, str]]:
     """The fake vLLM's load/unload calls, as (endpoint, adapter version)."""
     return [

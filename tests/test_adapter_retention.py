@@ -180,3 +180,28 @@ def test_prune_older_than_prunes_adapters_too(tmp_path):
     assert out.exit_code == 0 and f"would delete {old}" in out.output and old.exists(), out.output
     out = CliRunner().invoke(main, [*args, "--yes"])
     assert out.exit_code == 0 and not old.exists() and served.exists(), out.output
+
+
+async def test_each_policy_keeps_its_newest_nights_adapter(
+    aiohttp_server, aiohttp_client, tmp_path
+):
+    """A refused candidate of each policy stays for a look until that policy's next
+    night; another policy's newer night does not push it out (a night's policy is its
+    run's; a night of no run, or naming none, is the default policy's)."""
+    fake = await aiohttp_server(create_fake_upstream())
+    data = tmp_path / "data"
+    config = ProxyConfig(upstream=str(fake.make_url("")), data_dir=data, commit_interval=0.0,
+                         policies=("research",))  # fmt: skip
+    proxy = await aiohttp_client(create_app(config))
+    nights = [night_adapter(data, n) for n in range(5)]
+    for night, policy in zip(
+        nights, ["research", "research", None, "policy", "policy"], strict=True
+    ):
+        (data / "runs" / night.name).mkdir(parents=True)
+        (data / "runs" / night.name / "run.json").write_text(json.dumps({"policy": policy}))
+        (data / "runs" / night.name / "finished").touch()
+    unnamed = night_adapter(data, 5)  # no run at all: the default policy's, the newest
+    dry = await prune(proxy, keep=0, dry_run=True)
+    assert sorted(dry["deleted"]) == [str(n) for n in nights if n != nights[1]]
+    assert f"{nights[1]}: the newest night's of policy research" in dry["kept"]
+    assert f"{unnamed}: the newest night's of policy policy" in dry["kept"]

@@ -90,7 +90,7 @@ async def test_one_promotion_reaches_a_proxy_on_another_machine(machines, s3, tm
     assert await serves(b) == name
 
     # Each machine's vLLM loaded the adapter from its own local copy, whole.
-    key = key_of(manifest_of(original))
+    key = key_of({**manifest_of(original), "policy": "policy"})  # its manifest names the alias
     for proxy in (a, b):
         loaded = proxy.fake.app[SETTINGS]["loras"]
         assert loaded == {name: str(proxy.local / CACHE / key)}

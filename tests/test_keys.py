@@ -27,6 +27,7 @@ from .helpers import (
     adapter_dir,
     await_until,
     completion_row,
+    night_adapter,
     post_status,
     rows,
     wait_for_rows,
@@ -187,7 +188,16 @@ async def test_a_key_of_one_policy_is_refused_the_other_alias(keyed, received, t
         "/v1/embeddings", json={"model": "research", "input": "x"}, headers=auth(SUPPORT)
     )
     assert embed.status == 403 and (await embed.json())["error"]["code"] == "permission_denied"
-    assert (await proxy.get("/v1/models", headers=auth(SUPPORT))).status == 200
+    # The model list: a scoped key sees what it may ask for, without vLLM's paths (`root`).
+    listed = await proxy.get("/v1/models", headers=auth(SUPPORT))
+    assert listed.status == 200
+    cards = (await listed.json())["data"]
+    assert [c["id"] for c in cards] == ["policy"] and "root" not in cards[0]
+    research = (await (await proxy.get("/v1/models", headers=auth(RESEARCH))).json())["data"]
+    assert sorted(c["id"] for c in research) == ["fake-base", "research"]
+    everything = (await (await proxy.get("/v1/models", headers=auth(ALL))).json())["data"]
+    assert {"fake-base", "policy", "research"} <= {c["id"] for c in everything}
+    assert any("root" in c for c in everything)  # an unscoped key: vLLM's list as it is
     await wait_for_rows(tmp_path / "data", 1)
     assert stored(tmp_path / "data", "completions") == ["r2"]  # a refusal is no completion
     sent = [r["body"].get("input") for r in received if r["path"].endswith("embeddings")]
@@ -293,7 +303,7 @@ async def test_group_prefixes_limit_what_a_key_serves_and_rewards(make_proxy, tm
 
 async def test_the_admin_token_and_a_policy_admin_token_do_what_they_should_only(keyed, tmp_path):
     proxy = await keyed()
-    promote = {"path": adapter_dir(tmp_path, "a1")}
+    promote = {"path": night_adapter(tmp_path / "data", "a1", "policy")}  # its night's
     r = await proxy.post("/admin/adapters/promote", json=promote, headers=auth(OPS))
     assert r.status == 200, await r.text()
     r = await proxy.post("/admin/adapters/promote?policy=policy", json=promote, headers=auth(OPS))

@@ -658,9 +658,9 @@ def test_a_table_per_policy_in_the_config_file(monkeypatch, tmp_path):
     cli.invoke(main, [*base, "train", "--data", str(tmp_path), "--dry-run", "--policy", "support",
                       "--lora-rank", "16"])  # fmt: skip
     assert trained.pop().lora_rank == 16  # the command line wins over the policy's table
-    config.write_text("[policies.support]\njudge_model = 'x'\n")
+    config.write_text("[policies.support]\njudge_model = 'x'\nrejudge = true\n")
     out = cli.invoke(main, [*base, "train", "--data", str(tmp_path), "--dry-run"])
-    assert out.exit_code != 0 and "[policies.support] has no option ['judge_model']" in out.output
+    assert out.exit_code != 0 and "[policies.support] has no option ['rejudge']" in out.output
 
 
 async def test_changing_the_default_policy_does_not_hand_it_the_old_ones_adapters(
@@ -684,6 +684,29 @@ def test_a_policy_may_not_be_named_as_the_base_model_or_another_policys_adapter(
         with pytest.raises(ConfigError, match="name the policy otherwise|name it otherwise"):
             ProxyConfig(upstream="http://x", policies=policies, base_model=base)
     assert ProxyConfig(upstream="http://x", base_model="fake-base").policies == ()  # one: as before
+
+
+async def test_a_policy_named_as_the_base_model_vllm_reports_refuses_the_start(
+    make_proxy, aiohttp_server, tmp_path, caplog
+):
+    """No --base-model given: the name vLLM serves its base model under is learned at the
+    start and checked against the policies; learned later (vLLM was down), said loudly."""
+    with pytest.raises(ConfigError, match="vLLM serves its base model as 'fake-base'"):
+        await make_proxy(policies=("fake-base",))
+    assert (await make_proxy(policies=("research",))).server is not None  # no clash: serves
+    from overnight.proxy.launch.launcher import free_port
+    from overnight.testing.fake_upstream import create_fake_upstream
+
+    port = free_port()
+    proxy = await make_proxy(
+        upstream=f"http://127.0.0.1:{port}", policies=("fake-base",), data_dir=tmp_path / "later"
+    )
+    await aiohttp_server(create_fake_upstream(), port=port)  # vLLM up after the start
+    with caplog.at_level("ERROR", logger="overnight.proxy"):
+        await proxy.server.app[POLICIES].check_upstream()
+        await proxy.server.app[POLICIES].check_upstream()
+    said = [r for r in caplog.records if "a policy's name here" in r.getMessage()]
+    assert len(said) == 1  # once
 
 
 async def test_a_request_naming_a_policys_adapter_is_in_that_policys_flight(

@@ -19,7 +19,7 @@ import pytest
 from overnight.config import TrainConfig
 from overnight.trainer.train import train
 
-from .helpers import rows, version_of, wait_for_rows
+from .helpers import TINY_NIGHT, log_digit_group, rows, version_of, wait_for_rows
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -27,33 +27,12 @@ TASKS = {
     "policy": [{"role": "user", "content": "Name a colour."}],
     "support": [{"role": "user", "content": "Say a number."}],
 }
-CONFIG = TrainConfig(
-    learning_rate=1e-3,
-    lora_rank=8,
-    lora_alpha=16,
-    groups_per_step=2,
-    micro_batch_tokens=128,
-    loss="dapo",
-    watch=False,
-    gate="off",
-)
+CONFIG = TrainConfig(**TINY_NIGHT, watch=False, gate="off")
 
 
 async def log_group(proxy, alias: str, group: str, size: int = 3) -> None:
-    """`size` rollouts of the alias's task; the reward is the share of digits (and a
-    tie-breaker, so every group gives a signal)."""
-    for i in range(size):
-        rollout = f"{group}.{i}"
-        r = await proxy.post(
-            "/v1/chat/completions",
-            headers={"X-Rollout-Group": group, "X-Rollout-Id": rollout},
-            json={"model": alias, "messages": TASKS[alias], "max_tokens": 8, "temperature": 1.0},
-        )
-        assert r.status == 200, await r.text()
-        text = (await r.json())["choices"][0]["message"]["content"]
-        reward = sum(c.isdigit() for c in text) / max(len(text), 1)
-        await proxy.post(f"/v1/rollouts/{rollout}/reward", json={"reward": reward + i * 1e-3})
-        await proxy.post(f"/v1/rollouts/{rollout}/finish")
+    """`size` rollouts of the alias's task, rewarded with the share of digits."""
+    await log_digit_group(proxy, group, TASKS[alias], size, model=alias, max_tokens=8)
 
 
 async def same_score(messages, tools, replies) -> list[float]:

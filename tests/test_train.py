@@ -10,7 +10,7 @@ import pytest
 from overnight.config import TrainConfig
 from overnight.trainer.train import train
 
-from .helpers import rows, version_of, wait_for_rows
+from .helpers import TINY_NIGHT, log_digit_group, rows, version_of, wait_for_rows
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -21,18 +21,7 @@ MESSAGES = [
 
 
 async def log_group(proxy, group: str, size: int = 4) -> None:
-    """`size` rollouts of one task; the reward is the share of digits in the reply."""
-    for i in range(size):
-        rollout = f"{group}.{i}"
-        r = await proxy.post(
-            "/v1/chat/completions",
-            headers={"X-Rollout-Group": group, "X-Rollout-Id": rollout},
-            json={"model": "policy", "messages": MESSAGES, "max_tokens": 10, "temperature": 1.0},
-        )
-        text = (await r.json())["choices"][0]["message"]["content"]
-        reward = sum(c.isdigit() for c in text) / max(len(text), 1)
-        await proxy.post(f"/v1/rollouts/{rollout}/reward", json={"reward": reward + i * 1e-3})
-        await proxy.post(f"/v1/rollouts/{rollout}/finish")
+    await log_digit_group(proxy, group, MESSAGES, size)
 
 
 async def test_train_promotes_an_adapter_and_continues_from_it(
@@ -42,14 +31,7 @@ async def test_train_promotes_an_adapter_and_continues_from_it(
     data = tmp_path / "data"
     for g in ("a", "b", "c"):
         await log_group(proxy, g)
-    config = TrainConfig(
-        learning_rate=1e-3,
-        lora_rank=8,
-        lora_alpha=16,
-        groups_per_step=2,
-        micro_batch_tokens=128,
-        loss="dapo",
-    )
+    config = TrainConfig(**TINY_NIGHT)
     lines: list[str] = []
     url = str(proxy.make_url(""))
     first = await asyncio.to_thread(train, data, config, proxy_url=url, say=lines.append)

@@ -215,11 +215,11 @@ class AdapterFiles:
     def of(cls, state: object) -> AdapterFiles:
         return cls(state.store if isinstance(state, BucketState) else None)
 
-    async def prepare(self, path: str) -> tuple[str, str | None]:
+    async def prepare(self, path: str, policy: str | None = None) -> tuple[str, str | None]:
         """What a promotion of `path` records: the adapter's path and, with a bucket, its
-        upload (made now, for the proxies of other machines). `path` may be an upload
-        already (`s3://.../adapters/<key>`, made with adapter_sync.publish where the
-        adapter was trained): it is fetched and checked here first."""
+        upload (made now, for the proxies of other machines, naming `policy`). `path` may
+        be an upload already (`s3://.../adapters/<key>`, made with adapter_sync.publish
+        where the adapter was trained): it is fetched and checked here first."""
         if data_url(path) is not None and self.store is not None:
             local = Path(await self.local(path, path))
         else:
@@ -231,13 +231,15 @@ class AdapterFiles:
             return path, None
         if data_url(path) is not None:
             return path, path  # uploaded where it was trained
-        return path, await self._publish(path)
+        return path, await self._publish(path, policy)
 
-    async def _publish(self, path: str) -> str | None:
+    async def _publish(self, path: str, policy: str | None) -> str | None:
         """Upload `path` for the other proxies; its URL in the bucket."""
         assert self.store is not None
         try:
-            source, _ = await asyncio.to_thread(adapter_sync.publish, self.store, Path(path))
+            source, _ = await asyncio.to_thread(
+                adapter_sync.publish, self.store, Path(path), policy
+            )
         except OSError as e:
             raise StateUnreachable(f"could not upload {path} to {self.store.url}: {e}") from e
         return source

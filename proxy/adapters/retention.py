@@ -7,8 +7,9 @@ bucket also uploaded (`adapters/<key>`) and copied into adapter-cache/. Kept:
   the adapter the alias serves and the canary;
   the previous `keep` of the promotion stack: what a rollback serves again;
   every adapter a replica has loaded, or that serves requests still in flight;
-  the newest night's adapter directory (a refused candidate, to look at) and those
-  of runs not finished (a resumed run trains on).
+  each policy's newest night's adapter directory (a refused candidate, to look at; a
+  night's policy is its run's, DATA/runs/<run>/run.json, none named: the default
+  policy's), and those of runs not finished (a resumed run trains on).
 
 Everything else under DATA/adapters/, in adapter-cache/ and among the bucket's uploads
 is deleted; nothing outside those places (an adapter promoted from the operator's own
@@ -19,6 +20,7 @@ shared state's, so no promotion can pick an adapter while it goes.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -78,10 +80,16 @@ def kept_adapters(state: dict, keep: int, loaded: set[str]) -> dict[str, str]:
 
 
 def plan(
-    data_dir: Path, store: SegmentStore, states: list[dict], keep: int, loaded: set[str]
+    data_dir: Path,
+    store: SegmentStore,
+    states: list[dict],
+    keep: int,
+    loaded: set[str],
+    default: str | None = None,
 ) -> Pruned:
     """What `delete` would delete (nothing is touched). `states`: every policy's promotion
-    state (adapters are the data directory's: one policy's prune keeps the others')."""
+    state, the default policy's first (adapters are the data directory's: one policy's
+    prune keeps the others'); `default`: its name (None: as its state names it)."""
     why: dict[str, str] = {}
     for state in states:
         why = {**kept_adapters(state, keep, loaded), **why}
@@ -93,10 +101,12 @@ def plan(
         for p in (data_dir / RUNS_DIR).glob("*")
         if p.is_dir() and not (p / "finished").exists()
     }
+    default = default or (states[0] if states else {}).get("alias")
+    newest = _newest_by_policy(data_dir, nights, default)
     for night in nights:
         reason = why.get(str(night.resolve())) or why.get(str(night))
-        if reason is None and night == nights[-1]:
-            reason = "the newest night's"
+        if reason is None and night in newest:
+            reason = newest[night]
         if reason is None and night.name in unfinished:
             reason = "its run is not finished"
         _sort(out, str(night), reason, night)
@@ -111,6 +121,28 @@ def plan(
         for source in _uploads(store):
             _sort(out, source, why.get(source), None)
     return out
+
+
+def night_run(data_dir: Path, run: str) -> dict | None:
+    """What the night `run` saved before it trained (DATA/runs/<run>/run.json: its groups,
+    start adapter, policy), or None where there is none to read."""
+    with contextlib.suppress(OSError, ValueError):
+        saved = json.loads((Path(data_dir) / RUNS_DIR / run / "run.json").read_text())
+        return saved if isinstance(saved, dict) else None
+    return None
+
+
+def _newest_by_policy(data_dir: Path, nights: list[Path], default: str | None) -> dict:
+    """Each policy's newest night (its run's policy; none, or no run: the default's) ->
+    why it stays. Nights sort by run id, which starts with its time."""
+    newest: dict[str | None, Path] = {}
+    for night in nights:
+        newest[(night_run(data_dir, night.name) or {}).get("policy") or default] = night
+    several = len(newest) > 1
+    return {
+        night: "the newest night's" + (f" of policy {policy}" if several and policy else "")
+        for policy, night in newest.items()
+    }
 
 
 def delete(data_dir: Path, store: SegmentStore, pruned: Pruned) -> Pruned:

@@ -89,14 +89,15 @@ def promote_adapter(
     return admin_call(proxy_url, "/admin/adapters/promote", token, payload, policy)["promoted"]
 
 
-def shared_adapter(data_dir: Path, adapter_dir: Path) -> str:
+def shared_adapter(data_dir: Path, adapter_dir: Path, policy: str | None = None) -> str:
     """How the proxies are told of an adapter trained here, and how their state names it:
-    its path with a local data directory; with a bucket, its upload (published now), so
+    its path with a local data directory; with a bucket, its upload (published now,
+    naming `policy`, which a per-policy admin token's promotion is checked against), so
     a trainer on a GPU node that shares no disk with the proxies can promote it."""
     store = segment_store(data_dir)
     if store.url is None:
         return str(Path(adapter_dir).resolve())
-    url, _ = adapter_sync.publish(store, Path(adapter_dir))
+    url, _ = adapter_sync.publish(store, Path(adapter_dir), policy)
     return url
 
 
