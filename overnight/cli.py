@@ -23,7 +23,7 @@ from .cli_data import COMMANDS, admin_token_option, data_option, proxy_option, r
 from .cli_data import proxy_of as _proxy
 from .config import SETTLE_SECONDS, JudgeConfig, ProxyConfig, TrainConfig, VLLMConfig
 from .errors import OvernightError
-from .options import build, config_options, load_config_file, policy_options
+from .options import build, config_options, load_config_file
 from .serve import ServeConfig
 
 
@@ -95,6 +95,7 @@ def serve(**values: Any) -> None:
     Example:
       overnight serve --model ./tiny-model --port 8000 --data ./overnight-data
       overnight serve --upstream http://127.0.0.1:8001 --api-key sk-local
+      overnight serve --upstream https://api.openai.com --upstream-model gpt-4o-mini
     """
     if bool(values["model"]) == bool(values["upstream"]):
         raise click.UsageError("give exactly one of --model (start vLLM) or --upstream URL")
@@ -116,7 +117,15 @@ def serve(**values: Any) -> None:
         vllm = build(VLLMConfig, values, port=free_port(), log_path=log_path)
         values["upstream"] = vllm.url
     proxy = build(ProxyConfig, values)
-    if vllm is None:  # started here, vLLM gets --logprobs-mode processed_logprobs
+    if vllm is not None:  # the vLLM started here
+        proxy = dataclasses.replace(proxy, upstream_kind="vllm")
+    elif proxy.upstream_kind == "auto":  # no known host's URL: asked once (upstream_kind.py)
+        from .proxy.launch.launcher import detect_kind
+
+        kind, line = detect_kind(proxy.upstream, proxy.upstream_api_key)
+        logging.getLogger("overnight").info(line)
+        proxy = dataclasses.replace(proxy, upstream_kind=kind)
+    if vllm is None and proxy.upstream_kind == "vllm":  # started here, vLLM gets the mode
         from .proxy.launch.launcher import check_logprobs_mode
 
         for upstream in proxy.upstreams:
@@ -141,7 +150,20 @@ def serve(**values: Any) -> None:
 @settle_option
 @click.option("--group", "groups", multiple=True, help="Only this group (repeatable).")
 @click.option("--max-groups", type=int, help="At most this many groups.")
-def judge(data_dir: Path, reward: str | None, combine: bool, **values: Any) -> None:
+@click.option(
+    "--policy",
+    help="Only this policy's groups, with its [policies.NAME] options (its judge, reward).",
+)
+@click.option(
+    "--proxy", "proxy_url", envvar="OVERNIGHT_PROXY",
+    help="With --policy: the proxy asked which groups are the policy's [default: the one "
+    "serving --data (DATA/proxy.json), else read offline].",
+)  # fmt: skip
+@admin_token_option
+@click.pass_context
+def judge(
+    ctx: click.Context, data_dir: Path, reward: str | None, combine: bool, **values: Any
+) -> None:
     """Score finished groups with an LLM judge (RULER) and/or a reward function.
 
     \b
@@ -149,20 +171,26 @@ def judge(data_dir: Path, reward: str | None, combine: bool, **values: Any) -> N
       overnight judge --judge-model openai/o3
       overnight judge --judge-model openai/judge --judge-base-url http://127.0.0.1:8001/v1
       overnight judge --reward examples/rewards.py:weather_reward
+      overnight judge --policy support   # its groups, its own judge from the config file
     """
-    judge_model = values["judge_model"]
+    from .cli_policies import judge_run
+
+    require_data_dir(data_dir)
+    run, scope = judge_run(ctx, data_dir, values)
+    judge_model, reward = run.values["judge_model"], run.option("reward", reward)
     if not judge_model and not reward:
         raise click.UsageError("give --judge-model, --reward, or both")
-    require_data_dir(data_dir)
     if combine and not (judge_model and reward):
         raise click.UsageError("--combine needs both --judge-model and --reward")
     from .storage.reader import naming_damaged_files
 
     with naming_damaged_files(data_dir):
-        _judge(data_dir, judge_model, reward, combine, values)
+        _judge(data_dir, judge_model, reward, combine, run.values, scope)
 
 
-def _judge(data_dir: Path, judge_model, reward, combine: bool, values: dict[str, Any]) -> None:
+def _judge(
+    data_dir: Path, judge_model, reward, combine: bool, values: dict[str, Any], scope=None
+) -> None:
     from .judge.run import judge_step
 
     judge_step(
@@ -178,6 +206,7 @@ def _judge(data_dir: Path, judge_model, reward, combine: bool, values: dict[str,
         max_groups=values["max_groups"],
         tool_call_parser=values["tool_call_parser"],
         tool_parser_tokenizer=values["tool_parser_tokenizer"],
+        scope=scope,
     )
 
 
@@ -212,6 +241,7 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     Example:
       overnight train --dry-run
       overnight train --learning-rate 1e-5 --epochs 1
+      overnight train --sft                (imitate logged replies: a hosted model's, the best rollouts)
       crontab: 0 3 * * *  overnight train --data /var/lib/overnight >> train.log 2>&1
     """
     from .storage.reader import naming_damaged_files
@@ -229,96 +259,60 @@ def _train(ctx: click.Context, data_dir: Path, reward: str | None, values: dict[
     import datetime as dt
 
     dry_run = values["dry_run"]
-    model, base_url = values["judge_model"], values["judge_base_url"]
-    judge = JudgeConfig(model=model, base_url=base_url) if model else None
     since = values["since"].replace(tzinfo=dt.UTC) if values["since"] else None
-    tool_calls = _tool_call_options(values)
-    if values["resample"] and not dry_run:
-        # Siblings of single calls first (trainer/night/resample.py): the judge below scores
-        # them, and the plan takes the per-turn groups they form.
-        from .trainer.night.resample import resample_turns
-
-        if not (values["judge_model"] or reward):
-            click.echo("warning: --resample without --reward or --judge-model: the siblings "
-                       "stay unscored until a judge run scores them", err=True)  # fmt: skip
-        else:  # a parser that cannot be built stops the night before any sampling
-            from .judge.tool_calls import sibling_parser
-
-            sibling_parser(*tool_calls.values())
-        resample_turns(
-            data_dir,
-            build(TrainConfig, values),
-            proxy_url=_proxy(data_dir, values["proxy_url"]),
-            admin_token=values["admin_token"],
-            settle_seconds=values["settle"],
-            since=since,
-            say=click.echo,
-        )
-    judged = None  # the judge's batch: its tokens and cost go to the night's W&B run
-    if (values["judge_model"] or reward) and not dry_run:
-        # Score first, with the judge's own batch (the trainer never calls the judge).
-        from .judge.run import judge_step
-
-        judged = judge_step(
-            data_dir, judge, reward, say=click.echo, settle_seconds=values["settle"], **tool_calls
-        )
     if values["preset"] == "tiny-cpu":
         from .config import TINY_CPU_PRESET
 
         for name, value in TINY_CPU_PRESET.items():
             if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
                 values[name] = value
+    from .cli_policies import judge_config, policy_runs, score_night
     from .judge.scoring import pair_scorer
-    from .trainer.night.proxy_client import proxy_policies
     from .trainer.train import train as run
 
-    config = build(TrainConfig, values)
-    proxy_url = None if dry_run else _proxy(data_dir, values["proxy_url"])
-    # One policy (--policy), or each the proxy serves, one run after another; without a
-    # proxy, every group as before policies.
-    policies = (
-        [config.policy] if config.policy else proxy_policies(proxy_url, values["admin_token"])
-    )
+    proxy_url, token = _proxy(data_dir, values["proxy_url"]), values["admin_token"]
+    # One policy (--policy), or each the proxy serves, one after another: each resampled,
+    # scored and trained on its own groups with its own options (cli_policies.py). Without
+    # a proxy, every group as before policies; a dry run reads the policies offline.
+    nights = policy_runs(ctx, data_dir, values, values["policy"], proxy_url, token, dry_run)
     failed: list[str] = []
-    for policy in policies or [None]:
-        if len(policies) > 1:
-            click.echo(f"policy {policy}: its own groups, adapter, gate and promotion")
-        # The config file's [policies.NAME] options for this policy's night.
-        own = build(TrainConfig, {**values, **policy_options(ctx, policy)}) if policy else config
+    for night in nights:
+        if len(nights) > 1:
+            click.echo(f"policy {night.policy}: its own groups, scoring, adapter, gate and "
+                       "promotion")  # fmt: skip
         try:
+            scope = night.scope(proxy_url, token)  # a dry run's may be read offline
+            judged = None if dry_run else score_night(
+                night, data_dir, reward, scope, proxy_url=proxy_url, token=token, since=since
+            )  # fmt: skip
+            own_reward = night.option("reward", reward)
             run(
                 data_dir,
-                dataclasses.replace(own, policy=policy),
-                proxy_url=proxy_url,
-                admin_token=values["admin_token"],
+                build(TrainConfig, night.values, policy=night.policy),
+                proxy_url=None if dry_run else proxy_url,
+                admin_token=token,
                 promote=not values["no_promote"],
                 dry_run=dry_run,
                 settle_seconds=values["settle"],
                 since=since,
                 max_groups=values["max_groups"],
                 say=click.echo,
-                scorer=pair_scorer(values["gate_reward"] or reward, judge),
+                scorer=pair_scorer(night.values["gate_reward"] or own_reward,
+                                   judge_config(night.values, own_max_tokens=False)),
                 judge=judged,
-            )
+                scope=scope,
+            )  # fmt: skip
         except Exception as e:  # one policy's failure does not stop the others' nights
-            if len(policies) <= 1:
+            if len(nights) <= 1:
                 raise
-            failed.append(str(policy))
-            click.echo(f"policy {policy}: the night failed: {type(e).__name__}: {e}", err=True)
+            failed.append(str(night.policy))
+            click.echo(f"policy {night.policy}: the night failed: {type(e).__name__}: {e}",
+                       err=True)  # fmt: skip
     if failed:
         raise OvernightError(
             f"the night failed for policy {', '.join(failed)}; the other policies' nights "
             "ran (see the lines above; a run that failed while training is in `overnight runs`)"
         )
-
-
-def _tool_call_options(values: dict[str, Any]) -> dict[str, Any]:
-    """How the judge step reads siblings' tool calls: with the server's parser, built
-    with the served model's tokenizer (judge/tool_calls.py; the base model by default)."""
-    return {
-        "tool_call_parser": values["tool_call_parser"],
-        "tool_parser_tokenizer": values["tool_parser_tokenizer"] or values["base_model"],
-    }
 
 
 @main.command()

@@ -32,9 +32,11 @@ from .capture.uncaptured import UNCAPTURED, Uncaptured
 from .forward.balancer import Balancer
 from .observe import tracing
 from .observe.metrics import METRICS, Metrics
-from .routes import admin, maintenance
+from .routes import admin, handover, maintenance
 from .routes.agent_api import completions, post_finish, post_reward, prefixed
 from .routes.auth import make_guard
+from .routes.hosted import HOSTED
+from .routes.hosted import install as install_hosted
 from .routes.keys import KeyRing
 from .routes.keys import install as install_keys
 from .routes.models import models
@@ -71,6 +73,9 @@ def create_app(config: ProxyConfig) -> web.Application:
     )
     app[CONFIG] = config
     install_keys(app, config, keys)
+    # A hosted API (routes/hosted.py): no adapters, no watch of the replicas, no probes.
+    hosted = install_hosted(app, config)
+    beside = handover.install(app, config)  # a hosted model beside vLLM: the handover's
     app[STATS] = ProxyStats()
     app[UNCAPTURED] = Uncaptured()
     app[CHAINS] = ResponseChains(data_dir=config.data_dir)  # chains before a restart
@@ -91,8 +96,11 @@ def create_app(config: ProxyConfig) -> web.Application:
         session_headers=_upstream_auth(config),
         drain_timeout=config.drain_timeout,
         base_model=config.base_model,
-        check_interval=config.upstream_check_interval,
-        follow_interval=config.state_poll_interval,
+        check_interval=0 if hosted else config.upstream_check_interval,
+        follow_interval=0 if hosted else config.state_poll_interval,
+        hosted=app[HOSTED].label if hosted else None,
+        hosted_model=config.upstream_model,
+        beside=beside,
     )
     app[ADAPTERS] = policies.get(None)
     app[MAINTENANCE] = Maintenance(
@@ -123,6 +131,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     r.add_post("/admin/adapters/promote", admin.promote)
     r.add_post("/admin/adapters/rollback", admin.rollback)
     r.add_post("/admin/adapters/prune", admin.prune)
+    r.add_post("/admin/handover", handover.set_share)
     r.add_get("/admin/stats", admin.stats)
     r.add_get("/admin/maintenance", maintenance.state)
     r.add_post("/admin/maintenance", maintenance.change)
@@ -180,8 +189,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     policies = app[POLICIES]
     policies.session = session
     app[MAINTENANCE].session = session
-    await app[MAINTENANCE].recover()  # a vLLM left asleep by a night that died with us
-    await policies.restore()
+    if HOSTED not in app:  # vLLM's: its sleep state, the promoted adapter loaded again
+        await app[MAINTENANCE].recover()  # a vLLM left asleep by a night that died with us
+        await policies.restore()
     app[SHADOW].start(writer)
     yield
     await app[SHADOW].close()

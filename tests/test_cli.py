@@ -160,7 +160,10 @@ def test_serve_builds_its_configs_from_the_flags(monkeypatch, tmp_path):
     monkeypatch.setattr(overnight.serve, "serve_forever", lambda *args, **kw: seen.append(args))
     run("serve", "--upstream", "http://127.0.0.1:9/v1", "--data", str(tmp_path), "--port", "9001")
     proxy, vllm, host, port = seen.pop()
-    assert proxy == ProxyConfig(upstream="http://127.0.0.1:9", data_dir=tmp_path)
+    # `--upstream-kind auto` asked the upstream once; nothing answered: vLLM, as always.
+    assert proxy == ProxyConfig(
+        upstream="http://127.0.0.1:9", data_dir=tmp_path, upstream_kind="vllm"
+    )
     assert (vllm, host, port) == (None, "127.0.0.1", 9001)
     data = str(tmp_path)
     run("serve", "--model", "m", "--vllm-arg=--dtype=float32", "--data", data)
@@ -204,6 +207,7 @@ def test_train_and_judge_build_their_configs(monkeypatch, tmp_path):
         {
             "say": click.echo,
             "settle_seconds": 600.0,
+            "scope": None,  # no proxy: every group, as before policies
             "tool_call_parser": "hermes",
             "tool_parser_tokenizer": None,
         },

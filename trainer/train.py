@@ -9,6 +9,11 @@
   back a promoted adapter that live rewards show worse. With --report-to wandb the steps,
   the gate and the promotion also go to the night's W&B run (run/wandb_run.py).
 
+With --sft the night imitates instead: the plan is night/sft_plan.py's (the logged
+conversations rendered with the local chat template, chosen by reward, a share held out
+for the gate) and the step's objective the assistant tokens' cross-entropy; resuming,
+the gate, the promotion and the record are the same.
+
 Under torchrun every process runs this; process 0 decides what to train on and does
 everything with side effects (files, the run record, the promotion). Progress goes to
 `say` (a line per stage and per step, with rates).
@@ -47,6 +52,7 @@ from .night.proxy_client import (
     shared_adapter,
 )
 from .night.resample import resample_turns
+from .night.sft_plan import plan_sft
 from .night.staleness import staleness_of, weigh_staleness
 from .night.turn_groups import add_turn_groups, is_turn_group
 from .night.watch import watch as watch_served
@@ -91,9 +97,12 @@ def train(
     say=print,
     scorer: Scorer | None = None,
     judge=None,
+    scope: PolicyScope | None = None,
 ) -> RunResult:
     """One night. A run that was interrupted is resumed first, on the same groups.
     `judge`: the summary of the judge's batch that scored for it (its cost goes to W&B).
+    `scope`: its policy's groups as the CLI found them (a dry run's may be read offline:
+    overnight/cli_policies.py); None: asked of the proxy here.
 
     Kept as one function on purpose: it is the night's story read top to bottom
     (resume, plan, train, save, promote, record); each step is a call.
@@ -105,36 +114,51 @@ def train(
     report = Report(config, parallel.rank, say)  # W&B, or nothing (run/wandb_run.py)
     # The night's policy (config.policy; None: every group, as before policies): its own
     # groups, its own interrupted run, its own selection record (policy_scope.py).
-    scope = PolicyScope.of(
-        config.policy, parallel.agree(serving_state(proxy_url, admin_token, config.policy))
-    )
+    if scope is None:
+        scope = PolicyScope.of(config.policy, serving_state(proxy_url, admin_token, config.policy))
+    scope = parallel.agree(scope)
     run_dir, saved = parallel.agree(this_run(data_dir, dry_run, scope and scope.owns))
     only = saved.get("groups")  # a resumed run's groups
+    if only is not None and bool(saved.get("sft")) != config.sft:
+        raise TrainError(
+            f"the interrupted run {run_dir.run_id} was {'an --sft' if saved.get('sft') else 'a GRPO'}"
+            f" run: resume it {'with' if saved.get('sft') else 'without'} --sft (or delete "
+            f"{run_dir.path} to leave it)"
+        )
     say(f"run {run_dir.run_id}: " + _what_it_trains_on(only))
     started = time.time_ns() // 1000
     if promote and proxy_url and config.watch and parallel.rank == 0:
         watch_served(data_dir, proxy_url, admin_token, config, say)
     # After the watch's rollback; of this night's policy (config.policy; None: the default).
     state = parallel.agree(serving_state(proxy_url, admin_token, config.policy))
+    if promote and state.get("upstream"):  # a hosted API (proxy/routes/hosted.py): its 409s
+        say(f"the proxy fronts a hosted API ({state['upstream']}), which serves no adapter: "
+            "tonight's is saved, with no gate and no promotion")  # fmt: skip
+        promote = False
     base_model = config.base_model or (None if dry_run else _base_model(state))
     defaults = server_defaults(base_model, config.generation_config)  # vLLM's, where unsaid
     served_only = None if only is None else [g for g in only if not is_turn_group(g)]
     tokenizer = _tokenizer(base_model)
-    plan = plan_run(
-        data_dir, config, settle_seconds, since, max_groups, served_only, tokenizer, defaults,
-        scope=scope,
-    )  # fmt: skip
-    # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
-    # before the gate takes its prompts, so that it takes them from outside the plan.
-    plan = add_turn_groups(
-        data_dir, plan, config, since=since, max_groups=max_groups, only=only,
-        sampling_defaults=defaults, scope=scope,
-    )  # fmt: skip
+    if config.sft:  # the logged conversations to imitate (night/sft_plan.py)
+        plan = plan_sft(data_dir, config, settle_seconds, since, max_groups, only,
+                        _sft_tokenizer(tokenizer, base_model), scope)  # fmt: skip
+    else:
+        plan = plan_run(
+            data_dir, config, settle_seconds, since, max_groups, served_only, tokenizer,
+            defaults, scope=scope,
+        )  # fmt: skip
+        # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
+        # before the gate takes its prompts, so that it takes them from outside the plan.
+        plan = add_turn_groups(
+            data_dir, plan, config, since=since, max_groups=max_groups, only=only,
+            sampling_defaults=defaults, scope=scope,
+        )  # fmt: skip
     gate_prompts: list = []
     given: list[str] = []  # groups the gate took from the plan
     if promote and proxy_url and not dry_run and skipped(config, scorer) is None:
+        # An --sft night's held-out share is its gate's: none taken from the plan.
         gate_prompts, gated = held_out_prompts(
-            data_dir, plan, config.gate_prompts, only is None, scope=scope
+            data_dir, plan, config.gate_prompts, only is None and not config.sft, scope=scope
         )
         given = [g for g in plan.groups if g not in set(gated.groups)]
         plan = gated
@@ -146,7 +170,8 @@ def train(
     start_adapter = started_from if only is not None else local_adapter(data_dir, started_from)
     # How many promotions old each record is, against the adapter training starts from.
     limit = config.max_staleness if only is None else None  # resumed: exactly its groups
-    plan = weigh_staleness(plan, staleness_of(state, started_from), limit)
+    if not config.sft:  # imitated text has no importance ratio to weigh
+        plan = weigh_staleness(plan, staleness_of(state, started_from), limit)
     for line in plan.lines():
         say(line)
     result = RunResult(run_dir.run_id, plan, held_out=given)
@@ -156,7 +181,7 @@ def train(
         return result
     say(f"training on {base_model}, starting from {start_adapter or 'a fresh LoRA adapter'}")
     if parallel.rank == 0:
-        run_dir.begin(plan.groups, start_adapter, config.policy)
+        run_dir.begin(plan.groups, start_adapter, config.policy, sft=config.sft)
     report.begin(run_dir.run_id, data_dir, config, base_model, start_adapter, plan, tokenizer,
                  judge, resumed=only is not None)  # fmt: skip
     adapter_dir = data_dir / "adapters" / run_dir.run_id
@@ -177,7 +202,7 @@ def train(
                     log.warning(line)
                 say(line)
             if parallel.rank == 0 and promote and proxy_url:
-                shared = shared_adapter(data_dir, adapter_dir)  # with a bucket: uploaded
+                shared = shared_adapter(data_dir, adapter_dir, config.policy)  # bucket: uploaded
                 result.gate = _gate(config, scorer, base_model, adapter_dir, shared,
                                     gate_prompts, result, say, data_dir, proxy_url,
                                     admin_token)  # fmt: skip
@@ -274,6 +299,17 @@ def _report(data_dir: Path, policy: str | None) -> Path:
     return whole if policy is None else write_report(data_dir, policy)
 
 
+def _sft_tokenizer(tokenizer, base_model: str | None):
+    """The tokenizer whose chat template an --sft night renders with; a clear error
+    without one (a dry run without --base-model cannot render)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise TrainError(
+            f"--sft renders the logged conversations with the base model's chat template: "
+            f"{base_model or 'no base model'} has no tokenizer with one (give --base-model)"
+        )
+    return tokenizer
+
+
 def _what_it_trains_on(only: list[str] | None) -> str:
     if only is not None:
         return f"resuming an interrupted run on its {len(only)} group(s)"
@@ -282,6 +318,9 @@ def _what_it_trains_on(only: list[str] | None) -> str:
 
 def _base_model(state: dict) -> str:
     base = base_model_of(state)
+    if base and state.get("upstream"):  # the hosted model's name: no weights to load here
+        raise TrainError(f"the proxy fronts a hosted API ({state['upstream']}) serving {base}, "
+                         "which is not a model to train: give --base-model")  # fmt: skip
     if not base:
         raise TrainError("which base model? give --base-model (or --proxy, whose vLLM knows it)")
     return base

@@ -109,14 +109,17 @@ def list_groups(
     # One query for the rollouts of every shown group, not one per group: each query
     # aggregates the rewards and judgments again.
     by_group: dict[str, list[tuple]] = {g[0]: [] for g in groups}
-    asked = dict(
-        con.execute(
-            "SELECT group_id, string_agg(DISTINCT model_requested, ',' ORDER BY model_requested) "
-            f"FROM completions WHERE group_id IN ({','.join('?' * len(by_group))}) "
-            "GROUP BY group_id",
-            list(by_group),
-        ).fetchall()
-    )
+    # And the upstream each was served through, where it was a hosted API (its records
+    # name it in `notes`; vLLM's do not).
+    asked, via = {}, {}
+    for group_id, models, upstreams in con.execute(
+        "SELECT group_id, string_agg(DISTINCT model_requested, ',' ORDER BY model_requested), "
+        "string_agg(DISTINCT json_extract_string(notes, '$.upstream'), ',') "
+        f"FROM completions WHERE group_id IN ({','.join('?' * len(by_group))}) "
+        "GROUP BY group_id",
+        list(by_group),
+    ).fetchall():
+        asked[group_id], via[group_id] = models, upstreams
     for row in con.execute(
         "SELECT group_id, rollout_id, turns, prompt_tokens, completion_tokens, reward, "
         "reward_source, judge_score, finished_at IS NOT NULL, models_served, errors FROM rollouts "
@@ -128,7 +131,7 @@ def list_groups(
         out.append(
             f"group {g[0]}: {g[1]} rollout(s), {g[2]} turn(s), {g[3]} tokens, "
             f"mean reward {_cell(g[4])}, {g[5]} finished, asked for {asked.get(g[0]) or '-'}, "
-            f"served by {g[6]}"
+            f"served by {g[6]}" + (f" via {via[g[0]]}" if via.get(g[0]) else "")
         )
         rollouts = by_group[g[0]]
         table = _table(
@@ -354,7 +357,8 @@ def list_runs(
     decisions (`events`, adapter_events) and why."""
     where, args = (f"WHERE {RUN_POLICY} = ?", [policy]) if policy is not None else ("", [])
     rows = con.execute(
-        "SELECT run_id, status, len(groups), rollouts, steps, trained_tokens, reward_mean, "
+        "SELECT run_id, status || CASE WHEN json_extract_string(metrics, '$.objective') = 'sft' "
+        "THEN ' (sft)' ELSE '' END, len(groups), rollouts, steps, trained_tokens, reward_mean, "
         "max_logprob_gap, promoted_as, started_at, json_extract_string(metrics, '$.gate.verdict'), "
         "json_extract_string(metrics, '$.gate.reason'), "
         "json_extract_string(metrics, '$.logprob_gaps'), "

@@ -61,7 +61,9 @@ def write_report(data_dir: Path, policy: str | None = None) -> Path:
     con = open_db(data_dir)
     try:
         runs = con.execute(
-            f"SELECT run_id, {RUN_POLICY}, started_at, status, len(groups), rollouts, steps, "
+            f"SELECT run_id, {RUN_POLICY}, started_at, status || CASE WHEN "
+            "json_extract_string(metrics, '$.objective') = 'sft' THEN ' (sft)' ELSE '' END, "
+            "len(groups), rollouts, steps, "
             "reward_mean, promoted_as, max_logprob_gap, json_extract(metrics, '$.logprob_gaps'), "
             f"json_extract(metrics, '$.gate') FROM training_runs {where} ORDER BY started_at",
             args,

@@ -9,13 +9,15 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .common import DEFAULT_DATA_DIR
+from .handover import HostedBeside, check_hosted_beside
 from .keys import PolicyToken, ScopedKey, check_keys, parse_keys, policy_names
+from .upstream_kind import check_upstream_kind, check_upstream_url
 
 _ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True)
-class ProxyConfig:
+class ProxyConfig(HostedBeside):  # its hosted_* fields: handover.py
     # The first of `upstreams`: the one upstream of a proxy that fronts one, as
     # `ProxyConfig(upstream=URL)` says it. Give this or `upstreams`, not both.
     upstream: str = field(
@@ -124,6 +126,33 @@ class ProxyConfig:
             "help": "Key the proxy sends upstream (env OVERNIGHT_UPSTREAM_API_KEY).",
             "envvar": "OVERNIGHT_UPSTREAM_API_KEY",
         },
+    )
+    # A hosted API refuses what the proxy asks vLLM for (upstream_kind.py). `auto`: known
+    # hosts by their URL, others asked once at `overnight serve`'s start (vLLM if no answer).
+    upstream_kind: str = field(
+        default="auto",
+        metadata={
+            "help": "What the upstream is: vllm, openai (a hosted OpenAI-compatible API: "
+            "nothing added, no adapters), anthropic (the Messages API, x-api-key), or auto "
+            "(known hosts by URL, else its /v1/models at start; vllm when it cannot tell).",
+            "choices": ("auto", "vllm", "openai", "anthropic"),
+        },
+    )
+    # Never both keys: `client` forwards the client's own Authorization (openai) or x-api-key
+    # (anthropic) and the proxy's keys move to X-Overnight-Key; `configured` sends ours.
+    upstream_auth: str = field(
+        default="configured",
+        metadata={
+            "help": "Key a hosted upstream gets: configured (--upstream-api-key, never the "
+            "client's) or client (the client's own; the proxy's keys then come in "
+            "X-Overnight-Key).",
+            "choices": ("configured", "client"),
+        },
+    )
+    # What the alias means against a hosted upstream (an adapter's name against vLLM).
+    upstream_model: str | None = field(
+        default=None,
+        metadata={"help": "Hosted model a request for the alias (or a policy) is sent as."},
     )
     # Large enough for long multi-turn agent contexts with tool outputs.
     max_body_bytes: int = field(
@@ -314,6 +343,8 @@ class ProxyConfig:
 
     def __post_init__(self) -> None:
         self._check_upstreams()
+        check_upstream_kind(self)
+        check_hosted_beside(self)
         if self.shadow_samples < 0 or not 0.0 <= self.shadow_rate <= 1.0:
             raise ConfigError("shadow_samples must be >= 0 and shadow_rate within [0, 1]")
         if self.shadow_queue < 1 or self.shadow_concurrency < 1 or self.shadow_max_served < 0:
@@ -376,6 +407,11 @@ class ProxyConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"a policy is given twice: {list(names)}")
         every = (self.alias, *(n for n in names if n != self.alias))
+        # Each names a folder (DATA/policies/NAME): on a case-insensitive disk (macOS,
+        # Windows) `Research` and `research` would share one promotion state, and its
+        # admin token would promote and roll back the other's.
+        if len({n.casefold() for n in every}) != len(every):
+            raise ConfigError(f"policy names must differ in more than case: {list(every)}")
         # A request names a policy, the base model or an adapter (`NAME-v3-9c1e2a`,
         # proxy/adapters/serving.py): no name may be two of these.
         if len(every) > 1 and self.base_model in every:
@@ -402,6 +438,7 @@ class ProxyConfig:
         for url in urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ConfigError(f"upstream must be an http(s) URL, got {url!r}")
+            check_upstream_url(url)
         urls = tuple(u.rstrip("/").removesuffix("/v1") for u in urls)
         if len(set(urls)) != len(urls):
             raise ConfigError(f"an upstream is given twice: {list(urls)}")

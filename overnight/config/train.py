@@ -23,6 +23,8 @@ _ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "f
 GATE_MODES = ("not-worse", "better", "off")
 COLOCATE_MODES = ("auto", "on", "off")
 REPORT_TO = ("auto", "wandb", "none")  # where a night reports (trainer/run/wandb_run.py)
+# Which logged rollouts an --sft night imitates (trainer/night/sft_plan.py).
+SFT_SELECTIONS = ("auto", "best", "min-reward", "all")
 
 
 @dataclass(frozen=True)
@@ -330,6 +332,44 @@ class TrainConfig:
             "choices": REPORT_TO,
         },
     )
+    # Off: GRPO. On: distil what the logged upstream answered (a hosted model's traffic,
+    # or the best of the agent's own rollouts) into the adapter, through the same steps,
+    # checkpoints, gate and promotion (trainer/night/sft_plan.py, docs/grpo.md).
+    sft: bool = field(
+        default=False,
+        metadata={
+            "help": "Supervised fine-tuning instead of GRPO: the logged assistant turns, "
+            "rendered with the local base model's chat template (tool calls and results "
+            "included), trained with a token-mean cross-entropy (docs/grpo.md)."
+        },
+    )
+    # auto suits distilling a hosted model: traffic nobody scored is imitated whole, a
+    # scored group by its best rollout (rejection-sampling fine-tuning).
+    sft_selection: str = field(
+        default="auto",
+        metadata={
+            "help": "Which rollouts an --sft night imitates: auto (of a rewarded group those at "
+            "or above --sft-min-reward if given, else its best; of a group without rewards, "
+            "all), best, min-reward, or all (rewards ignored).",
+            "choices": SFT_SELECTIONS,
+        },
+    )
+    sft_min_reward: float | None = field(
+        default=None,
+        metadata={
+            "help": "--sft: imitate only rollouts whose reward is at least this (with "
+            "--sft-selection best: a group's best only if it reaches it)."
+        },
+    )
+    # A tenth: held-out prompts like the training ones, never trained, for the gate. By a
+    # hash of the group id, so a group held out once is held out every night.
+    sft_held_out: float = field(
+        default=0.1,
+        metadata={
+            "help": "--sft: share of the groups kept out of training for good (the same "
+            "groups every night, by a hash of their id), where the gate finds its prompts."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:
@@ -363,6 +403,15 @@ class TrainConfig:
             raise ConfigError(f"canary must be a share in [0, 1) of the traffic, got {self.canary}")
         if self.resample < 0 or self.resample_max_turns < 0:
             raise ConfigError("resample and resample_max_turns must be at least 0")
+        if self.sft_selection not in SFT_SELECTIONS or not 0 <= self.sft_held_out < 1:
+            raise ConfigError(
+                f"sft_selection must be one of {', '.join(SFT_SELECTIONS)} (got "
+                f"{self.sft_selection!r}) and sft_held_out a share in [0, 1)"
+            )
+        if self.sft_selection == "min-reward" and self.sft_min_reward is None:
+            raise ConfigError("--sft-selection min-reward needs --sft-min-reward")
+        if self.sft and self.kl_coef > 0:
+            raise ConfigError("--kl-coef is GRPO's: an --sft night's loss is the cross-entropy")
         if self.report_to not in REPORT_TO:
             raise ConfigError(f"report_to must be auto, wandb or none, got {self.report_to!r}")
         if self.dtype not in _DTYPES:

@@ -18,19 +18,27 @@ names are one namespace for all of them. Requests for any other model name (the 
 model) pass through, untrained when there are several policies (storage/policy_scope.py).
 What the replicas must serve before they are live is every policy's adapter (`Serving.siblings`). Pruning adapters is of the data
 directory: a prune through any policy keeps what every policy needs.
+
+No policy may be named as the base model vLLM serves (with several policies): base-model
+traffic would look like that policy's. The config refuses a `--base-model` that is one;
+the name vLLM reports at start is checked too (a start refused), and one learned later,
+when vLLM was not up at the start, is said loudly in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
-from overnight.errors import OvernightError
+from overnight.errors import ConfigError, OvernightError
 from overnight.proxy.forward.balancer import Balancer
 
 from . import promotions
 from .promotions import Route
 from .registry import AdapterRegistry
+
+log = logging.getLogger("overnight.proxy")
 
 
 class UnknownPolicy(OvernightError):
@@ -51,8 +59,19 @@ class Policies:
         base_model: str | None = None,
         check_interval: float = 10.0,
         follow_interval: float = 1.0,
+        hosted: str | None = None,
+        hosted_model: str | None = None,
+        beside: str | None = None,
     ):
         self.default = names[0]
+        # A hosted model beside vLLM (`beside`: how records name it): each policy's
+        # rollouts outside its handover share go to it as `hosted_model` (a Route marked
+        # hosted, proxy/routes/handover.py); all of them before a handover starts.
+        self.beside = beside
+        # A hosted upstream (`hosted`: how records name it, routes/hosted.py) serves no
+        # adapter: every policy's alias is sent as `hosted_model`, whatever an earlier
+        # promotion state says.
+        self.hosted, self.hosted_model = hosted, hosted_model
         # Whether the default policy's nights train on what asked for no policy (the base
         # model): with one policy only, where every key limited to policies has it
         # (storage/policy_scope.py).
@@ -73,8 +92,10 @@ class Policies:
                 data_dir=Path(data_dir),
             )
         registries = list(self.by_name.values())
+        self._clash_said = False
         for registry in registries:
             registry.siblings = registries
+            registry.on_base_model = self.notice_base_model
         # A replica that went down wakes every policy's watch (each set it to its own).
         balancer.on_down = lambda _replica: [r._wake.set() for r in registries]
 
@@ -104,10 +125,30 @@ class Policies:
         """The alias's adapter (or its canary, or the base model before a promotion); any
         other name passes through, counted in the flight of the policy whose adapter it
         names (`support-v3-9c1e2a`: its drain waits for it), else the default's."""
+        if self.hosted:
+            return self._hosted_route(requested)
+        if self.beside is not None and requested in self.by_name:
+            handover = self.by_name[requested].handover or {}
+            if not promotions.served_locally(key, handover.get("share", 0.0)):
+                return Route(self.hosted_model or "", None, requested, hosted=True)
         return self._owner(requested).route(requested, key)
 
     def release(self, route: Route) -> None:
-        self._owner(route.policy or route.served).release(route)
+        if not self.hosted and not route.hosted:
+            self._owner(route.policy or route.served).release(route)
+
+    def _hosted_route(self, requested: str | None) -> Route:
+        """A policy's alias as the hosted model; any other name unchanged (nothing drains)."""
+        if requested not in self.by_name:
+            return Route(requested or "", None)
+        if self.hosted_model is None:
+            raise OvernightError(
+                f"the alias {requested!r} names no hosted model here: start the proxy with "
+                "--upstream-model NAME, or ask for the hosted model by its name",
+                status=404,
+                code="model_not_found",
+            )
+        return Route(self.hosted_model, None, requested)
 
     def _owner(self, name: str | None) -> AdapterRegistry:
         registry = self.by_name.get(name) if name is not None else None
@@ -117,6 +158,8 @@ class Policies:
         return registry or self.by_name[self.default]
 
     def notice_missing(self, served: str) -> None:
+        if self.hosted:  # no adapter to miss
+            return
         for registry in self.by_name.values():
             registry.notice_missing(served)
 
@@ -132,8 +175,23 @@ class Policies:
             registry.session = session
 
     async def restore(self) -> None:
+        self._clash_said = True  # at the start a clash refuses it, below, instead
         for registry in self.by_name.values():
             await registry.restore()
+        clash = self.base_model_clash()
+        if clash:
+            await self.close()
+            raise ConfigError(clash)
+        self._clash_said = False
+
+    def base_model_clash(self) -> str | None:
+        """What is wrong when vLLM's base model has a policy's name (several policies)."""
+        base = next((r.base_model for r in self.by_name.values() if r.base_model), None)
+        if len(self.by_name) < 2 or base not in self.by_name:
+            return None
+        return (f"vLLM serves its base model as {base!r}, a policy's name here: requests "
+                "for the base model would be that policy's traffic (and train it); serve "
+                "vLLM under another name (--served-model-name) or name the policy otherwise")  # fmt: skip
 
     async def check_upstream(self) -> bool:
         """Every policy's adapter loaded where it is missing (after a colocated night)."""
@@ -142,6 +200,14 @@ class Policies:
             changed = await registry.check_upstream() or changed
         return changed
 
+    def notice_base_model(self) -> None:
+        """Said once, in the log, where vLLM's base model turns out to have a policy's
+        name after the start (vLLM was not up then): the start could not refuse it."""
+        clash = None if self._clash_said else self.base_model_clash()
+        if clash:
+            self._clash_said = True
+            log.error("%s", clash)
+
     async def prune(self, keep: int, dry_run: bool):
         """Adapters none of the policies needs, deleted (retention.py)."""
         first, *others = self.registries
@@ -149,12 +215,20 @@ class Policies:
 
     def describe(self, name: str | None = None) -> dict:
         """One policy's state (the default's without `name`), with the list of policies."""
-        return {
+        state = {
             **self.get(name).describe(),
             "policies": self.names,
             "default": self.default,
             "others_trained": self.others_trained,
         }
+        if self.beside is not None:  # the share served locally; the rest is the hosted's
+            handover = {"share": 0.0, "since": None, **(state.get("handover") or {})}
+            state["handover"] = {**handover, "upstream": self.beside,
+                                 "hosted_model": self.hosted_model}  # fmt: skip
+        if self.hosted:  # what serves is the hosted model, whatever a promotion said
+            hosted = {"upstream": self.hosted, "base_model": self.hosted_model}
+            state |= {**hosted, "current": None, "canary": None}
+        return state
 
     def describe_all(self) -> dict[str, dict]:
         return {name: registry.describe() for name, registry in self.by_name.items()}

@@ -123,8 +123,18 @@ def history_event(action: str, adapter: Adapter, why: str, serves: Adapter | Non
 
 def in_canary(key: str, fraction: float) -> bool:
     """Whether the rollout `key` is in the canary's share: a hash, the same in every process."""
-    point = int.from_bytes(hashlib.blake2b(b"canary\0" + key.encode(), digest_size=8).digest())
-    return point < fraction * 2**64
+    return _hashed(b"canary\0", key) < fraction * 2**64
+
+
+def served_locally(key: str | None, share: float) -> bool:
+    """Whether the rollout `key` is in a handover's local share (proxy/routes/handover.py):
+    the canary's hash under a salt of its own, so that a canary's rollouts and the local
+    ones are drawn independently. No key: the hosted model (until the share is whole)."""
+    return share >= 1.0 or (key is not None and _hashed(b"handover\0", key) < share * 2**64)
+
+
+def _hashed(salt: bytes, key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(salt + key.encode(), digest_size=8).digest())
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,7 @@ class Route:
     served: str  # model name sent upstream
     version: int | None  # adapter version, None for the base model or a pass-through
     policy: str | None = None  # the alias asked for; None: a pass-through
+    hosted: bool = False  # sent to the hosted model beside vLLM (a handover's other side)
 
 
 def rollback_on_disk(

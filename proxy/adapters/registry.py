@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 
 from overnight.proxy.forward.balancer import Replica
@@ -68,7 +69,7 @@ class AdapterRegistry(Serving):
         it the alias's adapter as it is loaded; promoting another path drops the canary."""
         if canary is not None and not 0 < canary < 1:
             raise AdapterError(f"a canary's share must be between 0 and 1, got {canary}")
-        path, source = await self.files.prepare(path)  # with a bucket: uploaded too
+        path, source = await self.files.prepare(path, self.alias)  # a bucket's: uploaded
         async with self._lock, self.shared.locked():
             # another proxy may have promoted meanwhile
             self._adopt(await self._io(self.shared.read))
@@ -125,6 +126,32 @@ class AdapterRegistry(Serving):
             )
             return now
 
+    async def set_handover(self, share: float, why: str = "") -> dict:
+        """Serve `share` of the alias's rollouts locally and the rest by the hosted model
+        beside vLLM (policies.py): 0 stops a handover (the hosted model serves all), 1
+        completes it. Written to the shared state with an event, like a promotion."""
+        if not 0.0 <= share <= 1.0:
+            raise AdapterError(f"a handover's share must be within [0, 1], got {share}")
+        async with self._lock, self.shared.locked():
+            self._adopt(await self._io(self.shared.read))
+            was = (self.handover or {}).get("share")
+            if share == 0.0:
+                action = "handover stopped" if was else "handover off"
+            else:
+                action = "handover complete" if share == 1.0 else f"handover at {share:.0%}"
+            now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+            current = self.current
+            event = {"at": now, "action": action, "adapter": current.name if current else None,
+                     "serves": current.name if current else None, "reason": why}  # fmt: skip
+            old, self.handover = self.handover, {"share": share, "since": now}
+            try:
+                await self._switch(self.stack, self.canary, event)
+            except BaseException:
+                self.handover = old
+                raise
+            log.info("alias %s: %s (%s)", self.alias, action, why or "no reason given")
+            return self.handover
+
     async def prune(
         self, keep: int, dry_run: bool, others: tuple[AdapterRegistry, ...] = ()
     ) -> retention.Pruned:
@@ -132,7 +159,8 @@ class AdapterRegistry(Serving):
         stack, nor loaded anywhere (retention.py); with `dry_run`, only say which. Under
         the promotion locks: no promotion picks an adapter while it goes. `others`: the
         other policies' registries (policies.py), whose adapters are kept alike; their
-        locks are taken too, always in the same order."""
+        locks are taken too, always in the same order. This registry is the default
+        policy's: a night that names no policy is its (each policy keeps its newest)."""
         async with contextlib.AsyncExitStack() as locks:
             states: list[dict] = []
             loaded = {n for r in self.balancer.replicas for n in r.served}
@@ -146,7 +174,9 @@ class AdapterRegistry(Serving):
                 }
             data_dir = self.data_dir
             store = segment_store(data_dir)
-            pruned = await asyncio.to_thread(retention.plan, data_dir, store, states, keep, loaded)
+            pruned = await asyncio.to_thread(
+                retention.plan, data_dir, store, states, keep, loaded, self.alias
+            )
             if not dry_run:
                 await asyncio.to_thread(retention.delete, data_dir, store, pruned)
             return pruned
@@ -217,10 +247,13 @@ class AdapterRegistry(Serving):
         serves the current adapter (set here, before it can take traffic)."""
         # A replica asleep for a colocated night answers, but is not to be touched.
         awake = [r for r in self.balancer.replicas if not r.asleep]
+        known = self.base_model
         for served in await check_replicas(self.lora, awake):
             self.base_model, self.base_model_path = base_model_of(
                 served, self.base_model, self.base_model_path
             )
+        if known is None and self.base_model is not None and self.on_base_model is not None:
+            self.on_base_model()  # learned now: policies.py checks it against their names
         self._mark_synced()
 
     async def _sync(self, restore: bool = True) -> bool:

@@ -63,6 +63,8 @@ class Serving:
         self.history: list[Adapter] = []  # every adapter ever loaded, oldest first
         self.canary: Adapter | None = None  # a candidate serving a share of the alias
         self.canary_fraction = 0.0
+        # A handover from a hosted model (policies.py): {"share", "since"}, or None.
+        self.handover: dict | None = None
         self.events: list[dict] = []  # promotions, rollbacks, canaries, with reasons
         self.version = 0  # of the shared state this proxy follows
         self._lock = asyncio.Lock()  # one change of this proxy's state at a time
@@ -81,6 +83,8 @@ class Serving:
         # The registries sharing these replicas (one per policy, policies.py): a replica
         # is live only once it serves what each of them serves.
         self.siblings: list[Serving] = [self]
+        # Told when the base model's name is first learned from vLLM (policies.py checks it).
+        self.on_base_model: Callable[[], None] | None = None
         balancer.on_down = lambda _replica: self._wake.set()
         self._stamp, state = self.shared.initial()
         if state.get("alias") not in (None, alias):
@@ -139,6 +143,7 @@ class Serving:
             "current": promotions.stored(current) if current else None,
             "stack": [a.name for a in self.stack],
             "canary": promotions.canary_state(self.canary, self.canary_fraction),
+            "handover": self.handover,
             "adapters": [promotions.stored(a) for a in self.history],
             "events": self.events,
             "in_flight": dict(self.in_flight),
@@ -163,6 +168,7 @@ class Serving:
         canary = state.get("canary") or {}
         self.canary = by_name.get(canary.get("name", ""))
         self.canary_fraction = float(canary.get("fraction", 0.0))
+        self.handover = state.get("handover")
         self.events = list(state.get("events", []))
         self.version = state.get("version", 0)
 
@@ -194,6 +200,7 @@ class Serving:
             "canary": promotions.canary_state(canary, fraction),
             "adapters": [promotions.stored(a) for a in self.history],
             "events": events,
+            "handover": self.handover,
         }
         try:
             written = await self._io(self.shared.write, state)

@@ -101,6 +101,20 @@ def add_key_note(rows: list[dict], note: dict | None) -> None:
         row["notes"] = {**(row.get("notes") or {}), **extra}
 
 
+def add_upstream_note(rows: list[dict], upstream: str, answered: object) -> None:
+    """A hosted upstream's records (routes/hosted.py): each names that upstream in its
+    `notes` (kind and host, never a key or a query), has no token ids and no logprobs
+    (null: none were given; logprobs a client asked for are the hosted model's, not the
+    policy's), and is served by the model the answer names (`gpt-4o-2024-08-06` for
+    `gpt-4o`) where it names one."""
+    for row in rows:
+        row["notes"] = {**(row.get("notes") or {}), "upstream": upstream}
+        row["prompt_token_ids"] = row["completion_token_ids"] = None
+        row["completion_logprobs"] = None
+        if isinstance(answered, str) and answered:
+            row["model_served"] = answered
+
+
 def _ids_note(acc, state: ChoiceState | None) -> str | None:
     """Why a choice's record is not token-exact, when the capture knows (else None)."""
     note = getattr(acc, "note", None)

@@ -34,6 +34,7 @@ __all__ = [
     "VLLMConfig",
     "VLLMProcess",
     "check_logprobs_mode",
+    "detect_kind",
     "free_port",
     "free_ports",
     "port_free",
@@ -45,6 +46,18 @@ __all__ = [
 
 class LaunchError(OvernightError):
     code = "vllm_launch_failed"
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer (an HTTPError naming its status), never followed: urllib
+    would send it the same headers, the upstream key included, to whatever host it names."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+# The start-up probes below carry --upstream-api-key: they go to the upstream's URL only.
+_open_upstream = urllib.request.build_opener(_NoRedirect).open
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -172,7 +185,7 @@ def check_logprobs_mode(
     def call(path: str, body: dict | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(upstream + path, data=data, headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout) as r:
+        with _open_upstream(request, timeout=timeout) as r:
             return json.loads(r.read())
 
     probe = {"prompt": "The", "max_tokens": 1, "temperature": 1.0, "top_k": 1, "logprobs": 1}
@@ -188,6 +201,34 @@ def check_logprobs_mode(
         f"the upstream logs raw logprobs (a top_k=1 probe got {logprob:.4g}, not 0): start "
         "vLLM with --logprobs-mode processed_logprobs, or training will compare the raw "
         "model's logprobs with the sampled distribution's (docs/grpo.md)"
+    )
+
+
+def detect_kind(
+    upstream: str, api_key: str | None = None, timeout: float = 10.0
+) -> tuple[str, str]:
+    """What an upstream `--upstream-kind auto` left open is, and a line to log: vLLM when
+    its /v1/models says `owned_by: "vllm"`, a hosted OpenAI-compatible API when it
+    answers otherwise, and vLLM (as before kinds existed) when it cannot be asked: a
+    proxy's start never waits on an answer it may lack the key for."""
+    import json
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(upstream + "/v1/models", headers=headers)
+    try:
+        with _open_upstream(request, timeout=timeout) as r:
+            cards = json.loads(r.read())["data"]
+        owners = {card.get("owned_by") for card in cards}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return "vllm", (
+            f"could not ask {upstream}/v1/models what it is ({type(e).__name__}: {e}): taken "
+            "for vLLM; give --upstream-kind openai (or anthropic) for a hosted API"
+        )
+    if "vllm" in owners:
+        return "vllm", f"{upstream} is vLLM (its /v1/models says so)"
+    return "openai", (
+        f"{upstream} is a hosted OpenAI-compatible API (its /v1/models names no vLLM model): "
+        "nothing is added to requests and no adapter is served"
     )
 
 

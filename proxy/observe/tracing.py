@@ -35,6 +35,7 @@ import orjson
 from aiohttp import web
 
 from overnight.config import ProxyConfig
+from overnight.config.upstream_kind import HOSTED_KINDS
 from overnight.proxy.capture.attribution import Attribution
 from overnight.proxy.capture.chat import TEXT
 from overnight.proxy.capture.state import Capture
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("overnight.proxy")
 
-PROVIDER = "vllm"  # gen_ai.provider.name: the server behind the proxy
+PROVIDER = "vllm"  # gen_ai.provider.name: the server behind the proxy (a hosted API: its kind)
 # Request fields and the GenAI attribute each becomes (the sampling parameters).
 SAMPLING = {
     "temperature": "gen_ai.request.temperature",
@@ -66,10 +67,11 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 class ProxyTracing:
     """The sampler and the exporter, and a span's start, forwarding and end."""
 
-    def __init__(self, exporter: Exporter, sampler: Sampler, contents: bool):
+    def __init__(self, exporter: Exporter, sampler: Sampler, contents: bool, provider=PROVIDER):
         self.exporter = exporter
         self.sampler = sampler
         self.contents = contents
+        self.provider = provider  # vllm, or the hosted API's kind (openai, anthropic)
 
     def start(self, request: web.Request, capture: Capture, who: Attribution, started: int):
         """The span of `capture`, begun at `started` (µs, when the request was accepted)."""
@@ -79,7 +81,7 @@ class ProxyTracing:
             name = f"{operation} {body.get('model') or ''}".rstrip()
             span = Span(parent(request.headers), self.sampler, name, started * 1000)
             if span.sampled:  # an unsampled span only names vLLM's parent
-                span.attributes = start_attributes(operation, capture, who, body)
+                span.attributes = start_attributes(operation, capture, who, body, self.provider)
             capture.span = span
         except Exception:  # tracing must never fail a request
             log.exception("tracing: could not start the span of %s", capture.request_id)
@@ -122,7 +124,9 @@ def install(app: web.Application, config: ProxyConfig) -> None:
     from overnight.proxy.observe import otlp
 
     exporter = otlp.from_environment("overnight-proxy", os.environ)
-    app[TRACING] = ProxyTracing(exporter, sampler_from(os.environ), config.trace_contents)
+    hosted = config.upstream_kind in HOSTED_KINDS  # else vLLM, `auto` left open included
+    provider = config.upstream_kind if hosted else PROVIDER
+    app[TRACING] = ProxyTracing(exporter, sampler_from(os.environ), config.trace_contents, provider)
     log.info("tracing: OTLP/HTTP spans to %s", exporter.endpoint)
 
     async def stop(app: web.Application) -> None:
@@ -158,10 +162,12 @@ def request_fields(body: Any) -> dict:
     return body if isinstance(body, dict) else {}
 
 
-def start_attributes(operation: str, capture: Capture, who: Attribution, body: dict) -> dict:
+def start_attributes(
+    operation: str, capture: Capture, who: Attribution, body: dict, provider: str = PROVIDER
+) -> dict:
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": operation,
-        "gen_ai.provider.name": PROVIDER,
+        "gen_ai.provider.name": provider,
         "gen_ai.request.stream": capture.stream,
         "overnight.request_id": capture.request_id,
         "overnight.endpoint": capture.endpoint,
@@ -188,7 +194,8 @@ def start_attributes(operation: str, capture: Capture, who: Attribution, body: d
 
 def end_attributes(capture: Capture, rows: list[dict]) -> dict:
     attributes: dict[str, Any] = {
-        "gen_ai.response.model": capture.route.served,
+        # The record's: a hosted API's names the model that answered (records.py).
+        "gen_ai.response.model": rows[0]["model_served"] if rows else capture.route.served,
         "http.response.status_code": capture.status,
     }
     if capture.route.version is not None:

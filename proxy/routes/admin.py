@@ -4,24 +4,46 @@ Access (the admin token, else loopback only) is checked by the app's middleware
 (auth.py) before any of these run. The /admin/adapters routes act on one policy: the
 query parameter `policy` names it (absent: the default policy, `--alias`), the one
 place it is read, so that the middleware can check a policy's own admin token by it.
+
+Such a token (auth.POLICY_TOKEN on the request) promotes its policy's own adapters only
+(adapters/ownership.py) and sees what its night reads (`NIGHT_VIEW`): not the replicas'
+URLs, where vLLM loaded the base model from, the requests in flight or the machine; nor
+do its errors name them. The reasons it gives are bounded (`TOKEN_REASON_CHARS`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 
 from aiohttp import web
 
 from overnight.errors import OvernightError
+from overnight.proxy.adapters.ownership import own_adapter
 from overnight.proxy.capture.redact import REDACTOR
 from overnight.proxy.capture.uncaptured import UNCAPTURED
 from overnight.proxy.forward.jsonio import read_json_object
 from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import CONFIG, MAINTENANCE, POLICIES, STATS, WRITER
 
+from .auth import POLICY_TOKEN
+from .hosted import refuse_if_hosted
 from .keys import KEYS
 
 POLICY_PARAM = "policy"  # ?policy=NAME on /admin/adapters...
+# What a per-policy admin token's /admin/adapters shows: what its night reads (the scope
+# of its groups, the base model's name, the adapters, stack, canary and history for the
+# watch, the canary and staleness). A night that needs more (the base model's path,
+# vLLM's URL for --resample, the colocated sleep) is the operator's, or given it as
+# options (--base-model, --resample-upstream).
+NIGHT_VIEW = (
+    "alias", "base_model", "current", "stack", "canary", "handover", "adapters", "events",
+    "state_version", "policies", "default", "others_trained",
+)  # fmt: skip
+# The longest "reason" a per-policy admin token's promotion or rollback keeps: its event is
+# in the state every proxy reads at each poll (200 events kept; a body may be 32 MB).
+TOKEN_REASON_CHARS = 2000
 
 
 def policy_of(request: web.Request) -> str | None:
@@ -44,8 +66,16 @@ async def adapters(request: web.Request) -> web.Response:
         "host": socket.gethostname(),
     }
     # The policy's state (the default's without ?policy=), and every policy's name.
-    state = request.app[POLICIES].describe(policy_of(request))
-    return web.json_response({**state, "colocation": colocation})
+    state = {**request.app[POLICIES].describe(policy_of(request)), "colocation": colocation}
+    return web.json_response(_seen(request, state))
+
+
+def _seen(request: web.Request, state: dict) -> dict:
+    """`state` as the caller may see it: whole for the operator, its night's part for a
+    per-policy admin token."""
+    if request.get(POLICY_TOKEN) is None:
+        return state
+    return {k: state[k] for k in NIGHT_VIEW if k in state}
 
 
 async def promote(request: web.Request) -> web.Response:
@@ -56,12 +86,16 @@ async def promote(request: web.Request) -> web.Response:
     _expect(body, {"path": "string", "canary": "number", "reason": "string"}, ("path",))
     policies = request.app[POLICIES]
     registry = policies.get(policy_of(request))
-    _awake(request)
+    path, reason = body["path"], _reason(request, body)
+    if request.get(POLICY_TOKEN) is not None:  # its policy's own adapters only
+        path = await asyncio.to_thread(own_adapter, path, registry.alias, policies.default,
+                                       registry.data_dir, list(registry.history))  # fmt: skip
     canary = body.get("canary")
-    adapter = await registry.promote(
-        body["path"], None if canary is None else float(canary), body.get("reason", "")
-    )
-    return web.json_response({"promoted": adapter.name, **policies.describe(registry.alias)})
+    with _replicas_unnamed(request, registry):
+        _awake(request)
+        adapter = await registry.promote(path, None if canary is None else float(canary), reason)
+    described = _seen(request, policies.describe(registry.alias))
+    return web.json_response({"promoted": adapter.name, **described})
 
 
 async def rollback(request: web.Request) -> web.Response:
@@ -71,13 +105,45 @@ async def rollback(request: web.Request) -> web.Response:
     _expect(body, {"reason": "string", "canary": "boolean"})
     policies = request.app[POLICIES]
     registry = policies.get(policy_of(request))
-    _awake(request)
-    await registry.rollback(body.get("reason", ""), canary=body.get("canary", False))
-    return web.json_response(policies.describe(registry.alias))
+    reason = _reason(request, body)
+    with _replicas_unnamed(request, registry):
+        _awake(request)
+        await registry.rollback(reason, canary=body.get("canary", False))
+    return web.json_response(_seen(request, policies.describe(registry.alias)))
+
+
+def _reason(request: web.Request, body: dict) -> str:
+    reason = body.get("reason", "")
+    if request.get(POLICY_TOKEN) is not None and len(reason) > TOKEN_REASON_CHARS:
+        raise OvernightError(
+            f'"reason" has {len(reason)} characters; a policy\'s admin token gives at most '
+            f"{TOKEN_REASON_CHARS}", status=400, code="invalid_request",
+        )  # fmt: skip
+    return reason
+
+
+@contextlib.contextmanager
+def _replicas_unnamed(request: web.Request, registry):
+    """A per-policy admin token's errors say "replica 2", not where the replicas are nor
+    where vLLM loaded the base model from (NIGHT_VIEW leaves both out): a load that failed
+    names each replica's URL and echoes vLLM's answer (adapters/loading.py)."""
+    try:
+        yield
+    except OvernightError as e:
+        if request.get(POLICY_TOKEN) is not None:
+            message = str(e)
+            for i, replica in enumerate(registry.balancer.replicas, 1):
+                message = message.replace(replica.url, f"replica {i}")
+            if registry.base_model_path:
+                message = message.replace(registry.base_model_path, "the base model")
+            e.args = (message,)
+        raise
 
 
 def _awake(request: web.Request) -> None:
-    """Adapters change only while vLLM is awake: a night promotes once it ended its window."""
+    """Adapters change only while vLLM is awake: a night promotes once it ended its window;
+    and never against a hosted upstream."""
+    refuse_if_hosted(request.app, "promote or roll back")
     window = request.app[MAINTENANCE].window
     if window is not None:
         raise OvernightError(

@@ -13,6 +13,7 @@ logging adds no latency. Rewards and finishes are durable before they are answer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from aiohttp import web
@@ -37,6 +38,7 @@ from overnight.proxy.capture.conversation import (
 )
 from overnight.proxy.capture.records import (
     add_key_note,
+    add_upstream_note,
     completion_rows,
     finish_row,
     parse_reward,
@@ -51,6 +53,8 @@ from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import MAINTENANCE, POLICIES, STATS, TURNS, WRITER
 from overnight.storage import now_us
 
+from .handover import hop_of, hosted_of
+from .hosted import request_bytes
 from .keys import check_chain, check_completion, check_rollout, record_note, remember
 from .relay import CLIENT_LEFT_EARLY, forward, passthrough
 
@@ -133,10 +137,24 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     tracing = app.get(TRACING)  # absent unless tracing is on: then no span at all
     if tracing is not None:
         tracing.start(request, capture, who, started)
+    # A hosted API: nothing added, the client's bytes (hosted.py); the app's own, or the
+    # one beside vLLM that serves the rollouts outside a handover's share (handover.py).
+    hosted = hosted_of(app, route)
+    raw = None
     try:
         upstream_body = dict(body, model=route.served)
         added: Additions | ResponsesAdditions
-        if endpoint in (CHAT, TEXT):
+        if hosted is not None:
+            if route.policy is None:  # a hosted model named by the client: as it came
+                upstream_body = body
+            added = Additions()
+            raw = request_bytes(await request.read(), upstream_body)
+            chat = endpoint in (CHAT, TEXT)
+            capture.acc = Accumulator(endpoint) if chat else api_accumulator(endpoint, None)
+            capture.acc.note = hosted.note
+            if not chat:
+                capture.request_body = await _as_chat(app, endpoint, body)
+        elif endpoint in (CHAT, TEXT):
             added = add_training_fields(upstream_body, endpoint)
             if added.echo or added.note:  # the prompt's logprobs come first; or no ids
                 capture.acc = Accumulator(endpoint, echo=added.echo, as_ids=added.as_ids)
@@ -152,9 +170,13 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             capture.acc = api_accumulator(endpoint, hidden)
             capture.request_body = await _as_chat(app, endpoint, body)
         affinity = who.rollout_id or who.group_id  # every turn of a rollout on one replica
-        # Held while vLLM sleeps for a colocated night (adapters/maintenance.py).
-        async with app[MAINTENANCE].serving():
-            return await forward(request, endpoint, upstream_body, added, capture, affinity)
+        # Held while vLLM sleeps for a colocated night (adapters/maintenance.py); the
+        # hosted model beside it serves on (handover.py).
+        hop = hop_of(app, route)
+        async with app[MAINTENANCE].serving() if hop is None else contextlib.nullcontext():
+            return await forward(
+                request, endpoint, upstream_body, added, capture, affinity, raw, hop
+            )
     except Unavailable as e:  # the hold ran out: the client is told when to retry
         capture.status, capture.error = e.status, f"maintenance: {e}"
         capture.done()
@@ -178,7 +200,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         raise InternalError(capture.request_id) from e
     finally:
         adapters.release(route)
-        if capture.status == 404:  # vLLM restarted and lost the adapter? check now
+        if capture.status == 404 and not route.hosted:  # vLLM restarted, lost the adapter?
             adapters.notice_missing(route.served)
         app[STATS].requests += 1
         if endpoint == RESPONSES:
@@ -230,6 +252,9 @@ def _record(
             proxy_id=writer.writer_id,
         )
         add_key_note(rows, key_note)
+        hosted = hosted_of(app, capture.route)
+        if hosted is not None:
+            add_upstream_note(rows, hosted.label, capture.acc.meta.get("model"))
     except Exception:  # a response of a shape the capture did not foresee: say so loudly
         log.exception("could not build the record of request %s", capture.request_id)
         if capture.span is not None:

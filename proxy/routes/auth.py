@@ -1,15 +1,18 @@
 """Who may call what, and the one middleware that enforces it and shapes errors.
 
-- `/v1/...` and the rollout routes: a client API key (`Authorization: Bearer`) when any
-  are configured, plain or scoped (keys.py: its policies, groups and limits); `/health`
-  never needs one.
+- `/v1/...` and the rollout routes: a client API key (`Authorization: Bearer`, or
+  `X-Overnight-Key` where the client's Authorization is a hosted upstream's own key:
+  hosted.py) when any are configured, plain or scoped (keys.py: its policies, groups and
+  limits); `/health` never needs one.
 - `/metrics`: open like `/health` (bounded labels: no prompt, key or id), or the metrics
   token when one is set (a scraper's own; the admin token is accepted too).
 - `/admin/...` and the web view at `/ui`: the admin token when one is set, else
   loopback clients only. A browser brings the token once as `/ui?token=`, which the
   view turns into a cookie; the cookie (or a bearer header) carries it from then on.
   A per-policy admin token (the keys file's `[[admin]]`) may read, promote and roll back
-  the adapters of its policy (`?policy=`, absent: the default one) and nothing else.
+  the adapters of its policy (`?policy=`, absent: the default one) and nothing else,
+  loopback or not: it promotes its policy's own adapters only (adapters/ownership.py)
+  and reads what its night needs (admin.py). The handlers know it by `POLICY_TOKEN`.
 
 Secrets are compared with `hmac.compare_digest`, so an answer's timing says nothing
 about how much of a guess was right. The web view's cookie holds a random session id
@@ -39,11 +42,12 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from overnight.config import ProxyConfig
-from overnight.config.keys import policy_names
+from overnight.config.keys import PolicyToken, policy_names
 from overnight.errors import OvernightError
 from overnight.storage import new_id
 from overnight.view.web import COOKIE as VIEW_COOKIE
 
+from .hosted import PROXY_KEY_HEADER, separate_proxy_key
 from .keys import KEY, KeyRing, check_path
 
 log = logging.getLogger("overnight.proxy")
@@ -65,8 +69,11 @@ POLICY_ADMIN = frozenset(
         ("HEAD", "/admin/adapters"),
         ("POST", "/admin/adapters/promote"),
         ("POST", "/admin/adapters/rollback"),
+        ("POST", "/admin/handover"),  # its policy's share served locally (handover.py)
     }
 )
+# Set on a request a per-policy admin token made: the handlers limit what it may name and see.
+POLICY_TOKEN = web.RequestKey("overnight_policy_token", PolicyToken)
 
 
 def bearer(request: web.Request) -> str | None:
@@ -96,6 +103,9 @@ class Access:
         self.default_policy = policy_names(config)[0]
         self.admin_token = None if config.admin_token is None else _secret(config.admin_token)
         self.metrics_token = None if config.metrics_token is None else _secret(config.metrics_token)
+        # The client's Authorization may be a hosted upstream's key: ours then has its own
+        # header (routes/hosted.py).
+        self.separate_key = separate_proxy_key(config)
         self.sessions: OrderedDict[str, float] = OrderedDict()  # web view: id -> expiry
 
     def check(self, request: web.Request, path: str) -> bool:
@@ -106,7 +116,8 @@ class Access:
             self._check_metrics(request)
             return False
         if self.keys.required and path != "/health":
-            matched, scoped = self.keys.match(bearer(request))
+            token = request.headers.get(PROXY_KEY_HEADER) if self.separate_key else bearer(request)
+            matched, scoped = self.keys.match(token)
             if not matched:
                 raise OvernightError(
                     "missing or incorrect API key", status=401, code="invalid_api_key"
@@ -118,7 +129,8 @@ class Access:
 
     def _check_admin(self, request: web.Request, path: str) -> bool:
         if self.admin_token is None:
-            if not is_loopback(request.remote) and not self._policy_admin(request, path):
+            # A policy's token is held to its policy on loopback too: its night's view.
+            if not self._policy_admin(request, path) and not is_loopback(request.remote):
                 raise OvernightError(
                     "the admin API and web view answer loopback clients only unless an admin token is set",
                     status=403,
@@ -155,6 +167,7 @@ class Access:
             return False
         asked = request.query.getall("policy", [self.default_policy])
         if (request.method, path) in POLICY_ADMIN and asked == [found.policy]:
+            request[POLICY_TOKEN] = found
             return True
         raise OvernightError(
             f"admin token {found.name!r} may read, promote and roll back the adapters of "

@@ -20,6 +20,7 @@ from overnight.proxy.forward.jsonio import read_json_object
 from overnight.proxy.state import MAINTENANCE
 
 from .admin import _expect
+from .hosted import refuse_if_hosted
 from .relay import passthrough
 
 # A lease shorter than this would expire between two renewals of a busy night.
@@ -31,6 +32,7 @@ async def state(request: web.Request) -> web.Response:
 
 
 async def change(request: web.Request) -> web.Response:
+    refuse_if_hosted(request.app, "put to sleep for a night")
     body = await read_json_object(request)
     _expect(body, {"action": "string", "holder": "string", "lease_seconds": "number"},
             ("action", "holder"))  # fmt: skip

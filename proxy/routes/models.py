@@ -6,6 +6,10 @@ refuse to use it. Each alias gets the card of the base model it sits on (`id` th
 alias, `parent` the base model, the base model's `max_model_len`), owned by overnight;
 the versioned adapters vLLM lists stay as they are. Anything but a 200 with a list
 passes through unchanged, as the pass-through would give it.
+
+A key limited to policies (routes/keys.py) sees only the models it may ask for (its
+policies' aliases, the models it lists), without `root`: vLLM's cards name the adapters'
+and the base model's paths on the serving machine, and the other policies' adapters.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from aiohttp import web
 from overnight.proxy.capture.uncaptured import note_passthrough
 from overnight.proxy.state import CONFIG, POLICIES, SESSION, UPSTREAM
 
+from .keys import KEY
 from .relay import UpstreamError, UpstreamTimeout, silence, upstream_headers
 
 
@@ -28,7 +33,9 @@ async def models(request: web.Request) -> web.Response:
     try:
         async with asyncio.timeout(config.read_timeout):
             async with app[SESSION].get(
-                f"{app[UPSTREAM].url()}/v1/models", headers=upstream_headers(request)
+                f"{app[UPSTREAM].url()}/v1/models",
+                headers=upstream_headers(request),
+                allow_redirects=False,  # as the pass-through (relay.py): never with our key
             ) as upstream:
                 body, status = await upstream.read(), upstream.status
                 content_type = upstream.headers.get("Content-Type", "application/json")
@@ -48,6 +55,11 @@ async def models(request: web.Request) -> web.Response:
     for alias in policies.names:
         if alias not in known:
             cards.append(_alias_card(alias, base, parent))
+    key = request.get(KEY)
+    if key is not None and key.allowed is not None:
+        cards[:] = [
+            _without_root(c) for c in cards if isinstance(c, dict) and key.may_use(c.get("id"))
+        ]
     return web.Response(body=orjson.dumps(listing), content_type="application/json")
 
 
@@ -67,3 +79,7 @@ def _alias_card(alias: str, base: str | None, parent: dict | None) -> dict:
         if parent is not None and key in parent:
             card[key] = parent[key]
     return card
+
+
+def _without_root(card: dict) -> dict:
+    return {k: v for k, v in card.items() if k != "root"}

@@ -40,6 +40,7 @@ from overnight.proxy.observe.tracing import TRACING, sent_to
 from overnight.proxy.state import CONFIG, FINGERPRINT, SESSION, UPSTREAM
 
 from .events import EventRelay, ResponsesEventRelay, learn_fingerprint
+from .hosted import UPSTREAM_AUTH
 
 # Headers that describe one hop, not the message; never forwarded either way.
 # accept-encoding included: the proxy reads the answers, so it asks for them uncompressed.
@@ -101,16 +102,19 @@ def silence(timeout: float) -> str:
     return f"upstream sent nothing for {timeout:g} s"
 
 
-def upstream_headers(request: web.Request) -> dict[str, str]:
-    """The client's headers as upstream gets them: ours and the hop's removed, our key in."""
-    config = request.app[CONFIG]
+def upstream_headers(request: web.Request, hop=None) -> dict[str, str]:
+    """The client's headers as upstream gets them: ours and the hop's removed, the key
+    the operator chose in (hosted.py: configured, the client's own, or `hop`'s: handover.py)."""
+    auth = request.app[UPSTREAM_AUTH] if hop is None else hop.auth
+    withheld = auth.withheld  # the proxy's own key; hosted: the client's credentials too
     headers = {
         k: v
         for k, v in request.headers.items()
-        if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-rollout-")
+        if (name := k.lower()) not in HOP_BY_HOP
+        and name not in withheld
+        and not name.startswith("x-rollout-")
     }
-    if config.upstream_api_key:
-        headers["Authorization"] = f"Bearer {config.upstream_api_key}"
+    auth.add(headers, request.headers)
     return headers
 
 
@@ -128,12 +132,15 @@ async def forward(
     added: Added,
     capture: Capture,
     affinity: str | None = None,
+    raw: bytes | None = None,
+    hop=None,
 ) -> web.StreamResponse:
     """POST `body` upstream and relay the answer, whole or streamed, into `capture`.
-    Requests with the same `affinity` (a rollout's id) go to the same replica."""
+    Requests with the same `affinity` (a rollout's id) go to the same replica. `raw`:
+    `body`'s own bytes, sent as they are (a hosted upstream, or `hop`: handover.py)."""
     app = request.app
     config = app[CONFIG]
-    headers = upstream_headers(request)
+    headers = upstream_headers(request, hop)
     headers["Content-Type"] = "application/json"
     if capture.span is not None:  # vLLM's spans nest under the proxy's (observe/tracing.py)
         app[TRACING].forwarded(capture, headers)
@@ -143,17 +150,17 @@ async def forward(
     try:
         while True:  # twice at most: a request refused with the proxy's additions
             try:
+                data = raw if raw is not None and sent is body else json_dumps(sent)
                 upstream = await watch.head(
-                    app[UPSTREAM].post(
-                        UPSTREAM_PATHS[endpoint], json_dumps(sent), headers, affinity
-                    )
+                    (hop or app[UPSTREAM]).post(UPSTREAM_PATHS[endpoint], data, headers, affinity)
                 )
             except (aiohttp.ClientError, TimeoutError) as e:
                 # The record says what the client was told.
                 if isinstance(e, TimeoutError):
                     error: UpstreamError = UpstreamTimeout(silence(config.read_timeout))
                 else:
-                    error = UpstreamError(f"upstream {config.upstream} unreachable: {e}")
+                    where = config.upstream if hop is None else hop.url  # the one asked
+                    error = UpstreamError(f"upstream {where} unreachable: {e}")
                 capture.status, capture.error = error.status, str(error)
                 capture.done()
                 raise error from e
@@ -418,6 +425,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
                 params=request.query,
                 headers=upstream_headers(request),
                 data=data,
+                allow_redirects=False,  # the client's to follow: ours would carry our key
             )
     except TimeoutError as e:
         raise UpstreamTimeout(silence(config.read_timeout)) from e

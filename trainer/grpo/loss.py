@@ -55,9 +55,14 @@ class LossConfig:
     kl_coef: float = 0.0
     # The constant of dr_grpo: the longest completion the run allows, in tokens.
     max_tokens: int = 1024
+    # "grpo": policy_loss. "sft": sft_loss, the trained tokens' cross-entropy, for --sft
+    # nights (their tokens are to imitate: no advantage, ratio or clip).
+    objective: str = "grpo"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "variant", Normalisation.parse(self.variant))
+        if self.objective not in ("grpo", "sft"):
+            raise ValueError(f"objective must be 'grpo' or 'sft', got {self.objective!r}")
         if self.level not in ("token", "sequence"):
             raise ValueError(f"level must be 'token' or 'sequence', got {self.level!r}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
@@ -72,15 +77,17 @@ class LossConfig:
 
     @classmethod
     def from_train_config(cls, config) -> LossConfig:
-        """The loss options of an `overnight.config.TrainConfig`."""
+        """The loss options of an `overnight.config.TrainConfig`; an --sft night's is the
+        token mean over the step, whatever --loss says (docs/grpo.md)."""
         return cls(
-            variant=config.loss,
+            variant=Normalisation.DAPO if config.sft else config.loss,
             clip_low=config.clip_low,
             clip_high=config.clip_high,
             dual_clip=config.dual_clip,
             level=config.ratio_level,
             kl_coef=config.kl_coef,
             max_tokens=config.max_tokens,
+            objective="sft" if config.sft else "grpo",
         )
 
 
@@ -125,6 +132,18 @@ def policy_loss(
         per_token = per_token + config.kl_coef * kl
     loss = (per_token * weights * trained).sum()
     return loss, _stats(ratio, log_ratio, advantages, trained, config, kl)
+
+
+def sft_loss(
+    logp: torch.Tensor,  # (T,) current policy, at the trained (assistant) tokens
+    weights: torch.Tensor,  # (T,) from token_weights: 1 / the step's trained tokens
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Supervised fine-tuning: minus the trained tokens' logprobs, weighted, so that the
+    step's micro-batches sum to its token-mean cross-entropy (docs/grpo.md)."""
+    loss = -(logp * weights).sum()
+    with torch.no_grad():
+        nll = -logp.float().mean().item() if logp.numel() else 0.0
+    return loss, {"tokens": float(logp.numel()), "nll": nll}
 
 
 def _sequence_mean(

@@ -27,6 +27,11 @@ class Loaded:
 VIEWS = ("completions", "turn_completions")
 
 
+# A turn a hosted model answered (its record's notes name the upstream: a hosted proxy,
+# or a handover's hosted side) is a reference, never a sample of the policy's.
+HOSTED_SKIP = "served by a hosted model (a reference, not sampled from the policy)"
+
+
 def load_samples(
     con,
     group_ids: list[str],
@@ -55,12 +60,14 @@ def load_samples(
     if not group_ids:
         return out
     con.register("_train_groups", pa.table({"group_id": group_ids}))
+    # Per-turn groups' members are vLLM's (siblings ask it by token ids): no notes there.
+    upstream = "json_extract_string(notes, '$.upstream')" if view == "completions" else "NULL"
     # As Arrow columns, not DuckDB's row tuples: token id lists convert many times faster.
     table = con.sql(
         f"""
         SELECT group_id, rollout_id, model_served, prompt_token_ids, completion_token_ids,
                completion_logprobs, error, request, response, prompt_tokens, completion_tokens,
-               endpoint
+               endpoint, {upstream} AS upstream
         FROM {view} WHERE group_id IN (SELECT group_id FROM _train_groups)
         ORDER BY group_id, rollout_id, started_at, turn_index
         """
@@ -69,8 +76,11 @@ def load_samples(
     turns: dict[tuple[str, str], list[Turn]] = defaultdict(list)
     defaults = sampling_defaults or {}
     for group_id, rollout_id, served_by, prompt, completion, logprobs, error, *text in rows:
+        *text, upstream = text
         if error is not None:
             out.skipped["the turn failed or was cut off"] += 1
+        elif upstream is not None:  # not sampled from the policy: off-policy (docs/grpo.md)
+            out.skipped[HOSTED_SKIP] += 1
         elif not prompt or not completion:
             turn = _retokenise(tokenizer, *text, out) if tokenizer is not None else None
             if turn is None:
@@ -106,6 +116,15 @@ def _sampling(request: str | None, defaults: dict, out: Loaded | None) -> Sampli
     return from_request(body, defaults)
 
 
+def chat_ids(tokenizer, messages: list[dict], tools, add_generation_prompt: bool) -> list[int]:
+    """The token ids the chat template renders `messages` (and `tools`) to (render.py
+    renders whole turns, tool calls included, for --sft nights)."""
+    encoded = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
 def _retokenise(
     tokenizer, request, response, prompt_tokens, completion_tokens, endpoint, out: Loaded
 ):
@@ -122,13 +141,7 @@ def _retokenise(
     message = (response.get("choices") or [{}])[0].get("message") or {}
     if message.get("tool_calls") or not message.get("content"):
         return None  # the template's rendering of a call is not the model's own tokens
-    prompt = tokenizer.apply_chat_template(
-        request["messages"],
-        tools=request.get("tools") or None,
-        add_generation_prompt=True,
-        tokenize=True,
-    )
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    prompt = chat_ids(tokenizer, request["messages"], request.get("tools"), True)
     completion = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
     if (response.get("choices") or [{}])[0].get(
         "finish_reason"

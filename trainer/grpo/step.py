@@ -18,7 +18,9 @@ from .loss import LossConfig, token_weights
 from .parallel import Parallel
 
 # Statistics averaged over a step's tokens (the ratio's min and max are taken whole).
-TOKEN_MEANS = ("clipped_fraction", "ratio_mean", "behaviour_kl", "dual_clipped_fraction", "ref_kl")
+TOKEN_MEANS = (
+    "clipped_fraction", "ratio_mean", "behaviour_kl", "dual_clipped_fraction", "ref_kl", "nll"
+)  # fmt: skip
 
 
 def fresh_adapter(model, config: TrainConfig):
@@ -66,7 +68,7 @@ def micro_batch_loss(
     """
     import torch
 
-    from .loss import policy_loss
+    from .loss import policy_loss, sft_loss
     from .policy import pack, trained_logprobs
 
     device = next(model.parameters()).device
@@ -75,6 +77,10 @@ def micro_batch_loss(
     batch = {k: v.to(device) for k, v in batch.items()}
     logp = trained_logprobs(model, batch, chunk)  # (N,)
     seq = batch["sequence_index"]
+    if loss_config.objective == "sft":  # nothing logged to compare with: no gap
+        loss, stats = sft_loss(logp, torch.tensor(weights, device=device)[seq])
+        stats["prompts_shared"] = float("block" in batch)
+        return loss, stats, 0.0
     ref = None
     if loss_config.kl_coef > 0:
         with torch.no_grad(), model.disable_adapter():
@@ -169,8 +175,9 @@ def merge_stats(stats: list[dict]) -> dict:
     for key in TOKEN_MEANS:
         if key in stats[0]:
             out[key] = sum(s[key] * s["tokens"] for s in stats) / tokens
-    out["ratio_max"] = max(s["ratio_max"] for s in stats)
-    out["ratio_min"] = min(s["ratio_min"] for s in stats)
+    if "ratio_max" in stats[0]:  # GRPO's (an --sft step has no ratios)
+        out["ratio_max"] = max(s["ratio_max"] for s in stats)
+        out["ratio_min"] = min(s["ratio_min"] for s in stats)
     return out
 
 

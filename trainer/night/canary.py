@@ -74,14 +74,12 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> CanaryVerdict:
             f"{len(old)} by {served or 'the base model'} since it began; {least} each needed)"
         )
         return verdict
-    tail = (1 - CONFIDENCE) / 2
-    low, high = np.quantile(bootstrap_means(new, old, seed=config.seed), [tail, 1 - tail])
-    verdict.low, verdict.high = float(low), float(high)
-    verdict.canary_mean, verdict.served_mean = float(np.mean(new)), float(np.mean(old))
+    live = compare(new, old, config)
+    low, high, bar = live.low, live.high, live.bar
+    verdict.low, verdict.high = low, high
+    verdict.canary_mean, verdict.served_mean = live.new_mean, live.old_mean
     verdict.diff_mean = verdict.canary_mean - verdict.served_mean
-    margin, basis = margin_for(config, old)
-    bar = "0" if config.gate == "better" else f"{-margin:+.3g} ({basis})"
-    if passes(float(low), float(high), config.gate, margin):
+    if live.clears:
         verdict.action, outcome = "promote", f"low end clears {bar}: promote"
     elif high < 0:
         verdict.action, outcome = "drop", "high end below 0: worse, drop"
@@ -93,6 +91,30 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> CanaryVerdict:
         f"{verdict.diff_mean:+.3f}, {CONFIDENCE:.0%} interval [{low:+.3f}, {high:+.3f}], {outcome}"
     )
     return verdict
+
+
+@dataclass(frozen=True)
+class LiveComparison:
+    """Live rewards of a new side against an old one (the canary's, the handover's)."""
+
+    low: float  # the two-sided interval on mean(new) - mean(old)
+    high: float
+    new_mean: float
+    old_mean: float
+    bar: str  # the gate's bar the low end must clear, said with how it was set
+    clears: bool  # the interval clears it (gate.passes)
+
+
+def compare(new: list[float], old: list[float], config: TrainConfig) -> LiveComparison:
+    """The unpaired bootstrap of `new` against `old`, judged by the gate's bar (a margin
+    set on `old`'s spread unless --gate-margin says otherwise)."""
+    tail = (1 - CONFIDENCE) / 2
+    low, high = np.quantile(bootstrap_means(new, old, seed=config.seed), [tail, 1 - tail])
+    margin, basis = margin_for(config, old)
+    bar = "0" if config.gate == "better" else f"{-margin:+.3g} ({basis})"
+    clears = passes(float(low), float(high), config.gate, margin)
+    return LiveComparison(float(low), float(high), float(np.mean(new)), float(np.mean(old)),
+                          bar, clears)  # fmt: skip
 
 
 def settle(

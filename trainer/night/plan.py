@@ -85,6 +85,9 @@ class Plan:
     # Groups by how many promotions old their records are ("0": sampled by the adapter
     # the run starts from; "unknown" without a proxy): staleness.py.
     staleness: dict[str, int] = field(default_factory=dict)
+    # An --sft night's selection (sft_plan.py): how it chose, how many rollouts it took
+    # of how many, the groups it held out for the gate, the duplicates it dropped.
+    sft: dict | None = None
 
     @property
     def loaded(self) -> dict:
@@ -96,6 +99,13 @@ class Plan:
             f"{len(self.groups)} group(s), {len(self.samples)} sequence(s), "
             f"{sum(s.trained_tokens for s in self.samples)} trained tokens"
         ]
+        if self.sft is not None:
+            sft = self.sft
+            out.append(
+                f"  sft ({sft['selection']}): imitating {sft['selected_rollouts']} of "
+                f"{sft['rollouts']} rollout(s); {len(sft['held_out'])} group(s) held out for "
+                f"the gate, {sft['duplicates']} duplicate sequence(s) left out"
+            )
         if self.looked_since is not None:
             at = dt.datetime.fromtimestamp(self.looked_since / 1e6, dt.UTC)
             out.append(
@@ -224,20 +234,9 @@ def plan_run(
     days_from = since.astimezone(dt.UTC).date() if since is not None else None
     con = open_db(data_dir, days_from=None if only is not None else days_from)
     try:
-        full = only is not None or since is not None or config.rescan
-        last = None if full else last_selection(con, config, scope)
-        done = trained_groups(con)
-        turn_pool = None  # per-turn groups: all
-        if last is None:
-            candidates = candidate_groups(con, settle_seconds, since, only)
-            rollouts = _group_rollouts(con, candidates, settle_seconds)
-        else:
-            rollouts, turn_pool = _changed_since(data_dir, con, last, settle_seconds, done)
-            candidates = list(rollouts)
-        if scope is not None and only is None:  # another policy's groups are not looked at
-            own = scope.groups(con, candidates)
-            candidates = [g for g in candidates if g in own]
-            rollouts = {g: rollouts[g] for g in candidates}
+        last, candidates, rollouts, turn_pool, done = looked_at_groups(
+            data_dir, con, config, settle_seconds, since, only, scope
+        )
         rewards = chosen_rewards(
             con, config.reward_sources, [r for rs in rollouts.values() for r in rs]
         )
@@ -272,14 +271,50 @@ def plan_run(
     # The groups taken are pending too: the gate may hold some out of training.
     plan.waiting = plan.groups + pending
     if only is None and since is None:
-        plan.selection = {
-            "watermark": looked_at,
-            "pending": plan.waiting,
-            "settle_seconds": settle_seconds,
-            "basis": selection_basis(config),
-            "policy": scope.name if scope is not None else None,
-        }
+        plan.selection = selection_record(plan, looked_at, settle_seconds, config, scope)
     return plan
+
+
+def looked_at_groups(
+    data_dir: Path,
+    con,
+    config: TrainConfig,
+    settle_seconds: float,
+    since: dt.datetime | None,
+    only: list[str] | None,
+    scope: PolicyScope | None,
+) -> tuple[dict | None, list[str], dict[str, list[str]], set[str] | None, set[str]]:
+    """What a night looks at: (the last selection record it starts from, None for a full
+    look; the candidate groups; their rollouts; the per-turn groups to look at, None:
+    all; the groups earlier runs trained)."""
+    full = only is not None or since is not None or config.rescan
+    last = None if full else last_selection(con, config, scope)
+    done = trained_groups(con)
+    turn_pool = None  # per-turn groups: all
+    if last is None:
+        candidates = candidate_groups(con, settle_seconds, since, only)
+        rollouts = _group_rollouts(con, candidates, settle_seconds)
+    else:
+        rollouts, turn_pool = _changed_since(data_dir, con, last, settle_seconds, done)
+        candidates = list(rollouts)
+    if scope is not None and only is None:  # another policy's groups are not looked at
+        own = scope.groups(con, candidates)
+        candidates = [g for g in candidates if g in own]
+        rollouts = {g: rollouts[g] for g in candidates}
+    return last, candidates, rollouts, turn_pool, done
+
+
+def selection_record(
+    plan: Plan, looked_at: int, settle_seconds: float, config: TrainConfig, scope
+) -> dict:
+    """Where the next night's selection starts (see the module's docstring)."""
+    return {
+        "watermark": looked_at,
+        "pending": plan.waiting,
+        "settle_seconds": settle_seconds,
+        "basis": selection_basis(config),
+        "policy": scope.name if scope is not None else None,
+    }
 
 
 def _changed_since(

@@ -35,6 +35,7 @@ import pyarrow as pa
 from overnight.config import SETTLE_SECONDS, TrainConfig
 from overnight.errors import OvernightError
 from overnight.storage import LogWriter, WriterConfig, finished_groups, now_us, open_db
+from overnight.storage.policy_scope import PolicyScope
 from overnight.storage.siblings import (
     ENDPOINTS,
     TABLE,
@@ -104,21 +105,24 @@ def resample_turns(
     settle_seconds: float = SETTLE_SECONDS,
     since: dt.datetime | None = None,
     say=print,
+    scope: PolicyScope | None = None,
 ) -> ResampleSummary:
     """Ask vLLM for `config.resample` siblings of each eligible turn, newest first, up to
     `config.resample_max_turns`; store them. The stage `overnight train --resample K`
-    runs before scoring."""
+    runs before scoring, for each policy's night: of `scope`'s groups only, when given."""
     summary = ResampleSummary()
     if config.resample < 1:
         return summary
     started = time.perf_counter()
-    url = (config.resample_upstream or _proxy_upstream(proxy_url, admin_token)).rstrip("/")
+    url = (
+        config.resample_upstream or _proxy_upstream(proxy_url, admin_token, config.policy)
+    ).rstrip("/")
     key = os.environ.get("OVERNIGHT_UPSTREAM_API_KEY") or None
     summary.upstream = url
     models = served_models(url, key)  # name -> context length, what vLLM serves now
     con = open_db(data_dir)
     try:
-        turns = _choose(con, config, settle_seconds, since, models, summary.skipped)
+        turns = _choose(con, config, settle_seconds, since, models, summary.skipped, scope)
     finally:
         con.close()
     writer = LogWriter(WriterConfig(Path(data_dir), compact_in_process=True))
@@ -157,11 +161,18 @@ def _count(summary: ResampleSummary, rows: list[dict] | None) -> None:
     summary.completion_tokens += sum(r.get("completion_tokens") or 0 for r in rows)
 
 
-def _proxy_upstream(proxy_url: str | None, token: str | None) -> str:
-    """The first healthy vLLM replica the proxy forwards to."""
+def _proxy_upstream(proxy_url: str | None, token: str | None, policy: str | None) -> str:
+    """The first healthy vLLM replica the proxy forwards to (a per-policy admin token is
+    not told: then --resample-upstream)."""
     if not proxy_url:
         raise ResampleError("--resample needs the proxy (to find vLLM) or --resample-upstream")
-    replicas = serving_state(proxy_url, token).get("replicas") or []
+    state = serving_state(proxy_url, token, policy)
+    if state.get("upstream"):  # a hosted API (proxy/routes/hosted.py): never asked, with a key
+        raise ResampleError(
+            f"the proxy fronts a hosted API ({state['upstream']}), which gives no token ids "
+            "to resample with: drop --resample (or give --resample-upstream, a vLLM)"
+        )
+    replicas = state.get("replicas") or []
     healthy = [r["url"] for r in replicas if r.get("healthy")] or [r["url"] for r in replicas]
     if not healthy:
         raise ResampleError(
@@ -202,12 +213,16 @@ def _choose(
     since: dt.datetime | None,
     models: dict[str, int | None],
     skipped: Counter,
+    scope: PolicyScope | None = None,
 ) -> list[dict]:
     """Tonight's turns, newest first, within the budget: logged, successful turns of
     finished groups with no siblings yet (a shadow-sampled turn has some), of groups with
     one rollout or, with `resample_all_turns`, of every group. Why others are left out
     is counted in `skipped`. Their prompt token ids are read later, a batch at a time."""
     groups = finished_groups(con, settle_seconds, None)
+    if scope is not None:  # a policy's night resamples its own groups' turns
+        own = scope.groups(con, groups)
+        groups = [g for g in groups if g in own]
     if not groups:
         return []
     con.register("_resample_groups", pa.table({"group_id": pa.array(groups, pa.string())}))

@@ -34,8 +34,16 @@ TURN_HELD_KEY = "turn_held_by_gate"
 
 
 def selection_basis(config: TrainConfig) -> dict:
-    """The options a group's verdict depends on: a record made under others is not used."""
-    return {"reward_sources": list(config.reward_sources), "min_group_size": config.min_group_size}
+    """The options a group's verdict depends on: a record made under others is not used.
+    An --sft night decides by other rules (sft_plan.py): its records are its own."""
+    basis = {"reward_sources": list(config.reward_sources), "min_group_size": config.min_group_size}
+    if config.sft:
+        basis["sft"] = {
+            "selection": config.sft_selection,
+            "min_reward": config.sft_min_reward,
+            "held_out": config.sft_held_out,
+        }
+    return basis
 
 
 def last_selection(con, config: TrainConfig, scope=None) -> dict | None:

@@ -91,11 +91,13 @@ def watch(
     say=print,
     act: bool = True,
 ) -> WatchVerdict:
-    """Settle a canary (trainer/night/canary.py), then check the served adapter; roll it back
-    when it is worse (unless `act` is False)."""
+    """Settle a canary (trainer/night/canary.py) and move a handover's share (handover.py),
+    then check the served adapter; roll it back when it is worse (unless `act` is False)."""
     from .canary import settle
+    from .handover import settle as settle_handover
 
     settle(data_dir, proxy_url, token, config, say, act)
+    settle_handover(data_dir, proxy_url, token, config, say, act)
     verdict = check(data_dir, serving_state(proxy_url, token, config.policy), config)
     if not verdict.worse:
         say(f"watch: {verdict.current or 'base model'} keeps serving: {verdict.reason}")

@@ -45,14 +45,19 @@ class RunDir:
         return self.path / "checkpoint"
 
     def saved(self) -> dict:
-        """What `begin` wrote: {"groups": [...], "start_adapter": path or None}."""
+        """What `begin` wrote: {"groups": [...], "start_adapter": path or None, "policy",
+        "sft": whether it is an --sft run}."""
         return json.loads((self.path / "run.json").read_text())
 
     def begin(
-        self, groups: list[str], start_adapter: str | None, policy: str | None = None
+        self,
+        groups: list[str],
+        start_adapter: str | None,
+        policy: str | None = None,
+        sft: bool = False,
     ) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        saved = {"groups": groups, "start_adapter": start_adapter, "policy": policy}
+        saved = {"groups": groups, "start_adapter": start_adapter, "policy": policy, "sft": sft}
         (self.path / "run.json").write_text(json.dumps(saved))
 
     def finish(self) -> None:

@@ -65,14 +65,19 @@ def run_training(
         config, base_model, start_adapter, checkpoint, parallel, say, need.checkpointing
     )
     loss_config = LossConfig.from_train_config(config)
-    # Before any update: what the first step's ratios are, by the records' age.
-    samples, first = behaviour_pass(
-        model, plan.samples, config.micro_batch_tokens, config.logit_chunk_tokens
-    )
+    # Before any update: what the first step's ratios are, by the records' age (an --sft
+    # night has no ratios, nor logged logprobs to compare with).
+    samples, first = plan.samples, [None] * len(plan.samples)
+    if not config.sft:
+        samples, first = behaviour_pass(
+            model, plan.samples, config.micro_batch_tokens, config.logit_chunk_tokens
+        )
     gaps = state.get("gaps", {}) if state else gaps_by_age(samples, first)
     steps: list[dict] = list(state["steps"]) if state else []
     done_steps = len(steps)
-    schedule = step_schedule(plan.groups, config)
+    # Groups with something to train (an --sft night's duplicates are recorded, not trained).
+    with_samples = {s.group_id for s in samples}
+    schedule = step_schedule([g for g in plan.groups if g in with_samples], config)
     started = time.perf_counter()
     for number, (epoch, step_groups) in enumerate(schedule, start=1):
         if number <= done_steps:
@@ -105,9 +110,14 @@ def run_training(
             on_step(record)
         # Tokens this process trained (a resumed run's earlier steps took no time here).
         rate = sum(s["tokens"] for s in steps[done_steps:]) / (time.perf_counter() - started)
+        what = (
+            " (the assistant tokens' mean cross-entropy),"  # before the step's update
+            if config.sft
+            else f", clipped {record.get('clipped_fraction', 0):.3f}, ratio max "
+            f"{record.get('ratio_max', 1):.3f},"
+        )
         say(
-            f"step {len(steps)}/{len(schedule)}: loss {out.loss:+.4f}, clipped "
-            f"{record.get('clipped_fraction', 0):.3f}, ratio max {record.get('ratio_max', 1):.3f}, "
+            f"step {len(steps)}/{len(schedule)}: loss {out.loss:+.4f}{what} "
             f"grad norm {out.grad_norm:.3f}, {rate:.0f} tokens/s"
         )
     save_adapter(out_dir, parallel, model)

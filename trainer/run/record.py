@@ -76,6 +76,9 @@ def record_run(
                     "gate": result.gate.as_dict() if result.gate else None,
                     "selection": plan.selection,  # where the next night's selection starts
                     "policy": config.policy,  # the night's policy (None: before policies)
+                    # What it optimised; an --sft night's selection (sft_plan.py).
+                    "objective": "sft" if config.sft else "grpo",
+                    "sft": plan.sft,
                 }
             ),
         },

@@ -50,6 +50,7 @@ STEP_METRICS = {
     "ratio_max": "train/ratio_max",
     "behaviour_kl": "train/behaviour_kl",
     "ref_kl": "train/kl",
+    "nll": "train/nll",  # an --sft night's token-mean cross-entropy, before its update
     "logprob_gap": "train/logprob_gap",
     "tokens": "train/tokens",
     "sequences": "train/sequences",

@@ -71,6 +71,13 @@ async def adapters_page(request: web.Request) -> web.Response:
         if canary
         else ""
     )
+    handover = state.get("handover") or {}
+    if "share" in handover:  # a hosted model beside vLLM (proxy/routes/handover.py)
+        canary_line += (
+            f'<p id="handover">handover: {handover["share"]:.0%} of the alias\'s rollouts '
+            f"served locally, the rest by {esc(handover.get('hosted_model'))} "
+            f"({esc(handover.get('upstream'))}), since {esc(handover.get('since'))}</p>"
+        )
     usage = html_table(
         ["served by", "completions", "first", "last", "mean reward"],
         [[esc(m), num(n), stamp(a), stamp(b), num(r)] for m, n, a, b, r in served],
@@ -80,12 +87,20 @@ async def adapters_page(request: web.Request) -> web.Response:
     body = (
         f"{links}<p>alias <strong>{esc(state.get('alias'))}</strong> now serves "
         f'<strong id="current">{esc(current.get("name") or "the base model")}</strong>'
-        f" (base model {esc(state.get('base_model'))})</p>{canary_line}"
+        f" (base model {esc(state.get('base_model'))}){_through(state)}</p>{canary_line}"
         f"<h2>Promotions and rollbacks, newest first</h2>{history}"
         f"<h2>Why it changed, newest first</h2>{events}"
         f"<h2>When each served</h2>{usage}"
     )
     return html_page(request, "Adapters", body, policy)
+
+
+def _through(state: dict) -> str:
+    """The hosted API the proxy fronts, where it fronts one (it serves no adapter)."""
+    upstream = state.get("upstream")
+    return (
+        f', through the hosted <strong id="upstream">{esc(upstream)}</strong>' if upstream else ""
+    )
 
 
 async def runs_page(request: web.Request) -> web.Response:
