@@ -216,9 +216,10 @@ def _finish(p: Plan) -> str:
     return "tool_calls" if p.calls and not p.forced else "stop"
 
 
-def chat_whole(body: dict) -> dict:
+def chat_whole(body: dict, text: str | None = None) -> dict:
+    """The whole answer; `text`: this reply instead of the script's (a teacher's)."""
     conv = chat_conversation(body)
-    p = plan(conv)
+    p = plan(conv) if text is None else Plan(text=text)
     toks = tokens(p)
     ids = bool(body.get("return_token_ids"))
     message: dict = {
@@ -265,10 +266,11 @@ def chat_whole(body: dict) -> dict:
     }
 
 
-def chat_chunks(body: dict) -> list[dict]:
-    """The stream's events (without `[DONE]`), as vLLM's chat serving emits them."""
+def chat_chunks(body: dict, text: str | None = None) -> list[dict]:
+    """The stream's events (without `[DONE]`), as vLLM's chat serving emits them;
+    `text` as in chat_whole."""
     conv = chat_conversation(body)
-    p = plan(conv)
+    p = plan(conv) if text is None else Plan(text=text)
     toks = tokens(p)
     prompt = conv.prompt_ids()
     ids = bool(body.get("return_token_ids"))
