@@ -517,9 +517,11 @@ async def test_the_gate_compares_the_sft_candidate_with_the_served_model_on_held
 
 
 @pytest.mark.slow
-def test_two_processes_train_the_same_sft_adapter_as_one(tmp_path, tiny_model_dir):
-    """Under torchrun (gloo, data parallel) an --sft night's step is the one-process
-    step: the same micro-batches shared out, the gradients summed."""
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate-fsdp"])
+def test_two_processes_train_the_same_sft_adapter_as_one(tmp_path, tiny_model_dir, launcher):
+    """Under torchrun (gloo, data parallel) and FSDP (accelerate launch --use_fsdp) an
+    --sft night's step is the one-process step: the same micro-batches shared out, the
+    gradients summed."""
     import subprocess
 
     from safetensors.torch import load_file
@@ -527,14 +529,15 @@ def test_two_processes_train_the_same_sft_adapter_as_one(tmp_path, tiny_model_di
     from .test_train_ddp import TWO_PROCESSES, assert_same_adapter, train_command
 
     adapters = []
-    for name, launcher in (("one", ()), ("two", TWO_PROCESSES["torchrun"])):
+    for name, launch in (("one", ()), ("two", TWO_PROCESSES[launcher])):
         write_teacher_traffic(tmp_path / name, conversations=6)
-        command = [*train_command(tmp_path / name, tiny_model_dir, launcher), "--sft",
+        command = [*train_command(tmp_path / name, tiny_model_dir, launch), "--sft",
                    "--sft-held-out", "0"]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         (run,) = rows(tmp_path / name, "SELECT adapter_path, steps, metrics FROM training_runs")
         assert run["steps"] == 8 and json.loads(run["metrics"])["objective"] == "sft"
         adapters.append(load_file(f"{run['adapter_path']}/adapter_model.safetensors"))
-    assert "2 processes, data parallel on cpu" in done.stdout
-    assert_same_adapter(*adapters, "sft, torchrun")
+    mode = "FSDP" if launcher == "accelerate-fsdp" else "data parallel"
+    assert f"2 processes, {mode} on cpu" in done.stdout
+    assert_same_adapter(*adapters, f"sft, {launcher}")
