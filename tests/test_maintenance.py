@@ -70,6 +70,32 @@ async def test_requests_in_flight_finish_then_requests_are_held_and_served_after
     assert statuses == [200] * 4
 
 
+async def test_a_request_that_comes_while_the_window_drains_is_held_too(
+    make_proxy, fake, fake_settings
+):
+    """The window opens, then drains what is in flight, then puts vLLM to sleep: a request
+    that comes meanwhile must wait for the window's end, not reach a vLLM going to sleep
+    (or be the in-flight request the drain waits for)."""
+    proxy = await make_proxy()
+    fake_settings["delay"] = 0.5
+    slow = asyncio.create_task(proxy.post("/v1/chat/completions", json=CHAT))
+    await asyncio.sleep(0.05)
+    night = asyncio.create_task(begin(proxy))
+    await asyncio.sleep(0.1)  # the window is open and draining `slow`
+    state = await (await proxy.get("/admin/maintenance")).json()
+    assert state["state"] == "maintenance" and not night.done()
+    late = asyncio.create_task(proxy.post("/v1/chat/completions", json=CHAT))
+    await night
+    assert (await slow).status == 200
+    await asyncio.sleep(0.2)
+    assert not late.done(), "held while vLLM sleeps"
+    done = await end(proxy)
+    assert (await late).status == 200 and done["last"]["held"] == 1
+    assert generations_while_asleep(fake) == []
+    served = [r for r in fake.app[RECEIVED] if r["path"].endswith("/chat/completions")]
+    assert len(served) == 2  # `slow`, then `late` after the wake
+
+
 async def test_past_the_hold_a_request_gets_503_with_retry_after_and_a_record(
     make_proxy, fake, tmp_path
 ):

@@ -58,6 +58,9 @@ class Window:
     expires: float  # time.monotonic()
     began_at: float = field(default_factory=time.time)
     asleep: list[str] = field(default_factory=list)  # replica URLs put to sleep
+    # ... and those it is putting to sleep, from the moment it opens: a request that came
+    # while they drain or fall asleep must wait too, not reach a vLLM going to sleep.
+    sleepers: list[str] = field(default_factory=list)
     held: int = 0  # requests that waited for the window to end
     refused: int = 0  # ... and those answered 503 after the hold
 
@@ -116,7 +119,7 @@ class Maintenance:
     def _some_awake(self) -> bool:
         window = self.window
         return window is not None and any(
-            r.url not in window.asleep for r in self.balancer.replicas
+            r.url not in window.sleepers for r in self.balancer.replicas
         )
 
     async def _wait_out(self) -> None:
@@ -157,6 +160,7 @@ class Maintenance:
                 return self._renew(lease_seconds)
             window = Window(holder, lease_seconds, time.monotonic() + lease_seconds)
             sleepers = self.balancer.replicas[:1]  # several: the rest keep serving
+            window.sleepers = [r.url for r in sleepers]
             self.window = window
             if len(self.balancer.replicas) == 1:
                 self._ended.clear()  # new requests wait from now on
