@@ -206,11 +206,14 @@ async def test_a_hosted_teachers_traffic_distilled_beats_the_base_and_grpo_keeps
     )
     print("\n".join(lines))
     # Only the local model's own traffic: the hosted replies are no samples of the policy.
-    assert after.plan.groups and all(g.startswith("numbers-local-") for g in after.plan.groups), (
-        after.plan.groups
-    )
-    assert after.gate is not None and after.gate.prompts >= 8, lines  # the gate decided
-    grpo_verdict = after.gate.reason
+    trained = after.plan.groups
+    assert all(g.startswith("numbers-local-") for g in trained), trained
+    if trained:
+        assert after.gate is not None and after.gate.prompts >= 8, lines  # the gate decided
+        grpo_verdict = after.gate.reason
+    else:  # every local group scored alike (seen once in CI): nothing to learn, nothing promoted
+        assert after.promoted_as is None, lines
+        grpo_verdict = f"nothing to train: {dict(after.plan.skipped)}"
     served_after = await held_out_score(proxy)
 
     figures = (
