@@ -8,7 +8,9 @@ nights. `overnight_` names (no colons: those are for recording rules); `model_na
 base model's name, as on vLLM's metrics, so a query joins the two on it.
 
 Three kinds of update, by cost: a finished completion is observed once, after its answer
-was written (`observe`: a few cached series, nothing on the forwarding path); the counts
+was written (`observe`: plain counts in a tally of its kind, nothing on the forwarding
+path; a tally is added to prometheus_client's series at the next scrape, or at once under
+`--workers N`, whose files must hold a killed worker's every count); the counts
 the proxy keeps already (writer, shadow sampler, uncaptured paths) are copied by `sync` at
 each scrape (and every SYNC_SECONDS in each worker under `--workers N`); what every worker
 sees alike (the alias, the training runs in the data directory) is collected at scrape time
@@ -53,6 +55,7 @@ from overnight.proxy.state import WRITER
 from overnight.storage import now_us
 
 from .shared import Shared
+from .tally import Tally
 
 log = logging.getLogger("overnight.proxy")
 
@@ -154,6 +157,7 @@ class Metrics:
         self._known_key: tuple | None = None
         self._known: frozenset[str] = frozenset()
         self._children: dict[tuple, _Children] = {}  # bounded: every label is
+        self._tallies: dict[tuple, Tally] = {}  # since the last sync; same keys
         self.shared = Shared(adapters, data_dir)
         if self.multiprocess:  # every worker's files, read at each scrape
             exposed = CollectorRegistry()
@@ -234,13 +238,17 @@ class Metrics:
 
     def label_of(self, model: str | None) -> str:
         """A client's model name as a label: itself when the proxy knows it, else "other"."""
+        return model if model in self._known_names() else OTHER
+
+    def _known_names(self) -> frozenset[str]:
+        """Every alias, base model and adapter of every policy: the names that are labels."""
         registries = self.adapters.registries  # one per policy: each alias is known
         key = tuple((r.version, r.base_model, len(r.history)) for r in registries)
         if key != self._known_key:
             names = {a.name for r in registries for a in r.history}
             names |= {n for r in registries for n in (r.alias, r.base_model or "")}
             self._known, self._known_key = frozenset(names - {""}), key
-        return model if model in self._known else OTHER
+        return self._known
 
     def model_name(self) -> str:
         return self.adapters.get(None).base_model or ""
@@ -258,32 +266,45 @@ class Metrics:
         duration = max(0.0, (now_us() - started_us) / 1e6)
         before_t0 = max(0.0, duration - (time.perf_counter() - capture.t0))  # body read
         requested = capture.request_body.get("model") if capture.request_body else None
+        known = self._known_names()
         key = (
             capture.endpoint,
-            self.label_of(requested),
-            self.label_of(capture.route.served),
+            requested if requested in known else OTHER,
+            served if (served := capture.route.served) in known else OTHER,
             capture.status or 499,  # no status: the client left before any
             capture.stream,
             self.model_name(),
         )
-        c = self._children.get(key) or self._make_children(key)
-        c.requests.inc()
-        c.duration.observe(duration)
+        tally = self._tallies.get(key)
+        if tally is None:
+            tally = self._tallies[key] = Tally(
+                DURATION_BUCKETS, FIRST_CHUNK_BUCKETS, OWN_TIME_BUCKETS
+            )
+        tally.requests += 1
+        tally.duration.observe(duration)
         failure = error_type(capture)
         if failure is not None:
             self.failures.labels(key[-1], capture.endpoint, failure).inc()
         elif capture.sent_at is not None and capture.latency_ms is not None:
             upstream = capture.t0 + capture.latency_ms / 1000 - capture.sent_at
-            c.own_time.observe(max(0.0, duration - upstream))
+            tally.own_time.observe(max(0.0, duration - upstream))
         if capture.stream and capture.first_chunk_at is not None:
-            c.first_chunk.observe(before_t0 + capture.first_chunk_at - capture.t0)
+            tally.first_chunk.observe(before_t0 + capture.first_chunk_at - capture.t0)
         usage = capture.acc.usage
         if usage:
             prompt, generated = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(prompt, int) and prompt > 0:
-                c.prompt_tokens.inc(prompt)
+                tally.prompt += prompt
             if isinstance(generated, int) and generated > 0:
-                c.generation_tokens.inc(generated)
+                tally.generated += generated
+        if self.multiprocess:  # into the worker's files now: a killed worker's counts stay
+            self._add_tallies()
+
+    def _add_tallies(self) -> None:
+        """The completions observed since the last sync, into their series."""
+        tallies, self._tallies = self._tallies, {}
+        for key, tally in tallies.items():
+            tally.add_to(self._children.get(key) or self._make_children(key))
 
     def _make_children(self, key: tuple) -> _Children:
         """The labelled series of one kind of request, looked up once: `labels()` costs a
@@ -310,7 +331,9 @@ class Metrics:
     # -- counts the proxy keeps, copied ---------------------------------------------------
 
     def sync(self) -> None:
-        """Copy the writer's, the shadow sampler's and the uncaptured paths' counts."""
+        """The completions observed since the last sync into their series; copy the
+        writer's, the shadow sampler's and the uncaptured paths' counts."""
+        self._add_tallies()
         app = self.app
         writer = app.get(WRITER)
         if writer is not None:
