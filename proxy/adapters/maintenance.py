@@ -104,17 +104,10 @@ class Maintenance:
 
     # -- requests --------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def serving(self):
-        """Around a generating request: held while the only replicas sleep, refused 503
-        after `hold` seconds, counted in flight otherwise."""
-        if not self._ended.is_set() and not self._some_awake():
-            await self._wait_out()
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
+    def serving(self) -> _Serving:
+        """Around a generating request (`async with`): held while the only replicas
+        sleep, refused 503 after `hold` seconds, counted in flight otherwise."""
+        return _Serving(self)
 
     def _some_awake(self) -> bool:
         window = self.window
@@ -309,3 +302,22 @@ class Maintenance:
             raise OvernightError(
                 f"vLLM unreachable at {replica.url} for {path}: {e}", status=502
             ) from e
+
+
+class _Serving:
+    """`Maintenance.serving()`: a plain async context manager, not a generator one, since
+    every completion enters it (contextlib's costs a generator and two frames each)."""
+
+    __slots__ = ("maintenance",)
+
+    def __init__(self, maintenance: Maintenance):
+        self.maintenance = maintenance
+
+    async def __aenter__(self) -> None:
+        m = self.maintenance
+        if not m._ended.is_set() and not m._some_awake():
+            await m._wait_out()
+        m.in_flight += 1
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.maintenance.in_flight -= 1
