@@ -26,12 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from overnight.config import TrainConfig
-from overnight.storage import open_db
 
 from .canary import compare
 from .gate import CONFIDENCE
-from .live import live_rewards, policy_of, rewards_of
-from .plan import chosen_rewards
+from .live import SERVED_UPSTREAM, live_rewards, policy_of, rewards_of
 from .proxy_client import admin_call, serving_state
 
 
@@ -53,29 +51,6 @@ class HandoverVerdict:
         return asdict(self)
 
 
-def hosted_rewards(
-    data_dir: Path, sources: tuple[str, ...], upstream: str, since: str | None,
-    requested: str | None,
-) -> list[float]:  # fmt: skip
-    """Rewards of the rollouts the hosted upstream (`upstream`: its records' label) served
-    throughout, begun at `since` or later (and of the alias `requested`, when given)."""
-    only = "AND bool_and(coalesce(model_requested = ?, FALSE)) " if requested is not None else ""
-    con = open_db(data_dir)
-    try:
-        served = con.execute(
-            "SELECT rollout_id FROM completions WHERE logged AND error IS NULL "
-            "AND rollout_id IS NOT NULL GROUP BY rollout_id "
-            "HAVING bool_and(coalesce(json_extract_string(notes, '$.upstream') = ?, FALSE)) "
-            f"{only}AND min(started_at) >= CAST(? AS TIMESTAMPTZ)",
-            [upstream, *([requested] if requested is not None else []),
-             since or "1970-01-01T00:00:00+00:00"],
-        ).fetchall()  # fmt: skip
-        rewards = chosen_rewards(con, sources)
-    finally:
-        con.close()
-    return [rewards[r] for (r,) in served if r in rewards]
-
-
 def check(data_dir: Path, state: dict, config: TrainConfig) -> HandoverVerdict:
     """What to do with the policy's handover share, from the live rewards since it was set."""
     handover = state.get("handover") or {}
@@ -91,7 +66,10 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> HandoverVerdict:
     served = current["name"] if current else "the base model"
     by_served = live_rewards(data_dir, config.reward_sources, since, policy_of(state))
     local = rewards_of(state, current["path"] if current else None, by_served)
-    hosted = hosted_rewards(data_dir, config.reward_sources, upstream, since, policy_of(state))
+    by_upstream = live_rewards(
+        data_dir, config.reward_sources, since, policy_of(state), served_by=SERVED_UPSTREAM
+    )
+    hosted = by_upstream.get(upstream, [])
     verdict = HandoverVerdict(share, "wait", local_n=len(local), hosted_n=len(hosted))
     least = config.watch_min_rollouts
     if min(len(local), len(hosted)) < least:

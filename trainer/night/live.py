@@ -38,21 +38,32 @@ def policy_of(state: dict) -> str | None:
     return state.get("alias") if several or state.get("others_trained") is False else None
 
 
+# Who served a turn, in SQL over `completions`: the name vLLM served it under, or, for
+# a hosted API's records, that upstream's label in the notes (routes/hosted.py).
+SERVED_MODEL = "model_served"
+SERVED_UPSTREAM = "json_extract_string(notes, '$.upstream')"
+
+
 def live_rewards(
-    data_dir: Path, sources: tuple[str, ...], since: str | None = None, requested: str | None = None
+    data_dir: Path,
+    sources: tuple[str, ...],
+    since: str | None = None,
+    requested: str | None = None,
+    served_by: str = SERVED_MODEL,
 ) -> dict[str, list[float]]:
-    """Rewards of rollouts served by one model name throughout, by that name; with `since`
-    (an ISO time), only rollouts that began then or later; with `requested`, only those
-    that asked for that alias throughout (a policy's: policy_of; a rollout with a turn
-    that asked for another model is not the policy's)."""
+    """Rewards of rollouts served by one server throughout, by that server (`served_by`:
+    a model name, or a hosted upstream's label); with `since` (an ISO time), only rollouts
+    that began then or later; with `requested`, only those that asked for that alias
+    throughout (a policy's: policy_of; a rollout with a turn that asked for another model
+    is not the policy's)."""
     only = "AND bool_and(coalesce(model_requested = ?, FALSE)) " if requested is not None else ""
     con = open_db(data_dir)
     try:
         served = con.execute(
-            "SELECT rollout_id, min(model_served) FROM completions "
-            "WHERE logged AND error IS NULL AND rollout_id IS NOT NULL AND model_served IS NOT NULL "
-            f"GROUP BY rollout_id HAVING min(model_served) = max(model_served) {only}"
-            "AND min(started_at) >= CAST(? AS TIMESTAMPTZ)",
+            f"SELECT rollout_id, min({served_by}) FROM completions "
+            "WHERE logged AND error IS NULL AND rollout_id IS NOT NULL GROUP BY rollout_id "
+            f"HAVING count({served_by}) = count(*) AND min({served_by}) = max({served_by}) "
+            f"{only}AND min(started_at) >= CAST(? AS TIMESTAMPTZ)",
             [*([requested] if requested is not None else []),
              since or "1970-01-01T00:00:00+00:00"],
         ).fetchall()  # fmt: skip
