@@ -300,14 +300,15 @@ def file_versions(con: duckdb.DuckDBPyConnection, files: list[str]) -> list[int]
 
 
 def finished_groups(con, settle_seconds: float, only: list[str] | None) -> list[str]:
-    """Groups whose every rollout was finished explicitly or has been idle long enough."""
+    """Groups whose every rollout was finished explicitly or has been idle long enough,
+    oldest first (ties by id: the same data always plans the same night)."""
     rows = con.execute(
         """
         SELECT group_id FROM rollouts
         GROUP BY group_id
         HAVING bool_and(finished_at IS NOT NULL
                         OR ended_at < now() - to_microseconds(CAST(? * 1e6 AS BIGINT)))
-        ORDER BY min(started_at)
+        ORDER BY min(started_at), group_id
         """,
         [settle_seconds],
     ).fetchall()
