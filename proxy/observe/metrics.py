@@ -236,12 +236,9 @@ class Metrics:
 
     # -- the request side ---------------------------------------------------------------
 
-    def label_of(self, model: str | None) -> str:
-        """A client's model name as a label: itself when the proxy knows it, else "other"."""
-        return model if model in self._known_names() else OTHER
-
     def _known_names(self) -> frozenset[str]:
-        """Every alias, base model and adapter of every policy: the names that are labels."""
+        """Every alias, base model and adapter of every policy: the model names that are
+        labels as themselves (any other name is "other")."""
         registries = self.adapters.registries  # one per policy: each alias is known
         key = tuple((r.version, r.base_model, len(r.history)) for r in registries)
         if key != self._known_key:
