@@ -188,6 +188,7 @@ def test_tallied_observations_scrape_as_observe_would_count_them(
         histogram.labels("observed").observe(v)
         tallied.observe(v)
     tallied.add_to(histogram.labels("tallied"))
+    tallied.add_to(histogram.labels("tallied"))  # adds nothing: the tally starts again at 0
     if multiprocess:
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=str(tmp_path))
@@ -196,17 +197,13 @@ def test_tallied_observations_scrape_as_observe_would_count_them(
         for (name, labels), v in samples(generate_latest(registry).decode()).items()
         if not name.endswith("_created")  # the time each series was made: not a count
     }
-    observed = {
-        (n, ls - {("kind", "observed")}): v
-        for (n, ls), v in scraped.items()
-        if ("kind", "observed") in ls
-    }
-    tallied_ = {
-        (n, ls - {("kind", "tallied")}): v
-        for (n, ls), v in scraped.items()
-        if ("kind", "tallied") in ls
-    }
-    assert observed == tallied_
+
+    def of(kind: str) -> dict:
+        label = ("kind", kind)
+        return {(n, ls - {label}): v for (n, ls), v in scraped.items() if label in ls}
+
+    observed = of("observed")
+    assert observed == of("tallied")
     assert observed[("t_count", frozenset())] == len(values)
     assert observed[("t_bucket", frozenset({("le", "0.0001")}))] == 3  # 0, 5e-5, the bound
 

@@ -157,7 +157,7 @@ class Metrics:
         self._known_key: tuple | None = None
         self._known: frozenset[str] = frozenset()
         self._children: dict[tuple, _Children] = {}  # bounded: every label is
-        self._tallies: dict[tuple, Tally] = {}  # since the last sync; same keys
+        self._tallies: dict[tuple, Tally] = {}  # kept per kind, zeroed when added; same keys
         self.shared = Shared(adapters, data_dir)
         if self.multiprocess:  # every worker's files, read at each scrape
             exposed = CollectorRegistry()
@@ -295,12 +295,11 @@ class Metrics:
             if isinstance(generated, int) and generated > 0:
                 tally.generated += generated
         if self.multiprocess:  # into the worker's files now: a killed worker's counts stay
-            self._add_tallies()
+            tally.add_to(self._children.get(key) or self._make_children(key))
 
     def _add_tallies(self) -> None:
         """The completions observed since the last sync, into their series."""
-        tallies, self._tallies = self._tallies, {}
-        for key, tally in tallies.items():
+        for key, tally in self._tallies.items():
             tally.add_to(self._children.get(key) or self._make_children(key))
 
     def _make_children(self, key: tuple) -> _Children:

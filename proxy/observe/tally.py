@@ -27,7 +27,11 @@ class Tally:
         self.own_time = Buckets(own_time)
 
     def add_to(self, c: Any) -> None:
-        """Into one kind of request's series (metrics.py's `_Children`)."""
+        """Into one kind of request's series (metrics.py's `_Children`); then the tally
+        starts again from zero (kept, not made anew: under --workers N this runs for
+        every completion)."""
+        if not self.requests:
+            return
         c.requests.inc(self.requests)
         self.duration.add_to(c.duration)
         self.first_chunk.add_to(c.first_chunk)
@@ -36,6 +40,7 @@ class Tally:
             c.prompt_tokens.inc(self.prompt)
         if self.generated:
             c.generation_tokens.inc(self.generated)
+        self.requests = self.prompt = self.generated = 0
 
 
 class Buckets:
@@ -57,10 +62,13 @@ class Buckets:
         """Add these counts to a labelled Histogram, as that many `observe` calls would.
         Through its value objects (`_buckets`, `_sum`: prometheus_client's own, in memory
         or in the --workers files alike); tests/test_metrics.py holds the result to
-        `observe`'s, so a prometheus_client that keeps them otherwise fails there."""
+        `observe`'s, so a prometheus_client that keeps them otherwise fails there. Then
+        the counts start again from zero."""
         if not any(self.counts):
             return
         histogram._sum.inc(self.total)
-        for bucket, n in zip(histogram._buckets, self.counts, strict=True):
+        for i, (bucket, n) in enumerate(zip(histogram._buckets, self.counts, strict=True)):
             if n:
                 bucket.inc(n)
+                self.counts[i] = 0
+        self.total = 0.0
