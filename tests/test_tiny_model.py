@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 
 import pytest
 
@@ -25,6 +27,25 @@ def test_same_seed_same_model_other_seed_other_weights(tmp_path):
     before = (a / "model.safetensors").stat().st_mtime_ns
     build_tiny_model(a, seed=3)
     assert (a / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_processes_building_at_once_build_it_once(tmp_path):
+    # Test workers and the demo may ask together: one builds, the others wait and reuse it.
+    # Each process says when it builds (both see no model when they start).
+    out = tmp_path / "shared"
+    code = (
+        "import sys; import overnight.testing.tiny_model as t; build = t._build; "
+        "t._build = lambda *a: (print('built', flush=True), build(*a)); "
+        "t.build_tiny_model(sys.argv[1], seed=5)"
+    )
+    builders = [
+        subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    said = [b.communicate(timeout=240)[0] for b in builders]
+    assert [b.returncode for b in builders] == [0, 0]
+    assert "".join(said).count("built") == 1
+    assert digest(out) == digest(build_tiny_model(tmp_path / "alone", seed=5))
 
 
 def test_it_loads_and_renders_tool_conversations(tiny_model_dir):

@@ -218,8 +218,7 @@ def build_tiny_model(
     initializer_range: float = 0.1,
 ) -> Path:
     """Write the model to `out_dir` (reused when already complete); returns the path."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from filelock import FileLock
 
     out = Path(out_dir)
     marker = out / "overnight-tiny.json"
@@ -230,20 +229,38 @@ def build_tiny_model(
         "layers": layers,
         "initializer_range": initializer_range,
     }
-    if marker.exists() and json.loads(marker.read_text()) == recipe:
+    if _built(marker, recipe):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Test workers, the demo and a benchmark may all ask at once: one builds, the others
+    # wait for it and find the marker, which is written last.
+    with FileLock(out.parent / f".{out.name}.lock"):
+        if not _built(marker, recipe):
+            _build(out, marker, recipe)
+    return out
+
+
+def _built(marker: Path, recipe: dict) -> bool:
+    return marker.exists() and json.loads(marker.read_text()) == recipe
+
+
+def _build(out: Path, marker: Path, recipe: dict) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    seed, hidden_size = recipe["seed"], recipe["hidden_size"]
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(seed, vocab_size)
+    tokenizer = build_tokenizer(seed, recipe["vocab_size"])
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
-        num_hidden_layers=layers,
+        num_hidden_layers=recipe["layers"],
         num_attention_heads=hidden_size // 64,  # head_dim 64: the CPU kernel needs it
         num_key_value_heads=1,
         head_dim=64,
         max_position_embeddings=4096,
-        initializer_range=initializer_range,
+        initializer_range=recipe["initializer_range"],
         tie_word_embeddings=True,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
@@ -259,7 +276,6 @@ def build_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     marker.write_text(json.dumps(recipe))
-    return out
 
 
 def serve_tiny(

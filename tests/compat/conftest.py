@@ -26,6 +26,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from filelock import FileLock
 
 from overnight.config import ProxyConfig
 from overnight.proxy import create_app
@@ -205,19 +206,22 @@ def node_sdk() -> Path:
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node and npm are not installed: the Node SDK is not tested")
     package = NODE_DIR / "node_modules" / "openai" / "package.json"
-    if not package.exists() or json.loads(package.read_text())["version"] != NODE_SDK:
-        NODE_DIR.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--silent", f"openai@{NODE_SDK}"],
-            cwd=NODE_DIR,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"npm install openai@{NODE_SDK} failed: {done.stderr[-500:]}")
-    script = NODE_DIR / "node_agent.mjs"  # beside node_modules, so `import "openai"` resolves
-    shutil.copy(Path(__file__).resolve().parent / "node_agent.mjs", script)
+    NODE_DIR.mkdir(parents=True, exist_ok=True)
+    with FileLock(NODE_DIR / ".install.lock"):  # one npm install for all the test workers
+        if not package.exists() or json.loads(package.read_text())["version"] != NODE_SDK:
+            done = subprocess.run(
+                ["npm", "install", "--no-audit", "--no-fund", "--silent", f"openai@{NODE_SDK}"],
+                cwd=NODE_DIR,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if done.returncode != 0:
+                pytest.skip(f"npm install openai@{NODE_SDK} failed: {done.stderr[-500:]}")
+        script = NODE_DIR / "node_agent.mjs"  # beside node_modules: `import "openai"` resolves
+        source = Path(__file__).resolve().parent / "node_agent.mjs"
+        if not script.exists() or script.read_bytes() != source.read_bytes():
+            shutil.copy(source, script)  # never under a node the other worker runs
     return script
 
 
