@@ -151,6 +151,42 @@ async def test_each_side_gets_its_own_key_and_fields_and_records_say_who_served(
     assert to_hosted[-1]["body"] == {**stream, "model": MODEL}
 
 
+async def test_an_anthropic_api_beside_vllm_gets_its_own_key_and_header(
+    start, hosted, received, tmp_path
+):
+    # Messages, the kind's own API: the hosted side gets x-api-key and anthropic-version,
+    # never vLLM's key or a Bearer; the local side gets vLLM's key and nothing hosted.
+    proxy = await start(hosted_kind="anthropic")
+    await set_share(proxy, 0.5)
+    ids = [f"m{i}" for i in range(10)]
+    body = {"model": "policy", "max_tokens": 8, "messages": CHAT["messages"]}
+    for rollout in ids:
+        headers = {"X-Rollout-Group": "g2", "X-Rollout-Id": rollout}
+        r = await proxy.post("/v1/messages", json=body, headers=headers)
+        assert r.status == 200, await r.text()
+        assert (await r.json())["type"] == "message"
+    local = [r for r in ids if served_locally(r, 0.5)]
+    assert 0 < len(local) < len(ids)
+    to_vllm = [r for r in received if r["path"] == "/v1/messages"]
+    to_hosted = hosted.app[RECEIVED]
+    assert len(to_vllm) == len(local) and len(to_hosted) == len(ids) - len(local)
+    for sent in to_hosted:
+        headers = {k.lower(): v for k, v in sent["headers"].items()}
+        assert sent["body"] == {**body, "model": MODEL}
+        assert headers["x-api-key"] == HOSTED_KEY and headers["anthropic-version"]
+        assert "authorization" not in headers and VLLM_KEY not in repr(sent)
+    for sent in to_vllm:
+        headers = {k.lower(): v for k, v in sent["headers"].items()}
+        assert headers["authorization"] == f"Bearer {VLLM_KEY}"
+        assert HOSTED_KEY not in repr(sent) and "x-api-key" not in headers
+    await wait_for_rows(tmp_path / "data", len(ids))
+    logged = rows(tmp_path / "data", "SELECT rollout_id, notes FROM completions")
+    upstream = {r["rollout_id"]: json.loads(r["notes"] or "{}").get("upstream") for r in logged}
+    assert upstream == {
+        r: None if r in local else f"anthropic 127.0.0.1:{hosted.port}" for r in ids
+    }
+
+
 async def test_the_handover_admin_call_and_its_refusals(start, make_proxy, tmp_path):
     proxy = await start(admin_token=ADMIN, policies=("research",), keys_toml=TOKENS)
     ops = auth(ADMIN)
