@@ -3,6 +3,7 @@ pruning old days, the CPU KV cache size, and the nightly batch killed at each st
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -72,6 +73,24 @@ async def test_a_healthy_vllm_is_left_alone(make_proxy, received, tmp_path):
     assert not await registry.check_upstream()
     assert not await registry.check_upstream()
     assert [r["path"] for r in received].count("/v1/load_lora_adapter") == 1
+
+
+async def test_a_promotion_during_a_replica_check_is_not_taken_for_a_restart(
+    make_proxy, fake, tmp_path
+):
+    # vLLM lists its adapters, then the answer arrives late: a promotion lands meanwhile.
+    proxy = await make_proxy()
+    registry = proxy.app[ADAPTERS]
+    await proxy.post("/admin/adapters/promote", json={"path": adapter_dir(tmp_path, "a1")})
+    fake.app[SETTINGS]["models_delay"] = 0.3
+    check = asyncio.create_task(registry.check_upstream())
+    await asyncio.sleep(0.1)  # the list is made, without the adapter promoted next
+    second = adapter_dir(tmp_path, "a2")
+    r = await proxy.post("/admin/adapters/promote", json={"path": second})
+    assert r.status == 200, await r.text()
+    assert not await check  # nothing was missing: no restore
+    assert registry.current.version == 2 and registry.current.reason != "restore"
+    assert registry.current.path == second
 
 
 async def test_a_proxy_starts_while_vllm_is_down_and_loads_the_adapter_later(

@@ -1,5 +1,5 @@
-"""The real vLLM server shared by every test marked `vllm` (started once a session: once
-in each pytest-xdist worker that runs one).
+"""The real vLLM server shared by every test marked `vllm` (started once a session; under
+pytest-xdist, once in each worker that runs one).
 
 It serves the tiny local model with runtime LoRA enabled, launched by our own
 launcher (so the launcher is tested too). Where vLLM is not installed the tests

@@ -9,6 +9,8 @@ weights to answer with; on a CPU it never answers).
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from .fake_shared import SETTINGS, record
@@ -30,6 +32,8 @@ async def models(request: web.Request) -> web.Response:
         data.append(
             {"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": "fake-base"}
         )
+    # Tests set it to answer with a list made before a change that lands meanwhile.
+    await asyncio.sleep(request.app[SETTINGS].get("models_delay", 0.0))
     return web.json_response({"object": "list", "data": data})
 
 

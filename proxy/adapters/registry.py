@@ -204,8 +204,10 @@ class AdapterRegistry(Serving):
     async def check_upstream(self) -> bool:
         """Check every replica; load the current adapter where it is missing. True when no
         replica served it any more and it was loaded again under a new name."""
-        await self._check_replicas()
+        # Under the lock, with the sync: a promotion between the two would find its new
+        # adapter missing from a list asked for before it was loaded, and "restore" it.
         async with self._lock:
+            await self._check_replicas()
             return await self._sync()
 
     async def follow(self) -> bool:
