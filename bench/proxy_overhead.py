@@ -19,7 +19,8 @@ and prints each round and the medians; `--profile DIR` then samples the proxy wi
 under the c16 load (DIR/overnight.txt: collapsed stacks) and prints where its time went.
 `--only observe` runs the same path through one proxy per OBSERVE variant (an integration
 on or off: Prometheus metrics, then OpenTelemetry tracing with metrics on, exporting to a
-loopback OTLP sink, bench/otlp_sink.py, on the load generator's core), in turn each round,
+loopback OTLP sink, bench/otlp_sink.py, on the load generator's core; and the records
+written by a recorder process, `--recorder process`, moved to that core), in turn each round,
 and prints each one's ratio to the variant it adds to, per round and their median, with
 the proxy's CPU per request (/proc: all its threads, the exporter's too), which a busy
 shared machine disturbs far less than requests per second.
@@ -60,6 +61,9 @@ API_KEY = "sk-bench-0123456789abcdef0123456789abcdef"
 OBSERVE = {
     "metrics off": (("--no-metrics",), {}, None),
     "metrics on": ((), {}, "metrics off"),
+    # the records built and written by a recorder process (capture/recorder.py), which
+    # runs on the load generator's core: what it saves the serving core, and costs there
+    "recorder process": (("--recorder", "process"), {}, "metrics on"),
     "tracing on": ((), {"OTEL_EXPORTER_OTLP_ENDPOINT": "{sink}"}, "metrics on"),
     # what tracing costs where no span is sampled: ids and vLLM's traceparent only
     "tracing, none sampled": (
@@ -82,6 +86,7 @@ class Result:
     errors: int
     requests: int = 0
     cpu_us: float | None = None  # the proxy's CPU per request (--only common, observe)
+    helper_cpu_us: float | None = None  # its recorder process's, on another core
 
 
 def pinned(core: int, cmd: list[str]) -> list[str]:
@@ -145,18 +150,48 @@ def wrk(url: str, body: dict, connections: int, duration: float, workdir: Path) 
     return Result(rps, p50, p99, errors, requests)
 
 
+def recorder_on(core: int, url: str) -> int | None:
+    """Move overnight's recorder process (proxy/capture/recorder.py), all its threads, to
+    `core`; its pid, or None without one. Started by a proxy pinned to core 0 it would
+    inherit core 0, where a deployment's scheduler would never keep it: it goes to the
+    load generator's core instead, and its CPU is reported beside the proxy's."""
+    request = urllib.request.Request(
+        url + "/admin/stats", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
+        pid = (json.loads(r.read()).get("recorder") or {}).get("pid")
+    if pid is not None and shutil.which("taskset"):
+        subprocess.run(
+            ["taskset", "-a", "-p", "-c", str(core), str(pid)], check=True, capture_output=True
+        )
+    return pid
+
+
 def cpu_seconds(pid: int) -> float:
     """The CPU a process has used so far, all its threads (user and system)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measured(pid: int, url: str, body: dict, connections: int, duration: float, work: Path):
+def measured(
+    pid: int,
+    url: str,
+    body: dict,
+    connections: int,
+    duration: float,
+    work: Path,
+    helper: int | None = None,
+):
     """wrk's result, with the proxy's CPU per request over the same seconds: on a shared
-    machine a far steadier measure of what a variant costs than its requests per second."""
+    machine a far steadier measure of what a variant costs than its requests per second.
+    `helper`: a process of the proxy's on another core (its recorder), measured alike."""
     before = cpu_seconds(pid)
+    helper_before = cpu_seconds(helper) if helper else 0.0
     result = wrk(url, body, connections, duration, work)
     result.cpu_us = (cpu_seconds(pid) - before) / max(result.requests, 1) * 1e6
+    if helper:
+        spent = cpu_seconds(helper) - helper_before
+        result.helper_cpu_us = spent / max(result.requests, 1) * 1e6
     return result
 
 
@@ -489,7 +524,7 @@ def run_observe(args, work: Path, stops: list[Callable[[], object]]) -> dict:
         sink_proc = start(pinned(1, cmd), f"http://127.0.0.1:{port}/health")
         stops.append(lambda: stop(sink_proc))
         sink = f"http://127.0.0.1:{port}"
-    targets, traced, pids = {}, [], {}
+    targets, traced, pids, helpers = {}, [], {}, {}
     for i, (name, (flags, env, _)) in enumerate(OBSERVE.items()):
         env = {k: v.replace("{sink}", sink or "") for k, v in env.items()}
         proxy = spawn_serve(
@@ -504,6 +539,7 @@ def run_observe(args, work: Path, stops: list[Callable[[], object]]) -> dict:
         )
         stops.append(proxy.stop)
         targets[name], pids[name] = proxy.url, proxy.pid
+        helpers[name] = recorder_on(1, proxy.url)
         if "OTEL_EXPORTER_OTLP_ENDPOINT" in env and env.get("OTEL_TRACES_SAMPLER") != "always_off":
             traced.append(proxy.url)
     body = {"model": "policy", "messages": MESSAGES, "max_tokens": args.tokens}
@@ -517,7 +553,13 @@ def run_observe(args, work: Path, stops: list[Callable[[], object]]) -> dict:
         order = list(targets.items())[:: -1 if i % 2 else 1]
         row = {
             f"c{c}/{name}": measured(
-                pids[name], f"{url}/v1/chat/completions", body, c, args.duration, work
+                pids[name],
+                f"{url}/v1/chat/completions",
+                body,
+                c,
+                args.duration,
+                work,
+                helpers[name],
             )
             for c in (1, 16)
             for name, url in order
@@ -533,6 +575,10 @@ def run_observe(args, work: Path, stops: list[Callable[[], object]]) -> dict:
         summary[f"c16 req/s {name}"] = median([r[f"c16/{name}"].rps for r in rounds])
         summary[f"c1 p50 {name} (ms)"] = median([r[f"c1/{name}"].p50_ms for r in rounds])
         summary[f"c16 CPU µs/request {name}"] = median([r[f"c16/{name}"].cpu_us for r in rounds])
+        if helpers[name] is not None:
+            summary[f"c16 CPU µs/request {name}'s recorder (core 1)"] = median(
+                [r[f"c16/{name}"].helper_cpu_us for r in rounds]
+            )
     for name, base in compared:
         summary[f"c16 {name} / {base} (per round, median)"] = median(
             [r[f"c16/{name}"].rps / r[f"c16/{base}"].rps for r in rounds]

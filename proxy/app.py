@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -26,12 +27,14 @@ from overnight.view import web as view
 from .adapters.maintenance import Maintenance
 from .adapters.policies import Policies
 from .capture.conversation import CHAINS, ResponseChains
+from .capture.recorder import RECORDER, RecorderProcess, Recording
 from .capture.redact import REDACTOR, Redactor
 from .capture.state import TurnCounter
 from .capture.uncaptured import UNCAPTURED, Uncaptured
 from .forward.balancer import Balancer
 from .observe import tracing
 from .observe.metrics import METRICS, Metrics
+from .observe.tracing import TRACING
 from .routes import admin, handover, maintenance
 from .routes.agent_api import completions, post_finish, post_reward, prefixed
 from .routes.auth import make_guard
@@ -55,6 +58,8 @@ from .state import (
     ProxyStats,
     SeenFingerprint,
 )
+
+log = logging.getLogger("overnight.proxy")
 
 
 def create_app(config: ProxyConfig) -> web.Application:
@@ -113,6 +118,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     )
     app[SHADOW] = ShadowSampler(config, balancer, app[REDACTOR])
     tracing.install(app, config)  # OpenTelemetry, when OTEL_*/LANGFUSE_* ask for it
+    _install_recorder(app, config)
     app.cleanup_ctx.append(_lifecycle)
     if config.metrics:  # Prometheus at /metrics (observe/metrics.py)
         app[METRICS] = metrics = Metrics(app, policies, config.data_dir)
@@ -148,11 +154,24 @@ def create_app(config: ProxyConfig) -> web.Application:
     return app
 
 
+def _install_recorder(app: web.Application, config: ProxyConfig) -> None:
+    """Completion records in a recorder process (capture/recorder.py), unless they are
+    needed here: shadow siblings are asked for from them, and a span ends with them."""
+    if config.recorder != "process":
+        return
+    if app[SHADOW].enabled or TRACING in app:
+        using = "shadow sampling" if app[SHADOW].enabled else "tracing"
+        log.info("records are built in the serving process: %s needs them here", using)
+        return
+    app[RECORDER] = RecorderProcess.for_config(config)
+
+
 async def health(request: web.Request) -> web.Response:
     """200 while the proxy serves. "degraded", with the reason, while recording fails:
     completions are still served (an agent must not fail because logging does), so a
     load balancer should keep sending traffic; the writer recovers by itself."""
-    writer = request.app[WRITER].health()
+    app = request.app
+    writer = Recording(app[WRITER], app.get(RECORDER), app[REDACTOR]).health()
     if writer.status == "ok":
         return web.json_response({"status": "ok"})
     return web.json_response(
@@ -193,7 +212,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await app[MAINTENANCE].recover()  # a vLLM left asleep by a night that died with us
         await policies.restore()
     app[SHADOW].start(writer)
+    recorder = app.get(RECORDER)
+    if recorder is not None:
+        await recorder.start()
     yield
+    if recorder is not None:  # its last records written, its log sealed
+        await recorder.close()
     await app[SHADOW].close()
     await app[MAINTENANCE].close()
     await policies.close()

@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -112,6 +113,9 @@ class LogWriter:
         self._closed = False
         self.rows_fitted = 0
         self.write_errors = 0
+        # Called in the writer's thread once a batch's rows are settled (written or lost):
+        # the recorder process reports its health from it (proxy/capture/recorder.py).
+        self.on_settle: Callable[[], None] | None = None
         self._degraded: tuple[str, float] | None = None  # (reason, since)
         self._reasons_logged: set[str] = set()
         self._writer = threading.Thread(target=self._write_loop, name="overnight-wal", daemon=True)
@@ -277,6 +281,8 @@ class LogWriter:
         self._commits.settle(stored, sorted(lost))
         for why in dict.fromkeys(why for _, why in lost):
             self._log_once(why)
+        if self.on_settle is not None:
+            self.on_settle()
 
     def _append(self, lines: list[bytes]) -> None:
         if self._current is None:

@@ -11,13 +11,14 @@ from ..errors import ConfigError
 from .common import DEFAULT_DATA_DIR
 from .handover import HostedBeside, check_hosted_beside
 from .keys import PolicyToken, ScopedKey, check_keys, parse_keys, policy_names
+from .shadow import ShadowSampling, check_shadow_sampling
 from .upstream_kind import check_upstream_kind, check_upstream_url
 
 _ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True)
-class ProxyConfig(HostedBeside):  # its hosted_* fields: handover.py
+class ProxyConfig(ShadowSampling, HostedBeside):  # their fields: shadow.py, handover.py
     # The first of `upstreams`: the one upstream of a proxy that fronts one, as
     # `ProxyConfig(upstream=URL)` says it. Give this or `upstreams`, not both.
     upstream: str = field(
@@ -256,6 +257,20 @@ class ProxyConfig(HostedBeside):  # its hosted_* fields: handover.py
             "help": "Roll the write-ahead log into Parquet after this many seconds (or 64 MiB)."
         },
     )
+    # Where completion records are built and written (proxy/capture/recorder.py): the
+    # serving process, or a child of it that takes the rows, --redact, the log's encoding
+    # and fsync off the serving core at the price of more CPU in all (BENCHMARKS.md: on a
+    # machine without a spare core it is slower). With shadow sampling or tracing on,
+    # records are built in the serving process whatever this says: both need the rows.
+    recorder: str = field(
+        default="inline",
+        metadata={
+            "help": "Where completion records are built and written: inline (the serving "
+            "process) or process (a recorder process beside each serving one, for a "
+            "machine with cores to spare).",
+            "choices": ("inline", "process"),
+        },
+    )
     # None stores records as they came; see proxy/capture/redact.py and examples/redact_emails.py.
     redact: str | None = field(
         default=None,
@@ -293,64 +308,12 @@ class ProxyConfig(HostedBeside):  # its hosted_* fields: handover.py
             "another proxy (0: never); with a bucket, one HEAD request each."
         },
     )
-    # Shadow sampling (proxy/shadow/sampler.py): off unless asked, it costs upstream compute.
-    shadow_samples: int = field(
-        default=0,
-        metadata={
-            "help": "Siblings asked of vLLM for a served single-call turn, after its answer "
-            "was sent, at low priority (0: no shadow sampling)."
-        },
-    )
-    shadow_rate: float = field(
-        default=1.0,
-        metadata={"help": "Fraction of eligible turns shadow-sampled (random per turn)."},
-    )
-    # A burst beyond this is dropped (and counted), never waited for.
-    shadow_queue: int = field(
-        default=256, metadata={"help": "Turns waiting for shadow sampling at most."}
-    )
-    # One request of K siblings at a time keeps vLLM's batch (CPU: each step's cost) small.
-    shadow_concurrency: int = field(
-        default=1, metadata={"help": "Shadow sibling requests in flight at once."}
-    )
-    # vLLM's priority orders only what waits; a running sibling shares every batch step
-    # with the served requests (on a CPU each step costs more with each sequence), so by
-    # default siblings run only while no served request is in flight on their replica.
-    shadow_max_served: int = field(
-        default=0,
-        metadata={
-            "help": "Shadow requests run while a replica has at most this many served requests "
-            "in flight; one running when more arrive is cancelled and asked again (raise it "
-            "on a GPU, where a batch costs little more than one request)."
-        },
-    )
-    # Started the instant an answer is written, a sibling request competes with that
-    # answer's delivery and with a served request the proxy has read but not yet
-    # forwarded (measured: bench/shadow_latency.py); an agent's next call often
-    # comes moments after its answer, too.
-    shadow_quiet: float = field(
-        default=0.02,
-        metadata={
-            "help": "Seconds a replica must have been without served requests (beyond "
-            "--shadow-max-served), and no served turn answered, before a shadow request "
-            "starts on it (0: at once)."
-        },
-    )
-    # vLLM serves lower values first (`--scheduling-policy priority`; ignored under fcfs).
-    shadow_priority: int = field(
-        default=10, metadata={"help": "vLLM priority of shadow requests (served turns: 0)."}
-    )
 
     def __post_init__(self) -> None:
         self._check_upstreams()
         check_upstream_kind(self)
         check_hosted_beside(self)
-        if self.shadow_samples < 0 or not 0.0 <= self.shadow_rate <= 1.0:
-            raise ConfigError("shadow_samples must be >= 0 and shadow_rate within [0, 1]")
-        if self.shadow_queue < 1 or self.shadow_concurrency < 1 or self.shadow_max_served < 0:
-            raise ConfigError(
-                "shadow_queue and shadow_concurrency must be at least 1, shadow_max_served >= 0"
-            )
+        check_shadow_sampling(self)
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if not _ALIAS.fullmatch(self.alias):
             raise ConfigError(

@@ -8,6 +8,7 @@ writer's thread, off the event loop.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from overnight.errors import OvernightError
 from overnight.storage import SCHEMA_VERSION, new_id, now_us
@@ -25,13 +26,15 @@ def completion_rows(
     turn_counter: TurnCounter,
     logged: bool,
     proxy_id: str,
+    ended: int | None = None,
 ) -> list[dict]:
     """One row per choice; a request that produced no choice still leaves one row.
+    `ended`: when the answer ended (now_us), if it was not just now.
 
     Long because a completion row is: one literal, column by column in schema order."""
     acc = capture.acc
     indices = sorted(acc.choices) or [0]
-    ended = now_us()
+    ended = now_us() if ended is None else ended
     usage = acc.usage or {}
     error = capture.error
     if error is None and acc.error is not None:
@@ -89,6 +92,43 @@ def completion_rows(
         if note is not None:
             rows[-1]["notes"] = {"completion_token_ids": note}
     return rows
+
+
+def record_rows(
+    capture: Capture,
+    who: Attribution,
+    turn_counter: TurnCounter,
+    proxy_id: str,
+    facts: RecordFacts,
+) -> list[dict]:
+    """A completion's rows as they are stored (before `--redact`): `completion_rows`
+    with the scoped key's note and a hosted upstream's, wherever they are built (in the
+    serving process, or in its recorder process: recorder.py)."""
+    rows = completion_rows(
+        capture,
+        who,
+        started=facts.started,
+        turn_counter=turn_counter,
+        logged=facts.logged,
+        proxy_id=proxy_id,
+        ended=facts.ended,
+    )
+    add_key_note(rows, facts.key_note)
+    if facts.hosted is not None:
+        add_upstream_note(rows, facts.hosted, capture.acc.meta.get("model"))
+    return rows
+
+
+@dataclass(slots=True)
+class RecordFacts:
+    """What a completion's record needs beside its Capture and attribution, known in the
+    serving process when the answer was sent."""
+
+    started: int  # now_us() when the request arrived
+    ended: int  # now_us() when its answer had been sent
+    logged: bool  # false: X-Rollout-Log: off, the row keeps no contents
+    key_note: dict | None = None  # a scoped key's name and refusals (routes/keys.py)
+    hosted: str | None = None  # a hosted upstream's label (routes/hosted.py)
 
 
 def add_key_note(rows: list[dict], note: dict | None) -> None:

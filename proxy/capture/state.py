@@ -14,7 +14,8 @@ from typing import Any
 from overnight.proxy.adapters.promotions import Route
 from overnight.storage import new_id
 
-from .chat import Accumulator
+from .apis import ResponsesAdditions, api_accumulator
+from .chat import CHAT, TEXT, Accumulator
 
 
 class Capture:
@@ -37,6 +38,9 @@ class Capture:
         "span",
         "sent_at",
         "first_chunk_at",
+        "recipe",
+        "plain",
+        "answer",
     )
 
     def __init__(self, endpoint: str, stream: bool, request_body: dict, route: Route):
@@ -45,7 +49,11 @@ class Capture:
         self.stream = stream
         self.request_body = request_body
         self.route = route
-        self.acc = Accumulator(endpoint)
+        self.use()
+        self.plain: str | None = None  # sent as the client sent it, and why (`sent_plain`)
+        # With a recorder process (recorder.py): the bytes of each object the accumulator
+        # was given, as the upstream sent them, for the recorder to give its own again.
+        self.answer: list[bytes] | None = None
         self.status = 0
         self.error: str | None = None
         self.error_body: str | None = None
@@ -58,6 +66,28 @@ class Capture:
         self.sent_at: float | None = None
         self.first_chunk_at: float | None = None
 
+    def use(
+        self,
+        echo: bool = False,
+        as_ids: bool = False,
+        hidden: ResponsesAdditions | None = None,
+        note: str | None = None,
+    ) -> None:
+        """This request's accumulator (chat.py, apis.py), made from arguments a recorder
+        process can make it again from: `recipe`."""
+        self.recipe = (echo, as_ids, hidden, note)
+        self.acc = accumulator(self.endpoint, *self.recipe)
+
+    def add(self, data: bytes, obj: dict) -> None:
+        """An object of the answer (a whole answer, or a stream's event), parsed from `data`."""
+        self.acc.add(obj)
+        if self.answer is not None:
+            self.answer.append(data)
+
+    def sent_plain(self, note: str) -> None:
+        self.acc.sent_plain(note)
+        self.plain = note
+
     def first_byte(self) -> None:
         if self.ttft_ms is None:
             self.ttft_ms = (time.perf_counter() - self.t0) * 1000
@@ -68,6 +98,24 @@ class Capture:
 
     def done(self) -> None:
         self.latency_ms = (time.perf_counter() - self.t0) * 1000
+
+
+def accumulator(
+    endpoint: str,
+    echo: bool = False,
+    as_ids: bool = False,
+    hidden: ResponsesAdditions | None = None,
+    note: str | None = None,
+) -> Accumulator | Any:
+    """Chat and text completions' accumulator (an echo's; ids read from logprob tokens),
+    or the Responses and Messages APIs' (`hidden`: what the proxy asked of Responses);
+    `note`: why its record will have no token ids, known before the answer."""
+    if endpoint in (CHAT, TEXT):
+        acc: Any = Accumulator(endpoint, echo=echo, as_ids=as_ids)
+    else:
+        acc = api_accumulator(endpoint, hidden)
+    acc.note = note
+    return acc
 
 
 class TurnCounter:

@@ -47,6 +47,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from overnight.errors import OvernightError
 from overnight.proxy.adapters.policies import Policies
+from overnight.proxy.capture.recorder import RECORDER, Recording
 from overnight.proxy.capture.redact import REDACTOR
 from overnight.proxy.capture.state import Capture
 from overnight.proxy.capture.uncaptured import UNCAPTURED
@@ -332,19 +333,21 @@ class Metrics:
         self._add_tallies()
         app = self.app
         writer = app.get(WRITER)
-        if writer is not None:
-            health = writer.health()
-            self._copy("appended", writer.appended)
+        recording = Recording(writer, app.get(RECORDER), app[REDACTOR]) if writer else None
+        if recording is not None:  # with the recorder process's rows (capture/recorder.py)
+            health = recording.health()
+            appended = recording.appended
+            self._copy("appended", appended)
             self._copy("committed", health.rows_written)
             self._copy("lost", health.rows_lost)
             self._copy("write_errors", health.write_errors)
             self._copy("compacted", health.rows_compacted)
             self._copy("compact_errors", health.compact_errors)
-            waiting = writer.appended - health.rows_written - health.rows_lost
+            waiting = appended - health.rows_written - health.rows_lost
             self.gauges["queued"].set(max(0, waiting))
             self.gauges["degraded"].set(0 if health.status == "ok" else 1)
             self.gauges["quarantined"].set(health.files_quarantined)
-        self._copy("redaction", app[REDACTOR].failures)
+            self._copy("redaction", recording.redaction_failures)
         shadow = app[SHADOW]
         stats = shadow.stats
         self._copy("shadow_requests", stats.requests)

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from overnight.errors import OvernightError
 from overnight.proxy.adapters.ownership import own_adapter
+from overnight.proxy.capture.recorder import RECORDER, Recording
 from overnight.proxy.capture.redact import REDACTOR
 from overnight.proxy.capture.uncaptured import UNCAPTURED
 from overnight.proxy.forward.jsonio import read_json_object
@@ -190,16 +191,21 @@ def _expect(body: dict, fields: dict[str, str], required: tuple[str, ...] = ()) 
 
 
 async def stats(request: web.Request) -> web.Response:
-    writer = request.app[WRITER]
+    app = request.app
+    writer, recorder = app[WRITER], app.get(RECORDER)
+    recording = Recording(writer, recorder, app[REDACTOR])  # the recorder's rows counted in
+    health = recording.health()
     return web.json_response(
         {
             "requests": request.app[STATS].requests,
-            "rows_appended": writer.appended,
-            "rows_committed": writer.rows_committed,
+            "rows_appended": recording.appended,
+            "rows_committed": health.rows_written,
             # status and reason; rows written, lost, fitted; failed batches; rows
             # compacted, lines quarantined, failed compactions (storage.WriterHealth)
-            **writer.health().as_dict(),
-            "redaction_failures": request.app[REDACTOR].failures,
+            **health.as_dict(),
+            "redaction_failures": recording.redaction_failures,
+            # the completion records' own process (capture/recorder.py), when there is one
+            "recorder": recorder.snapshot() if recorder is not None else None,
             # path -> POSTs whose model output was forwarded but not recorded
             "uncaptured": request.app[UNCAPTURED].snapshot(),
             "shadow": request.app[SHADOW].snapshot(),  # shadow sampling's counts

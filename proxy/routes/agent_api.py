@@ -24,11 +24,10 @@ from overnight.proxy.capture.additions import Additions, add_training_fields, la
 from overnight.proxy.capture.apis import (
     ResponsesAdditions,
     add_responses_fields,
-    api_accumulator,
     refused_additions,
 )
 from overnight.proxy.capture.attribution import Attribution, attribute, logging_enabled
-from overnight.proxy.capture.chat import CHAT, TEXT, Accumulator
+from overnight.proxy.capture.chat import CHAT, TEXT
 from overnight.proxy.capture.conversation import (
     CHAINS,
     MESSAGES,
@@ -36,12 +35,12 @@ from overnight.proxy.capture.conversation import (
     messages_request,
     resolve_responses_request,
 )
+from overnight.proxy.capture.recorder import RECORDER
 from overnight.proxy.capture.records import (
-    add_key_note,
-    add_upstream_note,
-    completion_rows,
+    RecordFacts,
     finish_row,
     parse_reward,
+    record_rows,
     reward_row,
 )
 from overnight.proxy.capture.redact import REDACTOR
@@ -133,6 +132,8 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     route = adapters.route(body.get("model"), who.rollout_id or who.group_id)
     stream = lax_bool(body.get("stream")) is True  # as vLLM reads it
     capture = Capture(endpoint, stream, request_body=body, route=route)
+    if RECORDER in app:  # what the accumulator is given, kept for the recorder process
+        capture.answer = []
     remember(request, who, capture.request_id, body.get("model"))  # for scoped rewards
     tracing = app.get(TRACING)  # absent unless tracing is on: then no span at all
     if tracing is not None:
@@ -149,16 +150,13 @@ async def _completion(request: web.Request) -> web.StreamResponse:
                 upstream_body = body
             added = Additions()
             raw = request_bytes(await request.read(), upstream_body)
-            chat = endpoint in (CHAT, TEXT)
-            capture.acc = Accumulator(endpoint) if chat else api_accumulator(endpoint, None)
-            capture.acc.note = hosted.note
-            if not chat:
+            capture.use(note=hosted.note)
+            if endpoint not in (CHAT, TEXT):
                 capture.request_body = await _as_chat(app, endpoint, body)
         elif endpoint in (CHAT, TEXT):
             added = add_training_fields(upstream_body, endpoint)
             if added.echo or added.note:  # the prompt's logprobs come first; or no ids
-                capture.acc = Accumulator(endpoint, echo=added.echo, as_ids=added.as_ids)
-                capture.acc.note = added.note
+                capture.use(echo=added.echo, as_ids=added.as_ids, note=added.note)
         else:  # recorded in the chat shape (docs/wire.md)
             # Responses: vLLM's token ids and logprobs, asked for and hidden again;
             # Messages: nothing to ask for, relayed verbatim.
@@ -167,7 +165,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             log_it = log_it and not unreadable(body)
             added = add_responses_fields(upstream_body) if log_it else Additions()
             hidden = added if isinstance(added, ResponsesAdditions) else None
-            capture.acc = api_accumulator(endpoint, hidden)
+            capture.use(hidden=hidden)
             capture.request_body = await _as_chat(app, endpoint, body)
         affinity = who.rollout_id or who.group_id  # every turn of a rollout on one replica
         # Held while vLLM sleeps for a colocated night (adapters/maintenance.py); the
@@ -241,20 +239,15 @@ def _record(
     metrics = app.get(METRICS)  # absent with --no-metrics
     if metrics is not None:  # first: its clock stops when the answer was written
         metrics.observe(capture, started)
+    hosted = hosted_of(app, capture.route)
+    facts = RecordFacts(started, now_us(), logged, key_note, hosted.label if hosted else None)
+    recorder = app.get(RECORDER)
+    if recorder is not None:  # built and written by the recorder process (recorder.py)
+        recorder.record(capture, who, facts)
+        return
     writer = app[WRITER]
     try:
-        rows = completion_rows(
-            capture,
-            who,
-            started=started,
-            turn_counter=app[TURNS],
-            logged=logged,
-            proxy_id=writer.writer_id,
-        )
-        add_key_note(rows, key_note)
-        hosted = hosted_of(app, capture.route)
-        if hosted is not None:
-            add_upstream_note(rows, hosted.label, capture.acc.meta.get("model"))
+        rows = record_rows(capture, who, app[TURNS], writer.writer_id, facts)
     except Exception:  # a response of a shape the capture did not foresee: say so loudly
         log.exception("could not build the record of request %s", capture.request_id)
         if capture.span is not None:

@@ -59,7 +59,7 @@ class EventRelay:
                 obj = None
         if not isinstance(obj, dict):
             return self._out(event)
-        self.capture.acc.add(obj)
+        self.capture.add(data, obj)
         if not self.added.any:
             return event
         fingerprint = self.fingerprint
@@ -112,7 +112,7 @@ class ResponsesEventRelay(EventRelay):
             obj = None
         if not isinstance(obj, dict):
             return event
-        self.capture.acc.add(obj)
+        self.capture.add(data, obj)
         added = self.responses_added
         hidden = hide_responses_additions(obj, added) if added.any else None
         return event if hidden is None else with_data(event, json_dumps(hidden))

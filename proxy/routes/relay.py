@@ -171,7 +171,7 @@ async def forward(
             # request is sent instead, and vLLM's answer to it relayed as it comes.
             async with upstream:
                 refusal = await upstream.read()
-            capture.acc.sent_plain(f"no token ids: {_refused(refusal)}")
+            capture.sent_plain(f"no token ids: {_refused(refusal)}")
             sent = added.plain
             added = ResponsesAdditions() if isinstance(added, ResponsesAdditions) else Additions()
         if sent is not body and upstream.status != 400 and endpoint == RESPONSES:
@@ -323,7 +323,7 @@ async def _relay_whole(
         capture.error = "upstream answered 200 with a body that is not JSON"
         capture.error_body = raw.decode(errors="replace")[:4096]
         return web.Response(body=raw, status=upstream.status, headers=headers)
-    capture.acc.add(obj)
+    capture.add(raw, obj)
     learn_fingerprint(request.app[FINGERPRINT], obj)
     if added.any:
         raw = _hidden(obj, raw, added)
