@@ -187,9 +187,7 @@ class AdapterRegistry(Serving):
         """After a (re)start: check the replicas, learn the base model, load the current
         adapter where it is missing, and start the watch and the follower. An unreachable
         vLLM is not fatal: the watch loads the adapter once it answers."""
-        await self._check_replicas()
-        async with self._lock:
-            await self._sync()
+        await self.check_upstream()  # the check and the sync under one lock, as always
         if self.check_interval > 0:
             self._tasks.append(asyncio.create_task(self._watch_upstream()))
         if self.follow_interval > 0:
