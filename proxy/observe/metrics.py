@@ -296,16 +296,20 @@ class Metrics:
             if isinstance(generated, int) and generated > 0:
                 tally.generated += generated
         if self.multiprocess:  # into the worker's files now: a killed worker's counts stay
-            tally.add_to(self._children.get(key) or self._make_children(key))
+            tally.add_to(self._series(key))
 
     def _add_tallies(self) -> None:
         """The completions observed since the last sync, into their series."""
         for key, tally in self._tallies.items():
-            tally.add_to(self._children.get(key) or self._make_children(key))
+            tally.add_to(self._series(key))
 
-    def _make_children(self, key: tuple) -> _Children:
+    def _series(self, key: tuple) -> _Children:
         """The labelled series of one kind of request, looked up once: `labels()` costs a
         lock and a dict per call, and a completion touches five series."""
+        children = self._children.get(key)
+        return children if children is not None else self._make_children(key)
+
+    def _make_children(self, key: tuple) -> _Children:
         endpoint, requested, adapter, status, stream, model_name = key
         timing = (model_name, endpoint, "true" if stream else "false")
         children = _Children(
