@@ -32,8 +32,11 @@ async def models(request: web.Request) -> web.Response:
         data.append(
             {"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": "fake-base"}
         )
-    # Tests set it to answer with a list made before a change that lands meanwhile.
-    await asyncio.sleep(request.app[SETTINGS].get("models_delay", 0.0))
+    # Tests set it to answer with a list made before a change that lands meanwhile
+    # (unset: no sleep at all, not even a yield to the loop).
+    delay = request.app[SETTINGS].get("models_delay")
+    if delay:
+        await asyncio.sleep(delay)
     return web.json_response({"object": "list", "data": data})
 
 
