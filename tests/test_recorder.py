@@ -8,6 +8,7 @@ In-process proxies against the in-process fake vLLM, each with a real recorder p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -258,38 +259,43 @@ def _gone(pid: int) -> bool:
         return f.read().split(") ", 1)[1].startswith("Z")
 
 
-@pytest.mark.slow
-def test_serve_killed_with_sigkill_its_recorder_writes_what_it_had(tmp_path):
+@contextlib.contextmanager
+def _serve_answering_six(tmp_path, prefix: str):
+    """`overnight serve --recorder process`, six completions answered: (serve, recorder pid)."""
     with (
         spawn_fake_upstream() as fake,
         spawn_serve(tmp_path, "--upstream", fake.url, "--recorder", "process") as serve,
     ):
         child = _recorder_pid(serve.url)
         for i in range(6):
-            assert _post(serve.url + "/v1/chat/completions", CHAT, {"X-Rollout-Id": f"k{i}"}) == 200
+            headers = {"X-Rollout-Id": f"{prefix}{i}"}
+            assert _post(serve.url + "/v1/chat/completions", CHAT, headers) == 200
+        yield serve, child
+
+
+def _rollouts(tmp_path) -> list[str]:
+    found = rows(tmp_path, "SELECT rollout_id FROM completions ORDER BY rollout_id")
+    return [r["rollout_id"] for r in found]
+
+
+@pytest.mark.slow
+def test_serve_killed_with_sigkill_its_recorder_writes_what_it_had(tmp_path):
+    with _serve_answering_six(tmp_path, "k") as (serve, child):
         time.sleep(0.05)  # the last batch handed over (every 5 ms)
         os.kill(serve.pid, signal.SIGKILL)
         serve.process.wait()
         wait_until(lambda: _gone(child), 30, "the recorder finished and exited")
-    found = rows(tmp_path, "SELECT rollout_id FROM completions ORDER BY rollout_id")
-    assert [r["rollout_id"] for r in found] == [f"k{i}" for i in range(6)]
+    assert _rollouts(tmp_path) == [f"k{i}" for i in range(6)]
 
 
 @pytest.mark.slow
 def test_ctrl_c_to_the_process_group_loses_no_record(tmp_path):
     """A terminal's Ctrl-C reaches the recorder too: it ignores it, and writes everything
     the serving process hands it on the way out."""
-    with (
-        spawn_fake_upstream() as fake,
-        spawn_serve(tmp_path, "--upstream", fake.url, "--recorder", "process") as serve,
-    ):
-        child = _recorder_pid(serve.url)
-        for i in range(6):
-            assert _post(serve.url + "/v1/chat/completions", CHAT, {"X-Rollout-Id": f"c{i}"}) == 200
+    with _serve_answering_six(tmp_path, "c") as (serve, child):
         os.kill(serve.pid, signal.SIGINT)
         os.kill(child, signal.SIGINT)
         assert serve.process.wait(timeout=60) == 0
         assert _gone(child)
     assert log_files(tmp_path) == []  # sealed and compacted on the way out
-    found = rows(tmp_path, "SELECT rollout_id FROM completions ORDER BY rollout_id")
-    assert [r["rollout_id"] for r in found] == [f"c{i}" for i in range(6)]
+    assert _rollouts(tmp_path) == [f"c{i}" for i in range(6)]
