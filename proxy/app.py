@@ -28,6 +28,7 @@ from .adapters.maintenance import Maintenance
 from .adapters.policies import Policies
 from .capture.conversation import CHAINS, ResponseChains
 from .capture.recorder import RECORDER, RecorderProcess, Recording
+from .capture.recorder_main import record_frame
 from .capture.redact import REDACTOR, Redactor
 from .capture.state import TurnCounter
 from .capture.uncaptured import UNCAPTURED, Uncaptured
@@ -163,7 +164,11 @@ def _install_recorder(app: web.Application, config: ProxyConfig) -> None:
         using = "shadow sampling" if app[SHADOW].enabled else "tracing"
         log.info("records are built in the serving process: %s needs them here", using)
         return
-    app[RECORDER] = RecorderProcess.for_config(config)
+
+    def here(frame: tuple) -> None:  # a frame the pipe cannot take: recorded inline
+        record_frame(frame, app[WRITER], app[REDACTOR])
+
+    app[RECORDER] = RecorderProcess.for_config(config, app[TURNS], here)
 
 
 async def health(request: web.Request) -> web.Response:

@@ -29,7 +29,7 @@ from overnight.proxy.capture.attribution import attribute
 from overnight.proxy.capture.chat import CHAT as CHAT_ENDPOINT
 from overnight.proxy.capture.recorder import RECORDER, RecorderProcess
 from overnight.proxy.capture.records import RecordFacts
-from overnight.proxy.capture.state import Capture
+from overnight.proxy.capture.state import Capture, TurnCounter
 from overnight.storage.segments import log_files
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
@@ -157,15 +157,20 @@ async def test_a_recorder_that_dies_is_started_again_and_health_says_so(make_pro
     assert recorder.proc.pid != first and recorder.restarts == 1
     found = await wait_for_rows(tmp_path / "data", 3)
     assert sorted(r["rollout_id"] for r in found) == ["streamed", "whole", "whole"]
+    # The turns are the serving process's count: a new recorder does not start it again.
+    assert [r["turn_index"] for r in found if r["rollout_id"] == "whole"] == [0, 1]
     stats = await (await client.get("/admin/stats")).json()
     assert stats["rows_committed"] == 3 and stats["rows_lost"] == 0  # its rows were all written
+    assert stats["rows_appended"] == 3  # nothing counted twice: no row left queued
+    metrics = await (await client.get("/metrics")).text()
+    assert "overnight_records_queued 0.0" in metrics
 
 
 async def test_records_wait_for_a_recorder_and_past_the_bound_are_counted_lost(monkeypatch):
     """A recorder that cannot start (here: a command that exits at once): records wait in
     a bounded queue; past the bound they are counted lost, and health says why."""
     monkeypatch.setattr(recorder_module, "MAX_WAITING", 3)
-    recorder = RecorderProcess([sys.executable, "-c", "import sys; sys.exit(3)"])
+    recorder = RecorderProcess([sys.executable, "-c", "import sys; sys.exit(3)"], TurnCounter())
     await recorder.start()
     capture = _finished_capture()
     who = attribute({}, None, None, capture.request_body)
@@ -185,6 +190,30 @@ def _finished_capture():
     capture.status = 200
     capture.done()
     return capture
+
+
+async def test_a_request_too_deep_to_pickle_is_recorded_in_the_serving_process(
+    make_proxy, tmp_path
+):
+    """JSON nested 600 levels is a body the proxy reads (and inline recording stores), but
+    deeper than pickle goes: that frame is recorded by the serving process's writer."""
+    deep: dict = {}
+    for _ in range(600):
+        deep = {"x": deep}
+    client = await make_proxy(recorder="process")
+    traffic = [
+        ({"X-Rollout-Id": "deep"}, "/v1/chat/completions", {**CHAT, "vllm_xargs_extra": deep})
+    ]
+    traffic.append(({"X-Rollout-Id": "plain"}, "/v1/chat/completions", CHAT))
+    # 400: deeper than orjson writes (jsonio.py), so it is not sent on; its record is kept.
+    assert (await send(client, traffic)) == [400, 200]
+    found = await wait_for_rows(tmp_path / "data", 2)
+    assert sorted(r["rollout_id"] for r in found) == ["deep", "plain"]
+    by_id = {r["rollout_id"]: r for r in found}
+    assert by_id["deep"]["request"] is not None
+    assert by_id["deep"]["proxy_id"] != by_id["plain"]["proxy_id"]  # written where it was
+    stats = await (await client.get("/admin/stats")).json()
+    assert stats["rows_lost"] == 0
 
 
 async def test_the_redact_hook_runs_in_the_recorder(make_proxy, tmp_path):

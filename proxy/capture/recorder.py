@@ -52,6 +52,7 @@ import logging
 import pickle
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import orjson
@@ -63,7 +64,7 @@ from .attribution import Attribution
 from .recorder_main import HEADER, frame_of
 from .records import RecordFacts
 from .redact import Redactor
-from .state import Capture
+from .state import Capture, TurnCounter
 
 log = logging.getLogger("overnight.proxy")
 
@@ -73,23 +74,37 @@ ENTRY = f"import sys; from {MODULE} import main; sys.exit(main(sys.argv[1:]))"
 BATCH_S = 0.005  # records waiting at most this long for their batch's write
 # Records waiting while the recorder is behind or down, at most: past this, new ones
 # are counted lost (a full disk is the writer's; this is a recorder that cannot keep up).
-MAX_WAITING = 20_000
+MAX_WAITING = 10_000
+MAX_WAITING_BYTES = 256 * 1024 * 1024  # of the upstream's answers those records hold
 MAX_PIPE_BYTES = 256 * 1024 * 1024  # written to the pipe, not yet read by the recorder
 MAX_BACKOFF_S = 30.0
 CLOSE_TIMEOUT_S = 600.0  # the recorder's last commit, seal and compaction
 
-# The health counters that add up over the recorder's lifetimes and the serving writer.
-COUNTERS = tuple(f.name for f in fields(WriterHealth) if f.type in (int, "int"))
+# The health counters that add up over the recorder's lifetimes and the serving writer
+# (files_quarantined is not one: both writers count the same directory, now).
+COUNTERS = tuple(
+    f.name for f in fields(WriterHealth) if f.type in (int, "int") and f.name != "files_quarantined"
+)
 
 
 class RecorderProcess:
     """The serving side: batches finished Captures to the recorder, keeps it running,
     and knows its health."""
 
-    def __init__(self, command: list[str]):
+    def __init__(
+        self,
+        command: list[str],
+        turns: TurnCounter,
+        inline: Callable[[tuple], None] | None = None,
+    ):
         self.command = command
+        # The rollouts' turns are counted here, as inline: a recorder started again
+        # must not count a rollout's turns from 0 again.
+        self.turns = turns
+        self.inline = inline  # records a frame that cannot cross the pipe, here
         self.waiting: list[tuple] = []  # frames (`frame_of`)
         self.waiting_rows = 0
+        self.waiting_bytes = 0
         self.proc: asyncio.subprocess.Process | None = None
         self.flush_handle: asyncio.TimerHandle | None = None
         self.task: asyncio.Task | None = None
@@ -104,24 +119,32 @@ class RecorderProcess:
         self.restarts = 0
 
     @classmethod
-    def for_config(cls, config) -> RecorderProcess:
+    def for_config(
+        cls, config, turns: TurnCounter, inline: Callable[[tuple], None] | None = None
+    ) -> RecorderProcess:
         command = [sys.executable, "-c", ENTRY, "--data", str(config.data_dir)]
         command += ["--commit-interval", str(config.commit_interval)]
         command += ["--roll-seconds", str(config.roll_seconds)]
         if config.redact:
             command += ["--redact", config.redact]
         command += ["--log-level", logging.getLevelName(logging.getLogger().level)]
-        return cls(command)
+        return cls(command, turns, inline)
 
     # -- the hot path --------------------------------------------------------------------
 
     def record(self, capture: Capture, who: Attribution, facts: RecordFacts) -> None:
         rows = len(capture.acc.choices) or 1
-        if len(self.waiting) >= MAX_WAITING:
-            self._drop(rows, f"the recorder is behind: over {MAX_WAITING} records waiting")
+        turns = [self.turns.next(r) for _, r in who.rows(capture.request_id, rows)]
+        size = sum(map(len, capture.answer or ()))
+        if self.closing:
+            self._drop(rows, "a record came after the proxy began to stop")
             return
-        self.waiting.append(frame_of(capture, who, facts))
+        if len(self.waiting) >= MAX_WAITING or self.waiting_bytes + size > MAX_WAITING_BYTES:
+            self._drop(rows, f"the recorder is behind: {len(self.waiting)} records waiting")
+            return
+        self.waiting.append(frame_of(capture, who, facts, turns))
         self.waiting_rows += rows
+        self.waiting_bytes += size
         if self.flush_handle is None:
             self.flush_handle = asyncio.get_running_loop().call_later(BATCH_S, self._flush)
 
@@ -131,13 +154,26 @@ class RecorderProcess:
         if not self.waiting or proc is None or proc.stdin is None or proc.stdin.is_closing():
             return  # kept until a recorder runs again (`_run`)
         batch, rows = self.waiting, self.waiting_rows
-        self.waiting, self.waiting_rows = [], 0
+        self.waiting, self.waiting_rows, self.waiting_bytes = [], 0, 0
         if proc.stdin.transport.get_write_buffer_size() > MAX_PIPE_BYTES:
             self._drop(rows, "the recorder is behind: its pipe is full")
             return
-        data = _pickled(batch)
+        data, left_out = _pickled(batch)
+        for frame in left_out:  # too deep for pickle (JSON nested ~500 levels): here
+            rows -= len(frame[-1])
+            self._record_here(frame)
         proc.stdin.write(HEADER.pack(len(data)) + data)
         self.sent_rows += rows
+
+    def _record_here(self, frame: tuple) -> None:
+        if self.inline is None:
+            self._drop(len(frame[-1]), f"request {frame[0]} could not be handed over")
+            return
+        try:
+            self.inline(frame)
+        except Exception:
+            log.exception("could not record request %s", frame[0])
+            self._drop(len(frame[-1]), f"request {frame[0]} could not be recorded")
 
     def _drop(self, rows: int, why: str) -> None:
         if not self.rows_dropped:
@@ -169,7 +205,13 @@ class RecorderProcess:
                 self._went_down(f"cannot start the recorder process: {e}")
             else:
                 self._flush()  # what waited for it
-                code = await self._follow(self.proc)
+                try:
+                    code: object = await self._follow(self.proc)
+                except Exception as e:  # a bug of ours: it must not end the restarts
+                    log.exception("lost track of the recorder process")
+                    with contextlib.suppress(ProcessLookupError):
+                        self.proc.kill()
+                    code = f"unknown ({e!r})"
                 if self.closing:
                     return
                 self._went_down(f"the recorder process exited with code {code}")
@@ -187,19 +229,20 @@ class RecorderProcess:
             except ValueError:
                 log.warning("the recorder said something unreadable: %r", line[:200])
                 continue
-            if self.down is not None and self.report.get("status") == "ok":
-                self.down = None
+            self.down = None  # a recorder runs; its own reason, if any, is in the report
         return await proc.wait()
 
     def _went_down(self, why: str) -> None:
         """The recorder is gone: what it had and had not written is lost (as a crash
         of the serving process would lose it); its counts are kept."""
         self.proc = None
-        written = self.report.get("rows_written", 0) + self.report.get("rows_lost", 0)
-        lost = max(0, self.sent_rows - written)
+        # Rows it wrote to its log but had not reported are counted lost here, and are
+        # still recovered from that log by the next start: the count errs towards loss.
+        settled = int(self.report.get("rows_written", 0)) + int(self.report.get("rows_lost", 0))
+        lost = max(0, self.sent_rows - settled)
         for name in COUNTERS:
             self.earlier[name] += int(self.report.get(name, 0))
-        self.appended_earlier += int(self.report.get("appended", 0))
+        self.appended_earlier += settled  # the rest are in rows_dropped: counted once
         self.redaction_earlier += int(self.report.get("redaction_failures", 0))
         self.rows_dropped += lost
         self.report, self.sent_rows = {}, 0
@@ -229,6 +272,8 @@ class RecorderProcess:
                 if self.task.cancelled() and asyncio.current_task().cancelling() == 0:
                     return  # the one cancelled above
                 raise
+            except Exception:  # the serving writer must still be closed after this
+                log.exception("the recorder's supervisor failed")
             except TimeoutError:
                 log.error("the recorder did not finish within %g s; stopping it", CLOSE_TIMEOUT_S)
                 if self.proc is not None:
@@ -256,6 +301,7 @@ class RecorderProcess:
     def health(self) -> WriterHealth:
         counts = {n: self.earlier[n] + int(self.report.get(n, 0)) for n in COUNTERS}
         counts["rows_lost"] += self.rows_dropped
+        counts["files_quarantined"] = int(self.report.get("files_quarantined", 0))
         reason, since = self.down or (self.report.get("reason"), self.report.get("since"))
         if reason is None and not self.report:
             reason, since = "the recorder process has not started yet", None
@@ -264,20 +310,20 @@ class RecorderProcess:
         )
 
 
-def _pickled(batch: list[tuple]) -> bytes:
-    """The batch as one pickle; a frame that cannot be pickled (a bug: a frame holds
-    only plain data) is logged and left out rather than costing its batch."""
+def _pickled(batch: list[tuple]) -> tuple[bytes, list[tuple]]:
+    """The batch as one pickle, and the frames left out of it: those pickle refuses (a
+    request body nested deeper than its recursion allows, which JSON parsers accept)."""
     try:
-        return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        kept = []
+        return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL), []
+    except (RecursionError, pickle.PicklingError, TypeError):
+        kept, left_out = [], []
         for frame in batch:
             try:
                 pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
                 kept.append(frame)
-            except Exception:
-                log.exception("cannot hand request %s to the recorder", frame[0])
-        return pickle.dumps(kept, protocol=pickle.HIGHEST_PROTOCOL)
+            except (RecursionError, pickle.PicklingError, TypeError):
+                left_out.append(frame)
+        return pickle.dumps(kept, protocol=pickle.HIGHEST_PROTOCOL), left_out
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +345,7 @@ class Recording:
         b = self.recorder.health()
         first = a if a.status != "ok" else b
         counts = {n: getattr(a, n) + getattr(b, n) for n in COUNTERS}
+        counts["files_quarantined"] = max(a.files_quarantined, b.files_quarantined)
         return WriterHealth(status=first.status, reason=first.reason, since=first.since, **counts)
 
     @property

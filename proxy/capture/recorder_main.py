@@ -43,7 +43,8 @@ IDLE_REPORT_S = 1.0  # the recorder's health, when it changed with no batch writ
 # objects, parsed again from the upstream's bytes (`Capture.answer`).
 
 
-def frame_of(capture: Capture, who: Attribution, facts: RecordFacts) -> tuple:
+def frame_of(capture: Capture, who: Attribution, facts: RecordFacts, turns: list[int]) -> tuple:
+    """`turns`: the serving process's count for each of its rows (`TurnCounter.next`)."""
     route = capture.route
     return (
         capture.request_id,
@@ -61,14 +62,15 @@ def frame_of(capture: Capture, who: Attribution, facts: RecordFacts) -> tuple:
         capture.answer,
         (who.group_id, who.rollout_id, who.source),
         (facts.started, facts.ended, facts.logged, facts.key_note, facts.hosted),
+        turns,  # last: its length is the frame's number of rows
     )
 
 
-def replayed(frame: tuple) -> tuple[Capture, Attribution, RecordFacts]:
+def replayed(frame: tuple) -> tuple[Capture, Attribution, RecordFacts, Counted]:
     """The Capture, attribution and facts `frame_of` was given, the accumulator's state
-    made again by giving a new one the same objects in the same order."""
+    made again by giving a new one the same objects in the same order; and the turns."""
     request_id, endpoint, stream, body, route, status, error, error_body = frame[:8]
-    latency_ms, ttft_ms, recipe, plain, answer, who, facts = frame[8:]
+    latency_ms, ttft_ms, recipe, plain, answer, who, facts, turns = frame[8:]
     capture = Capture(endpoint, stream, body, Route(*route))
     capture.request_id = request_id
     capture.status, capture.error, capture.error_body = status, error, error_body
@@ -78,7 +80,26 @@ def replayed(frame: tuple) -> tuple[Capture, Attribution, RecordFacts]:
         capture.sent_plain(plain)
     for data in answer or ():
         capture.add(data, orjson.loads(data))
-    return capture, Attribution(*who), RecordFacts(*facts)
+    return capture, Attribution(*who), RecordFacts(*facts), Counted(turns)
+
+
+class Counted(TurnCounter):
+    """The turns the serving process counted for a frame's rows, given back in order."""
+
+    def __init__(self, turns: list[int]):
+        self.turns = iter(turns)
+
+    def next(self, rollout_id: str) -> int:
+        return next(self.turns)
+
+
+def record_frame(frame: tuple, writer: LogWriter, redactor: Redactor) -> None:
+    """A frame's rows, built, redacted and appended to `writer` (in the recorder, or in
+    the serving process for a frame that could not be handed over)."""
+    capture, who, facts, turns = replayed(frame)
+    rows = record_rows(capture, who, turns, writer.writer_id, facts)
+    for row in redactor.apply(rows):
+        writer.append("completions", row)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _record_all(pipe, writer: LogWriter, redactor: Redactor, reporter: _Reporter) -> None:
-    turns = TurnCounter()  # this serving process's turns: it sees them in its order
     while True:
         head = pipe.read(HEADER.size)
         if len(head) < HEADER.size:
@@ -128,13 +148,9 @@ def _record_all(pipe, writer: LogWriter, redactor: Redactor, reporter: _Reporter
             return
         for frame in batch:
             try:
-                capture, who, facts = replayed(frame)
-                rows = record_rows(capture, who, turns, writer.writer_id, facts)
+                record_frame(frame, writer, redactor)
             except Exception:  # a response of a shape the capture did not foresee
                 log.exception("could not build the record of request %s", frame[0])
-                continue
-            for row in redactor.apply(rows):
-                writer.append("completions", row)
         reporter.redaction_failures = redactor.failures
 
 
