@@ -185,6 +185,19 @@ async def test_records_wait_for_a_recorder_and_past_the_bound_are_counted_lost(m
     assert recorder.health().rows_lost == 5  # the three waiting, lost on the way out too
 
 
+async def test_a_recorder_that_does_not_finish_in_time_is_stopped(monkeypatch):
+    monkeypatch.setattr(recorder_module, "CLOSE_TIMEOUT_S", 0.5)
+    stuck = 'import sys, time; print(\'{"status": "ok"}\', flush=True); time.sleep(60)'
+    recorder = RecorderProcess([sys.executable, "-c", stuck], TurnCounter())
+    await recorder.start()
+    proc = recorder.proc
+    assert proc is not None and recorder.health().status == "ok"
+    started = time.monotonic()
+    await recorder.close()
+    assert time.monotonic() - started < 10
+    assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGKILL
+
+
 def _finished_capture():
     capture = Capture(CHAT_ENDPOINT, False, dict(CHAT), Route("policy", None, "policy"))
     capture.status = 200

@@ -272,12 +272,12 @@ class RecorderProcess:
                 if self.task.cancelled() and asyncio.current_task().cancelling() == 0:
                     return  # the one cancelled above
                 raise
-            except Exception:  # the serving writer must still be closed after this
-                log.exception("the recorder's supervisor failed")
-            except TimeoutError:
+            except TimeoutError:  # (before Exception: it is one)
                 log.error("the recorder did not finish within %g s; stopping it", CLOSE_TIMEOUT_S)
                 if self.proc is not None:
                     self.proc.kill()
+            except Exception:  # the serving writer must still be closed after this
+                log.exception("the recorder's supervisor failed")
 
     # -- what it reports -----------------------------------------------------------------
 
