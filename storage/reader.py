@@ -200,10 +200,23 @@ COMPLETIONS_VIEW = """
 """
 
 
+def day_of(table: str) -> str:
+    """The `date` column of `table`'s view: the UTC day of each row's own partition
+    column (NULL without one), segment and live rows alike. Not the `date=` folder, which
+    for a merged week or month is the unit's last day (merge.py): segments are read with
+    hive partitioning off. Arithmetic on the microseconds, not a cast (which takes the
+    session's time zone) nor `timezone('UTC', ...)` (which DuckDB cannot see through):
+    its bounds follow from the column's, so a filter on `date` still skips row groups by
+    their statistics, and the floor keeps days before 1970 whole."""
+    column = PARTITION_COLUMN[table]
+    return f"DATE '1970-01-01' + CAST(floor(epoch_us({column}) / 86400000000) AS INTEGER)"
+
+
 def open_db(data_dir: str | Path, *, days_from: dt.date | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with views `completions`, `rewards`, `finishes`, `judgments`,
     `training_runs`, `rollout_rewards`, `rollout_judgments`, `rollouts` and `groups`
-    over `data_dir`. `days_from` (a UTC day) leaves out rows of earlier days in every
+    over `data_dir`; each stored table's has a `date` column, its rows' own UTC day
+    (`day_of`). `days_from` (a UTC day) leaves out rows of earlier days in every
     table but `training_runs`: for a caller that asks only about groups begun since
     then (their rewards, finishes and judgments all come later)."""
     data_dir = Path(data_dir)
@@ -216,7 +229,10 @@ def open_db(data_dir: str | Path, *, days_from: dt.date | None = None) -> duckdb
         con.register(f"_live_{name}", live[name])
         check_versions(name, live[name].column("schema_version").to_pylist())
         since = None if name == "training_runs" else days_from
-        parts = [*_segment_reads(con, name, segments[name], since), f"SELECT * FROM _live_{name}"]
+        parts = [*_segment_reads(con, name, segments[name], since), f"FROM _live_{name}"]
+        # The day added to each part, not over their union: a filter on it is then pushed
+        # into each scan, where the row groups' statistics skip the other days.
+        parts = [f"SELECT *, {day_of(name)} AS date {part}" for part in parts]
         stored = "_completions_stored" if name == "completions" else name
         con.execute(f"CREATE VIEW {stored} AS " + " UNION ALL BY NAME ".join(parts))
     con.execute(f"CREATE VIEW completions AS {COMPLETIONS_VIEW}")
@@ -225,13 +241,18 @@ def open_db(data_dir: str | Path, *, days_from: dt.date | None = None) -> duckdb
     return con
 
 
+# The folder's `date=` is not a column: `day_of` is the rows' own day.
+NO_HIVE = "hive_partitioning = false"
+
+
 def _segment_reads(
     con: duckdb.DuckDBPyConnection,
     table: str,
     files: list[tuple[Path, dict]],
     since: dt.date | None,
 ) -> list[str]:
-    """SELECTs over `table`'s segments, at most three, unioned by name by the caller.
+    """FROM clauses over `table`'s segments, at most three, each selected from and
+    unioned by name by the caller.
 
     Merged files the manifest describes with this reader's own columns are read as one
     list, without opening their footers (their schema versions are in the manifest) or
@@ -254,12 +275,12 @@ def _segment_reads(
     reads = []
     if same:
         check_versions(table, [v for _, v in same])
-        reads.append(f"SELECT * FROM read_parquet({[f for f, _ in same]!r})")
+        reads.append(f"FROM read_parquet({[f for f, _ in same]!r}, {NO_HIVE})")
     for n, group in enumerate((other, spanning)):
         group, versions = _footers(con, group)
         if group:
             check_versions(table, versions)
-            reads.append(f"SELECT * FROM read_parquet({group!r}, union_by_name = true)")
+            reads.append(f"FROM read_parquet({group!r}, union_by_name = true, {NO_HIVE})")
         elif n == 1:
             spanning = []
     if spanning:

@@ -32,6 +32,8 @@ def _cell(value) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.3f}"
+    if isinstance(value, dt.date) and not isinstance(value, dt.datetime):
+        return value.isoformat()  # a DATE (the views' `date` column) prints as one
     if hasattr(value, "strftime"):
         return value.strftime("%Y-%m-%d %H:%M:%S")
     text = str(value)
