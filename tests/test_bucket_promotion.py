@@ -17,6 +17,7 @@ from overnight.config import ProxyConfig
 from overnight.proxy import create_app
 from overnight.proxy.adapters.bucket_state import BucketState
 from overnight.proxy.adapters.lora_client import AdapterError
+from overnight.proxy.adapters.promotions import rollback_on_disk
 from overnight.proxy.state import ADAPTERS
 from overnight.storage import attach
 from overnight.storage.adapter_sync import CACHE, key_of, manifest_of, publish
@@ -258,6 +259,41 @@ async def test_an_offline_rollback_on_a_bucket_reaches_the_proxies(machines, tmp
     args = ["runs", "--data", f"s3://{BUCKET}/offline", "--local-dir", str(tmp_path / "laptop")]
     shown = await asyncio.to_thread(CliRunner().invoke, main, args)
     assert shown.exit_code == 0 and "worse" in shown.output, shown.output
+
+
+async def test_a_rollback_followed_while_its_adapter_is_being_unloaded_loads_it_again(
+    machines, tmp_path
+):
+    """The drain of a replaced adapter checks that the alias no longer serves it, then
+    unloads it. A follower adopting an older state meanwhile (an offline rollback) loads
+    that same name again where a replica lacks it. Were the check and the unload apart
+    from the follower's check, load and switch, the unload could land after the follower
+    found the adapter still loaded: the alias would route to a name its replica lacks
+    (seen once in the test above, in a loaded full run)."""
+    (a,) = await machines("unloading", n=1, state_poll_interval=0)  # follows when told
+    registry = a.app[ADAPTERS]
+    one = (await promote(a, weights(tmp_path, "n1", b"a")))["promoted"]
+    gate, unloading = asyncio.Event(), asyncio.Event()
+    unload = registry.lora.unload_on
+
+    async def held(replica, name):  # the unload of `one` waits here, its check passed
+        unloading.set()
+        await gate.wait()
+        await unload(replica, name)
+
+    registry.lora.unload_on = held
+    two = (await promote(a, weights(tmp_path, "n2", b"b")))["promoted"]
+    await asyncio.wait_for(unloading.wait(), 10)
+    data_dir = attach(f"s3://{BUCKET}/unloading", tmp_path / "ops")
+    now = await asyncio.to_thread(rollback_on_disk, data_dir / "adapters.json", "worse")
+    assert now is not None and now.name == one
+    following = asyncio.create_task(registry.follow())
+    await asyncio.wait({following}, timeout=1.0)  # done at once, or waiting for the unload
+    gate.set()
+    assert await following
+    await asyncio.gather(*registry._drains)  # the unload of `one`, then of `two`
+    assert await serves(a) == one
+    assert list(a.fake.app[SETTINGS]["loras"]) == [one], f"serves {one}, replaced {two}"
 
 
 async def test_an_adapter_uploaded_where_it_was_trained_is_promoted_by_its_url(machines, tmp_path):

@@ -293,6 +293,11 @@ class Serving:
         await asyncio.sleep(2 * self.follow_interval)
         tick = max(min(self.follow_interval, 1.0), 0.05)
         await self.flight.elsewhere_drained(old.name, self.drain_timeout, tick)
-        if old.name in self._serving_names():
-            return  # serving again (a follower adopted an older state); keep it
-        await loading.unload_on_all(self.lora, self.balancer.replicas, old.name)
+        # The check and the unload under the lock, as a follower's check, load and switch
+        # are: one adopting an older state (an offline rollback) loads this very name again
+        # where it is missing. Apart, the unload could land after the follower found the
+        # name still loaded, and the alias would route to a name its replica lacks.
+        async with self._lock:
+            if old.name in self._serving_names():
+                return  # serving again (a follower adopted an older state); keep it
+            await loading.unload_on_all(self.lora, self.balancer.replicas, old.name)
