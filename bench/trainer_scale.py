@@ -155,7 +155,7 @@ def run_ours(args, samples, prompt_len):
     model = lora(build_model(args.shape, args.layers, args.dtype, args.device))
     if args.attention != "auto":
         model.config._attn_implementation = args.attention
-    if wants_checkpointing(model, config.gradient_checkpointing):
+    if wants_checkpointing(config.gradient_checkpointing):
         enable_gradient_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)

@@ -42,9 +42,11 @@ def test_the_estimate_counts_weights_lora_activations_and_logits():
     assert halved.logits == pytest.approx(1480 * 2**20, rel=0.05)
     assert halved.logits >= 1480 * 2**20
     assert estimate(qwen_config(), TrainConfig(micro_batch_tokens=16384), 4).logits == halved.logits
-    # auto checkpointing (0.5 B parameters: on) keeps less than off.
-    off = TrainConfig(micro_batch_tokens=2048, lora_rank=16, gradient_checkpointing="off")
-    assert estimate(qwen_config(), off, 4).activations > 4 * halved.activations
+    # Checkpointing keeps a fraction of the activations; `auto` is estimated as off (the
+    # memory check turns it on where the night needs it).
+    on = TrainConfig(micro_batch_tokens=2048, lora_rank=16, gradient_checkpointing="on")
+    assert halved.activations > 4 * estimate(qwen_config(), on, 4).activations
+    assert not halved.checkpointing
     sharded = estimate(qwen_config(), config, bytes_per_value=4, shards=4)
     assert sharded.weights == pytest.approx(need.weights / 4)
 
@@ -71,7 +73,8 @@ def test_a_night_that_cannot_fit_stops_before_loading_and_says_what_to_change(
 def test_the_tiny_model_fits_on_this_machine(tiny_model_dir):
     said: list[str] = []
     need = check_fits(str(tiny_model_dir), TrainConfig(), "cpu", 4, said.append)
-    assert need.total < memory.free_memory("cpu") and "GiB free" in said[0]
+    assert need.total < memory.free_memory("cpu") and "GiB free" in said[-1]
+    assert "fits without gradient checkpointing" in said[0] and not need.checkpointing
 
 
 def test_a_sequence_longer_than_a_micro_batch_counts_in_full():
@@ -93,8 +96,9 @@ def test_the_refusal_names_a_sequence_longer_than_a_micro_batch(tiny_model_dir):
 
 
 def test_auto_turns_checkpointing_on_when_only_that_fits(tiny_model_dir):
-    """`--gradient-checkpointing auto` on a model below its size threshold: off while the
-    night fits without it, on when only that fits, a refusal when nothing does."""
+    """`--gradient-checkpointing auto`, whatever the model's size: off while the night
+    fits without it, on when only that fits, a refusal when nothing does; the night's
+    log says which and why."""
     from transformers import AutoConfig
 
     config = TrainConfig(micro_batch_tokens=8192)
@@ -107,8 +111,10 @@ def test_auto_turns_checkpointing_on_when_only_that_fits(tiny_model_dir):
     said: list[str] = []
     need = check_fits(str(tiny_model_dir), config, "cpu", 4, said.append, free=between)
     assert need == with_it and "checkpointing turned on" in said[0]
-    roomy = check_fits(str(tiny_model_dir), config, "cpu", 4, lambda _: None, free=2**40)
+    said.clear()
+    roomy = check_fits(str(tiny_model_dir), config, "cpu", 4, said.append, free=2**40)
     assert roomy == without  # fits as it is: no recompute paid for nothing
+    assert "it stays off" in said[0], said
     off = TrainConfig(micro_batch_tokens=8192, gradient_checkpointing="off")
     with pytest.raises(WontFit):  # the operator said off: refused, not overridden
         check_fits(str(tiny_model_dir), off, "cpu", 4, lambda _: None, free=between)

@@ -32,7 +32,6 @@ from pathlib import Path
 
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
-from overnight.trainer.grpo.checkpointing import CHECKPOINTING_FROM
 from overnight.trainer.grpo.sampling import FILTER_ROWS
 
 GIB = 1024**3
@@ -98,12 +97,8 @@ def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: in
     adapted = [shapes[m] for m in config.target_modules if m in shapes]
     lora = layers * sum(config.lora_rank * (i + o) for i, o in adapted) * 4 * 4
     tokens = max(config.micro_batch_tokens, longest)
-    # auto: on from CHECKPOINTING_FROM parameters (trainer/grpo/checkpointing.py).
-    mode = config.gradient_checkpointing
-    params = layers * per_layer + embeddings
-    checkpointed = mode == "on" or (mode == "auto" and params >= CHECKPOINTING_FROM)
-    if checkpointing is not None:
-        checkpointed = checkpointing
+    # auto counts as off here: check_fits turns it on where the night needs it.
+    checkpointed = config.gradient_checkpointing == "on" if checkpointing is None else checkpointing
     per_token = h if checkpointed else 16 * h + 2 * inter
     activations = tokens * (layers * per_token + (16 * h + 2 * inter)) * bytes_per_value
     chunk = min(config.logit_chunk_tokens, tokens)
@@ -139,9 +134,13 @@ def check_fits(base_model: str, config: TrainConfig, device: str, bytes_per_valu
     need = estimate(model_config, config, bytes_per_value, shards, longest)
     free = free_memory(device) if free is None else free
     usable = int(free * (1 - SPARE))
-    if need.total > usable and config.gradient_checkpointing == "auto" and not need.checkpointing:
+    if config.gradient_checkpointing == "auto":
         with_it = estimate(model_config, config, bytes_per_value, shards, longest, True)
-        if with_it.total <= usable:
+        if need.total <= usable:
+            say(f"memory: the night fits without gradient checkpointing (about "
+                f"{need.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable): it stays off, "
+                "which saves a third of the compute")  # fmt: skip
+        elif with_it.total <= usable:
             say(f"memory: without gradient checkpointing about {need.total / GIB:.1f} GiB, "
                 f"more than the {usable / GIB:.1f} GiB usable: checkpointing turned on")  # fmt: skip
             need = with_it
