@@ -1,13 +1,18 @@
 """What agents call: completions (forwarded and recorded), rewards, finishing a rollout.
 
-Request path for chat and text completions:
-  read body (size-capped) -> parse -> attribute to a rollout -> resolve the alias ->
-  ask upstream for token ids/logprobs/usage -> forward -> tee the answer to the
-  client (hiding what we added) and into an Accumulator -> one record per choice.
-Responses take the same path, asking vLLM for its token ids and logprobs
-(capture/apis.py); Messages are relayed as sent. Both are recorded in the chat shape.
-The record is appended to the write-ahead log after the client has its answer, so
-logging adds no latency. Rewards and finishes are durable before they are answered.
+A completion passes these stages, in this order (`_completion` reads as them):
+  read and check (the body size-capped, a JSON object, the fields the proxy reads) ->
+  attribute (to a group and rollout) -> authorize (a scoped key's policies and groups,
+  a Responses chain's policy; a refusal so far is counted, nothing was forwarded) ->
+  choose the route (the alias's adapter, a canary's share, or the hosted model) and open
+  the request's Capture -> prepare the upstream body (what recording needs: nothing for
+  a hosted API; token ids, logprobs, usage for chat and text; vLLM's ids for Responses;
+  Messages as sent) -> hold during maintenance -> forward, teeing the answer to the
+  client (what was added hidden again) and into the Capture -> release and count ->
+  record after the answer (one record per choice).
+Responses and Messages are recorded in the chat shape (capture/apis.py). The record is
+built on the loop's next turn, once the client has its answer, so logging adds no
+latency. Rewards and finishes are durable before they are answered.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from aiohttp import web
 
 from overnight.errors import OvernightError
 from overnight.proxy.adapters.maintenance import Unavailable
+from overnight.proxy.adapters.promotions import Route
 from overnight.proxy.capture.additions import Additions, add_training_fields, lax_bool, unreadable
 from overnight.proxy.capture.apis import (
     ResponsesAdditions,
@@ -52,10 +58,10 @@ from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import MAINTENANCE, POLICIES, STATS, TURNS, WRITER
 from overnight.storage import now_us
 
-from .handover import hop_of, hosted_of
-from .hosted import request_bytes
+from .handover import HostedBeside, hop_of, hosted_of
+from .hosted import HostedUpstream, request_bytes
 from .keys import check_chain, check_completion, check_rollout, record_note, remember
-from .relay import CLIENT_LEFT_EARLY, forward, passthrough
+from .relay import CLIENT_LEFT_EARLY, Added, forward, passthrough
 
 log = logging.getLogger("overnight.proxy")
 
@@ -65,6 +71,8 @@ ENDPOINTS = {
     "responses": RESPONSES,
     "messages": MESSAGES,
 }
+CHAT_SHAPED = (CHAT, TEXT)  # the others are recorded in the chat shape (docs/wire.md)
+NO_HOLD = contextlib.nullcontext()  # stateless: one for every request that needs none
 
 
 # The fields the proxy itself needs, and the JSON type it reads each as (null is fine).
@@ -86,16 +94,6 @@ class InternalError(OvernightError):
         self.request_id = request_id
 
 
-def check_fields(body: dict) -> None:
-    for name, kind in FIELD_TYPES.items():
-        value = body.get(name)
-        if value is not None and not isinstance(value, kind):
-            got = JSON_NAMES.get(type(value), "a number")
-            raise OvernightError(
-                f"'{name}' must be {JSON_NAMES[kind]}, got {got}", status=400, code="invalid_type"
-            )
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     """A served completion, forwarded and recorded. It counts as in flight for shadow
     sampling from the moment it is accepted, before its body is read: a sibling request
@@ -110,68 +108,32 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _completion(request: web.Request) -> web.StreamResponse:
-    tail = request.match_info.get("tail", request.path.removeprefix("/v1/"))
-    endpoint = ENDPOINTS[tail]
-    started = now_us()
-    app = request.app
-    try:
-        body = await read_json_object(request)
+    """A completion through its stages, in the order it passes them (each a function
+    below, in the same order). The awaits stay here, so a stage adds no await: only
+    Responses, Messages and hosted requests wait for more than the body and the answer."""
+    app, endpoint, started = request.app, endpoint_of(request), now_us()
+    try:  # read and check, attribute, authorize: a refusal, nothing forwarded, is counted
+        body = await read_json_object(request)  # size-capped
         check_fields(body)
-        group, rollout = request.match_info.get("group"), request.match_info.get("rollout")
-        who = attribute(request.headers, group, rollout, body)
-        check_completion(request, body.get("model"), who)  # a scoped key's policies, groups
+        who = attribute_to_rollout(request, body)
+        authorize(request, body, who)
         if endpoint == RESPONSES:  # nor another policy's Responses chain
             await check_chain(request, body, app[CHAINS])
-    except OvernightError as e:  # refused before anything was forwarded: counted here
-        metrics = app.get(METRICS)
-        if metrics is not None:
-            metrics.refused(endpoint, e)
+    except OvernightError as e:
+        count_refusal(app, endpoint, e)
         raise
-    adapters = app[POLICIES]  # the requested alias's policy, or a pass-through
-    # A canary takes a sticky share of the alias: keyed by the rollout (or its group).
-    route = adapters.route(body.get("model"), who.rollout_id or who.group_id)
-    stream = lax_bool(body.get("stream")) is True  # as vLLM reads it
-    capture = Capture(endpoint, stream, request_body=body, route=route)
-    if RECORDER in app:  # what the accumulator is given, kept for the recorder process
-        capture.answer = []
-    remember(request, who, capture.request_id, body.get("model"))  # for scoped rewards
-    tracing = app.get(TRACING)  # absent unless tracing is on: then no span at all
-    if tracing is not None:
-        tracing.start(request, capture, who, started)
-    # A hosted API: nothing added, the client's bytes (hosted.py); the app's own, or the
-    # one beside vLLM that serves the rollouts outside a handover's share (handover.py).
-    hosted = hosted_of(app, route)
-    raw = None
+    route = choose_route(app, body, who)  # in flight on it until `release_and_count`
+    capture = open_capture(request, endpoint, body, who, route, started)
+    hosted = hosted_of(app, route)  # a hosted API serves it (hosted.py); None: vLLM
     try:
-        upstream_body = dict(body, model=route.served)
-        added: Additions | ResponsesAdditions
-        if hosted is not None:
-            if route.policy is None:  # a hosted model named by the client: as it came
-                upstream_body = body
-            added = Additions()
-            raw = request_bytes(await request.read(), upstream_body)
-            capture.use(note=hosted.note)
-            if endpoint not in (CHAT, TEXT):
-                capture.request_body = await _as_chat(app, endpoint, body)
-        elif endpoint in (CHAT, TEXT):
-            added = add_training_fields(upstream_body, endpoint)
-            if added.echo or added.note:  # the prompt's logprobs come first; or no ids
-                capture.use(echo=added.echo, as_ids=added.as_ids, note=added.note)
-        else:  # recorded in the chat shape (docs/wire.md)
-            # Responses: vLLM's token ids and logprobs, asked for and hidden again;
-            # Messages: nothing to ask for, relayed verbatim.
-            log_it = endpoint == RESPONSES and logging_enabled(request.headers)
-            log_it = log_it and route.served not in refused_additions(app)
-            log_it = log_it and not unreadable(body)
-            added = add_responses_fields(upstream_body) if log_it else Additions()
-            hidden = added if isinstance(added, ResponsesAdditions) else None
-            capture.use(hidden=hidden)
+        upstream_body, added = prepare_upstream_body(request, endpoint, body, capture, hosted)
+        # A hosted API is sent the client's own bytes where the body is still theirs.
+        raw = None if hosted is None else request_bytes(await request.read(), upstream_body)
+        if endpoint not in CHAT_SHAPED:  # Responses, Messages: recorded in the chat shape
             capture.request_body = await _as_chat(app, endpoint, body)
         affinity = who.rollout_id or who.group_id  # every turn of a rollout on one replica
-        # Held while vLLM sleeps for a colocated night (adapters/maintenance.py); the
-        # hosted model beside it serves on (handover.py).
-        hop = hop_of(app, route)
-        async with app[MAINTENANCE].serving() if hop is None else contextlib.nullcontext():
+        hop = hop_of(app, route)  # the hosted API beside vLLM (handover.py), or None
+        async with hold_during_maintenance(app, hop):
             return await forward(
                 request, endpoint, upstream_body, added, capture, affinity, raw, hop
             )
@@ -187,33 +149,150 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             capture.done()
         raise
     except Exception as e:
-        # A bug of the proxy's: the record says so, the log has the traceback, the client
-        # gets a 500 JSON error naming the request (auth.make_guard would catch it too,
-        # but without a record).
-        log.exception("completion %s failed", capture.request_id)
-        if capture.status < 400:
-            capture.status = 500
-        capture.error = f"internal error: {e!r}"[:4096]
-        capture.done()
-        raise InternalError(capture.request_id) from e
+        raise internal_error(capture, e) from e
     finally:
-        adapters.release(route)
-        if capture.status == 404 and not route.hosted:  # vLLM restarted, lost the adapter?
-            adapters.notice_missing(route.served)
-        app[STATS].requests += 1
-        if endpoint == RESPONSES:
-            _remember_chain(app, capture)
-        # Built once the response is on its way (aiohttp writes it before this task next
-        # yields), so a burst of answers is not held up by the records of the earlier ones.
-        logged = logging_enabled(request.headers)
-        note = record_note(request)  # a scoped key's name and refusals, for its record
-        asyncio.get_running_loop().call_soon(_record, app, capture, who, started, logged, note)
+        release_and_count(app, capture)
+        record_after_the_answer(request, capture, who, started)
+
+
+# -- the stages, in the order a completion passes them ---------------------------------
+
+
+def endpoint_of(request: web.Request) -> str:
+    """Which API was called: chat or text completions, Responses, Messages."""
+    return ENDPOINTS[request.match_info.get("tail", request.path.removeprefix("/v1/"))]
+
+
+def check_fields(body: dict) -> None:
+    for name, kind in FIELD_TYPES.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            got = JSON_NAMES.get(type(value), "a number")
+            raise OvernightError(
+                f"'{name}' must be {JSON_NAMES[kind]}, got {got}", status=400, code="invalid_type"
+            )
+
+
+def attribute_to_rollout(request: web.Request, body: dict) -> Attribution:
+    """The request's group and rollout: headers, then a URL prefix, then body `metadata`."""
+    info = request.match_info
+    return attribute(request.headers, info.get("group"), info.get("rollout"), body)
+
+
+def authorize(request: web.Request, body: dict, who: Attribution) -> None:
+    """A scoped key asks only for its models, in its groups (keys.py); the Responses
+    chain it continues is checked next, in the hub (that check awaits the store)."""
+    check_completion(request, body.get("model"), who)
+
+
+def count_refusal(app: web.Application, endpoint: str, error: OvernightError) -> None:
+    """A completion refused before anything was forwarded (after it, _record counts it)."""
+    metrics = app.get(METRICS)  # absent with --no-metrics
+    if metrics is not None:
+        metrics.refused(endpoint, error)
+
+
+def choose_route(app: web.Application, body: dict, who: Attribution) -> Route:
+    """The upstream model and adapter: the requested alias's policy, or a pass-through. A
+    canary takes a sticky share of the alias, keyed by the rollout (or its group); so
+    does a handover's hosted model (handover.py). The request counts in flight on it."""
+    return app[POLICIES].route(body.get("model"), who.rollout_id or who.group_id)
+
+
+def open_capture(
+    request: web.Request,
+    endpoint: str,
+    body: dict,
+    who: Attribution,
+    route: Route,
+    started: int,
+) -> Capture:
+    """What the answer will fill in; its id remembered for a scoped key's rewards, its
+    span started when tracing is on."""
+    app = request.app
+    stream = lax_bool(body.get("stream")) is True  # as vLLM reads it
+    capture = Capture(endpoint, stream, request_body=body, route=route)
+    if RECORDER in app:  # what the accumulator is given, kept for the recorder process
+        capture.answer = []
+    remember(request, who, capture.request_id, body.get("model"))  # for scoped rewards
+    tracing = app.get(TRACING)  # absent unless tracing is on: then no span at all
+    if tracing is not None:
+        tracing.start(request, capture, who, started)
+    return capture
+
+
+def prepare_upstream_body(
+    request: web.Request,
+    endpoint: str,
+    body: dict,
+    capture: Capture,
+    hosted: HostedUpstream | None,
+) -> tuple[dict, Added]:
+    """What goes upstream (the alias named as the model served) with what recording
+    needs added, and what was added (hidden again from the answer); the Capture's
+    accumulator made to match. Three kinds, by upstream and API."""
+    route = capture.route
+    upstream_body = dict(body, model=route.served)
+    if hosted is not None:
+        # A hosted API (the app's own, or the one beside vLLM that serves the rollouts
+        # outside a handover's share): nothing added; a hosted model named by the client
+        # goes as it came. Its record says why it has no token ids.
+        if route.policy is None:
+            upstream_body = body
+        capture.use(note=hosted.note)
+        return upstream_body, Additions()
+    if endpoint in CHAT_SHAPED:  # vLLM's token ids, logprobs and usage (additions.py)
+        added = add_training_fields(upstream_body, endpoint)
+        if added.echo or added.note:  # the prompt's logprobs come first; or no ids
+            capture.use(echo=added.echo, as_ids=added.as_ids, note=added.note)
+        return upstream_body, added
+    # Responses: vLLM's token ids and logprobs, asked for and hidden again (apis.py);
+    # Messages: nothing to ask for, relayed verbatim.
+    log_it = endpoint == RESPONSES and logging_enabled(request.headers)
+    log_it = log_it and route.served not in refused_additions(request.app)
+    log_it = log_it and not unreadable(body)
+    added = add_responses_fields(upstream_body) if log_it else Additions()
+    capture.use(hidden=added if isinstance(added, ResponsesAdditions) else None)
+    return upstream_body, added
 
 
 async def _as_chat(app: web.Application, endpoint: str, body: dict) -> dict:
+    """A Responses or Messages request in the chat shape, as its record keeps it."""
     if endpoint == RESPONSES:  # a chain unknown here is looked up in the store
         return await resolve_responses_request(body, app[CHAINS])
     return messages_request(body)
+
+
+def hold_during_maintenance(
+    app: web.Application, hop: HostedBeside | None
+) -> contextlib.AbstractAsyncContextManager:
+    """Held while vLLM sleeps for a colocated night (adapters/maintenance.py), refused
+    503 when the hold runs out; the hosted model beside it (`hop`) serves on."""
+    return app[MAINTENANCE].serving() if hop is None else NO_HOLD
+
+
+def internal_error(capture: Capture, e: Exception) -> InternalError:
+    """A bug of the proxy's: the record says so, the log has the traceback, the client
+    gets a 500 JSON error naming the request (auth.make_guard would catch it too, but
+    without a record)."""
+    log.exception("completion %s failed", capture.request_id)
+    if capture.status < 400:
+        capture.status = 500
+    capture.error = f"internal error: {e!r}"[:4096]
+    capture.done()
+    return InternalError(capture.request_id)
+
+
+def release_and_count(app: web.Application, capture: Capture) -> None:
+    """However the request ended: its adapter released (and noticed missing on a 404),
+    the request counted, a Responses reply remembered for the chain it may continue."""
+    route, adapters = capture.route, app[POLICIES]
+    adapters.release(route)
+    if capture.status == 404 and not route.hosted:  # vLLM restarted, lost the adapter?
+        adapters.notice_missing(route.served)
+    app[STATS].requests += 1
+    if capture.endpoint == RESPONSES:
+        _remember_chain(app, capture)
 
 
 def _remember_chain(app: web.Application, capture: Capture) -> None:
@@ -226,6 +305,18 @@ def _remember_chain(app: web.Application, capture: Capture) -> None:
     missing = capture.request_body.get("history_missing")
     model = capture.request_body.get("model")
     app[CHAINS].remember(response_id, [*capture.request_body["messages"], reply], missing, model)
+
+
+def record_after_the_answer(
+    request: web.Request, capture: Capture, who: Attribution, started: int
+) -> None:
+    """The last stage: the record is scheduled, not built here. It is built on the loop's
+    next turn, once the response is on its way (aiohttp writes it before this task next
+    yields), so the client never waits for its record, and a burst of answers is not
+    held up by the records of the earlier ones (_record, below)."""
+    logged = logging_enabled(request.headers)
+    note = record_note(request)  # a scoped key's name and refusals, for its record
+    asyncio.get_running_loop().call_soon(_record, request.app, capture, who, started, logged, note)
 
 
 def _record(
