@@ -231,9 +231,7 @@ async def run_judge(
         sizes = rollout_counts(con)
         wanted: list[str] = []
         for group_id in candidates:
-            why = _skip(
-                group_id, memory, posted, sizes, judge_only=config is not None and not reward
-            )
+            why = _skip(group_id, memory, posted, sizes, config, reward)
             if why:
                 summary.skipped[why] += 1
             else:
@@ -284,16 +282,25 @@ def _tool_calls(config: JudgeConfig | None, name: str | None, tokenizer: str | N
 
 
 def _skip(
-    group_id: str, memory: Memory, posted: set[str], sizes: dict[str, int], judge_only: bool
+    group_id: str,
+    memory: Memory,
+    posted: set[str],
+    sizes: dict[str, int],
+    config: JudgeConfig | None,
+    reward: RewardFunction | None,
 ) -> str | None:
-    """Why a group is not scored this run, decided before its turns are read; or None."""
+    """Why a group is not scored this run, decided before its turns are read; or None.
+    A reward function alone scores a group of one: its score is absolute (a held-out
+    question asked once, the watch's traffic); a judge ranks, and one rollout has no rank."""
+    judge_only = config is not None and not reward
+    function_only = reward is not None and config is None
     if group_id in posted:
         return "every rollout has a reward the agent posted"
     if judge_only and group_id in memory.judged_groups:
         return "already judged by this judge, rubric and settings"
     if judge_only and group_id in memory.no_signal:
         return "fewer than two distinct trajectories (found before): no relative signal"
-    if sizes.get(group_id, 0) < 2:
+    if sizes.get(group_id, 0) < 2 and not function_only:
         return "one rollout: no relative signal"
     return None
 
