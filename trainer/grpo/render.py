@@ -112,7 +112,19 @@ def render_turn(tokenizer, request: dict, reply: dict) -> Turn:
         raise DataError(
             "the local chat template renders the context differently once the reply follows"
         )
-    return Turn(prompt, _through_end_of_turn(tokenizer, whole[len(prompt) :]), None)
+    completion = whole[len(prompt) :]
+    if answer.get("tool_calls") and not _renders_calls(tokenizer, completion, answer):
+        # A template without tool support (SmolLM2's) writes the reply's content alone:
+        # imitated, it would teach the model to answer a call with nothing.
+        raise DataError("the local chat template does not render tool calls")
+    return Turn(prompt, _through_end_of_turn(tokenizer, completion), None)
+
+
+def _renders_calls(tokenizer, completion: list[int], answer: dict) -> bool:
+    """Whether the rendered reply names each function it called."""
+    text = tokenizer.decode(completion)
+    names = [(c.get("function") or {}).get("name") for c in answer["tool_calls"]]
+    return all(isinstance(n, str) and n in text for n in names)
 
 
 def _through_end_of_turn(tokenizer, completion: list[int]) -> list[int]:

@@ -116,9 +116,12 @@ def run_training(
             else f", clipped {record.get('clipped_fraction', 0):.3f}, ratio max "
             f"{record.get('ratio_max', 1):.3f},"
         )
+        # The steps left at this run's pace so far (a CPU night runs for minutes).
+        elapsed = time.perf_counter() - started
+        eta = elapsed / (len(steps) - done_steps) * (len(schedule) - len(steps))
         say(
             f"step {len(steps)}/{len(schedule)}: loss {out.loss:+.4f}{what} "
-            f"grad norm {out.grad_norm:.3f}, {rate:.0f} tokens/s"
+            f"grad norm {out.grad_norm:.3f}, {rate:.0f} tokens/s, about {eta:.0f} s left"
         )
     save_adapter(out_dir, parallel, model)
     return {
@@ -213,7 +216,7 @@ def _start_policy(
         )
         if start_adapter is None:
             model = fresh_adapter(model, config)
-    if checkpointing or wants_checkpointing(model, config.gradient_checkpointing):
+    if checkpointing or wants_checkpointing(config.gradient_checkpointing):
         enable_gradient_checkpointing(model)
     say(memory_line(memory_settings(model, config)))
     model = parallel.prepare(model)
