@@ -231,7 +231,7 @@ async def run_judge(
         sizes = rollout_counts(con)
         wanted: list[str] = []
         for group_id in candidates:
-            why = _skip(group_id, memory, posted, sizes, config, reward)
+            why = _skip(group_id, memory, posted, sizes, config, reward, groups is not None)
             if why:
                 summary.skipped[why] += 1
             else:
@@ -288,12 +288,15 @@ def _skip(
     sizes: dict[str, int],
     config: JudgeConfig | None,
     reward: RewardFunction | None,
+    named: bool,
 ) -> str | None:
     """Why a group is not scored this run, decided before its turns are read; or None.
-    A reward function alone scores a group of one: its score is absolute (a held-out
-    question asked once, the watch's traffic); a judge ranks, and one rollout has no rank."""
+    A group of one has nothing to train and no rank, so it is left alone, unless it was
+    named (`--group`) for a reward function alone, whose score is absolute: a held-out
+    question asked once, scored to be measured. (Scoring every single call so would
+    score each served turn twice: alone, and in its per-turn group.)"""
     judge_only = config is not None and not reward
-    function_only = reward is not None and config is None
+    function_only = reward is not None and config is None and named
     if group_id in posted:
         return "every rollout has a reward the agent posted"
     if judge_only and group_id in memory.judged_groups:

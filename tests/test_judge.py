@@ -238,15 +238,18 @@ async def test_reward_function_alone_and_combined(judge, tmp_path):
     ]
 
 
-async def test_a_reward_function_scores_a_group_of_one_a_judge_cannot(judge, tmp_path):
-    """A score from a function is absolute: a question asked once (a held-out one, say) gets
-    its reward; a judge ranks siblings, and one rollout has none."""
+async def test_a_reward_function_scores_a_group_of_one_named_for_it(judge, tmp_path):
+    """A score from a function is absolute: a question asked once and named (`--group`: a
+    held-out one, say) gets its reward; unnamed, a group of one is left alone (nothing to
+    train); a judge ranks siblings, and one rollout has none, named or not."""
     write_groups(tmp_path, {"solo": ["Paris"]})
     server = await judge(good())
-    ranked = await run_judge(tmp_path, config_for(server), progress=False)
+    ranked = await run_judge(tmp_path, config_for(server), groups=["solo"], progress=False)
     assert ranked.skipped == {"one rollout: no relative signal": 1} and server.app[SEEN] == []
     fn = RewardFunction(f"{__name__}:capital_reward")
-    summary = await run_judge(tmp_path, None, fn, progress=False)
+    unnamed = await run_judge(tmp_path, None, fn, progress=False)
+    assert unnamed.skipped == {"one rollout: no relative signal": 1}
+    summary = await run_judge(tmp_path, None, fn, groups=["solo"], progress=False)
     assert summary.scored_by_function == 1 and not summary.skipped
     (found,) = rows(tmp_path, "SELECT rollout_id, reward, source FROM rewards")
     assert (found["rollout_id"], found["reward"], found["source"]) == ("solo.r0", 1.0, "function")
