@@ -367,11 +367,13 @@ async def test_a_trainer_that_shares_no_disk_with_the_proxies_promotes_and_resum
     shared = await asyncio.to_thread(shared_adapter, node, trained)
     assert shared.startswith(f"s3://{BUCKET}/trainer/adapters/")
     said: list[str] = []
-    name = await asyncio.to_thread(_promote_once, url, None, shared, said.append)
+    state = await asyncio.to_thread(serving_state, url, None)
+    name = await asyncio.to_thread(_promote_once, url, None, shared, said.append, None, state)
     await await_until(lambda: _is(serves(b), name), what="the second proxy follows")
     for proxy in (a, b):
         assert same_files(Path(proxy.fake.app[SETTINGS]["loras"][name]), trained)
-    again = await asyncio.to_thread(_promote_once, url, None, shared, said.append)
+    state = await asyncio.to_thread(serving_state, url, None)  # the night's, after training
+    again = await asyncio.to_thread(_promote_once, url, None, shared, said.append, None, state)
     assert again == name and said[-1] == f"the proxy already serves it as {name}"
 
     served = served_adapter(await asyncio.to_thread(serving_state, url, None))

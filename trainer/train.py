@@ -1,13 +1,22 @@
 """`overnight train`: one nightly GRPO run over the groups no earlier run trained on.
 
-  resume an interrupted run, or begin one (run/checkpoint.py) -> select finished, scored,
-  untrained groups (night/plan.py) -> start from the adapter the proxy serves (or a fresh
-  LoRA) -> GRPO steps, a checkpoint after each (run/loop.py) -> save the adapter -> the
-  gate compares it with the served adapter on held-out prompts (night/gate.py) -> promote
-  it through the proxy's admin API (night/proxy_client.py) -> record the run
-  (run/record.py), write the report. Before all that, the watch (night/watch.py) rolls
-  back a promoted adapter that live rewards show worse. With --report-to wandb the steps,
-  the gate and the promotion also go to the night's W&B run (run/wandb_run.py).
+A night reads as its steps (`train`, each a method of `Night`):
+
+  open      the watch rolls back a promoted adapter that live rewards show worse
+            (night/watch.py); the proxy's state, read once; resume an interrupted run
+            or begin one (run/checkpoint.py)
+  plan      finished, scored, untrained groups (night/plan.py), per-turn groups joined
+  hold out  the gate's prompts, from outside the plan where it can (night/gate_prompts.py)
+  weigh     where training starts (the served adapter, or a fresh LoRA), and each
+            record's age against it (night/staleness.py)
+  begin     the run's record on disk, its report
+  train     GRPO steps, a checkpoint after each (run/loop.py), then the gate on held-out
+  and gate  prompts (night/gate.py); vLLM asleep meanwhile when it shares the GPU
+  promote   through the proxy's admin API (night/proxy_client.py), or a canary first
+  record    the run (run/record.py), the report; old adapters pruned
+
+With --report-to wandb the steps, the gate and the promotion also go to the night's W&B
+run (run/wandb_run.py).
 
 With --sft the night imitates instead: the plan is night/sft_plan.py's (the logged
 conversations rendered with the local chat template, chosen by reward, a share held out
@@ -25,6 +34,8 @@ import contextlib
 import datetime as dt
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from overnight.config import LOGPROB_GAP_WARNING, SETTLE_SECONDS, TrainConfig
@@ -56,7 +67,7 @@ from .night.sft_plan import plan_sft
 from .night.staleness import staleness_of, weigh_staleness
 from .night.turn_groups import add_turn_groups, is_turn_group
 from .night.watch import watch as watch_served
-from .run.checkpoint import kill_point, this_run, unfinished_run
+from .run.checkpoint import RunDir, kill_point, this_run, unfinished_run
 from .run.loop import TrainError, run_training, step_schedule
 from .run.record import RunResult, record_run
 from .run.wandb_run import Report
@@ -99,152 +110,255 @@ def train(
     judge=None,
     scope: PolicyScope | None = None,
 ) -> RunResult:
-    """One night. A run that was interrupted is resumed first, on the same groups.
-    `judge`: the summary of the judge's batch that scored for it (its cost goes to W&B).
-    `scope`: its policy's groups as the CLI found them (a dry run's may be read offline:
-    overnight/cli_policies.py); None: asked of the proxy here.
-
-    Kept as one function on purpose: it is the night's story read top to bottom
-    (resume, plan, train, save, promote, record); each step is a call.
+    """One night, read as its steps. A run that was interrupted is resumed first, on the
+    same groups. `judge`: the summary of the judge's batch that scored for it (its cost
+    goes to W&B). `scope`: its policy's groups as the CLI found them (a dry run's may be
+    read offline: overnight/cli_policies.py); None: read from the proxy's state here.
     """
-    data_dir = Path(data_dir)
-    parallel = Parallel() if dry_run else Parallel.start(fsdp=config.fsdp)
-    if parallel.rank != 0:
-        say = _silent
-    report = Report(config, parallel.rank, say)  # W&B, or nothing (run/wandb_run.py)
-    # The night's policy (config.policy; None: every group, as before policies): its own
-    # groups, its own interrupted run, its own selection record (policy_scope.py).
-    if scope is None:
-        scope = PolicyScope.of(config.policy, serving_state(proxy_url, admin_token, config.policy))
-    scope = parallel.agree(scope)
-    run_dir, saved = parallel.agree(this_run(data_dir, dry_run, scope and scope.owns))
-    only = saved.get("groups")  # a resumed run's groups
-    if only is not None and bool(saved.get("sft")) != config.sft:
-        raise TrainError(
-            f"the interrupted run {run_dir.run_id} was {'an --sft' if saved.get('sft') else 'a GRPO'}"
-            f" run: resume it {'with' if saved.get('sft') else 'without'} --sft (or delete "
-            f"{run_dir.path} to leave it)"
-        )
-    say(f"run {run_dir.run_id}: " + _what_it_trains_on(only))
-    started = time.time_ns() // 1000
-    if promote and proxy_url and config.watch and parallel.rank == 0:
-        watch_served(data_dir, proxy_url, admin_token, config, say)
-    # After the watch's rollback; of this night's policy (config.policy; None: the default).
-    state = parallel.agree(serving_state(proxy_url, admin_token, config.policy))
-    if promote and state.get("upstream"):  # a hosted API (proxy/routes/hosted.py): its 409s
-        say(f"the proxy fronts a hosted API ({state['upstream']}), which serves no adapter: "
-            "tonight's is saved, with no gate and no promotion")  # fmt: skip
-        promote = False
-    base_model = config.base_model or (None if dry_run else _base_model(state))
-    defaults = server_defaults(base_model, config.generation_config)  # vLLM's, where unsaid
-    served_only = None if only is None else [g for g in only if not is_turn_group(g)]
-    tokenizer = _tokenizer(base_model)
-    if config.sft:  # the logged conversations to imitate (night/sft_plan.py)
-        plan = plan_sft(data_dir, config, settle_seconds, since, max_groups, only,
-                        _sft_tokenizer(tokenizer, base_model), scope)  # fmt: skip
-    else:
-        plan = plan_run(
-            data_dir, config, settle_seconds, since, max_groups, served_only, tokenizer,
-            defaults, scope=scope,
-        )  # fmt: skip
-        # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
-        # before the gate takes its prompts, so that it takes them from outside the plan.
-        plan = add_turn_groups(
-            data_dir, plan, config, since=since, max_groups=max_groups, only=only,
-            sampling_defaults=defaults, scope=scope,
-        )  # fmt: skip
-    gate_prompts: list = []
-    given: list[str] = []  # groups the gate took from the plan
-    if promote and proxy_url and not dry_run and skipped(config, scorer) is None:
-        # An --sft night's held-out share is its gate's: none taken from the plan.
-        gate_prompts, gated = held_out_prompts(
-            data_dir, plan, config.gate_prompts, only is None and not config.sft, scope=scope
-        )
-        given = [g for g in plan.groups if g not in set(gated.groups)]
-        plan = gated
-        say(f"gate: {len(gate_prompts)} held-out prompt(s), {len(given)} of them from groups "
-            "left out of tonight's training")  # fmt: skip
-    # A resumed run starts from what it started from; a new one from the served adapter
-    # (its local copy, with a bucket).
-    started_from = saved["start_adapter"] if only is not None else served_adapter(state)
-    start_adapter = started_from if only is not None else local_adapter(data_dir, started_from)
-    # How many promotions old each record is, against the adapter training starts from.
-    limit = config.max_staleness if only is None else None  # resumed: exactly its groups
-    if not config.sft:  # imitated text has no importance ratio to weigh
-        plan = weigh_staleness(plan, staleness_of(state, started_from), limit)
-    for line in plan.lines():
-        say(line)
-    result = RunResult(run_dir.run_id, plan, held_out=given)
+    night = Night.open(Path(data_dir), config, proxy_url, admin_token, promote, dry_run, say,
+                       scope)  # fmt: skip
+    plan = night.plan(settle_seconds, since, max_groups)
+    plan, gate = night.hold_out_gate_prompts(plan, scorer)
+    plan = night.weigh_by_age(plan)
+    result = RunResult(night.run_dir.run_id, plan, held_out=gate.given)
     if dry_run or not plan.groups:
         if not plan.groups:
             say("nothing to train on")
         return result
-    say(f"training on {base_model}, starting from {start_adapter or 'a fresh LoRA adapter'}")
-    if parallel.rank == 0:
-        run_dir.begin(plan.groups, start_adapter, config.policy, sft=config.sft)
-    report.begin(run_dir.run_id, data_dir, config, base_model, start_adapter, plan, tokenizer,
-                 judge, resumed=only is not None)  # fmt: skip
-    adapter_dir = data_dir / "adapters" / run_dir.run_id
-    # One GPU for vLLM and the night: vLLM sleeps while training and the gate hold it.
-    colocated = bool(proxy_url) and should_colocate(config.colocate, state, _on_gpu(), say)
+    night.begin(plan, judge)
     try:
-        with _asleep(colocated and parallel.rank == 0, proxy_url, admin_token, run_dir.run_id,
-                     config, say) as window:  # fmt: skip
+        night.train_and_gate(result, gate, scorer)  # vLLM asleep meanwhile, when colocated
+        if night.parallel.rank != 0:
+            return result
+        night.promote(result)
+    except Exception as e:
+        night.record_failure(result, e)
+        raise
+    night.record(result)
+    return result
+
+
+@dataclass
+class HeldOut:
+    """The gate's held-out prompts, and the plan's groups it took for them."""
+
+    prompts: list = field(default_factory=list)
+    given: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Night:
+    """What a night knows once opened, and its steps (train() reads them in order).
+
+    The proxy's state is fetched once, after the watch (which may roll back), and read
+    by every step; it is fetched again only after training, for the gate and the
+    promotion (`served_now`): a night runs for minutes or hours, meanwhile an operator
+    or another proxy may have promoted or rolled back, and the gate must compare the
+    candidate with what is served then.
+    """
+
+    data_dir: Path
+    config: TrainConfig
+    proxy_url: str | None
+    token: str | None
+    promote_it: bool
+    dry_run: bool
+    say: Callable[[str], None]
+    parallel: Parallel
+    report: Report
+    state: dict
+    scope: PolicyScope | None
+    run_dir: RunDir  # its id, path and checkpoint
+    resumed: list[str] | None  # the interrupted run's groups, when resuming
+    saved: dict
+    base_model: str | None
+    tokenizer: object
+    defaults: object  # vLLM's sampling defaults for the base model (grpo/sampling.py)
+    started: int = 0
+    start_adapter: str | None = None
+    started_from: str | None = None
+    adapter_dir: Path | None = None
+    shared: str | None = None  # the adapter as the proxies name it (bucket: its upload)
+    colocated: bool = False  # vLLM sleeps while this night trains and gates
+
+    @classmethod
+    def open(cls, data_dir, config, proxy_url, token, promote, dry_run, say, scope) -> Night:
+        """Resume or begin the run; the watch first (it may roll back), then the proxy's
+        state, read once, with what follows from it: the policy's scope, the base model."""
+        parallel = Parallel() if dry_run else Parallel.start(fsdp=config.fsdp)
+        if parallel.rank != 0:
+            say = _silent
+        report = Report(config, parallel.rank, say)  # W&B, or nothing (run/wandb_run.py)
+        started = time.time_ns() // 1000
+        if promote and proxy_url and config.watch and parallel.rank == 0:
+            watch_served(data_dir, proxy_url, token, config, say)
+        # The night's policy (config.policy; None: the default, and every group as before
+        # policies): its adapters, and its own groups, interrupted run and selection record.
+        state = parallel.agree(serving_state(proxy_url, token, config.policy))
+        scope = parallel.agree(scope if scope is not None else PolicyScope.of(config.policy, state))
+        run_dir, saved = parallel.agree(this_run(data_dir, dry_run, scope and scope.owns))
+        resumed = saved.get("groups")
+        if resumed is not None and bool(saved.get("sft")) != config.sft:
+            was = "an --sft" if saved.get("sft") else "a GRPO"
+            raise TrainError(
+                f"the interrupted run {run_dir.run_id} was {was} run: resume it "
+                f"{'with' if saved.get('sft') else 'without'} --sft (or delete {run_dir.path} "
+                "to leave it)"
+            )
+        say(f"run {run_dir.run_id}: " + _what_it_trains_on(resumed))
+        if promote and state.get("upstream"):  # a hosted API (proxy/routes/hosted.py): 409s
+            say(f"the proxy fronts a hosted API ({state['upstream']}), which serves no adapter: "
+                "tonight's is saved, with no gate and no promotion")  # fmt: skip
+            promote = False
+        base_model = config.base_model or (None if dry_run else _base_model(state))
+        return cls(
+            data_dir, config, proxy_url, token, promote, dry_run, say, parallel, report, state,
+            scope, run_dir, resumed, saved, base_model, _tokenizer(base_model),
+            server_defaults(base_model, config.generation_config),  # vLLM's, where unsaid
+            started,
+        )  # fmt: skip
+
+    def plan(self, settle_seconds: float, since, max_groups: int | None) -> Plan:
+        """What tonight trains on: the finished, scored groups no earlier run took (or the
+        interrupted run's); per-turn groups joined; or, --sft, the conversations to imitate."""
+        config, only, scope = self.config, self.resumed, self.scope
+        if config.sft:  # the logged conversations to imitate (night/sft_plan.py)
+            tokenizer = _sft_tokenizer(self.tokenizer, self.base_model)
+            return plan_sft(self.data_dir, config, settle_seconds, since, max_groups, only,
+                            tokenizer, scope)  # fmt: skip
+        served_only = None if only is None else [g for g in only if not is_turn_group(g)]
+        plan = plan_run(
+            self.data_dir, config, settle_seconds, since, max_groups, served_only,
+            self.tokenizer, self.defaults, scope=scope,
+        )  # fmt: skip
+        # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
+        # before the gate takes its prompts, so that it takes them from outside the plan.
+        return add_turn_groups(
+            self.data_dir, plan, config, since=since, max_groups=max_groups, only=only,
+            sampling_defaults=self.defaults, scope=scope,
+        )  # fmt: skip
+
+    def hold_out_gate_prompts(self, plan: Plan, scorer: Scorer | None) -> tuple[Plan, HeldOut]:
+        """The gate's held-out prompts, taken from outside the plan where the night has
+        enough (gate_prompts.py); the plan without the groups it had to give them."""
+        if not (self.promote_it and self.proxy_url and not self.dry_run):
+            return plan, HeldOut()
+        if skipped(self.config, scorer) is not None:
+            return plan, HeldOut()
+        # An --sft night's held-out share is its gate's: none taken from the plan.
+        prompts, gated = held_out_prompts(
+            self.data_dir, plan, self.config.gate_prompts,
+            self.resumed is None and not self.config.sft, scope=self.scope,
+        )  # fmt: skip
+        given = [g for g in plan.groups if g not in set(gated.groups)]
+        self.say(f"gate: {len(prompts)} held-out prompt(s), {len(given)} of them from groups "
+                 "left out of tonight's training")  # fmt: skip
+        return gated, HeldOut(prompts, given)
+
+    def weigh_by_age(self, plan: Plan) -> Plan:
+        """Where training starts (a resumed run: where it started; a new one: the served
+        adapter, its local copy with a bucket), and each record's age against it, in
+        promotions (staleness.py); the plan's lines said."""
+        if self.resumed is not None:
+            self.started_from = self.start_adapter = self.saved["start_adapter"]
+        else:
+            self.started_from = served_adapter(self.state)
+            self.start_adapter = local_adapter(self.data_dir, self.started_from)
+        limit = self.config.max_staleness if self.resumed is None else None  # resumed: as is
+        if not self.config.sft:  # imitated text has no importance ratio to weigh
+            plan = weigh_staleness(plan, staleness_of(self.state, self.started_from), limit)
+        for line in plan.lines():
+            self.say(line)
+        return plan
+
+    def begin(self, plan: Plan, judge) -> None:
+        """The run's record on disk (what a resumed night reads) and its report; whether
+        vLLM must sleep while it trains (one GPU for both: colocation.py)."""
+        config, start = self.config, self.start_adapter
+        self.say(f"training on {self.base_model}, starting from {start or 'a fresh LoRA adapter'}")
+        if self.parallel.rank == 0:
+            self.run_dir.begin(plan.groups, start, config.policy, sft=config.sft)
+        self.report.begin(self.run_dir.run_id, self.data_dir, config, self.base_model, start,
+                          plan, self.tokenizer, judge, resumed=self.resumed is not None)  # fmt: skip
+        self.adapter_dir = self.data_dir / "adapters" / self.run_dir.run_id
+        self.colocated = bool(self.proxy_url) and should_colocate(
+            config.colocate, self.state, _on_gpu(), self.say
+        )
+
+    def train_and_gate(self, result: RunResult, gate: HeldOut, scorer: Scorer | None) -> None:
+        """GRPO (or SFT) steps, then the gate's verdict, while the GPU is held: with one GPU
+        for vLLM and the night (colocation.py), vLLM sleeps meanwhile."""
+        config, say, parallel = self.config, self.say, self.parallel
+        holds = self.colocated and parallel.rank == 0
+        with _asleep(holds, self.proxy_url, self.token, self.run_dir.run_id, config, say) as window:
             parallel.agree(True)  # every process waits until vLLM has let the GPU go
-            if colocated:
+            if self.colocated:
                 kill_point("asleep")
             result.metrics = run_training(
-                plan, config, base_model, start_adapter, adapter_dir, say, run_dir.checkpoint,
-                on_step=report.step,
+                result.plan, config, self.base_model, self.start_adapter, self.adapter_dir, say,
+                self.run_dir.checkpoint, on_step=self.report.step,
             )  # fmt: skip
             for line in gap_lines(result.metrics.get("logprob_gaps", {})):
                 if line.startswith("warning"):
                     log.warning(line)
                 say(line)
-            if parallel.rank == 0 and promote and proxy_url:
-                shared = shared_adapter(data_dir, adapter_dir, config.policy)  # bucket: uploaded
-                result.gate = _gate(config, scorer, base_model, adapter_dir, shared,
-                                    gate_prompts, result, say, data_dir, proxy_url,
-                                    admin_token)  # fmt: skip
+            if parallel.rank == 0 and self.promote_it and self.proxy_url:
+                # bucket: uploaded, and named as every proxy reads it
+                self.shared = shared_adapter(self.data_dir, self.adapter_dir, config.policy)
+                result.gate = _gate(config, scorer, self.base_model, self.adapter_dir,
+                                    self.shared, gate.prompts, result, say, self.data_dir,
+                                    self.served_now())  # fmt: skip
         if window is not None:
             result.metrics["maintenance"] = window.as_dict()
             kill_point("awake")
-        if parallel.rank != 0:
-            return result
-        result.adapter_path = adapter_dir
-        say(f"saved the adapter to {adapter_dir}")
-        if result.gate is not None:  # promote and proxy_url: the gate decided
-            if result.gate.promote and config.canary:
+
+    def served_now(self) -> dict:
+        """The proxy's state again, after training: what the gate compares with and the
+        promotion checks (the one refresh of a night; see the class's docstring)."""
+        self.state = serving_state(self.proxy_url, self.token, self.config.policy)
+        return self.state
+
+    def promote(self, result: RunResult) -> None:
+        """As the gate decided: serve the adapter (or, with --canary, a share first)."""
+        result.adapter_path = self.adapter_dir
+        self.say(f"saved the adapter to {self.adapter_dir}")
+        config, gate = self.config, result.gate
+        if gate is not None and gate.promote:  # promote and a proxy: the gate decided
+            if config.canary:
                 # Live traffic decides: the next watch promotes or drops it (canary.py).
-                name = start_canary(
-                    proxy_url, admin_token, shared, config.canary, say, config.policy
-                )
-                result.gate.reason += f"; serving it first as canary {name} to {config.canary:.0%}"
-                report.promotion(None, canary=name)
-            elif result.gate.promote:
-                result.promoted_as = _promote_once(
-                    proxy_url, admin_token, shared, say, config.policy
-                )
-                report.promotion(result.promoted_as)
-        report.gate(result.gate)
+                name = start_canary(self.proxy_url, self.token, self.shared, config.canary,
+                                    self.say, config.policy)  # fmt: skip
+                gate.reason += f"; serving it first as canary {name} to {config.canary:.0%}"
+                self.report.promotion(None, canary=name)
+            else:
+                result.promoted_as = _promote_once(self.proxy_url, self.token, self.shared,
+                                                   self.say, config.policy, self.state)  # fmt: skip
+                self.report.promotion(result.promoted_as)
+        self.report.gate(gate)
         kill_point("promoting")
-    except Exception as e:
-        if parallel.rank == 0:  # failed runs are recorded too: the report shows them
-            error = f"{type(e).__name__}: {e}"
-            record_run(data_dir, result, config, base_model, start_adapter, started, error)
-            say(f"report: {_report(data_dir, config.policy)}")
-        report.finish(result, error=f"{type(e).__name__}: {e}")
-        raise
-    # Recorded before the run is marked finished: a run killed in between is found
-    # recorded by the next night (and only marked finished), never trained again.
-    record_run(data_dir, result, config, base_model, start_adapter, started, None)
-    kill_point("recorded")
-    run_dir.finish()
-    report.finish(result)
-    if promote and proxy_url and config.keep_adapters:
-        prune_adapters(proxy_url, admin_token, config.keep_adapters, say, config.policy)
-    say(f"report: {_report(data_dir, config.policy)}")
-    return result
+
+    def record(self, result: RunResult) -> None:
+        """The run's row, then the run marked finished, the report, old adapters pruned.
+        Recorded before it is marked finished: a run killed in between is found recorded
+        by the next night (and only marked finished), never trained again."""
+        record_run(self.data_dir, result, self.config, self.base_model, self.start_adapter,
+                   self.started, None)  # fmt: skip
+        kill_point("recorded")
+        self.run_dir.finish()
+        self.report.finish(result)
+        if self.promote_it and self.proxy_url and self.config.keep_adapters:
+            prune_adapters(self.proxy_url, self.token, self.config.keep_adapters, self.say,
+                           self.config.policy)  # fmt: skip
+        self.say(f"report: {_report(self.data_dir, self.config.policy)}")
+
+    def record_failure(self, result: RunResult, e: Exception) -> None:
+        """A failed run is recorded too: the report shows it."""
+        error = f"{type(e).__name__}: {e}"
+        if self.parallel.rank == 0:
+            record_run(self.data_dir, result, self.config, self.base_model, self.start_adapter,
+                       self.started, error)  # fmt: skip
+            self.say(f"report: {_report(self.data_dir, self.config.policy)}")
+        self.report.finish(result, error=error)
 
 
 @traced("gate", lambda v: {"promote": v.promote, "reason": v.reason})
@@ -258,13 +372,12 @@ def _gate(
     result: RunResult,
     say,
     data_dir: Path,
-    proxy_url: str,
-    token: str | None,
+    state: dict,
 ) -> Verdict:
-    """The gate's verdict on the new adapter against the one served now; a resumed run
-    whose adapter (`shared`: as the proxies name it) is served already passed it before
-    it was interrupted."""
-    served = served_adapter(serving_state(proxy_url, token, config.policy))
+    """The gate's verdict on the new adapter against the one served now (`state`, read
+    after training); a resumed run whose adapter (`shared`: as the proxies name it) is
+    served already passed it before it was interrupted."""
+    served = served_adapter(state)
     if served == shared:
         return Verdict(config.gate, True, "promoted before the run was interrupted")
     verdict = skipped(config, scorer) or run_gate(
@@ -280,11 +393,12 @@ def _gate(
 
 @traced("promotion", lambda name: {"promoted_as": name})
 def _promote_once(
-    proxy_url: str, token: str | None, shared: str, say, policy: str | None = None
+    proxy_url: str, token: str | None, shared: str, say, policy: str | None, state: dict
 ) -> str:
     """Promote the adapter (`shared`: its path, or its upload with a bucket) to `policy`
-    unless the proxy serves it already (a resumed run killed after its promotion); its name."""
-    current = serving_state(proxy_url, token, policy).get("current") or {}
+    unless the proxy serves it already (`state`, read after training: a resumed run killed
+    after its promotion); its name."""
+    current = state.get("current") or {}
     if current.get("path") == shared:
         say(f"the proxy already serves it as {current['name']}")
         return current["name"]
