@@ -6,12 +6,14 @@ tests/vllm_fixtures.py), marked `vllm`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
 from overnight.config import ProxyConfig
 from overnight.proxy import create_app
+from overnight.storage import LogWriter, WriterConfig
 from overnight.testing.fake_upstream import RECEIVED, SETTINGS, create_fake_upstream
 
 pytest_plugins = ["tests.vllm_fixtures"]
@@ -23,6 +25,18 @@ for _name in [n for n in os.environ if n.startswith(("OTEL_", "LANGFUSE_"))] + [
     os.environ.pop(_name, None)
 
 
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite on two pytest-xdist workers with `--dist loadgroup`:
+    the tests of one real vLLM server go to one worker, so that each server starts once
+    (a minute or more each) rather than once in every worker that meets one of them."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & {"smollm2_server", "smollm2_dir"}:
+            item.add_marker(pytest.mark.xdist_group("smollm2"))
+        elif "vllm_server" in fixtures:
+            item.add_marker(pytest.mark.xdist_group("vllm-tiny"))
+
+
 @pytest.fixture
 async def fake(aiohttp_server):
     """The fake vLLM; `fake.app[RECEIVED]` lists what it was sent."""
@@ -30,8 +44,20 @@ async def fake(aiohttp_server):
 
 
 @pytest.fixture
-def make_proxy(aiohttp_client, fake, tmp_path):
-    """Start a proxy in front of the fake: `client = await make_proxy(**config)`."""
+def make_proxy(aiohttp_client, fake, tmp_path, monkeypatch):
+    """Start a proxy in front of the fake: `client = await make_proxy(**config)`.
+
+    Its log is compacted in this process when it closes. The product compacts in a child
+    process (so that building Parquet never holds the proxy's GIL), and a child costs
+    about 0.7 s of CPU to start: with a proxy or two in most of the 700 fast tests, that
+    was minutes of the suite. The child's path is what the process tests run
+    (test_serve_process, test_crash_consistency, test_recorder, test_object_storage)."""
+    writer_init = LogWriter.__init__
+
+    def compacting_in_process(self, config: WriterConfig, *args, **kwargs) -> None:
+        writer_init(self, dataclasses.replace(config, compact_in_process=True), *args, **kwargs)
+
+    monkeypatch.setattr(LogWriter, "__init__", compacting_in_process)
 
     async def start(upstream: str | None = None, **overrides):
         config = ProxyConfig(

@@ -206,10 +206,15 @@ def _finished_capture():
 
 
 async def test_a_request_too_deep_to_pickle_is_recorded_in_the_serving_process(
-    make_proxy, tmp_path
+    make_proxy, tmp_path, request
 ):
     """JSON nested 600 levels is a body the proxy reads (and inline recording stores), but
-    deeper than pickle goes: that frame is recorded by the serving process's writer."""
+    deeper than pickle goes: that frame is recorded by the serving process's writer.
+    Deeper than pickle goes at Python's default recursion limit: a test run earlier in the
+    same worker may have raised it (seen once under xdist), so the default is set here."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    request.addfinalizer(lambda: sys.setrecursionlimit(limit))
     deep: dict = {}
     for _ in range(600):
         deep = {"x": deep}

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,7 @@ from overnight.storage.segments import log_files
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
 from .helpers import rows, wait_until
+from .vllm_fixtures import _require_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -119,9 +122,19 @@ def served_requests(vllm_url: str) -> float:
     return sum(float(x.split()[-1]) for x in lines if x.startswith("vllm:request_success_total"))
 
 
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
 @pytest.mark.vllm
-def test_serve_starts_two_local_vllm_replicas_and_balances_over_them(tiny_model_dir, tmp_path):
-    pytest.importorskip("vllm")
+def test_serve_starts_two_local_vllm_replicas_balances_and_sigterm_stops_all(
+    tiny_model_dir, tmp_path
+):
+    """`overnight serve --model` with two vLLM replicas as its children: each gets a
+    rollout of its own, and SIGTERM stops the proxy and both vLLMs, the log compacted and
+    each vLLM's output kept. (One server start for all of it: each costs a minute or more.)"""
+    _require_vllm()
     from overnight.proxy.forward.balancer import Balancer
 
     args = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--vllm-replicas", "2"]
@@ -143,8 +156,17 @@ def test_serve_starts_two_local_vllm_replicas_and_balances_over_them(tiny_model_
             )
             assert status == 200
         assert [served_requests(url) for url in urls] == [1.0, 1.0]
+        vllm_pids = children(serve.pid)
+        assert len(vllm_pids) == 2
         assert serve.stop(timeout=60) == 0
-    assert (tmp_path / "logs" / "vllm-0.log").exists() and (
-        tmp_path / "logs" / "vllm-1.log"
-    ).exists()
-    assert len(rows(tmp_path, "SELECT * FROM completions")) == 2
+    assert not [pid for pid in vllm_pids if Path(f"/proc/{pid}").exists()]  # vLLMs stopped too
+    assert log_files(tmp_path) == []  # committed and compacted on the way out
+    for n in (0, 1):  # each vLLM's own output, kept
+        assert (tmp_path / "logs" / f"vllm-{n}.log").stat().st_size > 0
+    records = rows(
+        tmp_path, "SELECT rollout_id, model_served, completion_token_ids FROM completions"
+    )
+    assert sorted(r["rollout_id"] for r in records) == sorted(ids.values())
+    assert all(
+        r["model_served"] == "tiny" and 0 < len(r["completion_token_ids"]) <= 3 for r in records
+    )

@@ -425,15 +425,14 @@ def real_runs(request, vllm_stack: Stack) -> tuple[str, Runs]:
     return request.param, vllm_stack.run_both(agent)
 
 
-def test_same_result_and_bytes(real_runs):
+def test_same_result_and_bytes_and_rows_match_vllm_usage(real_runs, vllm_stack: Stack):
+    """One test per agent, both checks: each agent's two runs (direct and through the
+    proxy) cost a minute or more, and two tests of one module-scoped run were scheduled
+    apart under pytest-xdist, which ran the agent twice."""
     rollout, runs = real_runs
     assert runs.direct_result == runs.proxied_result
     assert runs.direct, "the agent called nothing"
     assert_same_answers(runs)
-
-
-def test_rows_match_vllm_usage(real_runs, vllm_stack: Stack):
-    rollout, runs = real_runs
     _, calls_tool, api = AGENTS[rollout]
     generating = [e for e in runs.proxied if e.method == "POST" and e.status == 200]
     rows = vllm_stack.rows(rollout, expect=len(generating))
