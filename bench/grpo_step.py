@@ -36,14 +36,23 @@ from overnight.trainer.grpo.loss import LossConfig, policy_loss, token_weights  
 from overnight.trainer.grpo.policy import load_policy, pack  # noqa: E402
 from overnight.trainer.grpo.step import fresh_adapter, micro_batch_loss  # noqa: E402
 
+# The shapes benchmarked: the architecture notes' TRL workload, and a night of the demo's
+# agent on SmolLM2 (examples/sum_agent.py: 16 sums x 4 attempts, 36-token prompts,
+# replies of 3-24 tokens, about 12 on average).
+SHAPES = {
+    "default": {"groups": 8, "size": 8, "prompt_len": 64, "mu": 3.8, "sigma": 0.8, "longest": 251},
+    "night": {"groups": 16, "size": 4, "prompt_len": 36, "mu": 2.5, "sigma": 0.5, "longest": 24},
+}
 
-def workload(vocab: int, seed: int = 0) -> list[Sample]:
+
+def workload(vocab: int, seed: int = 0, shape: str = "default") -> list[Sample]:
     rng = random.Random(seed)
+    sh = SHAPES[shape]
     samples = []
-    for g in range(8):
-        prompt = [rng.randrange(3, vocab) for _ in range(64)]
-        for k in range(8):
-            length = min(251, max(4, int(rng.lognormvariate(3.8, 0.8))))
+    for g in range(sh["groups"]):
+        prompt = [rng.randrange(3, vocab) for _ in range(sh["prompt_len"])]
+        for k in range(sh["size"]):
+            length = min(sh["longest"], max(3, int(rng.lognormvariate(sh["mu"], sh["sigma"]))))
             completion = [rng.randrange(3, vocab) for _ in range(length)]
             (s,) = merge_turns(f"{g}.{k}", str(g), [Turn(prompt, completion, [-5.0] * length)])
             samples.append(replace(s, advantage=rng.uniform(-1, 1)))

@@ -12,6 +12,12 @@ this interpreter's packages, a venv's included, plus trl 1.16, with torch held t
 version installed here. Time is the median of the repeats of `loss + backward`.
 
     python bench/trl_compare.py --repeats 5
+
+On the real model, a night of the demo's shape, with and without gradient checkpointing
+on both sides (each pair side by side in one run):
+
+    python bench/trl_compare.py --model-dir .cache/smollm2-135m-instruct --shape night \
+        --checkpointing both
 """
 
 from __future__ import annotations
@@ -116,11 +122,12 @@ def measure(step, repeats: int) -> dict:
     return {"seconds": statistics.median(times), "peak_mb_above_start": peak["mb"]}
 
 
-def run_ours(model_dir: Path, repeats: int) -> dict:
+def run_ours(model_dir: Path, repeats: int, shape: str, checkpointing: bool) -> dict:
     sys.path.insert(0, str(ROOT / "bench"))
     from grpo_step import shared_step, workload
 
     from overnight.config import TrainConfig
+    from overnight.trainer.grpo.checkpointing import enable_gradient_checkpointing
     from overnight.trainer.grpo.policy import load_policy
     from overnight.trainer.grpo.step import fresh_adapter
 
@@ -128,13 +135,15 @@ def run_ours(model_dir: Path, repeats: int) -> dict:
         lora_rank=8, lora_alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")
     )
     model = fresh_adapter(load_policy(model_dir, trainable=True), config)
-    samples = workload(model.config.vocab_size)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    samples = workload(model.config.vocab_size, shape=shape)
 
     def step():
         model.zero_grad(set_to_none=True)
         shared_step(model, samples, config)  # the trainer's default: prompts shared
 
-    return measure(step, repeats)
+    return {**measure(step, repeats), "tokens": sum(len(s.tokens) for s in samples)}
 
 
 def trl_here() -> bool:
@@ -144,7 +153,7 @@ def trl_here() -> bool:
         return False
 
 
-def run_trl(model_dir: Path, repeats: int) -> dict:
+def run_trl(model_dir: Path, repeats: int, shape: str, checkpointing: bool) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -153,7 +162,7 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
 
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT))
-    from grpo_step import workload
+    from grpo_step import SHAPES, workload
 
     from overnight.config import TrainConfig
     from overnight.testing.trl_mapping import compute_loss_inputs, grpo_config_options
@@ -161,10 +170,12 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sh = SHAPES[shape]
     args = GRPOConfig(
         output_dir=str(ROOT / ".cache" / "trl-out"),
-        per_device_train_batch_size=64,
-        num_generations=8,
+        per_device_train_batch_size=sh["groups"] * sh["size"],
+        num_generations=sh["size"],
+        gradient_checkpointing=checkpointing,
         report_to=[],
         use_cpu=True,
         logging_steps=1000,
@@ -174,7 +185,7 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
         model=model,
         reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
         args=args,
-        train_dataset=Dataset.from_list([{"prompt": "x"}] * 64),
+        train_dataset=Dataset.from_list([{"prompt": "x"}] * sh["groups"] * sh["size"]),
         processing_class=tokenizer,
         peft_config=LoraConfig(
             r=8,
@@ -183,7 +194,8 @@ def run_trl(model_dir: Path, repeats: int) -> dict:
             task_type="CAUSAL_LM",
         ),
     )
-    inputs = compute_loss_inputs(workload(trainer.model.config.vocab_size), prompt_len=64)
+    samples = workload(trainer.model.config.vocab_size, shape=shape)
+    inputs = compute_loss_inputs(samples, prompt_len=sh["prompt_len"])
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop we bypass
 
@@ -198,41 +210,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model-dir", type=Path, default=ROOT / ".cache" / "tiny-model")
+    parser.add_argument("--shape", choices=["default", "night"], default="default")
+    parser.add_argument("--checkpointing", choices=["off", "on", "both"], default="off")
     parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        result = (run_ours if args.side == "ours" else run_trl)(args.model_dir, args.repeats)
-        print(json.dumps(result))
+        run = run_ours if args.side == "ours" else run_trl
+        print(json.dumps(run(args.model_dir, args.repeats, args.shape, args.checkpointing == "on")))
         return
     trl_python = sys.executable if trl_here() else side_environment(TRL_VENV, TRL)
-    results = {}
-    for side, python in (("ours", sys.executable), ("trl", str(trl_python))):
-        out = subprocess.run(
-            [
-                python,
-                __file__,
-                "--side",
-                side,
-                "--repeats",
-                str(args.repeats),
-                "--model-dir",
-                str(args.model_dir),
-            ],
-            capture_output=True,
-            text=True,
+    modes = ["off", "on"] if args.checkpointing == "both" else [args.checkpointing]
+    for mode in modes:
+        results = {}
+        for side, python in (("ours", sys.executable), ("trl", str(trl_python))):
+            command = [python, __file__, "--side", side, "--repeats", str(args.repeats),
+                       "--model-dir", str(args.model_dir), "--shape", args.shape,
+                       "--checkpointing", mode]  # fmt: skip
+            out = subprocess.run(command, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"{side} failed:\n{out.stderr[-3000:]}")
+            results[side] = json.loads(out.stdout.strip().splitlines()[-1])
+        ours, trl = results["ours"], results["trl"]
+        tokens = ours["tokens"]
+        print(f"{args.model_dir.name}, shape {args.shape}, gradient checkpointing {mode}:")
+        for name, r in (("ours", ours), ("TRL", trl)):
+            print(f"  {name:4}: {r['seconds'] * 1000:8.1f} ms a step ({tokens / r['seconds']:6.0f}"
+                  f" tokens/s), peak +{r['peak_mb_above_start']:7.1f} MB")  # fmt: skip
+        speed = trl["seconds"] / ours["seconds"]
+        memory = ours["peak_mb_above_start"] / max(trl["peak_mb_above_start"], 1e-9)
+        print(
+            f"  speed-up vs TRL: {speed:.2f}x   target >= 1.5: {'PASS' if speed >= 1.5 else 'FAIL'}"
         )
-        if out.returncode != 0:
-            raise SystemExit(f"{side} failed:\n{out.stderr[-3000:]}")
-        results[side] = json.loads(out.stdout.strip().splitlines()[-1])
-    ours, trl = results["ours"], results["trl"]
-    print(f"ours: {ours['seconds'] * 1000:8.1f} ms, peak +{ours['peak_mb_above_start']:7.1f} MB")
-    print(f"TRL:  {trl['seconds'] * 1000:8.1f} ms, peak +{trl['peak_mb_above_start']:7.1f} MB")
-    speed = trl["seconds"] / ours["seconds"]
-    memory = ours["peak_mb_above_start"] / max(trl["peak_mb_above_start"], 1e-9)
-    print(f"speed-up vs TRL: {speed:.2f}x   target >= 1.5: {'PASS' if speed >= 1.5 else 'FAIL'}")
-    print(
-        f"peak memory vs TRL: {memory:.2f}x   target <= 0.7: {'PASS' if memory <= 0.7 else 'FAIL'}"
-    )
+        print(f"  peak memory vs TRL: {memory:.2f}x   target <= 0.7: "
+              f"{'PASS' if memory <= 0.7 else 'FAIL'}")  # fmt: skip
 
 
 if __name__ == "__main__":

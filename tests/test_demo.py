@@ -33,7 +33,7 @@ def demo(server, data, days: int, *extra: str, env: dict | None = None) -> str:
         + ["--data", str(data), "--port", str(free_port()), "--days", str(days), *extra],
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=1500,
         env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -59,32 +59,33 @@ def story(out: str, nights: int) -> tuple[list[float], list[float], list[str | N
     return [float(r) for _, r, *_ in table], [float(h) for _, _, h, _ in table], served, promoted
 
 
-# Measured on this two-core machine over two nights (BENCHMARKS.md, "SmolLM2's demo"):
-# the agent's own sums 0.046 -> 0.125 -> 0.215 (64 samples a day); the held-out ones,
-# then 16 samples a day, 0.130 -> 0.186 -> 0.210, too noisy (the gate, sampling the same
-# prompts, saw 0.042 -> 0.154 on night 1), hence 64 a day now. The margins are about half
-# the gains measured.
-HELD_OUT_GAIN = 0.05
-AGENT_GAIN = 0.08
+# Measured on this two-core machine (BENCHMARKS.md, "SmolLM2's demo"): over three nights
+# the agent's own sums went 0.037 -> 0.169 and the held-out ones 0.059 -> 0.152 (64
+# samples a day each); another run's two nights took the agent's from 0.046 to 0.215, a
+# third's first night 0.055 -> 0.095. How fast it goes varies from run to run (the
+# reward is sparse: most untrained replies score 0), so three nights, not two, and
+# margins under half the smallest gain measured.
+HELD_OUT_GAIN = 0.04
+AGENT_GAIN = 0.06
 
 
-@pytest.mark.timeout(1200)  # three days and two gated nights of a real model on 2 cores
+@pytest.mark.timeout(1500)  # four days and three gated nights of a real model on 2 cores
 def test_the_demo_on_the_real_model_learns_what_it_is_asked(smollm2_server, tmp_path):
     data = tmp_path / "demo-data"
-    out = demo(smollm2_server, data, 3, "--model", "smollm2")
-    rewards, held_out, served, promoted = story(out, 2)
+    out = demo(smollm2_server, data, 4, "--model", "smollm2")
+    rewards, held_out, served, promoted = story(out, 3)
     print(f"smollm2 demo: rewards by day {rewards}, held-out {held_out}, promoted {promoted}")
     assert served[0] == "smollm2"
     assert held_out[-1] >= held_out[0] + HELD_OUT_GAIN, out
     assert rewards[-1] >= rewards[0] + AGENT_GAIN, out
-    for night in (1, 2):
+    for night in (1, 2, 3):
         assert f"night {night}: overnight train --preset smollm2-cpu" in out
     # The first step trains on what the served policy itself sampled: ratios of 1.
     ratios = re.findall(r"night 1: on-policy: .* first-step ratios ([\d.]+) to ([\d.]+)", out)
     assert ratios and 0.999 < float(ratios[0][0]) <= float(ratios[0][1]) < 1.001, out
     assert "fits without gradient checkpointing" in out  # auto, decided by memory
     runs = rows(data, "SELECT status, promoted_as, metrics FROM training_runs ORDER BY started_at")
-    assert [r["status"] for r in runs] == ["trained"] * 2
+    assert [r["status"] for r in runs] == ["trained"] * 3
     assert [r["promoted_as"] is not None for r in runs] == promoted
     for run, gate in zip(runs, VERDICT.findall(out), strict=True):
         assert json.loads(run["metrics"])["gate"]["verdict"] == gate[1]
