@@ -14,6 +14,8 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
+from overnight.proxy.launch.launcher import free_port
+
 from .helpers import rows
 from .test_train_plan import write
 
@@ -40,6 +42,11 @@ TWO_PROCESSES = {
 
 def train_command(data_dir: Path, model_dir: Path, launcher: list[str] = ()) -> list[str]:
     # 16-token micro-batches: several per step, so both processes have work; 4 steps.
+    if "accelerate.commands.launch" in launcher:
+        # Its own port: accelerate's default (29500) is every run's, and under `make
+        # test`'s two workers two launches at once collided (the second exited 1).
+        # torchrun --standalone picks a free one itself.
+        launcher = [*launcher, "--main_process_port", str(free_port())]
     return [
         sys.executable,
         *launcher,
