@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -127,14 +128,17 @@ def _overnight(*args: str, show: Callable[[str], None] | None = None) -> str:
     night's steps print their rate and time left: the demo's progress)."""
     command = [sys.executable, "-m", "overnight.cli", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # each line as it is printed, not at the end
-    with subprocess.Popen(command, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, env=env) as process:  # fmt: skip
-        lines = []
-        for line in process.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if show is not None:
-                show(line.rstrip("\n"))
-        stderr = process.stderr.read()  # type: ignore[union-attr]
+    # stderr to a file, not a pipe read after stdout: a full pipe would block the child.
+    with tempfile.TemporaryFile("w+") as errors:
+        with subprocess.Popen(command, text=True, stdout=subprocess.PIPE, stderr=errors,
+                              env=env) as process:  # fmt: skip
+            lines = []
+            for line in process.stdout:  # type: ignore[union-attr]
+                lines.append(line)
+                if show is not None:
+                    show(line.rstrip("\n"))
+        errors.seek(0)
+        stderr = errors.read()
     out = "".join(lines)
     if process.returncode != 0:
         raise RuntimeError(f"overnight {args[0]} failed:\n{out[-2000:]}{stderr[-2000:]}")
