@@ -26,8 +26,9 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from overnight.models.tiny import build_tiny_model  # noqa: E402
 from overnight.storage import open_db  # noqa: E402
-from overnight.testing.tiny_model import build_tiny_model, serve_tiny  # noqa: E402
+from overnight.testing.processes import serve_tiny  # noqa: E402
 
 BODY = {
     "model": "policy",

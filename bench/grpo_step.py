@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from overnight.config import TrainConfig  # noqa: E402
-from overnight.testing.tiny_model import build_tiny_model  # noqa: E402
+from overnight.models.tiny import build_tiny_model  # noqa: E402
 from overnight.trainer.grpo.data import Sample, Turn, merge_turns  # noqa: E402
 from overnight.trainer.grpo.loss import LossConfig, policy_loss, token_weights  # noqa: E402
 from overnight.trainer.grpo.policy import load_policy, pack  # noqa: E402

@@ -21,7 +21,7 @@ machine slows a run, never speeds it up): its wall time, its CPU time (every thr
 a shared machine wall time waits for cores) and the process's peak memory. "before" is
 the old code (`--before REF`) on the history as it is found (fresh: not merged; with
 `--reuse`: as an earlier run's merge left it); "after" is this tree's code once its
-merge ran as the writer runs it after each roll (storage/merge.py: today's segments in
+merge ran as the writer runs it after each roll (storage/upkeep/merge.py: today's segments in
 batches, closed days, closed months), replayed over today's rolls. The growth exponent
 is log(t2/t1)/log(n2/n1) between sizes.
 
@@ -402,7 +402,7 @@ def merge(data: Path) -> None:
     the merge runs after each of today's rolls. Today is then left as a live proxy leaves
     it (merged batches and the segments since), not as one file."""
     from overnight.storage.manifest import MERGED_PREFIX
-    from overnight.storage.merge import merge_closed_days
+    from overnight.storage.upkeep.merge import merge_closed_days
 
     t = time.perf_counter()
     now = time.time()

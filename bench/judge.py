@@ -54,8 +54,7 @@ from overnight.judge.trajectories import (  # noqa: E402
     turn_messages,
 )
 from overnight.storage import LogWriter, WriterConfig, finished_groups, open_db  # noqa: E402
-from overnight.testing.processes import spawn_fake_upstream  # noqa: E402
-from overnight.testing.tiny_model import serve_tiny  # noqa: E402
+from overnight.testing.processes import serve_tiny, spawn_fake_upstream  # noqa: E402
 from tests.helpers import chat_response, completion_row  # noqa: E402
 
 

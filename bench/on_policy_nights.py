@@ -173,8 +173,8 @@ def main() -> None:
     if args.child:
         nights(args.child, args.nights, args.out)
         return
+    from overnight.models.tiny import build_tiny_model
     from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess
-    from overnight.testing.tiny_model import build_tiny_model
 
     model = build_tiny_model(ROOT / ".cache" / "tiny-model")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from overnight.config import TrainConfig  # noqa: E402
 from overnight.storage import open_db  # noqa: E402
-from overnight.testing.tiny_model import serve_tiny  # noqa: E402
+from overnight.testing.processes import serve_tiny  # noqa: E402
 from overnight.trainer.night.resample import resample_turns  # noqa: E402
 
 SYSTEM = "You fill in numeric form fields. Reply with numbers only."

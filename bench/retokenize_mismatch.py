@@ -5,7 +5,7 @@ vLLM gives no token ids on `/v1/messages`, nor to a Responses reply that is a to
 (no logprobs), so the proxy records those turns in the chat shape without ids and the
 trainer rebuilds them:
 the prompt through the chat template, the reply by encoding its text
-(trainer/grpo/records.py `_retokenise`, called here exactly as the trainer calls it). The same
+(trainer/grpo/logged_turns.py `_retokenise`, called here exactly as the trainer calls it). The same
 conversations, sampled at temperature 1 with a seed, go through the proxy on each API:
 
 - Responses, with `enable_response_messages: true` set by this client: vLLM then returns
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from overnight.config import ProxyConfig  # noqa: E402
 from overnight.proxy import create_app  # noqa: E402
 from overnight.storage import open_db  # noqa: E402
-from overnight.trainer.grpo.records import Loaded, _retokenise  # noqa: E402
+from overnight.trainer.grpo.logged_turns import Loaded, _retokenise  # noqa: E402
 
 MODEL = "tiny"
 APIS = ("responses", "messages", "chat.completions")
@@ -219,7 +219,9 @@ def compare(rows: list[dict], answers: dict[str, dict], tokenizer) -> dict[str, 
         tally.records += 1
         loaded = Loaded()
         args = (row["request"], row["response"], row["prompt_tokens"], row["completion_tokens"])
-        turn = _retokenise(tokenizer, *args, api, loaded)  # as trainer/grpo/records.py calls it
+        turn = _retokenise(
+            tokenizer, *args, api, loaded
+        )  # as trainer/grpo/logged_turns.py calls it
         if turn is None:
             tally.not_trained += 1
             continue
@@ -299,7 +301,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from overnight.testing.tiny_model import build_tiny_model
+    from overnight.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(ROOT / ".cache" / "tiny-model")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

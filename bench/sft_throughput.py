@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from grpo_step import workload  # noqa: E402
 
 from overnight.config import TrainConfig  # noqa: E402
-from overnight.testing.tiny_model import build_tiny_model  # noqa: E402
+from overnight.models.tiny import build_tiny_model  # noqa: E402
 from overnight.trainer.grpo.loss import LossConfig, token_weights  # noqa: E402
 from overnight.trainer.grpo.policy import load_policy  # noqa: E402
 from overnight.trainer.grpo.step import fresh_adapter, micro_batch_loss  # noqa: E402

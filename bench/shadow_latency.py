@@ -108,8 +108,8 @@ def start_upstream(args: argparse.Namespace, work: Path):
     if args.fake:
         fake = spawn_fake_upstream("--delay", str(args.cost), "--tokens", str(args.tokens))
         return fake.url, fake.stop, fake.pid
+    from overnight.models.tiny import build_tiny_model
     from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess
-    from overnight.testing.tiny_model import build_tiny_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = build_tiny_model(ROOT / ".cache" / "tiny-model")

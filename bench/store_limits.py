@@ -61,7 +61,7 @@ STORE = """
 import sys, time
 from pathlib import Path
 from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
-from overnight.storage.merge import merge_closed_days
+from overnight.storage.upkeep.merge import merge_closed_days
 data, rows = Path(sys.argv[1]), int(sys.argv[2])
 writer = LogWriter(WriterConfig(data, commit_interval=0.5, compact_in_process=True))
 writer.start()

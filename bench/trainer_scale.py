@@ -176,7 +176,7 @@ def run_trl(args, samples, prompt_len):
     from trl import GRPOConfig, GRPOTrainer
 
     from overnight.config import TrainConfig
-    from overnight.testing.tiny_model import build_tiny_model
+    from overnight.models.tiny import build_tiny_model
     from overnight.testing.trl_mapping import compute_loss_inputs, grpo_config_options
     from overnight.trainer.grpo.loss import LossConfig
 

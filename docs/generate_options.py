@@ -29,7 +29,7 @@ def _default(option: click.Option) -> str:
 
 
 def tables() -> str:
-    from overnight.cli import main
+    from overnight.cli.main import main
 
     out = []
     for name, command in sorted(main.commands.items()):

@@ -5,7 +5,7 @@ a time), and appends judgments and the rewards derived from them through the sam
 durable log the proxy uses (its own files, compacted to Parquet at the end). One
 failing group is recorded as failed and never stops the batch. With a policy's scope
 (`overnight judge --policy`, and each policy's night of `overnight train`), only that
-policy's groups are scored, as its night trains them (storage/policy_scope.py).
+policy's groups are scored, as its night trains them (storage/read/policy_scope.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from overnight.storage import (
     now_us,
     open_db,
 )
-from overnight.storage.policy_scope import PolicyScope
-from overnight.storage.siblings import add_turn_views
+from overnight.storage.read.policy_scope import PolicyScope
+from overnight.storage.read.siblings import add_turn_views
 from overnight.telemetry import traced
 
 from .budget import Counter as TokenCounter
@@ -112,7 +112,7 @@ def judge_step(
 
 
 # Where groups are read from: served traffic, or per-turn groups (a served turn and its
-# siblings, storage/siblings.py), whose members are rows of the same shape.
+# siblings, storage/read/siblings.py), whose members are rows of the same shape.
 VIEWS = ("completions", "turn_completions")
 
 

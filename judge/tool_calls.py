@@ -4,7 +4,7 @@ A sibling is sampled from vLLM's /v1/completions on the served turn's prompt tok
 so vLLM answers with text: nothing parses tool calls out of it. The served turn came
 from the chat endpoint, where the server's `--tool-call-parser` did. For the scorer to
 compare like with like, a sibling keeps what vLLM sampled (`raw` in its stored
-response, storage/siblings.py) and is parsed here, when per-turn groups are loaded for
+response, storage/read/siblings.py) and is parsed here, when per-turn groups are loaded for
 scoring, with vLLM's own parser class of the same name (`ToolParserManager`), built
 once a process. Training reads token ids and needs none of this; a served turn's own
 response stays as vLLM parsed it.
@@ -12,7 +12,7 @@ response stays as vLLM parsed it.
 Importing vLLM takes seconds, so it happens only when a run has per-turn groups to
 load, never at import time, never in the proxy. Where vLLM is not installed (a batch
 machine with the `train` extra only), hermes, the default, is read by
-storage/siblings.py's own reader, which follows vLLM's; any other parser is an error
+storage/read/siblings.py's own reader, which follows vLLM's; any other parser is an error
 before the first group is scored.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from overnight.config import DEFAULT_TOOL_CALL_PARSER
 from overnight.errors import ConfigError
-from overnight.storage.siblings import (
+from overnight.storage.read.siblings import (
     assistant_message,
     hermes_tool_calls,
     parses_tool_calls,
@@ -93,7 +93,7 @@ def sibling_parser(
             ) from None
         log.warning(
             "vLLM is not importable: siblings' tool calls are read with overnight's own "
-            "hermes reader (storage/siblings.py), which follows vLLM 0.32's"
+            "hermes reader (storage/read/siblings.py), which follows vLLM 0.32's"
         )
         return ToolCallParser(name, "overnight's own hermes reader (vLLM not installed)", _hermes)
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .adapters.state_file import pid_alive
+from .alias.state_file import pid_alive
 from .state import CONFIG
 
 log = logging.getLogger("overnight.proxy")

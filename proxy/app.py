@@ -24,13 +24,12 @@ from overnight.config import ProxyConfig
 from overnight.storage import LogWriter, WriterConfig, attach
 from overnight.view import web as view
 
-from .adapters.maintenance import Maintenance
-from .adapters.policies import Policies
+from .alias.policies import Policies
+from .capture.captures import TurnCounter
 from .capture.conversation import CHAINS, ResponseChains
 from .capture.recorder import RECORDER, RecorderProcess, Recording
 from .capture.recorder_main import record_frame
 from .capture.redact import REDACTOR, Redactor
-from .capture.state import TurnCounter
 from .capture.uncaptured import UNCAPTURED, Uncaptured
 from .forward.balancer import Balancer
 from .observe import tracing
@@ -59,6 +58,7 @@ from .state import (
     ProxyStats,
     SeenFingerprint,
 )
+from .vllm_sleep import Maintenance
 
 log = logging.getLogger("overnight.proxy")
 

@@ -16,11 +16,11 @@ from aiohttp import web
 from overnight.config import ProxyConfig
 from overnight.storage import LogWriter
 
-from .adapters.maintenance import Maintenance
-from .adapters.policies import Policies
-from .adapters.registry import AdapterRegistry
-from .capture.state import TurnCounter
+from .alias.policies import Policies
+from .alias.registry import AdapterRegistry
+from .capture.captures import TurnCounter
 from .forward.balancer import Balancer
+from .vllm_sleep import Maintenance
 
 
 @dataclass(slots=True)
@@ -57,5 +57,5 @@ ADAPTERS = web.AppKey("adapters", AdapterRegistry)
 STATS = web.AppKey("stats", ProxyStats)
 TURNS = web.AppKey("turns", TurnCounter)
 FINGERPRINT = web.AppKey("fingerprint", SeenFingerprint)
-# vLLM asleep for a colocated night, and the requests held meanwhile (adapters/maintenance.py).
+# vLLM asleep for a colocated night, and the requests held meanwhile (vllm_sleep.py).
 MAINTENANCE = web.AppKey("maintenance", Maintenance)

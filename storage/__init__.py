@@ -4,14 +4,14 @@ The leaf of the dependency graph: it imports none of overnight's other parts (on
 ground they share, `overnight.errors`, for `StoreUnavailable`).
 """
 
-from .commits import StoreUnavailable
-from .compactor import recover
 from .files import fsync_path
 from .ids import new_id, now_us
 from .location import attach, data_url, segment_store
-from .reader import finished_groups, open_db
+from .read.reader import finished_groups, open_db
 from .schema import SCHEMA_VERSION, SchemaVersionError, fit_row
-from .writer import LogWriter, WriterConfig, WriterHealth
+from .write.commits import StoreUnavailable
+from .write.compactor import recover
+from .write.writer import LogWriter, WriterConfig, WriterHealth
 
 __all__ = [
     "SCHEMA_VERSION",

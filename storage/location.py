@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .conditional import get, on_bucket, put_if
+from .bucket.conditional import get, on_bucket, put_if
 from .files import create_private, private_dir, replace_durably
 
 MARKER = "store.json"

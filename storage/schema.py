@@ -163,7 +163,7 @@ TRAINING_RUNS = pa.schema(
 )
 
 # Alternatives sampled for a served turn (issue 15): the served choice and its siblings
-# form a per-turn group (storage/siblings.py). A table of its own, so that no reader of
+# form a per-turn group (storage/read/siblings.py). A table of its own, so that no reader of
 # served traffic (the `completions` view and everything built on it) ever sees them. The
 # prompt and the request are not copied: they are the served row's (`sibling_of`).
 SIBLINGS = pa.schema(

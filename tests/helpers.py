@@ -138,7 +138,7 @@ async def log_digit_group(
 def night_adapter(data_dir, run: str, policy: str | None) -> str:
     """A night's adapter as `overnight train` leaves one: DATA/adapters/<run>, and its run
     DATA/runs/<run>/run.json naming the policy it trained (a per-policy admin token
-    promotes only its own: proxy/adapters/ownership.py)."""
+    promotes only its own: proxy/alias/ownership.py)."""
     runs = Path(data_dir) / "runs" / run
     runs.mkdir(parents=True)
     (runs / "run.json").write_text(json.dumps({"groups": [], "start_adapter": None,
@@ -212,7 +212,7 @@ def merge_looking(data_dir: Path, now: float, look: Callable[[], T]) -> tuple[in
     """`merge_closed_days(data_dir, now)`, calling `look` at each commit just before it
     (the merged file written, not counted yet): what a reader saw meanwhile. Returns the
     merges made and what each look saw."""
-    from overnight.storage import merge
+    from overnight.storage.upkeep import merge
 
     commit, seen = merge.write_manifest, []
 
@@ -241,7 +241,7 @@ async def served_turn_and_its_sibling(proxy, vllm_url: str, data: Path, request:
     ids), given the served turn's `seed` back: (the turn's row, the sibling's row)."""
     import aiohttp
 
-    from overnight.storage.siblings import completion_request, sibling_rows
+    from overnight.storage.read.siblings import completion_request, sibling_rows
 
     assert (await proxy.post("/v1/chat/completions", json=request)).status == 200
     await wait_for_rows(data, 1)

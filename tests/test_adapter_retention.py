@@ -12,11 +12,11 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import ProxyConfig
 from overnight.proxy import create_app
 from overnight.storage import attach
-from overnight.storage.adapter_sync import CACHE
+from overnight.storage.bucket.adapter_sync import CACHE
 from overnight.testing.fake_upstream import create_fake_upstream
 
 from .test_object_storage import BUCKET, objects, s3  # noqa: F401 (the fixture)

@@ -95,7 +95,7 @@ async def test_offline_rollback_is_restored_by_the_next_proxy(make_proxy, receiv
     adapter (loaded under a new name, as after any restart)."""
     from click.testing import CliRunner
 
-    from overnight.cli import main
+    from overnight.cli.main import main
 
     data = tmp_path / "data"
     first = await make_proxy(data_dir=data, state_poll_interval=0.05)
@@ -126,7 +126,7 @@ async def test_a_rollback_keeps_its_reason_in_the_state_the_ui_and_overnight_run
 ):
     from click.testing import CliRunner
 
-    from overnight.cli import main
+    from overnight.cli.main import main
     from overnight.storage import open_db
     from overnight.view.display import adapter_events, list_runs
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import ProxyConfig
 from overnight.proxy import create_app
-from overnight.proxy.adapters.bucket_state import BucketState
-from overnight.proxy.adapters.lora_client import AdapterError
-from overnight.proxy.adapters.promotions import rollback_on_disk
+from overnight.proxy.alias.bucket_state import BucketState
+from overnight.proxy.alias.promotions import rollback_on_disk
+from overnight.proxy.replicas.lora_client import AdapterError
 from overnight.proxy.state import ADAPTERS
 from overnight.storage import attach
-from overnight.storage.adapter_sync import CACHE, key_of, manifest_of, publish
+from overnight.storage.bucket.adapter_sync import CACHE, key_of, manifest_of, publish
 from overnight.storage.location import segment_store
 from overnight.testing.fake_upstream import RECEIVED, SETTINGS, create_fake_upstream
 

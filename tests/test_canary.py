@@ -11,10 +11,10 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import ProxyConfig, TrainConfig
 from overnight.proxy import create_app
-from overnight.proxy.adapters.promotions import in_canary
+from overnight.proxy.alias.promotions import in_canary
 from overnight.proxy.state import ADAPTERS
 from overnight.storage import LogWriter, WriterConfig
 from overnight.trainer.night import canary

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 
 from .helpers import needs_vllm, wait_for_rows
 
@@ -153,11 +153,11 @@ def test_serve_needs_exactly_one_of_model_and_upstream():
 def test_serve_builds_its_configs_from_the_flags(monkeypatch, tmp_path):
     """Options come from the config fields, defaults included; with --model, vLLM gets a
     port first so that the proxy's upstream is its URL."""
-    import overnight.serve
+    import overnight.cli.serve
     from overnight.config import ProxyConfig, VLLMConfig
 
     seen = []
-    monkeypatch.setattr(overnight.serve, "serve_forever", lambda *args, **kw: seen.append(args))
+    monkeypatch.setattr(overnight.cli.serve, "serve_forever", lambda *args, **kw: seen.append(args))
     run("serve", "--upstream", "http://127.0.0.1:9/v1", "--data", str(tmp_path), "--port", "9001")
     proxy, vllm, host, port = seen.pop()
     # `--upstream-kind auto` asked the upstream once; nothing answered: vLLM, as always.

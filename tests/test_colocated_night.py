@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
 from .helpers import rows

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from overnight.testing.tiny_model import serve_tiny
+from overnight.testing.processes import serve_tiny
 
 from .helpers import rows
 from .test_colocated_night import chat

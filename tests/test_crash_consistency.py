@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from overnight.storage import LogWriter, WriterConfig, merge, recover
-from overnight.storage.check import check_store
-from overnight.storage.segments import log_files
-from overnight.storage.wal import try_lock
+from overnight.storage import LogWriter, WriterConfig, recover
+from overnight.storage.upkeep import merge
+from overnight.storage.upkeep.check import check_store
+from overnight.storage.write.segments import log_files
+from overnight.storage.write.wal import try_lock
 
 from .helpers import completion, rows
 
@@ -68,11 +69,11 @@ mode, data = sys.argv[1], Path(sys.argv[2])
 if mode == "write":
     asyncio.run(write(data, sys.argv[3], int(sys.argv[4])))
 elif mode == "merge":
-    from overnight.storage.merge import merge_closed_days
+    from overnight.storage.upkeep.merge import merge_closed_days
 
     merge_closed_days(data, now=float(sys.argv[3]))
 elif mode == "prune":
-    from overnight.prune import plan_prune, prune
+    from overnight.cli.prune import plan_prune, prune
 
     prune(plan_prune(data, dt.timedelta(days=float(sys.argv[3]))))
 print("done", flush=True)

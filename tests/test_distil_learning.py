@@ -28,8 +28,8 @@ import httpx
 import openai
 import pytest
 
+from overnight.cli.demo import NUMBERS_DAY
 from overnight.config import TINY_CPU_PRESET, TrainConfig
-from overnight.demo import NUMBERS_DAY
 from overnight.examples.number_agent import QUESTIONS, SYSTEM, attempt
 from overnight.examples.rewards import numbers_only
 from overnight.judge.rewards import RewardFunction

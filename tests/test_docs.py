@@ -13,10 +13,10 @@ from pathlib import Path
 import click
 import pytest
 
-from overnight.cli import main
+from overnight.cli.main import main
+from overnight.cli.options import param_name
+from overnight.cli.serve import ServeConfig
 from overnight.config import JudgeConfig, ProxyConfig, TrainConfig, VLLMConfig
-from overnight.options import param_name
-from overnight.serve import ServeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = sorted(main.commands.items())

@@ -10,7 +10,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.judge.scoring import pair_scorer
 from overnight.storage import LogWriter, WriterConfig

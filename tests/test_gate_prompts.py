@@ -9,7 +9,7 @@ from pathlib import Path
 
 from overnight.config import TrainConfig
 from overnight.storage import new_id, now_us
-from overnight.storage.siblings import turn_group_id
+from overnight.storage.read.siblings import turn_group_id
 from overnight.trainer.night.gate_prompts import (
     GIVEN_TO_THE_GATE,
     TURNS_GIVEN_TO_THE_GATE,

@@ -12,15 +12,15 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import ConfigError, ProxyConfig, TrainConfig
-from overnight.proxy.adapters.promotions import in_canary, served_locally
+from overnight.proxy.alias.promotions import in_canary, served_locally
 from overnight.proxy.launch.launcher import free_port
 from overnight.proxy.state import POLICIES
 from overnight.storage import open_db
 from overnight.testing.hosted_upstream import RECEIVED, SNAPSHOT, create_hosted_upstream
-from overnight.trainer.grpo.records import HOSTED_SKIP, load_samples
-from overnight.trainer.night import handover
+from overnight.trainer.grpo.logged_turns import HOSTED_SKIP, load_samples
+from overnight.trainer.night import handover_watch as handover
 
 from .helpers import adapter_dir, rows, wait_for_rows
 from .test_keys import ADMIN, OPS, auth

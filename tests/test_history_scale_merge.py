@@ -14,17 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from overnight.storage import (
-    SCHEMA_VERSION,
-    LogWriter,
-    SchemaVersionError,
-    WriterConfig,
-    merge,
-    open_db,
-    reader,
-)
+from overnight.storage import SCHEMA_VERSION, LogWriter, SchemaVersionError, WriterConfig, open_db
 from overnight.storage.manifest import MANIFEST, MERGED_PREFIX
+from overnight.storage.read import reader
 from overnight.storage.schema import TABLES, schema_fingerprint
+from overnight.storage.upkeep import merge
 
 from .helpers import completion, merge_looking
 
@@ -356,7 +350,7 @@ def test_a_prune_rewrites_a_merged_month_without_the_days_it_deletes(tmp_path):
     """A closed month is one file in its last day's folder, which a prune with a cutoff
     inside the month keeps: the file is rewritten without the earlier days' rows, so
     retention deletes what it was asked to, not up to a month later."""
-    from overnight.prune import plan_prune, prune
+    from overnight.cli.prune import plan_prune, prune
 
     today = dt.datetime.fromtimestamp(merge_at(), dt.UTC).date()
     last = today.replace(day=1) - dt.timedelta(days=1)

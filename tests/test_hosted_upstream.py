@@ -22,7 +22,7 @@ from overnight.proxy import create_app
 from overnight.proxy.forward.upstream import UpstreamPool
 from overnight.proxy.launch.launcher import detect_kind, free_port
 from overnight.proxy.routes.hosted import HostedUpstream
-from overnight.storage.reader import open_db
+from overnight.storage.read.reader import open_db
 from overnight.testing.fake_upstream import create_fake_upstream
 from overnight.testing.hosted_upstream import (
     ANSWERS,

@@ -429,7 +429,7 @@ async def test_the_documented_errors_are_what_the_proxy_sends(make_proxy):
         assert f"| {r.status} | `{code}` |" in wire, (path, r.status, code)
 
 
-# -- when recording fails (the writer of storage/writer.py) ------------------------------
+# -- when recording fails (the writer of storage/write/writer.py) ------------------------------
 
 
 async def test_a_failing_store_answers_503_degrades_health_and_recovers(
@@ -437,7 +437,7 @@ async def test_a_failing_store_answers_503_degrades_health_and_recovers(
 ):
     import errno
 
-    from overnight.storage import wal as wal_module
+    from overnight.storage.write import wal as wal_module
 
     proxy = await make_proxy()
     r = await proxy.post("/v1/rollouts/r1/reward", json={"reward": 1.0})

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import JudgeConfig
 from overnight.judge.rewards import RewardFunction
 from overnight.judge.run import run_judge

@@ -20,7 +20,7 @@ from overnight.proxy.routes.key_buckets import BUCKETS_ENV, LocalBucket, SharedS
 from overnight.proxy.routes.key_buckets import make_file as make_buckets_file
 from overnight.proxy.routes.keys import KEYS, KeyRing
 from overnight.storage import LogWriter, WriterConfig
-from overnight.storage.rollout_lookup import DAYS, find_rollout
+from overnight.storage.read.rollout_lookup import DAYS, find_rollout
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
 from .helpers import (
@@ -132,7 +132,7 @@ def test_key_hash_prints_what_a_keys_file_holds_for_a_key_on_stdin():
 
     from click.testing import CliRunner
 
-    from overnight.cli import main
+    from overnight.cli.main import main
 
     runner = CliRunner()
     for given in (f"{RESEARCH}\n", RESEARCH, f"{RESEARCH}\r\n"):
@@ -144,8 +144,8 @@ def test_key_hash_prints_what_a_keys_file_holds_for_a_key_on_stdin():
 
 
 def test_serve_reads_the_keys_file_given_with_keys_file(tmp_path, monkeypatch):
-    from overnight.cli import main
-    from overnight.options import build
+    from overnight.cli.main import main
+    from overnight.cli.options import build
 
     monkeypatch.setenv("TEST_RESEARCH_KEY", RESEARCH)
     path = tmp_path / "keys.toml"
@@ -512,7 +512,7 @@ async def test_a_key_may_not_serve_in_another_policys_group_nor_train_it(keyed, 
     may ask for trains no policy when the proxy serves several; a group mixed across
     workers (where the proxy does not remember it) is trained by neither policy."""
     from overnight.storage import open_db
-    from overnight.trainer.night.policy_scope import PolicyScope
+    from overnight.storage.read.policy_scope import PolicyScope
 
     proxy = await keyed()
     group = "support/ticket-4411"
@@ -544,8 +544,8 @@ async def test_a_key_may_not_serve_in_another_policys_group_nor_train_it(keyed, 
 async def test_with_one_policy_the_base_model_trains_it_as_before(make_proxy, tmp_path):
     """With one policy every key limited to policies has it: the base model trains it."""
     from overnight.storage import open_db
+    from overnight.storage.read.policy_scope import PolicyScope
     from overnight.trainer.night.live import policy_of
-    from overnight.trainer.night.policy_scope import PolicyScope
 
     table = (
         f'[[key]]\nname = "s"\nsha256 = "{key_digest(SUPPORT)}"\npolicies = ["policy"]\n'

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from overnight.cli.demo import NUMBERS_DAY
 from overnight.config import TINY_CPU_PRESET, TrainConfig
-from overnight.demo import NUMBERS_DAY
 from overnight.judge.rewards import RewardFunction
 from overnight.judge.run import run_judge
 from overnight.trainer.train import train

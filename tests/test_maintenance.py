@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from overnight.proxy.adapters import maintenance as maintenance_module
+from overnight.proxy import vllm_sleep as maintenance_module
 from overnight.testing.fake_upstream import RECEIVED, SETTINGS, create_fake_upstream
 
 from .helpers import rows, wait_for_rows

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from overnight.config import ProxyConfig
 from overnight.errors import ConfigError
-from overnight.proxy.adapters.promotions import Route
-from overnight.proxy.capture.state import Capture
+from overnight.proxy.alias.promotions import Route
+from overnight.proxy.capture.captures import Capture
 from overnight.proxy.observe.metrics import DURATION_BUCKETS, OWN_TIME_BUCKETS, error_type
 from overnight.proxy.observe.tally import Buckets
 from overnight.proxy.routes.relay import CLIENT_LEFT

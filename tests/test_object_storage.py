@@ -17,15 +17,15 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, attach, open_db, recover
 from overnight.storage import manifest as manifest_module
-from overnight.storage import merge as merge_module
-from overnight.storage.conditional import BucketError
+from overnight.storage.bucket.conditional import BucketError
 from overnight.storage.location import CACHE_DIR, MARKER, segment_store
 from overnight.storage.manifest import segment_files
-from overnight.storage.segments import log_files
+from overnight.storage.upkeep import merge as merge_module
+from overnight.storage.write.segments import log_files
 from overnight.trainer.night.plan import plan_run
 
 from .helpers import completion, merge_looking, rows
@@ -349,7 +349,7 @@ def test_two_overnight_serve_processes_on_one_bucket_share_a_promotion(s3, tmp_p
     other's vLLM from that machine's own copy, downloaded from the bucket."""
     from pathlib import Path
 
-    from overnight.storage.adapter_sync import CACHE
+    from overnight.storage.bucket.adapter_sync import CACHE
     from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
     url = f"s3://{BUCKET}/two-serves"

@@ -20,7 +20,7 @@ from overnight.judge.rewards import RewardFunction
 from overnight.judge.run import run_judge
 from overnight.judge.scoring import pair_scorer
 from overnight.storage import now_us
-from overnight.storage.siblings import turn_group_id
+from overnight.storage.read.siblings import turn_group_id
 from overnight.trainer.night.gate_prompts import TURNS_GIVEN_TO_THE_GATE
 
 from .helpers import rows, wait_for_rows
@@ -121,7 +121,7 @@ async def test_a_night_with_stale_data_reports_both_gaps_and_blames_neither_on_s
     the old day out, saying why."""
     from click.testing import CliRunner
 
-    from overnight.cli import main
+    from overnight.cli.main import main
     from overnight.trainer.night.staleness import TOO_STALE
     from overnight.trainer.train import resample_turns, train
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.proxy.state import ADAPTERS
 from overnight.testing.fake_upstream import SETTINGS, create_fake_upstream
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
@@ -401,7 +401,7 @@ def test_prune_says_what_it_would_delete_and_deletes_only_with_yes(tmp_path):
 
 
 def test_a_pruned_day_leaves_the_readers_view_in_one_step(tmp_path):
-    from overnight.prune import parse_age, plan_prune
+    from overnight.cli.prune import parse_age, plan_prune
 
     data = tmp_path / "data"
     _write_days(data, [40])

@@ -10,16 +10,16 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import ProxyConfig, TrainConfig
 from overnight.errors import ConfigError, OvernightError
-from overnight.proxy.adapters.promotions import offline_state_path, policy_state_paths, state_path
+from overnight.proxy.alias.promotions import offline_state_path, policy_state_paths, state_path
 from overnight.proxy.state import POLICIES
 from overnight.storage import LogWriter, WriterConfig, now_us, open_db
+from overnight.storage.read.policy_scope import PolicyScope
 from overnight.trainer.night.gate_prompts import _first_turns
 from overnight.trainer.night.live import live_rewards, policy_of
 from overnight.trainer.night.plan import plan_run
-from overnight.trainer.night.policy_scope import PolicyScope
 from overnight.trainer.night.proxy_client import promote_adapter, proxy_policies, serving_state
 from overnight.trainer.night.selection import last_selection
 from overnight.trainer.run.checkpoint import RunDir, unfinished_run
@@ -497,7 +497,7 @@ async def test_ui_pages_per_policy(make_proxy, tmp_path):
 async def test_ui_groups_pages_per_policy(make_proxy, tmp_path):
     """The groups, a group and a rollout per policy: a group is the policy's whose first
     turn asked for its alias; what asked for none is no policy's when there are several
-    (storage/policy_scope.py)."""
+    (storage/read/policy_scope.py)."""
     proxy = await make_proxy(policies=("support",))
 
     async def turn(group: str, rollout: str, model: str) -> None:
@@ -625,7 +625,7 @@ async def test_the_last_nights_per_policy_in_the_metrics(make_proxy, tmp_path):
 def test_a_table_per_policy_in_the_config_file(monkeypatch, tmp_path):
     """`[policies.NAME]`: the proxy serves NAME, and NAME's nights take its options (the
     command line still wins); a key no night has is refused, naming the table."""
-    import overnight.serve
+    import overnight.cli.serve
     import overnight.trainer.train
 
     config = tmp_path / "overnight.toml"
@@ -636,7 +636,7 @@ def test_a_table_per_policy_in_the_config_file(monkeypatch, tmp_path):
         "[policies.coding]\ncanary = 0.2\n"
     )
     served, trained = [], []
-    monkeypatch.setattr(overnight.serve, "serve_forever", lambda *a, **kw: served.append(a))
+    monkeypatch.setattr(overnight.cli.serve, "serve_forever", lambda *a, **kw: served.append(a))
     monkeypatch.setattr(overnight.trainer.train, "train", lambda _, c, **kw: trained.append(c))
     cli = CliRunner()
     base = ["--config", str(config)]

@@ -1,7 +1,7 @@
 """Each policy's night scores and plans its own groups with its own options (issue 27):
 `overnight judge --policy`, the scoring step of `overnight train` per policy, and
 `overnight train --dry-run` planning per policy as a real night would (overnight/
-cli_policies.py). Groups are written directly; the proxy's answer is stubbed where a
+cli/policy_runs.py). Groups are written directly; the proxy's answer is stubbed where a
 night asks for it (its HTTP side is tests/test_policies.py's)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from click.testing import CliRunner
 
 import overnight.trainer.night.proxy_client
 import overnight.trainer.train
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.judge.rewards import RewardFunction
 from overnight.judge.run import run_judge
 from overnight.storage import LogWriter, WriterConfig, now_us
-from overnight.storage.policy_scope import PolicyScope
+from overnight.storage.read.policy_scope import PolicyScope
 
 from .helpers import completion_row, rows
 from .test_resample import NUMBERS_ONLY, served, store

@@ -1,5 +1,5 @@
 """Attacks on the per-policy admin tokens' limits ("may promote and roll back that policy
-only": proxy/adapters/ownership.py, routes/admin.py, routes/auth.py), each against the
+only": proxy/alias/ownership.py, routes/admin.py, routes/auth.py), each against the
 real app, as an attacker holding `research`'s token (`adm-research`) would try them.
 
 The first test pins what already held (routes, `?policy=` tricks, body fields); the
@@ -21,7 +21,7 @@ from overnight.errors import ConfigError
 from overnight.proxy.app import create_app
 from overnight.proxy.routes.admin import TOKEN_REASON_CHARS
 from overnight.storage import attach
-from overnight.storage.adapter_sync import FOLDER, publish
+from overnight.storage.bucket.adapter_sync import FOLDER, publish
 from overnight.storage.location import segment_store
 from overnight.testing.fake_upstream import create_fake_upstream
 
@@ -130,7 +130,7 @@ async def test_a_failed_load_does_not_tell_a_policy_token_where_the_replicas_are
     two_replicas, tmp_path
 ):
     """NIGHT_VIEW leaves the replicas' URLs out; the error of a load one replica refused
-    named each (adapters/loading.py). The operator's error still does."""
+    named each (replicas/loading.py). The operator's error still does."""
     client, urls = await two_replicas()
     own = night_adapter(tmp_path / "data", "r1", "research")
     r = await promote(client, RESEARCH_OPS, own)

@@ -1,5 +1,5 @@
 """Per-policy admin tokens promote their policy's own adapters only, and see what their
-night reads (issue 27, the security review's finding 11; proxy/adapters/ownership.py).
+night reads (issue 27, the security review's finding 11; proxy/alias/ownership.py).
 
 Two policies behind the in-process proxy and fake vLLM: the default `policy` (its token
 `adm-ops`) and `research` (`adm-research`). A night's adapter is DATA/adapters/<run>, its
@@ -17,7 +17,7 @@ import pytest
 from overnight.config.keys import key_digest
 from overnight.proxy.routes.admin import NIGHT_VIEW
 from overnight.storage import attach
-from overnight.storage.adapter_sync import publish
+from overnight.storage.bucket.adapter_sync import publish
 from overnight.storage.location import segment_store
 
 from .helpers import adapter_dir, night_adapter
@@ -205,7 +205,7 @@ async def test_with_a_bucket_a_token_promotes_uploads_of_its_policy_only(machine
 async def test_a_policys_night_runs_on_its_token(proxy, tmp_path):
     """What a night of `research` does through the admin API with research's token: its
     scope, the base model's name, its promotion; what is the operator's is said, not fatal."""
-    from overnight.storage.policy_scope import PolicyScope
+    from overnight.storage.read.policy_scope import PolicyScope
     from overnight.trainer.night.proxy_client import (
         base_model_of,
         promote_adapter,

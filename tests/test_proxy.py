@@ -255,7 +255,8 @@ def test_the_proxy_never_imports_torch_or_litellm():
     import sys
 
     code = (
-        "import sys, overnight.cli, overnight.proxy, overnight.serve, overnight.proxy.launch.launcher; "
+        "import sys, overnight.cli, overnight.proxy, overnight.cli.serve; "
+        "import overnight.proxy.launch.launcher; "
         "bad = [m for m in ('torch', 'litellm', 'transformers', 'peft') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -20,17 +20,17 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import ProxyConfig
 from overnight.proxy import create_app
-from overnight.proxy.adapters.promotions import Route
+from overnight.proxy.alias.promotions import Route
 from overnight.proxy.capture import recorder as recorder_module
 from overnight.proxy.capture.attribution import attribute
+from overnight.proxy.capture.captures import Capture, TurnCounter
 from overnight.proxy.capture.chat import CHAT as CHAT_ENDPOINT
 from overnight.proxy.capture.recorder import RECORDER, RecorderProcess
 from overnight.proxy.capture.records import RecordFacts
-from overnight.proxy.capture.state import Capture, TurnCounter
-from overnight.storage.segments import log_files
+from overnight.storage.write.segments import log_files
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
 from .helpers import await_until, rows, wait_for_rows, wait_until, without_ids

@@ -21,7 +21,7 @@ from overnight.config import TINY_CPU_PRESET, TrainConfig
 from overnight.judge.rewards import RewardFunction
 from overnight.judge.run import run_judge
 from overnight.storage import LogWriter, WriterConfig, new_id, now_us, open_db
-from overnight.storage.siblings import (
+from overnight.storage.read.siblings import (
     SiblingError,
     add_turn_views,
     completion_request,
@@ -580,7 +580,7 @@ async def test_overnight_train_resample_resamples_scores_and_trains_per_turn_gro
     pytest.importorskip("peft")
     from click.testing import CliRunner
 
-    from overnight.cli import main
+    from overnight.cli.main import main
 
     proxy = await make_proxy()
     url, data = str(proxy.make_url("")), tmp_path / "data"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from overnight.storage.manifest import segment_files
-from overnight.storage.segments import log_files
+from overnight.storage.write.segments import log_files
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
 from .helpers import rows, wait_until

@@ -20,7 +20,7 @@ from overnight.proxy.forward.balancer import Balancer
 from overnight.proxy.shadow import sampler as shadow_module
 from overnight.proxy.shadow.sampler import TRACE_ENV, ShadowSampler, assemble_stream
 from overnight.storage import open_db
-from overnight.storage.siblings import add_turn_views, turn_group_id
+from overnight.storage.read.siblings import add_turn_views, turn_group_id
 
 from .helpers import await_until, rows, sse_events, wait_for_rows, without_ids
 

@@ -23,7 +23,7 @@ from overnight.judge.rewards import RewardFunction
 from overnight.judge.run import run_judge
 from overnight.judge.tool_calls import reparsed, sibling_parser
 from overnight.storage import LogWriter, WriterConfig, new_id, now_us
-from overnight.storage.siblings import (
+from overnight.storage.read.siblings import (
     completion_request,
     hermes_tool_calls,
     served_member_id,
@@ -130,7 +130,7 @@ def scored(data: Path, turn: dict, siblings: list[dict], **options) -> tuple[lis
 def llama_tokenizer(directory: Path) -> str:
     """The tiny model's tokenizer with Llama 3's `<|python_tag|>`, which vLLM's
     llama3_json parser looks up when it is built."""
-    from overnight.testing.tiny_model import build_tokenizer
+    from overnight.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer(0, 400)
     tokenizer.add_tokens(["<|python_tag|>"], special_tokens=True)

@@ -241,7 +241,7 @@ def test_its_template_has_no_tools_so_sft_refuses_a_tool_call_turn(smollm2_dir):
     from transformers import AutoTokenizer
 
     from overnight.trainer.grpo.data import DataError
-    from overnight.trainer.grpo.records import chat_ids
+    from overnight.trainer.grpo.logged_turns import chat_ids
     from overnight.trainer.grpo.render import render_turn
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)

@@ -17,8 +17,8 @@ from overnight.storage import (
     recover,
 )
 from overnight.storage.manifest import segment_files
-from overnight.storage.segments import log_files
-from overnight.storage.wal import try_lock
+from overnight.storage.write.segments import log_files
+from overnight.storage.write.wal import try_lock
 
 from .helpers import completion, merge_looking, rows, wait_until
 
@@ -197,7 +197,7 @@ def test_several_writers_share_one_directory(tmp_path):
 
 async def test_a_request_with_n_choices_is_stored_once(make_proxy, tmp_path):
     """Defect 10: n=200 with a 100 KB body wrote 20 MB (the request once per choice)."""
-    from overnight.trainer.grpo.records import load_samples
+    from overnight.trainer.grpo.logged_turns import load_samples
 
     proxy = await make_proxy()
     text = "x" * 100_000
@@ -258,7 +258,8 @@ def test_shared_requests_read_back_from_segments_and_old_rows_unchanged(tmp_path
 def test_closed_days_are_merged_without_counting_a_row_twice(tmp_path):
     """Many segments of a past day become one file; readers count each row once before,
     during (merged file written, manifest not yet committed) and after the merge."""
-    from overnight.storage import manifest, merge
+    from overnight.storage import manifest
+    from overnight.storage.upkeep import merge
 
     day_ago = time.time_ns() // 1000 - 2 * 86_400_000_000
     for n in range(3):  # three logs, three segments of the same past day

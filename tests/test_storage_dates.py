@@ -10,9 +10,10 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from overnight.cli import main
-from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, merge, open_db
+from overnight.cli.main import main
+from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig, open_db
 from overnight.storage.manifest import MERGED_PREFIX
+from overnight.storage.upkeep import merge
 
 from .helpers import completion, wait_until
 

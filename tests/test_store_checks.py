@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
-from overnight.storage import LogWriter, WriterConfig, merge
-from overnight.storage.check import check_store
-from overnight.storage.compactor import Compactor
+from overnight.cli.main import main
+from overnight.storage import LogWriter, WriterConfig
 from overnight.storage.integrity import quarantined
 from overnight.storage.manifest import MANIFEST, MERGED_PREFIX
-from overnight.storage.wal import LockedFile, log_line
+from overnight.storage.upkeep import merge
+from overnight.storage.upkeep.check import check_store
+from overnight.storage.write.compactor import Compactor
+from overnight.storage.write.wal import LockedFile, log_line
 
 from .helpers import completion, rows
 
@@ -134,7 +135,7 @@ def test_a_malformed_manifest_is_named_and_never_written_over(tmp_path, caplog, 
 async def test_a_truncated_segment_is_left_out_named_and_set_aside(tmp_path, caplog, make_proxy):
     """The defect: one truncated segment failed every reader with DuckDB's "No magic
     bytes", blocked every merge and prune, and /health said ok."""
-    from overnight.prune import plan_prune
+    from overnight.cli.prune import plan_prune
 
     written = past_day(tmp_path)
     victim = files(tmp_path)[0]
@@ -297,8 +298,8 @@ async def test_a_query_that_fails_in_a_damaged_page_names_the_file(tmp_path, mak
 
 
 def test_a_responses_lookup_that_fails_in_a_damaged_index_names_the_file(tmp_path):
-    from overnight.storage.reader import DamagedRead
-    from overnight.storage.response_index import find_response
+    from overnight.storage.read.reader import DamagedRead
+    from overnight.storage.read.response_index import find_response
 
     writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
     writer.start()
@@ -392,7 +393,7 @@ def test_a_merger_whose_clock_runs_ahead_with_prune_neither_duplicates_nor_resur
     month's merge (its merger's clock ran two hours ahead); the cleanup then dropped the
     month's entry without deleting its weeks, which counted again: rows duplicated, and
     pruned rows back. `old_stamp`: the rewrite's entry stamped as the old code did."""
-    from overnight.prune import plan_prune, prune
+    from overnight.cli.prune import plan_prune, prune
 
     today = dt.datetime.now(dt.UTC).date()
     last = today.replace(day=1) - dt.timedelta(days=1)  # last month's last day
@@ -464,7 +465,7 @@ def test_a_failed_compaction_is_retried_within_minutes_and_once_more_at_close(
 ):
     """The defect: during a bucket's outage the retry delay doubled to 30 minutes, and
     SIGTERM left the logs without trying them."""
-    from overnight.storage import compactor as compactor_module
+    from overnight.storage.write import compactor as compactor_module
 
     real, calls = compactor_module.compact, []
 
@@ -503,8 +504,8 @@ def test_close_compacts_until_its_deadline_then_leaves_the_logs_to_the_next_star
 ):
     """SIGTERM's flush is bounded: what the deadline leaves stays whole, unlocked, read
     by readers and compacted by the next start (`recover`)."""
-    from overnight.storage import compactor as compactor_module
     from overnight.storage import recover
+    from overnight.storage.write import compactor as compactor_module
 
     real = compactor_module.compact
 
@@ -532,7 +533,7 @@ def test_close_compacts_until_its_deadline_then_leaves_the_logs_to_the_next_star
 
 
 def _unlocked(path: Path) -> bool:
-    from overnight.storage.wal import try_lock
+    from overnight.storage.write.wal import try_lock
 
     got = try_lock(path)
     if got is not None:
@@ -615,7 +616,7 @@ async def test_a_previous_response_id_is_found_through_the_index_and_an_unknown_
     completions file opened), the record's own day for a known one, a live log by a byte
     search; an id found nowhere is not looked up again for a while."""
     from overnight.proxy.capture import conversation
-    from overnight.storage import response_index
+    from overnight.storage.read import response_index
 
     old = time.time_ns() // 1000 - 3 * DAY_US
     writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
@@ -661,7 +662,7 @@ async def test_a_previous_response_id_is_found_through_the_index_and_an_unknown_
 
 def test_a_malformed_promotion_state_names_its_file(tmp_path):
     from overnight.errors import ConfigError
-    from overnight.proxy.adapters.state_file import StateFile
+    from overnight.proxy.alias.state_file import StateFile
 
     path = tmp_path / "adapters.json"
     for text in ('{"stack": [', "[1, 2]"):

@@ -27,7 +27,7 @@ from overnight.storage import (
 )
 from overnight.storage.manifest import segment_files
 from overnight.storage.schema import COMPLETIONS
-from overnight.storage.segments import log_files, quarantine_files
+from overnight.storage.write.segments import log_files, quarantine_files
 
 from .helpers import completion, rows
 

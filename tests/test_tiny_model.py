@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from overnight.testing.tiny_model import build_tiny_model
+from overnight.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_processes_building_at_once_build_it_once(tmp_path):
     # Each process says when it builds (both see no model when they start).
     out = tmp_path / "shared"
     code = (
-        "import sys; import overnight.testing.tiny_model as t; build = t._build; "
+        "import sys; import overnight.models.tiny as t; build = t._build; "
         "t._build = lambda *a: (print('built', flush=True), build(*a)); "
         "t.build_tiny_model(sys.argv[1], seed=5)"
     )

@@ -617,7 +617,7 @@ async def test_a_night_is_one_trace_plan_judge_steps_gate_promotion(
     pytest.importorskip("peft")
     from click.testing import CliRunner
 
-    from overnight.cli import main
+    from overnight.cli.main import main
 
     from .judge_server import create_judge_server, good
     from .test_gate import write_night

@@ -7,7 +7,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, now_us
 from overnight.trainer.night.plan import Plan

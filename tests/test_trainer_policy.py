@@ -7,8 +7,8 @@ import torch
 
 from overnight.storage import open_db
 from overnight.trainer.grpo.data import Sample, Turn, merge_turns
+from overnight.trainer.grpo.logged_turns import load_samples
 from overnight.trainer.grpo.policy import load_policy, pack, trained_logprobs
-from overnight.trainer.grpo.records import load_samples
 
 from .helpers import wait_for_rows
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, new_id, now_us
-from overnight.storage.siblings import (
+from overnight.storage.read.siblings import (
     completion_request,
     served_member_id,
     sibling_rows,

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from overnight.cli.serve import with_priority_scheduling, with_replicas
 from overnight.config import ProxyConfig, VLLMConfig
 from overnight.errors import ConfigError
 from overnight.proxy.launch.launcher import LaunchError, replica_configs, vllm_command
-from overnight.serve import with_priority_scheduling, with_replicas
 
 
 def test_each_replica_gets_its_port_log_and_gpus():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from overnight.cli import main
+from overnight.cli.main import main
 from overnight.config import ConfigError, TrainConfig
 from overnight.judge.run import Summary
 from overnight.trainer.run.wandb_run import STEP_METRICS, Report, wants_wandb

@@ -28,7 +28,7 @@ def _require_vllm() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from overnight.testing.tiny_model import build_tiny_model
+    from overnight.models.tiny import build_tiny_model
 
     return build_tiny_model(CACHE / "tiny-model")
 

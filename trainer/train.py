@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overnight.config import LOGPROB_GAP_WARNING, SETTLE_SECONDS, TrainConfig
+from overnight.storage.read.policy_scope import PolicyScope
 from overnight.telemetry import traced
 from overnight.view.report import write_report
 
@@ -51,7 +52,6 @@ from .night.colocation import window as maintenance_window
 from .night.gate import Scorer, Verdict, run_gate, skipped
 from .night.gate_prompts import held_out_prompts
 from .night.plan import Plan, plan_run
-from .night.policy_scope import PolicyScope
 from .night.proxy_client import (
     admin_call,
     base_model_of,
@@ -113,7 +113,7 @@ def train(
     """One night, read as its steps. A run that was interrupted is resumed first, on the
     same groups. `judge`: the summary of the judge's batch that scored for it (its cost
     goes to W&B). `scope`: its policy's groups as the CLI found them (a dry run's may be
-    read offline: overnight/cli_policies.py); None: read from the proxy's state here.
+    read offline: overnight/cli/policy_runs.py); None: read from the proxy's state here.
     """
     night = Night.open(Path(data_dir), config, proxy_url, admin_token, promote, dry_run, say,
                        scope)  # fmt: skip

@@ -15,8 +15,9 @@ import duckdb
 
 from overnight.config import LOGPROB_GAP_WARNING
 from overnight.errors import OvernightError
-from overnight.storage import conditional, segment_store
-from overnight.storage.policy_scope import PolicyScope
+from overnight.storage import segment_store
+from overnight.storage.bucket import conditional
+from overnight.storage.read.policy_scope import PolicyScope
 
 
 def _table(headers: list[str], rows: list[tuple]) -> str:
@@ -87,7 +88,7 @@ def list_groups(
     with the model its turns asked for (the policy) and its rollouts."""
     columns = "group_id, rollouts, turns, tokens, mean_reward, finished, models_served, ended_at"
     # A policy's groups are those whose first turn asked for its alias, as its nights
-    # choose them (storage/policy_scope.py; offline, no proxy says which others exist).
+    # choose them (storage/read/policy_scope.py; offline, no proxy says which others exist).
     where, args = [], []
     if policy is not None:
         condition, args = PolicyScope(policy, default=False).group_condition()
@@ -315,7 +316,7 @@ def adapter_events(data_dir: Path, policy: str | None = None) -> list[dict]:
     every policy's promotion state (of `policy`'s only, when given): DATA/adapters.json
     (with a bucket its `adapters.json`: a machine that never ran a proxy has no local
     copy; the local copy when the bucket cannot be read) and DATA/policies/*/adapters.json
-    (proxy/adapters/promotions.py lays them out), oldest first."""
+    (proxy/alias/promotions.py lays them out), oldest first."""
     text = None
     store = segment_store(data_dir)
     if store.remote:

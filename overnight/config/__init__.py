@@ -1,7 +1,7 @@
 """Configuration of each part: frozen dataclasses, each field declared once.
 
 A field's metadata carries its command-line help (and flag, where it is not
-`--field-name`); overnight/options.py builds the click options from it, so the
+`--field-name`); overnight/cli/options.py builds the click options from it, so the
 defaults in these modules are the only ones. The comments say why a default is what it
 is. Precedence is CLI > environment (`OVERNIGHT_*`) > config file > the defaults;
 the CLI applies it (click's `auto_envvar_prefix` and `default_map`) and builds these.

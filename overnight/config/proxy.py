@@ -59,7 +59,7 @@ class ProxyConfig(ShadowSampling, HostedBeside):  # their fields: shadow.py, han
     # The stable model name agents ask for.
     alias: str = field(default="policy", metadata={"help": "Model name that follows promotions."})
     # More aliases, each a policy of its own (its own promotion stack, canary and nights;
-    # proxy/adapters/policies.py). The alias above is always one and the default: an
+    # proxy/alias/policies.py). The alias above is always one and the default: an
     # admin request without `?policy=` and DATA/adapters.json are its.
     policies: tuple[str, ...] = field(
         default=(),
@@ -204,7 +204,7 @@ class ProxyConfig(ShadowSampling, HostedBeside):  # their fields: shadow.py, han
             "help": "How long a replaced adapter may finish requests in flight before unloading."
         },
     )
-    # A colocated night (adapters/maintenance.py) puts vLLM to sleep while it trains: a
+    # A colocated night (vllm_sleep.py) puts vLLM to sleep while it trains: a
     # generating request meanwhile waits this long, then gets 503 with Retry-After (the
     # OpenAI SDKs retry a 503 and honour the header).
     maintenance_hold: float = field(
@@ -376,7 +376,7 @@ class ProxyConfig(ShadowSampling, HostedBeside):  # their fields: shadow.py, han
         if len({n.casefold() for n in every}) != len(every):
             raise ConfigError(f"policy names must differ in more than case: {list(every)}")
         # A request names a policy, the base model or an adapter (`NAME-v3-9c1e2a`,
-        # proxy/adapters/serving.py): no name may be two of these.
+        # proxy/alias/registry.py): no name may be two of these.
         if len(every) > 1 and self.base_model in every:
             raise ConfigError(
                 f"policy {self.base_model!r} is the base model's name: its requests would "

@@ -244,8 +244,8 @@ class TrainConfig:
             "rollouts first (sticky per rollout); the watch promotes or drops it on live rewards."
         },
     )
-    # The proxy's policies (proxy/adapters/policies.py): a night trains one, on its own
-    # groups (trainer/night/policy_scope.py), from its served adapter, to it. Unset in
+    # The proxy's policies (proxy/alias/policies.py): a night trains one, on its own
+    # groups (storage/read/policy_scope.py), from its served adapter, to it. Unset in
     # `overnight train`: each policy the proxy serves, one run after another. Kept in the
     # run's `config` JSON: its row says its policy without a schema change.
     policy: str | None = field(

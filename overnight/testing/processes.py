@@ -9,6 +9,7 @@ that starts it: a free port, output to a log file, a deadline for becoming healt
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -147,3 +148,55 @@ def spawn_fake_upstream(
     command = [*prefix, sys.executable, "-m", "overnight.testing.fake_upstream"]
     command += ["--port", str(port), *args]
     return spawn(command, f"http://127.0.0.1:{port}", log_path=log_path, startup_timeout=60)
+
+
+def serve_local_model(
+    data_dir: str | Path,
+    model_dir: str | Path,
+    name: str,
+    *args: str,
+    port: int | None = None,
+    log_level: str = "WARNING",
+) -> Spawned:
+    """`overnight serve --model MODEL_DIR` on vLLM's CPU backend in float32, served as
+    `name`, started and healthy: the demo's and the tests' way to a local model.
+
+    `args`: more flags of `overnight serve`. Stop it with `.stop()` (SIGTERM: it commits
+    its log and stops vLLM). vLLM's output goes to DATA_DIR/logs/vllm.log, the proxy's to
+    DATA_DIR/logs/serve.log.
+    """
+    # vLLM sizes its CPU KV cache from free memory and can refuse to start on a busy
+    # machine; 1 GiB is plenty for these small models' short conversations.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    return spawn_serve(
+        data_dir,
+        *("--model", str(model_dir), "--served-model-name", name, "--vllm-arg=--dtype=float32"),
+        *args,
+        port=port,
+        log_level=log_level,
+        env=env,
+        startup_timeout=900,  # CPU start-up compiles kernels and profiles memory: minutes
+    )
+
+
+def serve_tiny(
+    model_dir: str | Path,
+    data_dir: str | Path,
+    port: int | None = None,
+    log_level: str = "WARNING",
+    max_model_len: int = 4096,
+    extra: tuple[str, ...] = (),
+) -> Spawned:
+    """The tiny model (built first if missing) behind `overnight serve`, as `tiny`, with
+    adapters up to rank 8: the benchmarks' and some tests' float32 server."""
+    from overnight.models.tiny import build_tiny_model
+
+    build_tiny_model(model_dir)
+    return serve_local_model(
+        data_dir,
+        model_dir,
+        "tiny",
+        *("--max-lora-rank", "8", f"--vllm-arg=--max-model-len={max_model_len}", *extra),
+        port=port,
+        log_level=log_level,
+    )

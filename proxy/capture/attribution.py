@@ -22,7 +22,7 @@ METADATA_GROUP = "rollout_group"
 METADATA_ROLLOUT = "rollout_id"
 
 MAX_ID_BYTES = 256
-# Per-turn groups made from single calls (storage/siblings.py) are named "turn:<record>"
+# Per-turn groups made from single calls (storage/read/siblings.py) are named "turn:<record>"
 # and their members "turn:<record>:<id>"; the judge's rewards for them join on those
 # ids. A client's id in that namespace could take or shadow those rewards, so it is
 # refused rather than stored.

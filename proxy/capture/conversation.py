@@ -21,7 +21,7 @@ keeps, per response id, what such a continuation carries over (`carried_over`), 
 responses this process answered, as many as fit in `CHAIN_BYTES` (counted as text, a
 message shared by several chains once); an id it does not hold is looked up in the store
 (the record of that response holds its whole conversation) through the store's index of
-Responses ids (storage/response_index.py), on a thread of its own, one lookup at a time,
+Responses ids (storage/read/response_index.py), on a thread of its own, one lookup at a time,
 for `LOOKUP_WAIT` seconds at most, an id found nowhere remembered as such for a while.
 Where it is nowhere, the turn is recorded from its own items with `history_missing`
 naming the unknown id (the client's request is never failed for it: vLLM decides, and
@@ -43,7 +43,7 @@ from typing import Any
 
 from aiohttp import web
 
-from overnight.storage.response_index import ResponseIndex
+from overnight.storage.read.response_index import ResponseIndex
 
 RESPONSES = "responses"
 MESSAGES = "messages"

@@ -61,10 +61,10 @@ from aiohttp import web
 from overnight.storage import LogWriter, WriterHealth
 
 from .attribution import Attribution
+from .captures import Capture, TurnCounter
 from .recorder_main import HEADER, frame_of
 from .records import RecordFacts
 from .redact import Redactor
-from .state import Capture, TurnCounter
 
 log = logging.getLogger("overnight.proxy")
 

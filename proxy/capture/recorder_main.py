@@ -22,13 +22,13 @@ from pathlib import Path
 
 import orjson
 
-from overnight.proxy.adapters.promotions import Route
+from overnight.proxy.alias.promotions import Route
 from overnight.storage import LogWriter, WriterConfig
 
 from .attribution import Attribution
+from .captures import Capture, TurnCounter
 from .records import RecordFacts, record_rows
 from .redact import Redactor
-from .state import Capture, TurnCounter
 
 log = logging.getLogger("overnight.proxy")
 

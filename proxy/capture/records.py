@@ -14,8 +14,8 @@ from overnight.errors import OvernightError
 from overnight.storage import SCHEMA_VERSION, new_id, now_us
 
 from .attribution import Attribution, validate_id
+from .captures import Capture, TurnCounter
 from .chat import ChoiceState
-from .state import Capture, TurnCounter
 
 
 def completion_rows(

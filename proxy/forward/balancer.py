@@ -6,7 +6,7 @@
   they come back with it. The hash is the same in every process, so several proxies
   (or `--workers`) send a rollout to the same replica too.
 - A request without ids goes to the live replica with the fewest requests outstanding.
-- Live: answered its last health check and serves the promoted adapter (adapters/registry.py
+- Live: answered its last health check and serves the promoted adapter (alias/registry.py
   decides both; a replica that comes back gets the adapter before it is live again).
   With none live every replica is tried, so one upstream behaves as before replicas
   existed: a down vLLM answers each request with a 502.
@@ -40,7 +40,7 @@ class Replica:
         self.outstanding = 0  # requests sent and not yet released
         self.healthy = True  # its last health check passed (assumed until the first)
         self.synced = True  # it serves the promoted adapter (or none is promoted)
-        self.asleep = False  # put to sleep for a colocated night (adapters/maintenance.py)
+        self.asleep = False  # put to sleep for a colocated night (vllm_sleep.py)
         self.served: set[str] = set()  # model names it listed at its last check
         self._salt = url.encode() + b"\0"
 

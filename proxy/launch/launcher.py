@@ -270,7 +270,7 @@ class VLLMProcess:
 
     def start(self) -> None:
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **self.env)
-        if self.config.sleep_mode:  # /sleep, /wake_up, /is_sleeping (adapters/maintenance.py)
+        if self.config.sleep_mode:  # /sleep, /wake_up, /is_sleeping (vllm_sleep.py)
             env["VLLM_SERVER_DEV_MODE"] = "1"
         # On a CPU: a KV cache sized from the model, not a share of a busy NUMA node.
         env.update(kv_cache_env(self.config.model, self.config.extra_args))

@@ -19,7 +19,7 @@ by the worker answering (`Shared`, shared.py).
 Labels are bounded: a model name counts as itself only when the proxy knows it (the alias,
 the base model, a promoted adapter), else as "other"; no rollout, group or request id is a
 label. Each app has its own registry (tests make many apps in one process). Under
-`--workers N` the supervisor (overnight/serve.py) sets PROMETHEUS_MULTIPROC_DIR to a
+`--workers N` the supervisor (overnight/cli/serve.py) sets PROMETHEUS_MULTIPROC_DIR to a
 directory it wiped and marks dead workers there; any worker's scrape reads all the files.
 """
 
@@ -46,10 +46,10 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from overnight.errors import OvernightError
-from overnight.proxy.adapters.policies import Policies
+from overnight.proxy.alias.policies import Policies
+from overnight.proxy.capture.captures import Capture
 from overnight.proxy.capture.recorder import RECORDER, Recording
 from overnight.proxy.capture.redact import REDACTOR
-from overnight.proxy.capture.state import Capture
 from overnight.proxy.capture.uncaptured import UNCAPTURED
 from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import WRITER

@@ -2,7 +2,7 @@
 adapter (and canary), and how the last nights ended, in the data directory, by policy.
 
 Collected at scrape time by the worker that answers (nothing per worker to sum), from
-the policies' registries and from the Parquet segments of `training_runs` (storage/runs.py).
+the policies' registries and from the Parquet segments of `training_runs` (storage/read/runs.py).
 Labels are bounded: one series per configured policy and role or status.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Iterable
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from overnight.proxy.adapters.policies import Policies
-from overnight.storage.runs import RunsCache, RunsSummary
+from overnight.proxy.alias.policies import Policies
+from overnight.storage.read.runs import RunsCache, RunsSummary
 
 # The training runs are read again at most this often (a scrape comes every 15 s or so;
 # a night ends once a day).

@@ -37,8 +37,8 @@ from aiohttp import web
 from overnight.config import ProxyConfig
 from overnight.config.upstream_kind import HOSTED_KINDS
 from overnight.proxy.capture.attribution import Attribution
+from overnight.proxy.capture.captures import Capture
 from overnight.proxy.capture.chat import TEXT
-from overnight.proxy.capture.state import Capture
 from overnight.proxy.observe.trace_context import Sampler, Span, parent, sampler_from
 from overnight.telemetry import check_environment, wall_ns
 

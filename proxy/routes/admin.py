@@ -6,7 +6,7 @@ query parameter `policy` names it (absent: the default policy, `--alias`), the o
 place it is read, so that the middleware can check a policy's own admin token by it.
 
 Such a token (auth.POLICY_TOKEN on the request) promotes its policy's own adapters only
-(adapters/ownership.py) and sees what its night reads (`NIGHT_VIEW`): not the replicas'
+(alias/ownership.py) and sees what its night reads (`NIGHT_VIEW`): not the replicas'
 URLs, where vLLM loaded the base model from, the requests in flight or the machine; nor
 do its errors name them. The reasons it gives are bounded (`TOKEN_REASON_CHARS`).
 """
@@ -20,7 +20,7 @@ import socket
 from aiohttp import web
 
 from overnight.errors import OvernightError
-from overnight.proxy.adapters.ownership import own_adapter
+from overnight.proxy.alias.ownership import own_adapter
 from overnight.proxy.capture.recorder import RECORDER, Recording
 from overnight.proxy.capture.redact import REDACTOR
 from overnight.proxy.capture.uncaptured import UNCAPTURED
@@ -127,7 +127,7 @@ def _reason(request: web.Request, body: dict) -> str:
 def _replicas_unnamed(request: web.Request, registry):
     """A per-policy admin token's errors say "replica 2", not where the replicas are nor
     where vLLM loaded the base model from (NIGHT_VIEW leaves both out): a load that failed
-    names each replica's URL and echoes vLLM's answer (adapters/loading.py)."""
+    names each replica's URL and echoes vLLM's answer (replicas/loading.py)."""
     try:
         yield
     except OvernightError as e:
@@ -155,7 +155,7 @@ def _awake(request: web.Request) -> None:
 
 
 async def prune(request: web.Request) -> web.Response:
-    """{"keep": N, "dry_run": true}: the adapters no longer needed (adapters/retention.py),
+    """{"keep": N, "dry_run": true}: the adapters no longer needed (alias/retention.py),
     deleted unless `dry_run`. Adapters are the data directory's: whichever policy is
     named, what every policy needs is kept (`keep` rollback targets of each)."""
     body = await read_json_object(request) if await request.read() else {}

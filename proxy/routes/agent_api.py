@@ -24,8 +24,7 @@ import logging
 from aiohttp import web
 
 from overnight.errors import OvernightError
-from overnight.proxy.adapters.maintenance import Unavailable
-from overnight.proxy.adapters.promotions import Route
+from overnight.proxy.alias.promotions import Route
 from overnight.proxy.capture.additions import Additions, add_training_fields, lax_bool, unreadable
 from overnight.proxy.capture.apis import (
     ResponsesAdditions,
@@ -33,6 +32,7 @@ from overnight.proxy.capture.apis import (
     refused_additions,
 )
 from overnight.proxy.capture.attribution import Attribution, attribute, logging_enabled
+from overnight.proxy.capture.captures import Capture
 from overnight.proxy.capture.chat import CHAT, TEXT
 from overnight.proxy.capture.conversation import (
     CHAINS,
@@ -50,12 +50,12 @@ from overnight.proxy.capture.records import (
     reward_row,
 )
 from overnight.proxy.capture.redact import REDACTOR
-from overnight.proxy.capture.state import Capture
 from overnight.proxy.forward.jsonio import read_json_object
 from overnight.proxy.observe.metrics import METRICS
 from overnight.proxy.observe.tracing import TRACING
 from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import MAINTENANCE, POLICIES, STATS, TURNS, WRITER
+from overnight.proxy.vllm_sleep import Unavailable
 from overnight.storage import now_us
 
 from .handover import HostedBeside, hop_of, hosted_of
@@ -266,7 +266,7 @@ async def _as_chat(app: web.Application, endpoint: str, body: dict) -> dict:
 def hold_during_maintenance(
     app: web.Application, hop: HostedBeside | None
 ) -> contextlib.AbstractAsyncContextManager:
-    """Held while vLLM sleeps for a colocated night (adapters/maintenance.py), refused
+    """Held while vLLM sleeps for a colocated night (vllm_sleep.py), refused
     503 when the hold runs out; the hosted model beside it (`hop`) serves on."""
     return app[MAINTENANCE].serving() if hop is None else NO_HOLD
 

@@ -11,7 +11,7 @@
   view turns into a cookie; the cookie (or a bearer header) carries it from then on.
   A per-policy admin token (the keys file's `[[admin]]`) may read, promote and roll back
   the adapters of its policy (`?policy=`, absent: the default one) and nothing else,
-  loopback or not: it promotes its policy's own adapters only (adapters/ownership.py)
+  loopback or not: it promotes its policy's own adapters only (alias/ownership.py)
   and reads what its night needs (admin.py). The handlers know it by `POLICY_TOKEN`.
 
 Secrets are compared with `hmac.compare_digest`, so an answer's timing says nothing

@@ -12,7 +12,7 @@ import orjson
 
 from overnight.proxy.capture.additions import Additions, hide_additions, only_added
 from overnight.proxy.capture.apis import ResponsesAdditions, hide_responses_additions
-from overnight.proxy.capture.state import Capture
+from overnight.proxy.capture.captures import Capture
 from overnight.proxy.forward.jsonio import json_dumps
 from overnight.proxy.forward.sse import SSEParser, encode_event, with_data
 from overnight.proxy.state import SeenFingerprint

@@ -3,13 +3,13 @@ of each policy's rollouts the local model serves.
 
 With `--hosted-upstream` (overnight/config/handover.py) a policy's alias is served two
 ways. A rollout in the handover's share (a hash of its id, sticky in every proxy and
-every turn: adapters/promotions.py `served_locally`) goes to vLLM as before, with the
+every turn: alias/promotions.py `served_locally`) goes to vLLM as before, with the
 proxy's additions and vLLM's key; any other goes to the hosted API as the client sent it
 (hosted.py: nothing added, `--upstream-model` for the alias) with `--hosted-api-key`
 only. Each record says which served it: `model_served`, and `notes.upstream` on the
 hosted one's. The share is each policy's promotion state (`handover`: share, since),
 shared by every proxy like the canary's; `POST /admin/handover?policy=` sets it
-(`overnight watch` moves it on live rewards: trainer/night/handover.py), and
+(`overnight watch` moves it on live rewards: trainer/night/handover_watch.py), and
 /admin/adapters and /ui show it. Before a handover starts the hosted model serves all.
 """
 
@@ -23,7 +23,7 @@ from aiohttp import web
 from overnight.config import ProxyConfig
 from overnight.config.upstream_kind import CONFIGURED
 from overnight.errors import OvernightError
-from overnight.proxy.adapters.promotions import Route
+from overnight.proxy.alias.promotions import Route
 from overnight.proxy.forward.balancer import Balancer
 from overnight.proxy.forward.jsonio import read_json_object
 from overnight.proxy.state import POLICIES

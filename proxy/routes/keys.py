@@ -9,7 +9,7 @@ A scoped key:
   forwarded (no record: nothing was served; the refusal is counted); nor in a group this
   process first served under a model the key may not use (its rollouts would train that
   policy; remembered beside the rollouts, bounded: the nights train a group mixing two
-  policies for neither, storage/policy_scope.py);
+  policies for neither, storage/read/policy_scope.py);
 - posts a reward or finish only for a rollout served under one of those, in one of those
   groups. Which model and group a rollout was served under is remembered here for the
   rollouts this process served (bounded), and looked up in the store (storage/
@@ -49,7 +49,7 @@ from overnight.config.keys import ScopedKey
 from overnight.errors import OvernightError
 from overnight.proxy.capture.attribution import Attribution
 from overnight.proxy.observe.metrics import METRICS, Metrics
-from overnight.storage.rollout_lookup import DAYS
+from overnight.storage.read.rollout_lookup import DAYS
 
 from .key_buckets import LocalBucket, SharedSlot, buckets_for
 from .served_rollouts import SERVED, ServedRollouts

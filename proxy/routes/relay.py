@@ -28,9 +28,9 @@ from overnight.proxy.capture.apis import (
     hide_responses_additions,
     refused_additions,
 )
+from overnight.proxy.capture.captures import Capture
 from overnight.proxy.capture.chat import CHAT, TEXT
 from overnight.proxy.capture.conversation import MESSAGES, RESPONSES
-from overnight.proxy.capture.state import Capture
 from overnight.proxy.capture.uncaptured import note_passthrough
 from overnight.proxy.forward.jsonio import json_dumps, whole_dumps
 from overnight.proxy.forward.paths import check_forwarded

@@ -1,6 +1,6 @@
 """Which model and group each rollout was served under, for scoped keys' rewards and
 finishes (proxy/routes/keys.py): remembered for the rollouts this process served
-(bounded), looked up in the store (storage/rollout_lookup.py, off the event loop) for the
+(bounded), looked up in the store (storage/read/rollout_lookup.py, off the event loop) for the
 others and once for each of its own, with the lookups bounded in number and time.
 """
 
@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from overnight.errors import OvernightError
-from overnight.storage.rollout_lookup import find_rollout
+from overnight.storage.read.rollout_lookup import find_rollout
 
 BRANCH = re.compile(r"\.\d+$")  # `r.3`: the fourth choice of rollout `r` (attribution.py)
 CACHE_SECONDS = 5.0  # a store answer is looked up again after this (it may be written since)
@@ -110,7 +110,7 @@ class ServedRollouts:
         return found, True
 
     async def from_store(self, rollout_id: str, name: str = "") -> Found | None:
-        """The store's answer for `rollout_id` (storage/rollout_lookup.py), kept a while;
+        """The store's answer for `rollout_id` (storage/read/rollout_lookup.py), kept a while;
         `name`: the asking key's (its lookups in flight are capped)."""
         cached = self.store.get(rollout_id)
         if cached is not None and time.monotonic() - cached[0] < CACHE_SECONDS:

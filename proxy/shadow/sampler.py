@@ -63,14 +63,14 @@ import orjson
 from aiohttp import web
 
 from overnight.config import ConfigError, ProxyConfig
+from overnight.proxy.capture.captures import GroupRollouts
 from overnight.proxy.capture.chat import CHAT
 from overnight.proxy.capture.redact import Redactor
-from overnight.proxy.capture.state import GroupRollouts
 from overnight.proxy.forward.balancer import Balancer, Replica
 from overnight.proxy.forward.jsonio import json_dumps
 from overnight.storage import LogWriter, now_us
-from overnight.storage.siblings import TABLE as SIBLINGS
-from overnight.storage.siblings import (
+from overnight.storage.read.siblings import TABLE as SIBLINGS
+from overnight.storage.read.siblings import (
     SiblingError,
     completion_request,
     context_lengths,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 
 from overnight.proxy.forward.sse import SSEParser
-from overnight.storage.siblings import SiblingError
+from overnight.storage.read.siblings import SiblingError
 
 
 async def assemble_stream(response, on_first=None) -> dict:

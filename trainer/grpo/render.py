@@ -29,7 +29,7 @@ from collections import defaultdict
 import pyarrow as pa
 
 from .data import DataError, Turn, merge_turns
-from .records import Loaded, chat_ids
+from .logged_turns import Loaded, chat_ids
 
 # The endpoints whose rows hold a conversation in the chat shape (the proxy normalises
 # Responses and Messages requests: proxy/capture/conversation.py).

@@ -3,7 +3,7 @@
 `overnight train --canary 0.1`: a candidate that passed the offline gate (trainer/night/gate.py)
 is not promoted at once; the proxy loads it on every replica and sends it that share of
 the alias's rollouts, sticky per rollout (a hash of the rollout id, the same in every
-proxy; proxy/adapters/registry.py). Its records name it (`model_served`), so once agents post
+proxy; proxy/alias/registry.py). Its records name it (`model_served`), so once agents post
 rewards (or they are judged) each adapter's live reward is known.
 
 The next `overnight watch` (which every `overnight train` runs first) settles it, with

@@ -2,7 +2,7 @@
 
 `--colocate auto` (the default) colocates when the proxy says it launched vLLM on this
 machine with its sleep routes and the trainer will train on a GPU; `on` always (the CPU
-tests), `off` never. The window (proxy/adapters/maintenance.py) is a lease: a thread here
+tests), `off` never. The window (proxy/vllm_sleep.py) is a lease: a thread here
 renews it while the night trains, and a night that dies stops renewing, so the proxy
 wakes vLLM itself when the lease runs out. The window ends (vLLM awake) before the new
 adapter is promoted, whatever happened meanwhile.

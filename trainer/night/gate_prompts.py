@@ -31,10 +31,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from overnight.storage import open_db
-from overnight.storage.siblings import add_turn_views
+from overnight.storage.read.policy_scope import PolicyScope
+from overnight.storage.read.siblings import add_turn_views
 
 from .plan import Plan, trained_groups, without
-from .policy_scope import PolicyScope
 from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
 from .turn_groups import conversation_key, is_turn_group, trained_turn_sources
 

@@ -32,7 +32,7 @@ def policy_of(state: dict) -> str | None:
     """The alias whose traffic alone counts for `state`'s adapters when the proxy serves
     several policies (the base model serves them all: its rewards must be the policy's
     own), or with one when a key limited to other models could steer it (`others_trained`:
-    storage/policy_scope.py); None with one policy otherwise, where every rollout counts,
+    storage/read/policy_scope.py); None with one policy otherwise, where every rollout counts,
     as before policies."""
     several = len(state.get("policies") or []) > 1
     return state.get("alias") if several or state.get("others_trained") is False else None

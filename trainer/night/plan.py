@@ -39,12 +39,12 @@ import pyarrow as pa
 
 from overnight.config import TrainConfig
 from overnight.storage import finished_groups, now_us, open_db
-from overnight.storage.siblings import TURN_PREFIX
+from overnight.storage.read.policy_scope import PolicyScope
+from overnight.storage.read.siblings import TURN_PREFIX
 from overnight.telemetry import traced
 from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages
-from overnight.trainer.grpo.records import Loaded, load_samples
+from overnight.trainer.grpo.logged_turns import Loaded, load_samples
 
-from .policy_scope import PolicyScope
 from .selection import (
     TURN_HELD_KEY,
     TURN_PENDING_KEY,
@@ -66,7 +66,7 @@ class Plan:
     skipped: Counter = field(default_factory=Counter)  # reason -> groups
     retokenised: int = 0
     token_count_gaps: list[int] = field(default_factory=list)
-    unreproduced: dict[str, int] = field(default_factory=dict)  # see records.Loaded
+    unreproduced: dict[str, int] = field(default_factory=dict)  # see logged_turns.Loaded
     considered: list[str] = field(default_factory=list)  # the candidates looked at
     loaded_groups: list[str] = field(default_factory=list)  # those whose records were read
     looked_since: int | None = None  # the watermark it started from; None: looked at all
@@ -228,7 +228,8 @@ def plan_run(
     Only groups changed since the last run's selection are looked at (see the module's
     docstring), and token ids are read only for those whose rewards could give a
     signal: most groups a night considers are left out for their rewards alone. With
-    `scope`, only the policy's own groups (policy_scope.py), from its own last record."""
+    `scope`, only the policy's own groups (storage/read/policy_scope.py), from its own
+    last record."""
     looked_at = now_us()
     # With `since`, days before it are not even listed (their groups began earlier).
     days_from = since.astimezone(dt.UTC).date() if since is not None else None

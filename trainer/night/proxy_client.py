@@ -1,7 +1,7 @@
 """The trainer's side of the proxy's admin API: what is served, and promoting a new adapter.
 
 Plain urllib: a nightly job makes two or three calls, and the CLI's `rollback` uses
-the same client without importing torch. A call about one policy (proxy/adapters/
+the same client without importing torch. A call about one policy (proxy/alias/
 policies.py) says it in the query, `?policy=NAME`; without it the proxy answers for its
 default policy, as before there were policies.
 """
@@ -15,7 +15,8 @@ import urllib.request
 from pathlib import Path
 
 from overnight.errors import OvernightError
-from overnight.storage import adapter_sync, data_url, segment_store
+from overnight.storage import data_url, segment_store
+from overnight.storage.bucket import adapter_sync
 
 
 class ProxyError(OvernightError):
@@ -103,7 +104,7 @@ def shared_adapter(data_dir: Path, adapter_dir: Path, policy: str | None = None)
 
 def local_adapter(data_dir: Path, adapter: str | None) -> str | None:
     """A path this machine loads `adapter` (as the proxies' state names it) from: an
-    upload in the bucket is downloaded and checked first (storage/adapter_sync.py)."""
+    upload in the bucket is downloaded and checked first (storage/bucket/adapter_sync.py)."""
     if adapter is None or data_url(adapter) is None:
         return adapter
     return str(adapter_sync.fetch(segment_store(data_dir), adapter))
@@ -113,7 +114,7 @@ def prune_adapters(
     proxy_url: str, token: str | None, keep: int, say=print, policy: str | None = None
 ) -> dict | None:
     """After a night: the proxy deletes adapters beyond the served one, a canary and the
-    previous `keep` of every policy (proxy/adapters/retention.py). A failure is said,
+    previous `keep` of every policy (proxy/alias/retention.py). A failure is said,
     never fatal."""
     try:
         pruned = admin_call(proxy_url, "/admin/adapters/prune", token,

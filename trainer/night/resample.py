@@ -5,7 +5,7 @@ train nothing. The nightly stage (`resample_turns`, run before scoring) asks vLL
 more samples of each such turn: its `/v1/completions` with the logged prompt token ids
 (the context exactly as served), the adapter that served the turn, and the turn's
 sampling parameters; vLLM returns each sample's token ids and processed logprobs. The
-samples are stored as `siblings` rows (storage/siblings.py), never as served traffic.
+samples are stored as `siblings` rows (storage/read/siblings.py), never as served traffic.
 
 The judge then scores each per-turn group (the served choice and its siblings) like any
 group, and `turn_groups.add_turn_groups` puts the scored ones into the night's plan.
@@ -35,8 +35,8 @@ import pyarrow as pa
 from overnight.config import SETTLE_SECONDS, TrainConfig
 from overnight.errors import OvernightError
 from overnight.storage import LogWriter, WriterConfig, finished_groups, now_us, open_db
-from overnight.storage.policy_scope import PolicyScope
-from overnight.storage.siblings import (
+from overnight.storage.read.policy_scope import PolicyScope
+from overnight.storage.read.siblings import (
     ENDPOINTS,
     TABLE,
     SiblingError,

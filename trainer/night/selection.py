@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from overnight.config import TrainConfig
 from overnight.storage import open_db
-from overnight.storage.siblings import TURN_PREFIX
+from overnight.storage.read.siblings import TURN_PREFIX
 
 # The key of the selection record in a run's `metrics` JSON.
 SELECTION_KEY = "selection"
@@ -101,7 +101,7 @@ def changed_groups(data_dir: Path, con, watermark: int, settle_seconds: float) -
                 {"t": since},
             ).fetchall()
         }
-        # A per-turn group's member is named after it (storage/siblings.py):
+        # A per-turn group's member is named after it (storage/read/siblings.py):
         # `turn:<record>:served` or `turn:<record>:<sibling record>`.
         members = {r for r in rollouts if r.startswith(TURN_PREFIX)}
         groups |= {r.rsplit(":", 1)[0] for r in members}

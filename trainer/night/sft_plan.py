@@ -37,13 +37,13 @@ from pathlib import Path
 
 from overnight.config import TrainConfig
 from overnight.storage import now_us, open_db
-from overnight.storage.siblings import TURN_PREFIX
+from overnight.storage.read.policy_scope import PolicyScope
+from overnight.storage.read.siblings import TURN_PREFIX
 from overnight.telemetry import traced
 from overnight.trainer.grpo.data import Sample
 from overnight.trainer.grpo.render import load_conversations
 
 from .plan import Plan, chosen_rewards, looked_at_groups, selection_record
-from .policy_scope import PolicyScope
 
 HELD_OUT = "held out for the gate by --sft-held-out (the same groups every night; never trained)"
 PARTLY_SCORED = (

@@ -30,9 +30,10 @@ import pyarrow as pa
 
 from overnight.config import TrainConfig
 from overnight.storage import open_db
-from overnight.storage.siblings import TURN_PREFIX, add_turn_views
+from overnight.storage.read.policy_scope import PolicyScope
+from overnight.storage.read.siblings import TURN_PREFIX, add_turn_views
 from overnight.trainer.grpo.data import DataError, group_advantages
-from overnight.trainer.grpo.records import load_samples
+from overnight.trainer.grpo.logged_turns import load_samples
 
 from .plan import (
     Plan,
@@ -40,7 +41,6 @@ from .plan import (
     chosen_rewards,
     trained_groups,
 )
-from .policy_scope import PolicyScope
 from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
 
 # Rewards a per-turn group trains on: only those the judge writes. A reward an agent

@@ -91,10 +91,10 @@ def watch(
     say=print,
     act: bool = True,
 ) -> WatchVerdict:
-    """Settle a canary (trainer/night/canary.py) and move a handover's share (handover.py),
+    """Settle a canary (trainer/night/canary.py) and move a handover's share (handover_watch.py),
     then check the served adapter; roll it back when it is worse (unless `act` is False)."""
     from .canary import settle
-    from .handover import settle as settle_handover
+    from .handover_watch import settle as settle_handover
 
     settle(data_dir, proxy_url, token, config, say, act)
     settle_handover(data_dir, proxy_url, token, config, say, act)

@@ -14,7 +14,7 @@ import duckdb
 from aiohttp import web
 
 from overnight.storage import open_db
-from overnight.storage.reader import read_failure
+from overnight.storage.read.reader import read_failure
 
 # What the view reads, through `request.config_dict`: set on the parent app by whoever
 # mounts the view (the proxy's create_app). The keys live here, not in the proxy: view/

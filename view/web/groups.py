@@ -7,7 +7,7 @@
 A filter is a link that can be shared: the groups page's filters are its query
 parameters, checked (`BadFilter`, a 400) before they become SQL parameters. Each page
 takes `?policy=NAME` (policies.py): the groups whose first turn asked for that policy,
-as its nights choose them (storage/policy_scope.py); its links keep the policy.
+as its nights choose them (storage/read/policy_scope.py); its links keep the policy.
 """
 
 from __future__ import annotations

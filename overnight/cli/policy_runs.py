@@ -1,0 +1,204 @@
+"""Which policies a batch command runs for, and each one's groups and options: for
+`overnight train` (resample, score and train, one policy after another) and
+`overnight judge --policy`.
+
+A policy's night resamples, scores and trains its own groups only (storage/read/policy_scope.py),
+each step with the policy's own options: the command line's, then the config file's
+`[policies.NAME]` table (options.py), its judge, rubric and reward function included.
+
+Which policies: `--policy`'s, else every policy the proxy serves, asked as the night asks
+it (trainer/night/proxy_client.py). Where no proxy answers and nothing will be promoted
+(a dry run, a judge run), they are read offline instead: the promotion states and the
+runs in the data directory, and what the config file names (serve's `alias` and
+`--policy`, the `[policies.NAME]` tables), the default policy first. Nothing at all:
+one run over every group, as before policies (policy None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .options import POLICY_TABLES, policy_options
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    policy: str | None  # None: every group, as before policies
+    values: dict[str, Any]  # the command's values, the policy's table's options over them
+    # With no proxy to ask: the keys of its answer that a scope reads, read offline.
+    offline: dict | None = None
+
+    def scope(self, proxy_url: str | None, token: str | None):
+        """Its groups (storage/read/policy_scope.py), from the proxy's answer about the policy
+        (asked now, as its night asks it) or the offline one; None: every group."""
+        from overnight.storage.read.policy_scope import PolicyScope
+        from overnight.trainer.night.proxy_client import serving_state
+
+        if self.policy is None:
+            return None
+        state = self.offline
+        if state is None:
+            state = serving_state(proxy_url, token, self.policy)
+        return PolicyScope.of(self.policy, state)
+
+    def option(self, name: str, given: Any) -> Any:
+        """An option the command takes apart from `values` (`reward`): the policy's table's
+        unless the command line gave it (policy_options leaves those out)."""
+        return self.values.get(name, given)
+
+
+def policy_runs(
+    ctx: click.Context,
+    data_dir: Path,
+    values: dict[str, Any],
+    policy: str | None,
+    proxy_url: str | None,
+    token: str | None,
+    offline: bool = False,
+) -> list[PolicyRun]:
+    """One run per policy, each with its options: `policy`, else the proxy's policies.
+    With `offline` (a dry run, a judge run), a proxy that does not answer is done without:
+    the policies come from the data directory and the config file (`offline_policies`).
+    Otherwise a proxy that cannot be asked gives one run of policy None, every group (the
+    night then fails on it, or runs without one, as before policies)."""
+    from overnight.trainer.night.proxy_client import proxy_policies
+
+    names = [policy] if policy else proxy_policies(proxy_url, token)
+    state = None
+    if offline and not (_answers(proxy_url, token, policy) if policy else names):
+        listed = offline_policies(ctx, data_dir)
+        names, state = [policy] if policy else listed, _offline_state(listed)
+    return [
+        PolicyRun(name, {**values, **policy_options(ctx, name)} if name else values, state)
+        for name in names or [None]
+    ]
+
+
+def _answers(proxy_url: str | None, token: str | None, policy: str) -> bool:
+    from overnight.trainer.night.proxy_client import ProxyError, serving_state
+
+    if not proxy_url:
+        return False
+    try:
+        return bool(serving_state(proxy_url, token, policy))
+    except ProxyError:
+        return False
+
+
+def offline_policies(ctx: click.Context, data_dir: Path) -> list[str]:
+    """The policies the data directory and the config file name, the default first: the
+    alias of DATA/adapters.json (else serve's `alias`, else `policy`), then the others."""
+    from overnight.config import ProxyConfig
+    from overnight.proxy.alias.promotions import policy_state_paths
+    from overnight.proxy.alias.retention import night_run
+
+    root = ctx.find_root()
+    serve = (root.default_map or {}).get("serve", {})
+    on_disk = [_alias_in(path) for path in policy_state_paths(data_dir)]
+    default_state, others = on_disk[0], [a for a in on_disk[1:] if a]
+    runs = sorted(Path(data_dir).glob("runs/*/run.json"))
+    trained = [(night_run(data_dir, run.parent.name) or {}).get("policy") for run in runs]
+    named = [*serve.get("policies", []), *root.meta.get(POLICY_TABLES, {})]
+    found = [*others, *(p for p in trained if isinstance(p, str)), *named]
+    if not (default_state or found or "alias" in serve):
+        return []  # nothing says there are policies: every group, as before them
+    default = default_state or serve.get("alias") or ProxyConfig.alias
+    return list(dict.fromkeys([default, *found]))
+
+
+def _offline_state(names: list[str]) -> dict:
+    """The keys of the proxy's answer a night's scope reads, for `names` (default first);
+    none known: {} (a policy's own alias's groups only: PolicyScope.of)."""
+    if not names:
+        return {}
+    return {"policies": names, "default": names[0], "others_trained": len(names) == 1}
+
+
+def _alias_in(path: Path) -> str | None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        alias = json.loads(path.read_text()).get("alias")
+        return alias if isinstance(alias, str) else None
+    return None
+
+
+def judge_config(values: dict[str, Any], *, own_max_tokens: bool = True):
+    """The judge a policy's groups are scored with (None: no --judge-model). `overnight
+    train`'s --max-tokens is the night's, not the judge's (`own_max_tokens` False)."""
+    from overnight.config import JudgeConfig
+
+    from .options import build
+
+    if not values.get("judge_model"):
+        return None
+    return build(JudgeConfig, {k: v for k, v in values.items()
+                               if own_max_tokens or k != "max_tokens"})  # fmt: skip
+
+
+def score_night(
+    run: PolicyRun,
+    data_dir: Path,
+    reward: str | None,
+    scope,
+    *,
+    proxy_url: str | None,
+    token: str | None,
+    since,
+    say=click.echo,
+):
+    """A policy's scoring before its night, of its own groups (`scope`): --resample's
+    siblings of its single calls, then its judge and/or reward function. The judge's
+    summary (its cost goes to the night's W&B run), or None when nothing scores."""
+    from overnight.config import TrainConfig
+
+    from .options import build
+
+    values = run.values
+    judge, reward = judge_config(values, own_max_tokens=False), run.option("reward", reward)
+    tool_calls = {
+        "tool_call_parser": values["tool_call_parser"],
+        "tool_parser_tokenizer": values["tool_parser_tokenizer"] or values["base_model"],
+    }
+    if values["resample"]:
+        # Siblings of single calls first (trainer/night/resample.py): the judge below
+        # scores them, and the plan takes the per-turn groups they form.
+        from overnight.trainer.night.resample import resample_turns
+
+        if not (judge or reward):
+            click.echo("warning: --resample without --reward or --judge-model: the siblings "
+                       "stay unscored until a judge run scores them", err=True)  # fmt: skip
+        else:  # a parser that cannot be built stops the night before any sampling
+            from overnight.judge.tool_calls import sibling_parser
+
+            sibling_parser(*tool_calls.values())
+        config = build(TrainConfig, values, policy=run.policy)
+        resample_turns(data_dir, config, proxy_url=proxy_url, admin_token=token,
+                       settle_seconds=values["settle"], since=since, say=say,
+                       scope=scope)  # fmt: skip
+    if not (judge or reward):
+        return None
+    # Scored first, with the judge's own batch (the trainer never calls the judge).
+    from overnight.judge.run import judge_step
+
+    return judge_step(data_dir, judge, reward, say=say, settle_seconds=values["settle"],
+                      scope=scope, **tool_calls)  # fmt: skip
+
+
+def judge_run(ctx: click.Context, data_dir: Path, values: dict[str, Any]):
+    """`overnight judge`'s run and its scope: every group, or with --policy that policy's
+    groups with its table's options (its `max_tokens` is the night's, not the judge's);
+    the proxy is asked where one runs (--proxy, or the live one of DATA/proxy.json)."""
+    from .data import proxy_of
+
+    policy = values["policy"]
+    if policy is None:
+        return PolicyRun(None, values), None
+    proxy_url, token = proxy_of(data_dir, values["proxy_url"], None), values["admin_token"]
+    (run,) = policy_runs(ctx, data_dir, values, policy, proxy_url, token, offline=True)
+    run = PolicyRun(policy, {**run.values, "max_tokens": values["max_tokens"]}, run.offline)
+    return run, run.scope(proxy_url, token)
