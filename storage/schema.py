@@ -198,6 +198,30 @@ RESPONSE_IDS = pa.schema(
      ("schema_version", pa.int16()), ("started_at", _TS)]  # the record's
 )  # fmt: skip
 
+# What the next exchange of a conversation says about a logged turn (judge/signals.py):
+# one row per signal, read from the traffic alone; `overnight signals` writes them. The
+# same signal found again has the same `signal_id` and is not written twice.
+SIGNALS = pa.schema(
+    [
+        ("signal_id", pa.string()),
+        ("schema_version", pa.int16()),
+        ("created_at", _TS),
+        ("record_id", pa.string()),  # the turn it is about (`completions`)
+        ("rollout_id", pa.string()),
+        ("group_id", pa.string()),
+        ("kind", pa.string()),  # accepted | corrected | re_asked | moved_on | regenerated | ...
+        ("value", pa.float64()),  # -1 (bad) .. +1 (good); 0 says nothing either way
+        ("confidence", pa.float64()),  # 0 .. 1
+        ("rule", pa.string()),  # which rule (or classifier) said so
+        ("source", pa.string()),  # rules
+        ("evidence", pa.string()),  # the text it read, cut
+        ("evidence_record", pa.string()),  # the record whose request carried it
+        ("extra", pa.string()),  # JSON object: a rule's numbers (a re-ask's similarity)
+        ("proxy_id", pa.string()),  # the process that wrote it
+        NOTES,
+    ]
+)
+
 TABLES: dict[str, pa.Schema] = {
     "completions": COMPLETIONS,
     "rewards": REWARDS,
@@ -206,6 +230,7 @@ TABLES: dict[str, pa.Schema] = {
     "training_runs": TRAINING_RUNS,
     "siblings": SIBLINGS,
     "response_ids": RESPONSE_IDS,
+    "signals": SIGNALS,
 }
 
 # Columns written as JSON text that hold timestamps as ISO strings in the log.

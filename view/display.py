@@ -8,7 +8,7 @@ import datetime as dt
 import io
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
@@ -167,6 +167,9 @@ class ShownTurn:
     finish_reason: str | None
     error: str | None
     messages: list[dict]  # what is new since the turn before, then the reply
+    # What happened next says of it (the `signals` table, `overnight signals`): dicts of
+    # kind, value, confidence, rule, evidence.
+    signals: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -187,7 +190,8 @@ class ShownRollout:
 def load_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> ShownRollout:
     turns = con.execute(
         "SELECT turn_index, started_at, model_served, request, response, finish_reason, error, "
-        "len(completion_token_ids), latency_ms, group_id FROM completions WHERE rollout_id = ? "
+        "len(completion_token_ids), latency_ms, group_id, record_id FROM completions "
+        "WHERE rollout_id = ? "
         "ORDER BY started_at, turn_index",
         [rollout_id],
     ).fetchall()
@@ -200,8 +204,21 @@ def load_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> ShownRollou
         "FROM rollouts WHERE rollout_id = ?",
         [rollout_id],
     ).fetchone()
+    signals = _signals_of(con, [row[-1] for row in turns])
     shown, seen = [], 0
-    for turn, started, served, request, response, finish, error, n_tokens, latency, _ in turns:
+    for (
+        turn,
+        started,
+        served,
+        request,
+        response,
+        finish,
+        error,
+        n_tokens,
+        latency,
+        _,
+        record,
+    ) in turns:
         messages = _messages(_object(request).get("messages"))
         # Only what is new since the last turn: the agent resends its history.
         start = seen if len(messages) > seen else 0
@@ -221,6 +238,7 @@ def load_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> ShownRollou
                 finish,
                 error,
                 messages[start:] + replies,
+                signals.get(record, []),
             )
         )
     return ShownRollout(
@@ -287,6 +305,28 @@ def message_parts(message: dict) -> tuple[str, str, list[tuple[str, str]]]:
     return _text(message.get("role", "?")), _text(content), calls
 
 
+def _signals_of(con: duckdb.DuckDBPyConnection, records: list[str]) -> dict[str, list[dict]]:
+    """Each record's signals, surest first."""
+    rows = con.execute(
+        "SELECT record_id, kind, value, confidence, rule, evidence FROM signals "
+        "WHERE record_id IN (SELECT unnest(?)) ORDER BY confidence DESC, kind",
+        [records],
+    ).fetchall()
+    out: dict[str, list[dict]] = {}
+    for record, kind, value, confidence, rule, evidence in rows:
+        out.setdefault(record, []).append(
+            {"kind": kind, "value": value, "confidence": confidence, "rule": rule,
+             "evidence": evidence}
+        )  # fmt: skip
+    return out
+
+
+def signal_line(s: dict) -> str:
+    """One signal as `overnight show` and the web view print it."""
+    said = f": {s['evidence']!r}" if s["evidence"] else ""
+    return f"{s['kind']} ({s['value']:+g}, confidence {s['confidence']:g}): {s['rule']}{said}"
+
+
 def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
     r = load_rollout(con, rollout_id)
     out = [
@@ -308,6 +348,7 @@ def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
             out += [f"  -> {name}({arguments})" for name, arguments in calls]
         if t.error:
             out.append(f"[error] {t.error}")
+        out += [f"[next] {signal_line(s)}" for s in t.signals]
     return "\n".join(out)
 
 

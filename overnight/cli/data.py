@@ -73,7 +73,10 @@ def _attach(ctx: click.Context, _param: click.Parameter, value: str | Path) -> P
         raise click.BadParameter(str(e), param_hint="--data") from e
 
 
-_TABLES = ("completions", "rollouts", "groups", "rewards", "finishes", "judgments", "training_runs")
+_TABLES = (
+    "completions", "rollouts", "groups", "rewards", "finishes", "judgments", "training_runs",
+    "signals",
+)  # fmt: skip
 
 
 def _format_option(*formats: str) -> Callable[[Callable], Callable]:

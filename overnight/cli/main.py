@@ -190,6 +190,42 @@ def judge(
         _judge(data_dir, judge_model, reward, combine, run.values, scope)
 
 
+@main.command()
+@data_option
+@click.option(
+    "--since", default="7d", show_default=True,
+    help="Read the chat turns of this last while: 7d, 12h, 2w.",
+)  # fmt: skip
+@click.option(
+    "--quiet", default="0.5h", show_default=True,
+    help="A conversation quiet this long has ended (its last turn gets `ended`).",
+)  # fmt: skip
+def signals(data_dir: Path, since: str, quiet: str) -> None:
+    """Read what happens next in each conversation: the `signals` of its turns.
+
+    A correction, an acceptance, a re-ask, a regenerate or an edit, a tool error or retry,
+    a malformed or cut answer: found by rules in the traffic alone (docs/signals.md), and
+    written to the `signals` table (`overnight sql`, `overnight show`). Run it again at
+    any time: what was written before is not written twice.
+
+    \b
+    Example:
+      overnight signals
+      overnight sql "SELECT kind, count(*) FROM signals GROUP BY kind"
+    """
+    from overnight.judge.implicit import run_signals
+    from overnight.storage.read.reader import naming_damaged_files
+
+    from .prune import parse_age
+
+    require_data_dir(data_dir)
+    window, quiet_for = parse_age(since), parse_age(quiet)  # a ConfigError says what is wrong
+    with naming_damaged_files(data_dir):
+        summary = run_signals(data_dir, window.total_seconds(), quiet_for.total_seconds())
+    for line in summary.lines():
+        click.echo(line)
+
+
 def _judge(
     data_dir: Path, judge_model, reward, combine: bool, values: dict[str, Any], scope=None
 ) -> None:

@@ -24,7 +24,9 @@ import pyarrow.parquet as pq
 from overnight.errors import ConfigError
 
 # Every table but training_runs (see the module's doc).
-PRUNED_TABLES = ("completions", "rewards", "finishes", "judgments", "siblings", "response_ids")
+PRUNED_TABLES = (
+    "completions", "rewards", "finishes", "judgments", "siblings", "response_ids", "signals",
+)  # fmt: skip
 _AGE = re.compile(r"(\d+(?:\.\d+)?)\s*([dhw])")
 _UNITS = {"h": dt.timedelta(hours=1), "d": dt.timedelta(days=1), "w": dt.timedelta(weeks=1)}
 

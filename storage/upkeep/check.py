@@ -38,6 +38,7 @@ ID_COLUMNS = {
     "rewards": "reward_id",
     "judgments": "judgment_id",
     "siblings": "record_id",
+    "signals": "signal_id",
 }
 
 

@@ -91,6 +91,7 @@ OPEN_DAY_BATCH = 12
 SORT_KEYS = {
     "completions": ["group_id", "rollout_id", "started_at"],
     "rewards": ["rollout_id"],
+    "signals": ["record_id"],
     "response_ids": ["response_id"],  # a lookup by id: its row group's statistics find it
 }
 

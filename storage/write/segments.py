@@ -67,6 +67,7 @@ PARTITION_COLUMN = {
     "training_runs": "started_at",
     "siblings": "started_at",
     "response_ids": "started_at",
+    "signals": "created_at",
 }
 # Row groups of a table whose lookups are by a key its merged days are sorted by: small
 # enough that the statistics of most of them rule a key out (response_index.py).

@@ -28,6 +28,7 @@ border-left:3px solid #ccc}.system{border-color:#a1a1aa}.user{border-color:#2563
 .assistant{border-color:#16a34a}.tool{border-color:#ea580c}.call{font-family:monospace;
 background:#fff7ed;padding:.2em .4em;margin:.2em 0}.error{color:#b91c1c}
 .explanation{background:#f4f4f5;padding:.5em .8em;border-radius:6px}
+.signal{color:#1d4ed8;font-size:.9em}
 figure{display:inline-block;margin:1em 1em 1em 0}
 """
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from overnight.errors import OvernightError
-from overnight.view.display import load_rollout, message_parts, newest_groups
+from overnight.view.display import load_rollout, message_parts, newest_groups, signal_line
 
 from .data import UNCAPTURED, query
 from .frame import esc, html_page, html_table, num, stamp, url_segment
@@ -282,6 +282,7 @@ async def rollout_page(request: web.Request) -> web.Response:
         parts = [_message_html(m) for m in t.messages]
         if t.error:
             parts.append(f'<div class="error">error: {esc(t.error)}</div>')
+        parts += [f'<div class="signal">next: {esc(signal_line(s))}</div>' for s in t.signals]
         body.append(
             f'<section class="turn"><div class="meta">turn {t.index} &middot; '
             f"{stamp(t.started_at)} &middot; served by {esc(t.served_by)} &middot; {t.tokens} "

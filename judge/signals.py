@@ -1,0 +1,442 @@
+"""What happens next says how a turn went: signals read from the traffic alone.
+
+No reward code, no posted reward, no judge: for each logged assistant turn, the next
+exchange of the same conversation is its verdict, and the proxy has already logged it.
+A conversation is linked by its messages, never by ids (most production traffic has
+none): a later request whose messages begin with this turn's messages and its reply
+continues it; one with the very same messages asks again (a regenerate); one whose
+messages differ only in the last user message edits the question.
+
+What the next exchange says, each a `Signal` with a value (-1 bad .. +1 good), a
+confidence, the rule that said so and the text it read:
+
+- the next user message, read by rules where rules are reliable: an acceptance
+  ("thanks, that works"), a correction or complaint ("no, I asked for ..."), a re-ask
+  (much the same words as the question it answered), or else a new request (moved on);
+- a regenerate or an edit of the last message;
+- after a tool call: a tool result that reads as an error, or the same tool called
+  again with other arguments;
+- the turn itself: tool arguments or a JSON answer (`response_format`) that do not
+  parse, a reply cut at `length`;
+- nothing next after the conversation went quiet (ended): recorded, with value 0, for
+  it says nothing either way (satisfied, or gave up).
+
+Pure: turns in, signals out; reading the store and writing the `signals` table is
+judge/implicit.py's. How each rule fails (sarcasm, a satisfied user who leaves, a
+re-ask for a new reason) is in docs/signals.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# Evidence is cut to this many characters: enough to see why, not a copy of the traffic.
+EVIDENCE_CHARS = 200
+
+# The kinds, and the value each says of the turn it follows.
+ACCEPTED = "accepted"
+CORRECTED = "corrected"
+RE_ASKED = "re_asked"
+MOVED_ON = "moved_on"
+REGENERATED = "regenerated"
+EDITED = "edited"
+TOOL_ERROR = "tool_error"
+TOOL_RETRY = "tool_retry"
+MALFORMED = "malformed"
+TRUNCATED = "truncated"
+ENDED = "ended"
+KINDS = (
+    ACCEPTED,
+    CORRECTED,
+    RE_ASKED,
+    MOVED_ON,
+    REGENERATED,
+    EDITED,
+    TOOL_ERROR,
+    TOOL_RETRY,
+    MALFORMED,
+    TRUNCATED,
+    ENDED,
+)
+
+# A reaction at the start of the next user message. Anchored at the start on purpose:
+# "no" inside a sentence ("no more than 3 items") says nothing about the last answer.
+_ACCEPT = re.compile(
+    r"^\W*(thanks?\b|thank you|thx|ty\b|perfect|great|awesome|excellent|nice\b|cool\b|"
+    r"(that|this|it) (works|worked|did it|helps|helped)|works\b|worked\b|correct\b|exactly\b|"
+    r"yes,? (that'?s|this is) (it|right|correct)|got it|looks good|lgtm)",
+    re.IGNORECASE,
+)
+_CORRECT = re.compile(
+    r"^\W*(no\b|nope\b|wrong\b|incorrect\b|not (quite|right|correct|what)\b|"
+    r"(that|this|it)('?s| is| was) (not|wrong|incorrect)\b|"
+    r"(that|this|it) (didn'?t|doesn'?t|does not|did not) work|"
+    r"you (misunderstood|misread|got it wrong|are wrong|'re wrong)|"
+    r"i (said|asked|meant|wanted|told you)\b|try again\b|still (wrong|not|broken)\b|"
+    r"actually,? (i|it|that)\b|that'?s not what)",
+    re.IGNORECASE,
+)
+# A tool result that reports a failure rather than a result.
+_TOOL_ERROR = re.compile(
+    r"^\W*(error|exception|traceback|failed|failure|invalid|not found|unknown (tool|function)|"
+    r"permission denied|timed? ?out)\b|\"error\"\s*:",
+    re.IGNORECASE,
+)
+# Words that carry no question of their own, left out of the re-ask comparison.
+_STOP_WORDS = (
+    "a an the is are was were be to of in on for and or but it this that what which who "
+    "how do does did can could would should i you me my your please again just so"
+)
+_STOP = frozenset(_STOP_WORDS.split(" "))
+# A regenerate or an edit comes soon after the answer it rejects; the same first message
+# an hour later is as likely another user with the same question (traffic without ids).
+AGAIN_WITHIN_US = 5 * 60 * 1_000_000
+RE_ASK_SIMILARITY = 0.6
+# An edit keeps much of the message it replaces; a new first message is a new question.
+EDIT_SIMILARITY = 0.3  # Jaccard of content words, measured in tests/test_signals.py
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One logged assistant turn, as the rules read it."""
+
+    record_id: str
+    request_id: str
+    rollout_id: str
+    attributed: bool  # the agent named its rollout (headers, URL, metadata)
+    started_at: int  # microseconds
+    messages: list[dict]  # the request's messages, in the chat shape
+    reply: dict  # the assistant message
+    finish_reason: str | None = None
+    response_format: dict | None = None
+
+
+@dataclass(frozen=True)
+class Signal:
+    record_id: str  # the turn it is about
+    kind: str
+    value: float  # -1 (bad) .. +1 (good); 0 says nothing either way
+    confidence: float  # 0 .. 1
+    rule: str  # which rule said so
+    evidence: str = ""  # the text it read, cut
+    evidence_record: str | None = None  # the record whose request carried it
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def signal_id(self) -> str:
+        """The same signal found again is the same row (a night re-reads recent turns)."""
+        key = f"{self.record_id}\x1f{self.kind}\x1f{self.rule}\x1f{self.evidence_record}"
+        return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def read_signals(turns: Iterable[Turn], now_us: int, quiet_us: int) -> list[Signal]:
+    """Every signal the traffic gives about each of `turns`. A turn with nothing next is
+    `ended` once the conversation has been quiet for `quiet_us` (until then the next
+    message may still come)."""
+    turns = sorted(turns, key=lambda t: (t.started_at, t.record_id))
+    continuing = _continuations(turns)
+    by_messages: dict[str, list[Turn]] = {}
+    by_question: dict[str, list[Turn]] = {}
+    for t in turns:
+        by_messages.setdefault(_key(t.messages), []).append(t)
+        if t.messages and t.messages[-1].get("role") == "user":
+            by_question.setdefault(_key(t.messages[:-1]), []).append(t)
+    out: list[Signal] = []
+    for t in turns:
+        out += _own(t)
+        nxt = next(
+            (u for u in continuing.get(t.record_id, ()) if u.started_at >= t.started_at), None
+        )
+        if nxt is not None:
+            out += _next_exchange(t, nxt)
+        again = _asked_again(t, by_messages, by_question)
+        out += again
+        if nxt is None and not again and now_us - t.started_at >= quiet_us:
+            out.append(Signal(t.record_id, ENDED, 0.0, 0.1, "nothing followed"))
+    return out
+
+
+# -- linking the conversation -----------------------------------------------------------
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # parts: the text ones
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _norm(message: dict) -> tuple:
+    """What identifies a message when a client sends it back: its role, text and tool
+    calls. Fields a client may drop or add on the way back (`refusal: null`, reasoning,
+    annotations) are not part of it."""
+    calls = tuple(
+        (c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
+        for c in message.get("tool_calls") or ()
+        if isinstance(c, dict)
+    )
+    return (
+        message.get("role"),
+        _text(message.get("content")).strip(),
+        calls,
+        message.get("tool_call_id"),
+    )
+
+
+def _key(messages: list[dict]) -> str:
+    return hashlib.sha256(json.dumps([_norm(m) for m in messages]).encode()).hexdigest()
+
+
+def _continuations(turns: list[Turn]) -> dict[str, list[Turn]]:
+    """Turn record id -> the later turns whose messages begin with its messages and its
+    reply, earliest first. Each turn's prefixes ending in an assistant message are
+    hashed once; a turn is continued where its conversation plus reply is one of them."""
+    prefixes: dict[str, list[Turn]] = {}
+    for u in turns:
+        for k, message in enumerate(u.messages, start=1):
+            if message.get("role") == "assistant":
+                prefixes.setdefault(_key(u.messages[:k]), []).append(u)
+    out = {}
+    for t in turns:
+        found = prefixes.get(_key([*t.messages, t.reply]), [])
+        if found:
+            out[t.record_id] = [u for u in found if u.record_id != t.record_id]
+    return out
+
+
+# -- what the next exchange says ---------------------------------------------------------
+
+
+def _cut(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= EVIDENCE_CHARS else text[: EVIDENCE_CHARS - 1] + "…"
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in re.findall(r"\w+", text.lower()) if w not in _STOP}
+
+
+def similarity(a: str, b: str) -> float:
+    """Jaccard similarity of two texts' content words (0 when either has none)."""
+    wa, wb = _words(a), _words(b)
+    return len(wa & wb) / len(wa | wb) if wa and wb else 0.0
+
+
+def _next_exchange(t: Turn, u: Turn) -> list[Signal]:
+    """What `u`, the request that continued `t`'s conversation, says about `t`."""
+    new = u.messages[len(t.messages) + 1 :]
+    out = []
+    calls = {c.get("id"): c for c in t.reply.get("tool_calls") or () if isinstance(c, dict)}
+    for m in new:
+        if m.get("role") == "tool" and m.get("tool_call_id") in calls:
+            text = _text(m.get("content"))
+            if _TOOL_ERROR.search(text):
+                out.append(
+                    Signal(
+                        t.record_id,
+                        TOOL_ERROR,
+                        -1.0,
+                        0.7,
+                        "tool result reads as an error",
+                        _cut(text),
+                        u.record_id,
+                    )
+                )
+    if calls:
+        again = _tool_called_again(t, u)
+        if again:
+            out.append(again)
+    user = next((m for m in new if m.get("role") == "user"), None)
+    if user is None:
+        return out
+    text = _text(user.get("content"))
+    question = next(
+        (_text(m.get("content")) for m in reversed(t.messages) if m.get("role") == "user"), ""
+    )
+    if _CORRECT.search(text):
+        out.append(
+            Signal(
+                t.record_id,
+                CORRECTED,
+                -1.0,
+                0.8,
+                "the next message corrects it",
+                _cut(text),
+                u.record_id,
+            )
+        )
+    elif _ACCEPT.search(text):
+        out.append(
+            Signal(
+                t.record_id,
+                ACCEPTED,
+                1.0,
+                0.8,
+                "the next message accepts it",
+                _cut(text),
+                u.record_id,
+            )
+        )
+    elif question and similarity(text, question) >= RE_ASK_SIMILARITY:
+        out.append(
+            Signal(
+                t.record_id,
+                RE_ASKED,
+                -1.0,
+                0.7,
+                "the next message asks the same again",
+                _cut(text),
+                u.record_id,
+                {"similarity": round(similarity(text, question), 3)},
+            )
+        )
+    else:
+        out.append(
+            Signal(
+                t.record_id,
+                MOVED_ON,
+                0.3,
+                0.3,
+                "the next message asks something new",
+                _cut(text),
+                u.record_id,
+            )
+        )
+    return out
+
+
+def _tool_called_again(t: Turn, u: Turn) -> Signal | None:
+    """`u`'s reply calls a tool `t` called, with other arguments: `t`'s call was a miss."""
+    before = {
+        (c.get("function") or {}).get("name"): (c.get("function") or {}).get("arguments")
+        for c in t.reply.get("tool_calls") or ()
+        if isinstance(c, dict)
+    }
+    for c in u.reply.get("tool_calls") or ():
+        fn = c.get("function") or {} if isinstance(c, dict) else {}
+        name = fn.get("name")
+        if name in before and fn.get("arguments") != before[name]:
+            return Signal(
+                t.record_id,
+                TOOL_RETRY,
+                -0.5,
+                0.5,
+                "the same tool called again with other arguments",
+                _cut(f"{name}({fn.get('arguments')})"),
+                u.record_id,
+            )
+    return None
+
+
+def _asked_again(t: Turn, by_messages: dict, by_question: dict) -> list[Signal]:
+    """A later request of the same client with `t`'s very messages (a regenerate) or with
+    its last user message changed (an edit). An agent's own rollouts of one group share
+    their prompt on purpose, so attributed turns count only within their rollout. Without
+    ids, an edit needs a history of its own (an answer before the edited message): two
+    users' first questions alike are not an edit, and a system prompt is every user's."""
+
+    def same_client(u: Turn) -> bool:
+        if u.record_id == t.record_id or u.request_id == t.request_id:
+            return False  # the n choices of one request are not a regenerate
+        if not 0 <= u.started_at - t.started_at <= AGAIN_WITHIN_US:
+            return False
+        return u.rollout_id == t.rollout_id if (t.attributed or u.attributed) else True
+
+    out = []
+    again = [u for u in by_messages.get(_key(t.messages), ()) if same_client(u)]
+    if again:
+        u = again[0]
+        out.append(
+            Signal(
+                t.record_id,
+                REGENERATED,
+                -1.0,
+                0.6,
+                "the same messages were sent again",
+                "",
+                u.record_id,
+            )
+        )
+        return out
+    history = any(m.get("role") == "assistant" for m in t.messages[:-1])
+    if t.messages and t.messages[-1].get("role") == "user" and (history or t.attributed):
+        question = _text(t.messages[-1].get("content"))
+        for u in by_question.get(_key(t.messages[:-1]), ()):
+            edited = _text(u.messages[-1].get("content"))
+            changed = edited.strip() != question.strip()
+            if same_client(u) and changed and similarity(edited, question) >= EDIT_SIMILARITY:
+                out.append(
+                    Signal(
+                        t.record_id,
+                        EDITED,
+                        -0.5,
+                        0.5,
+                        "the last message was edited and sent again",
+                        _cut(edited),
+                        u.record_id,
+                    )
+                )
+                break
+    return out
+
+
+# -- what the turn itself says ------------------------------------------------------------
+
+
+def _own(t: Turn) -> list[Signal]:
+    out = []
+    for c in t.reply.get("tool_calls") or ():
+        arguments = ((c.get("function") or {}) if isinstance(c, dict) else {}).get("arguments")
+        if isinstance(arguments, str) and not _parses(arguments):
+            out.append(
+                Signal(
+                    t.record_id,
+                    MALFORMED,
+                    -1.0,
+                    1.0,
+                    "tool arguments are not JSON",
+                    _cut(arguments),
+                )
+            )
+            break
+    wanted = (t.response_format or {}).get("type")
+    content = _text(t.reply.get("content"))
+    asked_json = wanted in ("json_object", "json_schema") and not t.reply.get("tool_calls")
+    if asked_json and not _parses(content):
+        out.append(
+            Signal(
+                t.record_id,
+                MALFORMED,
+                -1.0,
+                1.0,
+                f"asked for {wanted}, the answer is not JSON",
+                _cut(content),
+            )
+        )
+    if t.finish_reason == "length":
+        out.append(
+            Signal(
+                t.record_id,
+                TRUNCATED,
+                -0.5,
+                0.6,
+                "the answer stopped at max_tokens",
+                _cut(content[-EVIDENCE_CHARS:]),
+            )
+        )
+    return out
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

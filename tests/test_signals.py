@@ -1,0 +1,275 @@
+"""What happens next, read from the traffic alone (judge/signals.py, judge/implicit.py).
+
+The rules on conversations written out here (pure, no server); then the whole way
+through a proxy in front of the fake vLLM: logged, read by `overnight signals`, written
+once, shown by `overnight show` and SQL.
+"""
+
+from __future__ import annotations
+
+import random
+from urllib.parse import quote
+
+import pytest
+from click.testing import CliRunner
+
+from overnight.judge.signals import (
+    ACCEPTED,
+    CORRECTED,
+    EDITED,
+    ENDED,
+    MALFORMED,
+    MOVED_ON,
+    RE_ASKED,
+    REGENERATED,
+    TOOL_ERROR,
+    TOOL_RETRY,
+    TRUNCATED,
+    Turn,
+    read_signals,
+    similarity,
+)
+
+from .helpers import rows, wait_for_rows
+
+MINUTE = 60_000_000
+QUESTION = {"role": "user", "content": "What is the capital of Australia?"}
+ANSWER = {"role": "assistant", "content": "Sydney."}
+
+
+def turn(record: str, messages: list[dict], reply: dict, at: int, **kw) -> Turn:
+    fields = {"request_id": f"req-{record}", "rollout_id": f"r-{record}", "attributed": False}
+    return Turn(record, started_at=at, messages=messages, reply=reply, **{**fields, **kw})
+
+
+def kinds(signals, record: str = "t1") -> dict[str, float]:
+    return {s.kind: s.value for s in signals if s.record_id == record}
+
+
+def after(reaction: str) -> list:
+    """The signals of a first answer followed by the user's `reaction`."""
+    first = turn("t1", [QUESTION], ANSWER, 0)
+    second = turn("t2", [QUESTION, ANSWER, {"role": "user", "content": reaction}],
+                  {"role": "assistant", "content": "..."}, MINUTE)  # fmt: skip
+    return read_signals([second, first], now_us=2 * MINUTE, quiet_us=60 * MINUTE)
+
+
+@pytest.mark.parametrize(
+    ("reaction", "kind"),
+    [
+        ("No, that's wrong. I asked for the capital, it is Canberra.", CORRECTED),
+        ("that's not right", CORRECTED),
+        ("It didn't work", CORRECTED),
+        ("I said the CAPITAL", CORRECTED),
+        ("Thanks, that works!", ACCEPTED),
+        ("perfect", ACCEPTED),
+        ("Great. Now, what is the capital of Canada?", ACCEPTED),
+        ("What's the capital of Australia?", RE_ASKED),
+        ("capital of Australia", RE_ASKED),
+        ("And the largest city in New Zealand?", MOVED_ON),
+        # "no" inside the message says nothing of the answer before it
+        ("Give me a list with no more than three rivers", MOVED_ON),
+    ],
+)
+def test_the_next_user_message_says_how_the_answer_went(reaction, kind):
+    found = after(reaction)
+    assert list(kinds(found)) == [kind], found
+    (signal,) = [s for s in found if s.record_id == "t1"]
+    assert signal.evidence_record == "t2" and signal.evidence  # which message said it
+    assert -1 <= signal.value <= 1 and 0 < signal.confidence <= 1
+    if kind == RE_ASKED:
+        assert signal.extra["similarity"] >= 0.6
+
+
+def test_a_re_ask_is_measured_by_the_content_words():
+    assert similarity("What is the capital of Australia?", "capital of Australia") == 1.0
+    assert similarity("What is the capital of Australia?", "the capital of Canada?") == 1 / 3
+    assert similarity("", "anything") == 0.0
+
+
+def test_a_regenerate_and_an_edit_come_from_the_same_client_only():
+    first = turn("t1", [QUESTION], ANSWER, 0)
+    again = turn("t2", [QUESTION], {"role": "assistant", "content": "Canberra."}, MINUTE)
+    found = read_signals([first, again], 3 * MINUTE, 60 * MINUTE)
+    assert kinds(found) == {REGENERATED: -1.0}
+    assert kinds(found, "t2") == {}  # the later one is not asked again (yet)
+    # An edit: the last message changed, in a conversation with a history of its own.
+    history = [QUESTION, ANSWER]
+    asked = turn("t1", [*history, {"role": "user", "content": "And New Zealand's?"}], ANSWER, 0)
+    edited = {"role": "user", "content": "And New Zealand's capital, officially?"}
+    edit = turn("t3", [*history, edited], {"role": "assistant", "content": "."}, 2 * MINUTE)
+    assert kinds(read_signals([asked, edit], 3 * MINUTE, 60 * MINUTE)) == {EDITED: -0.5}
+    # Without a history, two first questions alike are two users, not an edit.
+    other = {"role": "user", "content": "What is the capital city of Australia, officially?"}
+    alike = turn("t3", [other], {"role": "assistant", "content": "Canberra."}, 2 * MINUTE)
+    assert kinds(read_signals([first, alike], 3 * MINUTE, 60 * MINUTE)) == {}
+    # The same question an hour later: as likely another user (traffic without ids).
+    later = turn("t2", [QUESTION], ANSWER, 60 * MINUTE)
+    assert kinds(read_signals([first, later], 61 * MINUTE, 600 * MINUTE)) == {}
+    # An agent's rollouts of one group share their prompt on purpose: not a regenerate.
+    ours = {"attributed": True}
+    a = turn("t1", [QUESTION], ANSWER, 0, rollout_id="g.0", **ours)
+    b = turn("t2", [QUESTION], ANSWER, MINUTE, rollout_id="g.1", **ours)
+    assert read_signals([a, b], 3 * MINUTE, 60 * MINUTE) == []
+    # Nor are the n choices of one request.
+    c = turn("t2", [QUESTION], ANSWER, 0, request_id="req-t1")
+    assert kinds(read_signals([first, c], 3 * MINUTE, 60 * MINUTE)) == {}
+
+
+def call(name: str, arguments: str, call_id: str = "c1") -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_a_tool_call_is_judged_by_its_result_and_by_what_the_agent_does_next():
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    first = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [call("weather", '{"city": "Pari"}')],
+    }
+    result = {"role": "tool", "tool_call_id": "c1", "content": "Error: unknown city 'Pari'"}
+    retry = {"role": "assistant", "content": None,
+             "tool_calls": [call("weather", '{"city": "Paris"}', "c2")]}  # fmt: skip
+    turns = [turn("t1", [ask], first, 0), turn("t2", [ask, first, result], retry, MINUTE)]
+    found = read_signals(turns, 2 * MINUTE, 60 * MINUTE)
+    assert kinds(found) == {TOOL_ERROR: -1.0, TOOL_RETRY: -0.5}
+    fine = {**result, "content": '{"temp_c": 14, "sky": "rain"}'}
+    turns[1] = turn("t2", [ask, first, fine], {"role": "assistant", "content": "14 C"}, MINUTE)
+    assert kinds(read_signals(turns, 2 * MINUTE, 60 * MINUTE)) == {}
+
+
+def test_an_answer_says_something_of_itself():
+    broken = {"role": "assistant", "content": None, "tool_calls": [call("f", '{"a": ')]}
+    assert kinds(read_signals([turn("t1", [QUESTION], broken, 0)], 0, MINUTE)) == {MALFORMED: -1}
+    want = {"type": "json_object"}
+    prose = turn("t1", [QUESTION], ANSWER, 0, response_format=want)
+    json_ok = turn("t1", [QUESTION], {"role": "assistant", "content": '{"a": 1}'}, 0,
+                   response_format=want)  # fmt: skip
+    assert kinds(read_signals([prose], 0, MINUTE)) == {MALFORMED: -1.0}
+    assert kinds(read_signals([json_ok], 0, MINUTE)) == {}
+    cut = turn("t1", [QUESTION], ANSWER, 0, finish_reason="length")
+    assert kinds(read_signals([cut], 0, MINUTE)) == {TRUNCATED: -0.5}
+
+
+def test_a_conversation_ends_only_once_it_has_been_quiet():
+    alone = turn("t1", [QUESTION], ANSWER, 0)
+    assert read_signals([alone], now_us=5 * MINUTE, quiet_us=30 * MINUTE) == []
+    (ended,) = read_signals([alone], now_us=31 * MINUTE, quiet_us=30 * MINUTE)
+    assert (ended.kind, ended.value) == (ENDED, 0.0)  # says nothing either way
+    # A signal found twice is one row: its id is what it is about and what said so.
+    assert ended.signal_id == read_signals([alone], 40 * MINUTE, 30 * MINUTE)[0].signal_id
+
+
+def test_a_client_that_sends_the_reply_back_changed_still_continues_it():
+    """Clients resend the assistant message with fields of their own (`refusal: null`,
+    parts instead of a string): the conversation is linked by role, text and calls."""
+    back = {"role": "assistant", "content": [{"type": "text", "text": "Sydney."}], "refusal": None}
+    second = turn("t2", [QUESTION, back, {"role": "user", "content": "thanks!"}], ANSWER, MINUTE)
+    found = read_signals([turn("t1", [QUESTION], ANSWER, 0), second], 2 * MINUTE, 60 * MINUTE)
+    assert kinds(found) == {ACCEPTED: 1.0}
+
+
+# A scripted user: right answers are thanked or followed by a new question, wrong ones
+# corrected, complained about or asked again; some users regenerate, some leave. Its
+# satisfaction is known here and hidden from the rules.
+RIGHT = ["Thanks!", "great, thank you", "Perfect.", "ok. Next: {next}", "{next}", "that works"]
+WRONG = ["No, that's wrong.", "That is not what I asked. {q}", "{q}", "Wrong, try again",
+         "hm, {q}", "you misunderstood: {q}"]  # fmt: skip
+
+
+def scripted_traffic(seed: int, n: int = 200) -> tuple[list[Turn], dict[str, bool], set[str]]:
+    """(the turns, each answer's hidden satisfaction, the answers the user reacted to)."""
+    rng = random.Random(seed)
+    questions = [f"What is {a} plus {b}?" for a in range(10) for b in range(10)]
+    turns, truth, reacted = [], {}, set()
+    for i in range(n):
+        q, nxt = rng.choice(questions), rng.choice(questions)
+        good = rng.random() < 0.5
+        answer = {"role": "assistant", "content": f"It is {rng.randint(0, 18)}."}
+        ask = {"role": "user", "content": q}
+        t = turn(f"a{i}", [ask], answer, i * MINUTE)
+        truth[t.record_id] = good
+        turns.append(t)
+        style = rng.random()
+        if style < 0.1:  # leaves
+            continue
+        reacted.add(t.record_id)
+        if style < 0.2 and not good:  # regenerates
+            turns.append(turn(f"b{i}", [ask], answer, i * MINUTE + 1))
+            continue
+        reaction = rng.choice(RIGHT if good else WRONG).format(q=q, next=nxt)
+        follow = [ask, answer, {"role": "user", "content": reaction}]
+        turns.append(turn(f"b{i}", follow, {"role": "assistant", "content": "."}, i * MINUTE + 2))
+    return turns, truth, reacted
+
+
+def auc(scores: list[tuple[float, bool]]) -> float:
+    pos = [s for s, y in scores if y]
+    neg = [s for s, y in scores if not y]
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def test_the_rules_agree_with_a_scripted_users_hidden_satisfaction():
+    turns, truth, reacted = scripted_traffic(seed=7)
+    found = read_signals(turns, now_us=10**12, quiet_us=30 * MINUTE)
+    value: dict[str, float] = {}
+    for s in found:
+        if s.record_id in truth and s.kind != ENDED:
+            value[s.record_id] = value.get(s.record_id, 0.0) + s.value * s.confidence
+    covered = [(value[r], truth[r]) for r in truth if r in value]
+    score = auc(covered)
+    print(f"scripted user: {len(covered)} of {len(truth)} answers with a signal, AUC {score:.3f}")
+    assert reacted <= set(value)  # every reaction read
+    assert len(set(value) - reacted) <= 2  # those who left said nothing (measured: 1)
+    # Measured 0.997 (seed 7): what the rules miss here is what they miss in production,
+    # a right answer followed by a new question much like the old one (read as a re-ask),
+    # and another user's same question within minutes (read as a regenerate).
+    assert score >= 0.95
+
+
+# -- the whole way: through the proxy, the store, the command ------------------------------
+
+
+async def test_signals_are_read_from_the_logged_traffic_written_once_and_shown(
+    make_proxy, tmp_path
+):
+    from overnight.cli import main
+
+    proxy = await make_proxy()
+    data = tmp_path / "data"
+    body = {"model": "policy", "max_tokens": 4, "messages": [QUESTION]}
+    first = await (await proxy.post("/v1/chat/completions", json=body)).json()
+    reply = first["choices"][0]["message"]
+    follow = [QUESTION, reply, {"role": "user", "content": "No, that's wrong: it is Canberra."}]
+    await proxy.post("/v1/chat/completions", json={**body, "messages": follow})
+    await proxy.post(
+        "/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}}
+    )
+    logged = await wait_for_rows(data, 3)
+    runner = CliRunner()
+    done = runner.invoke(main, ["signals", "--data", str(data)])
+    assert done.exit_code == 0, done.output
+    assert "read 3 chat turn(s): 3 signal(s)" in done.output and "3 new written" in done.output
+    found = rows(data, "SELECT record_id, kind, value, evidence_record, source FROM signals "
+                       "ORDER BY kind")  # fmt: skip
+    by_kind = {r["kind"]: r for r in found}
+    assert set(by_kind) == {CORRECTED, MALFORMED, REGENERATED}
+    corrected = by_kind[CORRECTED]
+    assert corrected["record_id"] == logged[0]["record_id"]
+    assert corrected["evidence_record"] == logged[1]["record_id"]
+    assert corrected["value"] == -1.0 and corrected["source"] == "rules"
+    # The third request asked the first one's messages again: a regenerate of the first.
+    assert by_kind[REGENERATED]["record_id"] == logged[0]["record_id"]
+    assert by_kind[MALFORMED]["record_id"] == logged[2]["record_id"]
+    again = runner.invoke(main, ["signals", "--data", str(data)])
+    assert "0 new written" in again.output, again.output
+    assert len(rows(data, "SELECT * FROM signals")) == 3
+    shown = runner.invoke(main, ["show", "--data", str(data), logged[0]["rollout_id"]])
+    assert "[next] corrected (-1, confidence 0.8): the next message corrects it: " in shown.output
+    assert "it is Canberra" in shown.output
+    page = await (await proxy.get(f"/ui/rollouts/{quote(logged[0]['rollout_id'], safe='')}")).text()
+    assert '<div class="signal">next: corrected (-1, confidence 0.8)' in page
+    assert "next: regenerated (-1, confidence 0.6)" in page
+    bad = runner.invoke(main, ["signals", "--data", str(data), "--since", "soon"])
+    assert bad.exit_code != 0 and "expected a number and a unit" in bad.output
