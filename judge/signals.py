@@ -230,8 +230,17 @@ def similarity(a: str, b: str) -> float:
 
 
 def _next_exchange(t: Turn, u: Turn) -> list[Signal]:
-    """What `u`, the request that continued `t`'s conversation, says about `t`."""
+    """What `u`, the request that continued `t`'s conversation, says about `t`: the
+    results of its tool calls, then the user's next message."""
     new = u.messages[len(t.messages) + 1 :]
+    out = _tool_results(t, u, new)
+    user = next((m for m in new if m.get("role") == "user"), None)
+    if user is not None:
+        out.append(_reaction(t, u, _text(user.get("content"))))
+    return out
+
+
+def _tool_results(t: Turn, u: Turn, new: list[dict]) -> list[Signal]:
     out = []
     calls = {c.get("id"): c for c in t.reply.get("tool_calls") or () if isinstance(c, dict)}
     for m in new:
@@ -253,63 +262,26 @@ def _next_exchange(t: Turn, u: Turn) -> list[Signal]:
         again = _tool_called_again(t, u)
         if again:
             out.append(again)
-    user = next((m for m in new if m.get("role") == "user"), None)
-    if user is None:
-        return out
-    text = _text(user.get("content"))
+    return out
+
+
+def _reaction(t: Turn, u: Turn, text: str) -> Signal:
+    """The user's next message, read by the rules (docs/signals.md: how they fail)."""
     question = next(
         (_text(m.get("content")) for m in reversed(t.messages) if m.get("role") == "user"), ""
     )
+    alike = similarity(text, question) if question else 0.0
+    extra = {}
     if _CORRECT.search(text):
-        out.append(
-            Signal(
-                t.record_id,
-                CORRECTED,
-                -1.0,
-                0.8,
-                "the next message corrects it",
-                _cut(text),
-                u.record_id,
-            )
-        )
+        kind, value, confidence, rule = CORRECTED, -1.0, 0.8, "the next message corrects it"
     elif _ACCEPT.search(text):
-        out.append(
-            Signal(
-                t.record_id,
-                ACCEPTED,
-                1.0,
-                0.8,
-                "the next message accepts it",
-                _cut(text),
-                u.record_id,
-            )
-        )
-    elif question and similarity(text, question) >= RE_ASK_SIMILARITY:
-        out.append(
-            Signal(
-                t.record_id,
-                RE_ASKED,
-                -1.0,
-                0.7,
-                "the next message asks the same again",
-                _cut(text),
-                u.record_id,
-                {"similarity": round(similarity(text, question), 3)},
-            )
-        )
+        kind, value, confidence, rule = ACCEPTED, 1.0, 0.8, "the next message accepts it"
+    elif alike >= RE_ASK_SIMILARITY:
+        kind, value, confidence, rule = RE_ASKED, -1.0, 0.7, "the next message asks the same again"
+        extra = {"similarity": round(alike, 3)}
     else:
-        out.append(
-            Signal(
-                t.record_id,
-                MOVED_ON,
-                0.3,
-                0.3,
-                "the next message asks something new",
-                _cut(text),
-                u.record_id,
-            )
-        )
-    return out
+        kind, value, confidence, rule = MOVED_ON, 0.3, 0.3, "the next message asks something new"
+    return Signal(t.record_id, kind, value, confidence, rule, _cut(text), u.record_id, extra)
 
 
 def _tool_called_again(t: Turn, u: Turn) -> Signal | None:

@@ -250,11 +250,15 @@ async def test_signals_are_read_from_the_logged_traffic_written_once_and_shown(
     runner = CliRunner()
     done = runner.invoke(main, ["signals", "--data", str(data)])
     assert done.exit_code == 0, done.output
-    assert "read 3 chat turn(s): 3 signal(s)" in done.output and "3 new written" in done.output
+    # The fake vLLM always answers max_tokens tokens: every turn is cut, too.
+    assert "read 3 chat turn(s): 6 signal(s)" in done.output and "6 new written" in done.output
     found = rows(data, "SELECT record_id, kind, value, evidence_record, source FROM signals "
                        "ORDER BY kind")  # fmt: skip
     by_kind = {r["kind"]: r for r in found}
-    assert set(by_kind) == {CORRECTED, MALFORMED, REGENERATED}
+    assert set(by_kind) == {CORRECTED, MALFORMED, REGENERATED, TRUNCATED}
+    assert sorted(r["record_id"] for r in found if r["kind"] == TRUNCATED) == sorted(
+        r["record_id"] for r in logged
+    )
     corrected = by_kind[CORRECTED]
     assert corrected["record_id"] == logged[0]["record_id"]
     assert corrected["evidence_record"] == logged[1]["record_id"]
@@ -264,7 +268,7 @@ async def test_signals_are_read_from_the_logged_traffic_written_once_and_shown(
     assert by_kind[MALFORMED]["record_id"] == logged[2]["record_id"]
     again = runner.invoke(main, ["signals", "--data", str(data)])
     assert "0 new written" in again.output, again.output
-    assert len(rows(data, "SELECT * FROM signals")) == 3
+    assert len(rows(data, "SELECT * FROM signals")) == 6
     shown = runner.invoke(main, ["show", "--data", str(data), logged[0]["rollout_id"]])
     assert "[next] corrected (-1, confidence 0.8): the next message corrects it: " in shown.output
     assert "it is Canberra" in shown.output
