@@ -1,10 +1,21 @@
 """`overnight signals`: what happens next in each conversation, read from the store and
-written as `signals` rows (the rules are judge/signals.py's).
+written as `signals` rows (the rules are judge/signals.py's); with `--rewards`, the
+reward source `implicit` made of them.
 
 Recent chat turns are read (a window, `since`), every signal is found again from scratch
 (a turn's next message may have come after the last run), and only the signals not
 written before are appended: a signal's id is a hash of what it is about and what said
 so, so a second run over the same traffic writes nothing.
+
+A turn's implicit reward is its signals' values weighted by their confidence
+(`implicit_reward`; `ended`, which says nothing, left out), in [-1, 1]. A turn with no
+signal gets none: silence is not evidence. It goes to the turn's rollout when the
+rollout is that one turn (a single call, the usual production request), else to the
+turn's member of its per-turn group (`turn:<record>:served`, storage/read/siblings.py),
+and never where a reward of another source is already there: an agent's posted reward,
+a reward function's or the judge's come first (docs/grpo.md). Where an agent posted
+rewards beside the signals, their agreement is measured and printed (`agreement`), so
+an operator can see on their own traffic whether the rules read it right.
 """
 
 from __future__ import annotations
@@ -15,10 +26,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from overnight.storage import LogWriter, WriterConfig, now_us, open_db
+from overnight.storage import LogWriter, WriterConfig, new_id, now_us, open_db
 from overnight.storage.schema import SCHEMA_VERSION
 
-from .signals import Signal, Turn, read_signals
+from .signals import ENDED, Signal, Turn, read_signals
 
 # A conversation quiet this long has ended: no next message is coming for its last turn.
 QUIET_SECONDS = 30 * 60
@@ -37,15 +48,42 @@ class SignalSummary:
     turns: int = 0
     found: Counter = field(default_factory=Counter)  # kind -> signals found
     written: int = 0
+    rewards: int | None = None  # implicit rewards written (None: not asked for)
+    rewards_left: Counter = field(default_factory=Counter)  # why a turn got none
+    agreement: dict | None = None  # beside the agent's posted rewards (`agreement`)
     seconds: float = 0.0
 
     def lines(self) -> list[str]:
         kinds = ", ".join(f"{k} {n}" for k, n in self.found.most_common()) or "none"
         with_signal = self.found.total()
-        return [
+        out = [
             f"read {self.turns} chat turn(s): {with_signal} signal(s) ({kinds}); "
             f"{self.written} new written in {self.seconds:.1f} s"
         ]
+        if self.rewards is not None:
+            left = "; ".join(f"{n} {why}" for why, n in self.rewards_left.most_common())
+            out.append(f"implicit rewards: {self.rewards} written" + (f"; {left}" if left else ""))
+        if self.agreement is not None:
+            a = self.agreement
+            out.append(
+                f"agreement with the agent's posted rewards on {a['turns']} turn(s): "
+                f"AUC {a['auc']:.3f} (1: the signals order them as the posted rewards do; "
+                f"0.5: no better than chance)"
+                if a["auc"] is not None
+                else f"agreement with the agent's posted rewards: {a['turns']} turn(s), "
+                "too few of one kind to measure"
+            )
+        return out
+
+
+def implicit_reward(signals: list[Signal]) -> float | None:
+    """A turn's signals as one reward in [-1, 1]: their values weighted by confidence, so a
+    sure correction outweighs a guess that the user moved on. None without a signal that
+    says something (`ended` says nothing either way)."""
+    said = [s for s in signals if s.kind != ENDED and s.confidence > 0]
+    if not said:
+        return None
+    return sum(s.value * s.confidence for s in said) / sum(s.confidence for s in said)
 
 
 def turn_of(row: tuple) -> tuple[Turn, str] | None:
@@ -77,11 +115,13 @@ def turn_of(row: tuple) -> tuple[Turn, str] | None:
 
 
 def find_signals(data_dir: Path, since_us: int, quiet_seconds: float = QUIET_SECONDS):
-    """(the turns read with their groups, the signals found, the ids already written)."""
+    """(the turns read, each record's rollout and group, the signals found, the ids
+    already written, what the store already holds of rewards: `Held`)."""
     con = open_db(data_dir)
     try:
         rows = con.execute(TURNS_SQL, [since_us]).fetchall()
         written = {r[0] for r in con.execute("SELECT signal_id FROM signals").fetchall()}
+        held = _held(con)
     finally:
         con.close()
     turns, groups = [], {}
@@ -91,32 +131,125 @@ def find_signals(data_dir: Path, since_us: int, quiet_seconds: float = QUIET_SEC
             turns.append(found[0])
             groups[found[0].record_id] = (found[0].rollout_id, found[1])
     signals = read_signals(turns, now_us(), int(quiet_seconds * 1e6))
-    return groups, signals, written
+    return groups, signals, written, held
+
+
+@dataclass
+class Held:
+    """What the store holds that decides where an implicit reward goes, and whether."""
+
+    turns: dict[str, int]  # rollout -> its turns
+    latest: dict[str, tuple[str, float]]  # rollout -> (source, reward) of its latest reward
+    posted: dict[str, float]  # rollout -> the agent's latest posted reward
+
+
+def _held(con) -> Held:
+    turns = dict(
+        con.execute("SELECT rollout_id, count(*) FROM completions GROUP BY ALL").fetchall()
+    )
+    latest = {
+        r: (source, reward)
+        for r, source, reward in con.execute(
+            "SELECT rollout_id, reward_source, reward FROM rollout_rewards"
+        ).fetchall()
+    }
+    posted = dict(
+        con.execute(
+            "SELECT rollout_id, arg_max(reward, created_at) FROM rewards "
+            "WHERE source = 'agent' GROUP BY rollout_id"
+        ).fetchall()
+    )
+    return Held(turns, latest, posted)
 
 
 def run_signals(
-    data_dir: Path, since_seconds: float = 7 * 86400, quiet_seconds: float = QUIET_SECONDS
+    data_dir: Path,
+    since_seconds: float = 7 * 86400,
+    quiet_seconds: float = QUIET_SECONDS,
+    rewards: bool = False,
 ) -> SignalSummary:
-    """Read the signals of the chat turns of the last `since_seconds` and write the new ones."""
+    """Read the signals of the chat turns of the last `since_seconds` and write the new
+    ones; with `rewards`, the implicit rewards they make where no other source has one."""
     started = time.perf_counter()
     since = now_us() - int(since_seconds * 1e6)
-    groups, signals, written = find_signals(data_dir, since, quiet_seconds)
+    groups, signals, written, held = find_signals(data_dir, since, quiet_seconds)
     summary = SignalSummary(turns=len(groups), found=Counter(s.kind for s in signals))
-    new = [s for s in signals if s.signal_id not in written]
-    if new:
+    rows = [_row(s, *groups[s.record_id]) for s in signals if s.signal_id not in written]
+    by_turn: dict[str, list[Signal]] = {}
+    for s in signals:
+        by_turn.setdefault(s.record_id, []).append(s)
+    values = {r: v for r, ss in by_turn.items() if (v := implicit_reward(ss)) is not None}
+    summary.agreement = agreement(values, groups, held)
+    reward_rows = []
+    if rewards:
+        reward_rows = _reward_rows(values, groups, held, summary.rewards_left)
+        summary.rewards = len(reward_rows)
+    if rows or reward_rows:
         writer = LogWriter(WriterConfig(Path(data_dir), compact_in_process=True))
         writer.start()
         try:
-            for s in new:
-                writer.append("signals", _row(s, *groups[s.record_id], writer.writer_id))
+            for row in rows:
+                writer.append("signals", {**row, "proxy_id": writer.writer_id})
+            for row in reward_rows:
+                writer.append("rewards", {**row, "proxy_id": writer.writer_id})
         finally:
             writer.close()
-    summary.written = len(new)
+    summary.written = len(rows)
     summary.seconds = time.perf_counter() - started
     return summary
 
 
-def _row(s: Signal, rollout_id: str, group_id: str, writer_id: str) -> dict:
+def reward_target(record_id: str, rollout_id: str, held: Held) -> str:
+    """Where a turn's implicit reward goes: its rollout when that is the one turn, else its
+    member of the per-turn group (a turn of a longer rollout is not the whole rollout)."""
+    return rollout_id if held.turns.get(rollout_id, 0) == 1 else f"turn:{record_id}:served"
+
+
+def _reward_rows(values: dict, groups: dict, held: Held, left: Counter) -> list[dict]:
+    out = []
+    for record, value in values.items():
+        target = reward_target(record, groups[record][0], held)
+        source, reward = held.latest.get(target, (None, None))
+        if source not in (None, "implicit"):
+            left[f"turn(s) already rewarded by another source ({source})"] += 1
+        elif source == "implicit" and reward == value:
+            left["turn(s) unchanged since the last run"] += 1
+        else:
+            out.append(
+                {
+                    "reward_id": new_id(),
+                    "schema_version": SCHEMA_VERSION,
+                    "rollout_id": target,
+                    "reward": value,
+                    "metrics": {"record_id": record},
+                    "source": "implicit",
+                    "created_at": now_us(),
+                    "judgment_id": None,
+                }
+            )
+    return out
+
+
+def agreement(values: dict[str, float], groups: dict, held: Held) -> dict | None:
+    """How the implicit values order the turns whose rollout the agent rewarded, against
+    those posted rewards: the share of pairs with different posted rewards that the
+    implicit values order the same way, ties counting half (Harrell's concordance; the
+    AUC when posted rewards are 0 or 1). None where no posted reward meets a signal."""
+    pairs = [(v, held.posted[groups[r][0]]) for r, v in values.items()
+             if groups[r][0] in held.posted]  # fmt: skip
+    if not pairs:
+        return None
+    agree = total = 0.0
+    for i, (vi, pi) in enumerate(pairs):
+        for vj, pj in pairs[i + 1 :]:
+            if pi == pj:
+                continue
+            total += 1
+            agree += 0.5 if vi == vj else float((vi - vj) * (pi - pj) > 0)
+    return {"turns": len(pairs), "auc": agree / total if total else None}
+
+
+def _row(s: Signal, rollout_id: str, group_id: str) -> dict:
     return {
         "signal_id": s.signal_id,
         "schema_version": SCHEMA_VERSION,
@@ -132,5 +265,4 @@ def _row(s: Signal, rollout_id: str, group_id: str, writer_id: str) -> dict:
         "evidence": s.evidence,
         "evidence_record": s.evidence_record,
         "extra": json.dumps(s.extra) if s.extra else None,
-        "proxy_id": writer_id,
     }

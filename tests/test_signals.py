@@ -275,5 +275,53 @@ async def test_signals_are_read_from_the_logged_traffic_written_once_and_shown(
     page = await (await proxy.get(f"/ui/rollouts/{quote(logged[0]['rollout_id'], safe='')}")).text()
     assert '<div class="signal">next: corrected (-1, confidence 0.8)' in page
     assert "next: regenerated (-1, confidence 0.6)" in page
+    # The reward source `implicit`: a reward per turn where no other source has one.
+    await proxy.post(f"/v1/rollouts/{quote(logged[2]['rollout_id'], safe='')}/reward",
+                     json={"reward": 1.0})  # fmt: skip
+    await wait_for_rows(data, 1, "rewards")
+    done = runner.invoke(main, ["signals", "--data", str(data), "--rewards"])
+    assert "implicit rewards: 2 written; 1 turn(s) already rewarded by another source (agent)" in (
+        done.output
+    ), done.output
+    implicit = rows(
+        data, "SELECT rollout_id, reward, metrics FROM rewards WHERE source = 'implicit'"
+    )
+    by_rollout = {r["rollout_id"]: r["reward"] for r in implicit}
+    # corrected (-1, 0.8), regenerated (-1, 0.6), truncated (-0.5, 0.6): weighted mean
+    assert by_rollout[logged[0]["rollout_id"]] == pytest.approx((-0.8 - 0.6 - 0.3) / 2.0)
+    assert by_rollout[logged[1]["rollout_id"]] == -0.5  # cut, and nothing followed yet
+    assert logged[2]["rollout_id"] not in by_rollout  # the agent's own reward comes first
+    again = runner.invoke(main, ["signals", "--data", str(data), "--rewards"])
+    assert "implicit rewards: 0 written; 2 turn(s) unchanged" in again.output, again.output
     bad = runner.invoke(main, ["signals", "--data", str(data), "--since", "soon"])
     assert bad.exit_code != 0 and "expected a number and a unit" in bad.output
+
+
+def test_a_turns_signals_make_one_reward_and_silence_makes_none():
+    from overnight.judge.implicit import Held, agreement, implicit_reward, reward_target
+    from overnight.judge.signals import Signal
+
+    sure_no = Signal("t", CORRECTED, -1.0, 0.8, "r")
+    guess_yes = Signal("t", MOVED_ON, 0.3, 0.3, "r")
+    assert implicit_reward([sure_no, guess_yes]) == pytest.approx((-0.8 + 0.09) / 1.1)
+    assert implicit_reward([Signal("t", ENDED, 0.0, 0.1, "r")]) is None  # says nothing
+    assert implicit_reward([]) is None
+    held = Held(turns={"single": 1, "long": 3}, latest={}, posted={"a": 1.0, "b": 0.0, "c": 1.0})
+    assert reward_target("rec", "single", held) == "single"
+    assert reward_target("rec", "long", held) == "turn:rec:served"  # the turn, not the rollout
+    groups = {"x": ("a", "g"), "y": ("b", "g"), "z": ("c", "g"), "w": ("unposted", "g")}
+    # Two of the two pairs with different posted rewards ordered alike: 1.0.
+    assert agreement({"x": 0.8, "y": -1.0, "z": 0.3, "w": 1.0}, groups, held)["auc"] == 1.0
+    assert agreement({"x": -0.8, "y": 1.0, "z": 0.3}, groups, held)["auc"] == 0.0
+    assert agreement({"x": 0.5, "y": 0.5, "z": 0.5}, groups, held)["auc"] == 0.5  # ties: half
+    assert agreement({"w": 1.0}, groups, held) is None
+
+
+def test_a_reward_source_is_one_the_store_can_hold():
+    from overnight.config import TrainConfig
+    from overnight.errors import ConfigError
+
+    assert TrainConfig(reward_sources=("agent", "implicit")).reward_sources[-1] == "implicit"
+    assert "implicit" not in TrainConfig().reward_sources  # off unless named
+    with pytest.raises(ConfigError, match="reward sources must be among"):
+        TrainConfig(reward_sources=("agent", "implict"))  # a typo trained on nothing before

@@ -200,17 +200,24 @@ def judge(
     "--quiet", default="0.5h", show_default=True,
     help="A conversation quiet this long has ended (its last turn gets `ended`).",
 )  # fmt: skip
-def signals(data_dir: Path, since: str, quiet: str) -> None:
+@click.option(
+    "--rewards", is_flag=True,
+    help="Also write the reward source `implicit`: each turn's signals weighted by their "
+    "confidence, where no posted, function or judge reward is.",
+)  # fmt: skip
+def signals(data_dir: Path, since: str, quiet: str, rewards: bool) -> None:
     """Read what happens next in each conversation: the `signals` of its turns.
 
     A correction, an acceptance, a re-ask, a regenerate or an edit, a tool error or retry,
     a malformed or cut answer: found by rules in the traffic alone (docs/signals.md), and
     written to the `signals` table (`overnight sql`, `overnight show`). Run it again at
-    any time: what was written before is not written twice.
+    any time: what was written before is not written twice. Where the agent posted
+    rewards, their agreement with the signals is printed.
 
     \b
     Example:
       overnight signals
+      overnight signals --rewards     # and the implicit rewards they make
       overnight sql "SELECT kind, count(*) FROM signals GROUP BY kind"
     """
     from overnight.judge.implicit import run_signals
@@ -221,7 +228,9 @@ def signals(data_dir: Path, since: str, quiet: str) -> None:
     require_data_dir(data_dir)
     window, quiet_for = parse_age(since), parse_age(quiet)  # a ConfigError says what is wrong
     with naming_damaged_files(data_dir):
-        summary = run_signals(data_dir, window.total_seconds(), quiet_for.total_seconds())
+        summary = run_signals(
+            data_dir, window.total_seconds(), quiet_for.total_seconds(), rewards=rewards
+        )
     for line in summary.lines():
         click.echo(line)
 

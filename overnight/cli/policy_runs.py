@@ -152,8 +152,11 @@ def score_night(
     say=click.echo,
 ):
     """A policy's scoring before its night, of its own groups (`scope`): --resample's
-    siblings of its single calls, then its judge and/or reward function. The judge's
-    summary (its cost goes to the night's W&B run), or None when nothing scores."""
+    siblings of its single calls, then its judge and/or reward function; and when its
+    reward sources name `implicit`, the signals of what happened next and the rewards
+    they make (judge/implicit.py; every policy's traffic: a turn's signals are its own).
+    The judge's summary (its cost goes to the night's W&B run), or None when no judge
+    or reward function scores."""
     from overnight.config import TrainConfig
 
     from .options import build
@@ -180,6 +183,11 @@ def score_night(
         resample_turns(data_dir, config, proxy_url=proxy_url, admin_token=token,
                        settle_seconds=values["settle"], since=since, say=say,
                        scope=scope)  # fmt: skip
+    if "implicit" in (values.get("reward_sources") or ()):
+        from overnight.judge.implicit import run_signals
+
+        for line in run_signals(data_dir, rewards=True).lines():
+            say(f"signals: {line}")
     if not (judge or reward):
         return None
     # Scored first, with the judge's own batch (the trainer never calls the judge).

@@ -27,6 +27,10 @@ REPORT_TO = ("auto", "wandb", "none")  # where a night reports (trainer/run/wand
 SFT_SELECTIONS = ("auto", "best", "min-reward", "all")
 
 
+# Every source a reward row can name (storage/schema.py `rewards.source`).
+REWARD_SOURCES = ("agent", "combined", "function", "ruler", "implicit")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Defaults suit a real model on a GPU; TINY_CPU_PRESET suits the tiny CPU model."""
@@ -169,12 +173,14 @@ class TrainConfig:
         default=0.0,
         metadata={"help": "Weight of a KL term to the base model (0: off, no reference pass)."},
     )
-    # When a rollout has several, the first found wins.
+    # When a rollout has several, the first found wins. `implicit` (the signals of what
+    # happened next, `overnight signals --rewards`) is off unless named: its rules are
+    # checked on an operator's own traffic before a night trusts them (docs/signals.md).
     reward_sources: tuple[str, ...] = field(
         default=("agent", "combined", "function", "ruler"),
         metadata={
             "help": "Which reward to train on, in order of preference (repeatable; default: "
-            "agent, combined, function, ruler).",
+            "agent, combined, function, ruler; also: implicit, from what happened next).",
             "flag": "--reward-source",
         },
     )
@@ -372,6 +378,12 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        unknown = [s for s in self.reward_sources if s not in REWARD_SOURCES]
+        if unknown or not self.reward_sources:
+            raise ConfigError(
+                f"reward sources must be among {', '.join(REWARD_SOURCES)}, got "
+                f"{', '.join(map(repr, self.reward_sources)) or 'none'}"
+            )
         if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:
             raise ConfigError("learning_rate must be positive, epochs and lora_rank at least 1")
         if self.groups_per_step < 1 or self.micro_batch_tokens < 16 or self.min_group_size < 2:
