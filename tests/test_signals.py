@@ -7,6 +7,7 @@ once, shown by `overnight show` and SQL.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from urllib.parse import quote
 
@@ -232,7 +233,7 @@ def test_the_rules_agree_with_a_scripted_users_hidden_satisfaction():
 
 
 async def test_signals_are_read_from_the_logged_traffic_written_once_and_shown(
-    make_proxy, tmp_path
+    make_proxy, tmp_path, tiny_model_dir
 ):
     from overnight.cli import main
 
@@ -293,6 +294,17 @@ async def test_signals_are_read_from_the_logged_traffic_written_once_and_shown(
     assert logged[2]["rollout_id"] not in by_rollout  # the agent's own reward comes first
     again = runner.invoke(main, ["signals", "--data", str(data), "--rewards"])
     assert "implicit rewards: 0 written; 2 turn(s) unchanged" in again.output, again.output
+    # A night that names the source reads the signals first, and the plan weighs the
+    # implicit rewards like any other (here: single calls, groups of one, nothing to train).
+    night = ["train", "--data", str(data), "--proxy", str(proxy.make_url("")), "--settle", "0",
+             "--base-model", str(tiny_model_dir), "--reward-source", "agent",
+             "--reward-source", "implicit", "--no-promote"]  # fmt: skip
+    done = await asyncio.to_thread(runner.invoke, main, night)
+    assert "signals: read 3 chat turn(s): 6 signal(s)" in done.output, done.output
+    assert "signals: implicit rewards: 0 written; 2 turn(s) unchanged" in done.output
+    assert done.exit_code == 0 and "skipped 3 group(s): fewer than 2 trainable rollouts" in (
+        done.output
+    )
     bad = runner.invoke(main, ["signals", "--data", str(data), "--since", "soon"])
     assert bad.exit_code != 0 and "expected a number and a unit" in bad.output
 
