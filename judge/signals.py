@@ -34,6 +34,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .trajectories import content_text, message_key
+
 # Evidence is cut to this many characters: enough to see why, not a copy of the traffic.
 EVIDENCE_CHARS = 200
 
@@ -163,35 +165,20 @@ def read_signals(turns: Iterable[Turn], now_us: int, quiet_us: int) -> list[Sign
 # -- linking the conversation -----------------------------------------------------------
 
 
-def _text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # parts: the text ones
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(content)
-
-
-def _norm(message: dict) -> tuple:
-    """What identifies a message when a client sends it back: its role, text and tool
-    calls. Fields a client may drop or add on the way back (`refusal: null`, reasoning,
-    annotations) are not part of it."""
-    calls = tuple(
-        (c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
-        for c in message.get("tool_calls") or ()
-        if isinstance(c, dict)
-    )
-    return (
-        message.get("role"),
-        _text(message.get("content")).strip(),
-        calls,
-        message.get("tool_call_id"),
-    )
-
-
 def _key(messages: list[dict]) -> str:
-    return hashlib.sha256(json.dumps([_norm(m) for m in messages]).encode()).hexdigest()
+    """A conversation's identity: its messages as the judge links turns (`message_key`:
+    role, text, tool calls; not the fields a client drops or adds sending a reply back)."""
+    return hashlib.sha256(json.dumps([message_key(m) for m in messages]).encode()).hexdigest()
+
+
+def _calls(message: dict) -> list[tuple[str | None, str | None, object]]:
+    """A message's tool calls as (id, name, arguments), whatever odd shapes they came in."""
+    out = []
+    for c in message.get("tool_calls") or ():
+        if isinstance(c, dict):
+            fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+            out.append((c.get("id"), fn.get("name"), fn.get("arguments")))
+    return out
 
 
 def _continuations(turns: list[Turn]) -> dict[str, list[Turn]]:
@@ -236,16 +223,17 @@ def _next_exchange(t: Turn, u: Turn) -> list[Signal]:
     out = _tool_results(t, u, new)
     user = next((m for m in new if m.get("role") == "user"), None)
     if user is not None:
-        out.append(_reaction(t, u, _text(user.get("content"))))
+        out.append(_reaction(t, u, content_text(user.get("content"))))
     return out
 
 
 def _tool_results(t: Turn, u: Turn, new: list[dict]) -> list[Signal]:
     out = []
-    calls = {c.get("id"): c for c in t.reply.get("tool_calls") or () if isinstance(c, dict)}
+    calls = _calls(t.reply)
+    ids = {call_id for call_id, _, _ in calls}
     for m in new:
-        if m.get("role") == "tool" and m.get("tool_call_id") in calls:
-            text = _text(m.get("content"))
+        if m.get("role") == "tool" and m.get("tool_call_id") in ids:
+            text = content_text(m.get("content"))
             if _TOOL_ERROR.search(text):
                 out.append(
                     Signal(
@@ -268,7 +256,8 @@ def _tool_results(t: Turn, u: Turn, new: list[dict]) -> list[Signal]:
 def _reaction(t: Turn, u: Turn, text: str) -> Signal:
     """The user's next message, read by the rules (docs/signals.md: how they fail)."""
     question = next(
-        (_text(m.get("content")) for m in reversed(t.messages) if m.get("role") == "user"), ""
+        (content_text(m.get("content")) for m in reversed(t.messages) if m.get("role") == "user"),
+        "",
     )
     alike = similarity(text, question) if question else 0.0
     extra = {}
@@ -286,22 +275,16 @@ def _reaction(t: Turn, u: Turn, text: str) -> Signal:
 
 def _tool_called_again(t: Turn, u: Turn) -> Signal | None:
     """`u`'s reply calls a tool `t` called, with other arguments: `t`'s call was a miss."""
-    before = {
-        (c.get("function") or {}).get("name"): (c.get("function") or {}).get("arguments")
-        for c in t.reply.get("tool_calls") or ()
-        if isinstance(c, dict)
-    }
-    for c in u.reply.get("tool_calls") or ():
-        fn = c.get("function") or {} if isinstance(c, dict) else {}
-        name = fn.get("name")
-        if name in before and fn.get("arguments") != before[name]:
+    before = {name: arguments for _, name, arguments in _calls(t.reply)}
+    for _, name, arguments in _calls(u.reply):
+        if name in before and arguments != before[name]:
             return Signal(
                 t.record_id,
                 TOOL_RETRY,
                 -0.5,
                 0.5,
                 "the same tool called again with other arguments",
-                _cut(f"{name}({fn.get('arguments')})"),
+                _cut(f"{name}({arguments})"),
                 u.record_id,
             )
     return None
@@ -339,9 +322,9 @@ def _asked_again(t: Turn, by_messages: dict, by_question: dict) -> list[Signal]:
         return out
     history = any(m.get("role") == "assistant" for m in t.messages[:-1])
     if t.messages and t.messages[-1].get("role") == "user" and (history or t.attributed):
-        question = _text(t.messages[-1].get("content"))
+        question = content_text(t.messages[-1].get("content"))
         for u in by_question.get(_key(t.messages[:-1]), ()):
-            edited = _text(u.messages[-1].get("content"))
+            edited = content_text(u.messages[-1].get("content"))
             changed = edited.strip() != question.strip()
             if same_client(u) and changed and similarity(edited, question) >= EDIT_SIMILARITY:
                 out.append(
@@ -364,8 +347,7 @@ def _asked_again(t: Turn, by_messages: dict, by_question: dict) -> list[Signal]:
 
 def _own(t: Turn) -> list[Signal]:
     out = []
-    for c in t.reply.get("tool_calls") or ():
-        arguments = ((c.get("function") or {}) if isinstance(c, dict) else {}).get("arguments")
+    for _, _, arguments in _calls(t.reply):
         if isinstance(arguments, str) and not _parses(arguments):
             out.append(
                 Signal(
@@ -379,7 +361,7 @@ def _own(t: Turn) -> list[Signal]:
             )
             break
     wanted = (t.response_format or {}).get("type")
-    content = _text(t.reply.get("content"))
+    content = content_text(t.reply.get("content"))
     asked_json = wanted in ("json_object", "json_schema") and not t.reply.get("tool_calls")
     if asked_json and not _parses(content):
         out.append(

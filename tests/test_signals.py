@@ -148,6 +148,8 @@ def test_an_answer_says_something_of_itself():
                    response_format=want)  # fmt: skip
     assert kinds(read_signals([prose], 0, MINUTE)) == {MALFORMED: -1.0}
     assert kinds(read_signals([json_ok], 0, MINUTE)) == {}
+    odd = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": None}]}
+    assert read_signals([turn("t1", [QUESTION], odd, 0)], 0, MINUTE) == []  # read, not raised
     cut = turn("t1", [QUESTION], ANSWER, 0, finish_reason="length")
     assert kinds(read_signals([cut], 0, MINUTE)) == {TRUNCATED: -0.5}
 
