@@ -119,17 +119,20 @@ def find_signals(data_dir: Path, since_us: int, quiet_seconds: float = QUIET_SEC
     already written, what the store already holds of rewards: `Held`)."""
     con = open_db(data_dir)
     try:
-        rows = con.execute(TURNS_SQL, [since_us]).fetchall()
-        written = {r[0] for r in con.execute("SELECT signal_id FROM signals").fetchall()}
-        held = _held(con)
+        turns, groups = [], {}
+        for row in con.execute(TURNS_SQL, [since_us]).fetchall():
+            found = turn_of(row)
+            if found is not None:
+                turns.append(found[0])
+                groups[found[0].record_id] = (found[0].rollout_id, found[1])
+        # Only the window's: a signal about a turn of the window was written after it.
+        written = {r[0] for r in con.execute(
+            "SELECT signal_id FROM signals WHERE created_at >= to_timestamp(?::DOUBLE / 1e6)",
+            [since_us],
+        ).fetchall()}  # fmt: skip
+        held = _held(con, groups)
     finally:
         con.close()
-    turns, groups = [], {}
-    for row in rows:
-        found = turn_of(row)
-        if found is not None:
-            turns.append(found[0])
-            groups[found[0].record_id] = (found[0].rollout_id, found[1])
     signals = read_signals(turns, now_us(), int(quiet_seconds * 1e6))
     return groups, signals, written, held
 
@@ -143,20 +146,27 @@ class Held:
     posted: dict[str, float]  # rollout -> the agent's latest posted reward
 
 
-def _held(con) -> Held:
+def _held(con, groups: dict[str, tuple[str, str]]) -> Held:
+    """What the store holds for the window's rollouts and their turns' per-turn members."""
+    rollouts = sorted({rollout for rollout, _ in groups.values()})
+    targets = rollouts + [f"turn:{record}:served" for record in groups]
+    within = "WHERE rollout_id IN (SELECT unnest(?))"
     turns = dict(
-        con.execute("SELECT rollout_id, count(*) FROM completions GROUP BY ALL").fetchall()
+        con.execute(
+            f"SELECT rollout_id, count(*) FROM completions {within} GROUP BY ALL", [rollouts]
+        ).fetchall()  # fmt: skip
     )
     latest = {
         r: (source, reward)
         for r, source, reward in con.execute(
-            "SELECT rollout_id, reward_source, reward FROM rollout_rewards"
+            f"SELECT rollout_id, reward_source, reward FROM rollout_rewards {within}", [targets]
         ).fetchall()
     }
     posted = dict(
         con.execute(
-            "SELECT rollout_id, arg_max(reward, created_at) FROM rewards "
-            "WHERE source = 'agent' GROUP BY rollout_id"
+            f"SELECT rollout_id, arg_max(reward, created_at) FROM rewards {within} "
+            "AND source = 'agent' GROUP BY rollout_id",
+            [rollouts],
         ).fetchall()
     )
     return Held(turns, latest, posted)
@@ -239,14 +249,43 @@ def agreement(values: dict[str, float], groups: dict, held: Held) -> dict | None
              if groups[r][0] in held.posted]  # fmt: skip
     if not pairs:
         return None
-    agree = total = 0.0
-    for i, (vi, pi) in enumerate(pairs):
-        for vj, pj in pairs[i + 1 :]:
-            if pi == pj:
-                continue
-            total += 1
-            agree += 0.5 if vi == vj else float((vi - vj) * (pi - pj) > 0)
+    agree, total = _concordance(pairs)
     return {"turns": len(pairs), "auc": agree / total if total else None}
+
+
+def _concordance(pairs: list[tuple[float, float]]) -> tuple[float, int]:
+    """(pairs ordered alike by both, ties in the first counting half; pairs that differ
+    in the second), in n log n: a week of rewarded turns makes too many pairs to walk.
+    The pairs are taken by the second value, level by level; a Fenwick tree counts the
+    first values already taken (all from lower levels) below and at each new one."""
+    ranks = {v: i for i, v in enumerate(sorted({v for v, _ in pairs}), start=1)}
+    tree = [0] * (len(ranks) + 1)
+
+    def add(i: int) -> None:
+        while i <= len(ranks):
+            tree[i] += 1
+            i += i & -i
+
+    def upto(i: int) -> int:  # how many taken values have rank <= i
+        n = 0
+        while i > 0:
+            n += tree[i]
+            i -= i & -i
+        return n
+
+    agree, total, taken = 0.0, 0, 0
+    by_level: dict[float, list[float]] = {}
+    for v, p in pairs:
+        by_level.setdefault(p, []).append(v)
+    for level in sorted(by_level):
+        for v in by_level[level]:  # each against every pair of a lower level
+            below, at = upto(ranks[v] - 1), upto(ranks[v]) - upto(ranks[v] - 1)
+            agree += below + 0.5 * at
+            total += taken
+        for v in by_level[level]:
+            add(ranks[v])
+        taken += len(by_level[level])
+    return agree, total
 
 
 def _row(s: Signal, rollout_id: str, group_id: str) -> dict:

@@ -339,3 +339,22 @@ def test_a_reward_source_is_one_the_store_can_hold():
     assert "implicit" not in TrainConfig().reward_sources  # off unless named
     with pytest.raises(ConfigError, match="reward sources must be among"):
         TrainConfig(reward_sources=("agent", "implict"))  # a typo trained on nothing before
+
+
+def test_the_concordance_counts_every_pair_without_walking_them():
+    """n log n (a week of rewarded turns is too many pairs to walk), yet the same count
+    as walking every pair."""
+    import itertools
+
+    from overnight.judge.implicit import _concordance
+
+    rng = random.Random(3)
+    for _ in range(200):
+        pairs = [(rng.choice([-1.0, -0.5, 0.3, 1.0, rng.random()]), rng.choice([0.0, 0.5, 1.0]))
+                 for _ in range(rng.randint(0, 25))]  # fmt: skip
+        agree = total = 0.0
+        for (vi, pi), (vj, pj) in itertools.combinations(pairs, 2):
+            if pi != pj:
+                total += 1
+                agree += 0.5 if vi == vj else float((vi - vj) * (pi - pj) > 0)
+        assert _concordance(pairs) == (agree, total)
