@@ -317,13 +317,15 @@ def _train(ctx: click.Context, data_dir: Path, reward: str | None, values: dict[
     from overnight.judge.scoring import pair_scorer
     from overnight.trainer.train import train as run
 
-    from .policy_runs import judge_config, policy_runs, score_night
+    from .policy_runs import judge_config, policy_runs, read_signals_once, score_night
 
     proxy_url, token = _proxy(data_dir, values["proxy_url"]), values["admin_token"]
     # One policy (--policy), or each the proxy serves, one after another: each resampled,
     # scored and trained on its own groups with its own options (cli/policy_runs.py). Without
     # a proxy, every group as before policies; a dry run reads the policies offline.
     nights = policy_runs(ctx, data_dir, values, values["policy"], proxy_url, token, dry_run)
+    if not dry_run:
+        read_signals_once(data_dir, nights)
     failed: list[str] = []
     for night in nights:
         if len(nights) > 1:

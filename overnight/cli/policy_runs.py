@@ -152,11 +152,8 @@ def score_night(
     say=click.echo,
 ):
     """A policy's scoring before its night, of its own groups (`scope`): --resample's
-    siblings of its single calls, then its judge and/or reward function; and when its
-    reward sources name `implicit`, the signals of what happened next and the rewards
-    they make (judge/implicit.py; every policy's traffic: a turn's signals are its own).
-    The judge's summary (its cost goes to the night's W&B run), or None when no judge
-    or reward function scores."""
+    siblings of its single calls, then its judge and/or reward function. The judge's
+    summary (its cost goes to the night's W&B run), or None when nothing scores."""
     from overnight.config import TrainConfig
 
     from .options import build
@@ -183,11 +180,6 @@ def score_night(
         resample_turns(data_dir, config, proxy_url=proxy_url, admin_token=token,
                        settle_seconds=values["settle"], since=since, say=say,
                        scope=scope)  # fmt: skip
-    if "implicit" in (values.get("reward_sources") or ()):
-        from overnight.judge.implicit import run_signals
-
-        for line in run_signals(data_dir, rewards=True).lines():
-            say(f"signals: {line}")
     if not (judge or reward):
         return None
     # Scored first, with the judge's own batch (the trainer never calls the judge).
@@ -195,6 +187,17 @@ def score_night(
 
     return judge_step(data_dir, judge, reward, say=say, settle_seconds=values["settle"],
                       scope=scope, **tool_calls)  # fmt: skip
+
+
+def read_signals_once(data_dir: Path, nights: list[PolicyRun], say=click.echo) -> None:
+    """When a night's reward sources name `implicit`: the signals of what happened next
+    and the rewards they make (judge/implicit.py), once for all of tonight's policies (a
+    turn's signals are its own, whichever policy trains on it)."""
+    if any("implicit" in (night.values.get("reward_sources") or ()) for night in nights):
+        from overnight.judge.implicit import run_signals
+
+        for line in run_signals(data_dir, rewards=True).lines():
+            say(f"signals: {line}")
 
 
 def judge_run(ctx: click.Context, data_dir: Path, values: dict[str, Any]):
