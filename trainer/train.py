@@ -51,6 +51,7 @@ from .night.colocation import should_colocate
 from .night.colocation import window as maintenance_window
 from .night.gate import Scorer, Verdict, run_gate, skipped
 from .night.gate_prompts import held_out_prompts
+from .night.lone_turns import add_lone_turns
 from .night.plan import Plan, plan_run
 from .night.proxy_client import (
     admin_call,
@@ -232,10 +233,15 @@ class Night:
             self.tokenizer, self.defaults, scope=scope,
         )  # fmt: skip
         # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
-        # before the gate takes its prompts, so that it takes them from outside the plan.
-        return add_turn_groups(
+        # before the gate takes its prompts, so that it takes them from outside the plan;
+        # then the turns with nothing to compare with, against the night's pool.
+        plan = add_turn_groups(
             self.data_dir, plan, config, since=since, max_groups=max_groups, only=only,
             sampling_defaults=self.defaults, scope=scope,
+        )  # fmt: skip
+        return add_lone_turns(
+            self.data_dir, plan, config, max_groups=max_groups, only=only,
+            tokenizer=self.tokenizer, sampling_defaults=self.defaults, scope=scope,
         )  # fmt: skip
 
     def hold_out_gate_prompts(self, plan: Plan, scorer: Scorer | None) -> tuple[Plan, HeldOut]:

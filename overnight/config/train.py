@@ -25,6 +25,8 @@ COLOCATE_MODES = ("auto", "on", "off")
 REPORT_TO = ("auto", "wandb", "none")  # where a night reports (trainer/run/wandb_run.py)
 # Which logged rollouts an --sft night imitates (trainer/night/sft_plan.py).
 SFT_SELECTIONS = ("auto", "best", "min-reward", "all")
+# Turns with nothing to compare with (trainer/night/lone_turns.py): pooled or left out.
+LONE_TURNS = ("auto", "pool", "skip")
 
 
 # Every source a reward row can name (storage/schema.py `rewards.source`).
@@ -193,6 +195,19 @@ class TrainConfig:
     )
     min_group_size: int = field(
         default=2, metadata={"help": "Smaller groups are skipped (too little relative signal)."}
+    )
+    # Production traffic is mostly groups of one, and a reward read from what happened
+    # next is the served answer's alone: GRPO has nothing to compare them with. Pooled,
+    # each trains against the night's mean over all of them (trainer/night/lone_turns.py).
+    lone_turns: str = field(
+        default="auto",
+        metadata={
+            "help": "Rewarded turns with nothing to compare with (groups smaller than "
+            "--min-group-size, a conversation's turn rewarded on its own): train each against "
+            "the mean reward of all of them tonight (pool), leave them out (skip), or pool "
+            "when `implicit` is a reward source (auto). docs/grpo.md.",
+            "choices": LONE_TURNS,
+        },
     )
     # Non-inferiority by default: a night that cannot be shown not worse than the served
     # adapter stays on disk; `better` asks for evidence of a gain; `off` promotes always.
@@ -383,6 +398,10 @@ class TrainConfig:
             raise ConfigError(
                 f"reward sources must be among {', '.join(REWARD_SOURCES)}, got "
                 f"{', '.join(map(repr, self.reward_sources)) or 'none'}"
+            )
+        if self.lone_turns not in LONE_TURNS:
+            raise ConfigError(
+                f"lone_turns must be one of {', '.join(LONE_TURNS)}, got {self.lone_turns!r}"
             )
         if self.learning_rate <= 0 or self.epochs < 1 or self.lora_rank < 1:
             raise ConfigError("learning_rate must be positive, epochs and lora_rank at least 1")

@@ -356,6 +356,17 @@ TURN_COMPLETIONS = """
     WHERE s.error IS NULL
 """
 
+# Every served turn alone, as the served member of its per-turn group (siblings or none):
+# what a night trains when a turn has a reward of its own and nothing to compare it with
+# (trainer/night/lone_turns.py).
+SERVED_TURNS = """
+    SELECT 'turn:' || c.record_id AS group_id, 'turn:' || c.record_id || ':served' AS rollout_id,
+           c.record_id, c.started_at, 0 AS turn_index, c.model_served, c.request, c.response,
+           c.endpoint, c.prompt_token_ids, c.completion_token_ids, c.completion_logprobs,
+           c.error, c.prompt_tokens, c.completion_tokens, c.notes
+    FROM completions c
+"""
+
 TURN_GROUPS = """
     SELECT t.group_id, any_value(t.sibling_of) AS sibling_of,
            any_value(c.group_id) AS served_group_id,
@@ -367,6 +378,8 @@ TURN_GROUPS = """
 
 
 def add_turn_views(con) -> None:
-    """Views `turn_completions` and `turn_groups` on a connection from `open_db`."""
+    """Views `turn_completions`, `turn_groups` and `served_turns` on a connection from
+    `open_db`."""
     con.execute(f"CREATE OR REPLACE VIEW turn_completions AS {TURN_COMPLETIONS}")
+    con.execute(f"CREATE OR REPLACE VIEW served_turns AS {SERVED_TURNS}")
     con.execute(f"CREATE OR REPLACE VIEW turn_groups AS {TURN_GROUPS}")

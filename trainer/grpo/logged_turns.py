@@ -22,9 +22,10 @@ class Loaded:
     unreproduced: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
-# Where groups are read from: served traffic, or the per-turn groups of served turns and
-# their siblings (`storage.siblings.add_turn_views`), whose rows have the same columns.
-VIEWS = ("completions", "turn_completions")
+# Where groups are read from: served traffic, the per-turn groups of served turns and
+# their siblings, or served turns alone (`storage.siblings.add_turn_views`), whose rows
+# have the same columns.
+VIEWS = ("completions", "turn_completions", "served_turns")
 
 
 # A turn a hosted model answered (its record's notes name the upstream: a hosted proxy,
@@ -61,7 +62,7 @@ def load_samples(
         return out
     con.register("_train_groups", pa.table({"group_id": group_ids}))
     # Per-turn groups' members are vLLM's (siblings ask it by token ids): no notes there.
-    upstream = "json_extract_string(notes, '$.upstream')" if view == "completions" else "NULL"
+    upstream = "NULL" if view == "turn_completions" else "json_extract_string(notes, '$.upstream')"
     # As Arrow columns, not DuckDB's row tuples: token id lists convert many times faster.
     table = con.sql(
         f"""

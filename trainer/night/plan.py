@@ -88,6 +88,11 @@ class Plan:
     # An --sft night's selection (sft_plan.py): how it chose, how many rollouts it took
     # of how many, the groups it held out for the gate, the duplicates it dropped.
     sft: dict | None = None
+    # Served groups too small to compare within, every rollout rewarded: decided by
+    # lone_turns.py against the night's pool (with --lone-turns pool), not here.
+    lone: list[str] = field(default_factory=list)
+    # What lone_turns.py pooled: turns by kind and by source, the pool's mean and std.
+    pooled: dict | None = None
 
     @property
     def loaded(self) -> dict:
@@ -112,6 +117,8 @@ class Plan:
                 f"  looked at {len(self.considered)} group(s) changed since the last run's "
                 f"selection ({at:%Y-%m-%d %H:%M} UTC) or left pending by it (--rescan: all)"
             )
+        if self.pooled is not None:
+            out.append(pooled_line(self.pooled))
         if self.staleness:
             ages = ", ".join(f"{n} {_age(a)}" for a, n in sorted(self.staleness.items()))
             out.append(f"  by the adapter that sampled them: {ages}")
@@ -168,6 +175,13 @@ def chosen_rewards(
 ) -> dict[str, float]:
     """Each rollout's reward from the first source in `sources` that has one (latest
     wins); of `rollouts` only, when given."""
+    return {r: v for r, (_, v) in chosen_sourced_rewards(con, sources, rollouts).items()}
+
+
+def chosen_sourced_rewards(
+    con, sources: tuple[str, ...], rollouts: list[str] | None = None
+) -> dict[str, tuple[str, float]]:
+    """As chosen_rewards, each with the source it came from."""
     where = ""
     if rollouts is not None:
         con.register("_plan_rollouts", pa.table({"rollout_id": pa.array(rollouts, pa.string())}))
@@ -177,11 +191,11 @@ def chosen_rewards(
         f"{where} GROUP BY rollout_id, source"
     ).fetchall()
     rank = {s: i for i, s in enumerate(sources)}
-    best: dict[str, tuple[int, float]] = {}
+    best: dict[str, tuple[int, str, float]] = {}
     for rollout, source, reward in rows:
         if source in rank and (rollout not in best or rank[source] < best[rollout][0]):
-            best[rollout] = (rank[source], reward)
-    return {r: v for r, (_, v) in best.items()}
+            best[rollout] = (rank[source], source, reward)
+    return {r: (source, v) for r, (_, source, v) in best.items()}
 
 
 def trained_groups(con) -> set[str]:
@@ -245,11 +259,13 @@ def plan_run(
         if only is None:  # a resumed run trains exactly what it began with
             undecided = [g for g in candidates if g not in verdicts]
             verdicts.update(dict.fromkeys(trained_as_turns(con, undecided, done), TRAINED_AS_TURNS))
+        lone = lone_groups(rollouts, rewards, config, con, done)
         wanted = [g for g in candidates if verdicts.get(g) is None]
         loaded = load_samples(con, wanted, tokenizer, sampling_defaults)
     finally:
         con.close()
     plan = _plan_from(loaded)
+    plan.lone = [g for g in candidates if g in lone]
     plan.considered, plan.loaded_groups = candidates, wanted
     plan.looked_since = last["watermark"] if last is not None else None
     plan.turn_pool = turn_pool
@@ -260,6 +276,8 @@ def plan_run(
     pending: list[str] = []  # trainable by their rewards, past the cap: not decided
     for group_id in candidates:
         samples = by_group.get(group_id, [])
+        if group_id in lone:  # against the night's pool (lone_turns.py), not its own group
+            continue
         if max_groups is not None and len(plan.groups) >= max_groups:
             pending += [group_id] if verdicts.get(group_id) is None else []
             continue
@@ -403,6 +421,43 @@ def _reward_verdicts(
                 else "all rewards equal: no signal"
             )
     return out
+
+
+def pools_lone_turns(config: TrainConfig) -> bool:
+    """Whether a night trains turns with nothing to compare with (lone_turns.py)."""
+    if config.lone_turns == "auto":
+        return "implicit" in config.reward_sources
+    return config.lone_turns == "pool"
+
+
+def lone_groups(
+    rollouts: dict[str, list[str]], rewards: dict[str, float], config: TrainConfig, con, done
+) -> set[str]:
+    """The served groups too small to compare within (fewer rollouts than
+    --min-group-size: a single call is a group of one) whose every rollout has a reward,
+    when the night pools them (lone_turns.py); not one a turn of which an earlier run
+    trained as a per-turn group (a turn trains once)."""
+    if not pools_lone_turns(config):
+        return set()
+    small = [
+        g
+        for g, rs in rollouts.items()
+        if 0 < len(rs) < config.min_group_size and all(r in rewards for r in rs)
+    ]
+    return set(small) - trained_as_turns(con, small, done)
+
+
+def pooled_line(pooled: dict) -> str:
+    """The plan's line for what lone_turns.py pooled."""
+    if not pooled["turns"]:
+        return f"  lone turns: none trained ({pooled['why']})"
+    sources = ", ".join(f"{s} {n}" for s, n in sorted(pooled["sources"].items()))
+    return (
+        f"  lone turns: {pooled['turns']} trained against the night's pool (mean reward "
+        f"{pooled['mean']:.3g}, std {pooled['std']:.3g}): {pooled['rollouts']} rollout(s) of "
+        f"groups too small to compare within, {pooled['conversation_turns']} conversation "
+        f"turn(s) rewarded on their own; by source: {sources}"
+    )
 
 
 def _plan_from(loaded: Loaded) -> Plan:

@@ -37,6 +37,8 @@ def selection_basis(config: TrainConfig) -> dict:
     """The options a group's verdict depends on: a record made under others is not used.
     An --sft night decides by other rules (sft_plan.py): its records are its own."""
     basis = {"reward_sources": list(config.reward_sources), "min_group_size": config.min_group_size}
+    if config.lone_turns == "pool":  # `auto` pools by the sources, already in the basis
+        basis["lone_turns"] = "pool"
     if config.sft:
         basis["sft"] = {
             "selection": config.sft_selection,
