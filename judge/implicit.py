@@ -20,16 +20,21 @@ an operator can see on their own traffic whether the rules read it right.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from overnight.config import JudgeConfig
 from overnight.storage import LogWriter, WriterConfig, new_id, now_us, open_db
 from overnight.storage.schema import SCHEMA_VERSION
 
-from .signals import ENDED, Signal, Turn, read_signals
+from .reactions import SOURCE as CLASSIFIER
+from .reactions import Reaction, Tally, classify
+from .signals import ENDED, MOVED_ON, Signal, Turn, read_signals
+from .trajectories import content_text
 
 # A conversation quiet this long has ended: no next message is coming for its last turn.
 QUIET_SECONDS = 30 * 60
@@ -51,6 +56,7 @@ class SignalSummary:
     rewards: int | None = None  # implicit rewards written (None: not asked for)
     rewards_left: Counter = field(default_factory=Counter)  # why a turn got none
     agreement: dict | None = None  # beside the agent's posted rewards (`agreement`)
+    classifier: Tally | None = None  # its calls this run (None: none made)
     seconds: float = 0.0
 
     def lines(self) -> list[str]:
@@ -60,6 +66,8 @@ class SignalSummary:
             f"read {self.turns} chat turn(s): {with_signal} signal(s) ({kinds}); "
             f"{self.written} new written in {self.seconds:.1f} s"
         ]
+        if self.classifier is not None:
+            out.append(self.classifier.line())
         if self.rewards is not None:
             left = "; ".join(f"{n} {why}" for why, n in self.rewards_left.most_common())
             out.append(f"implicit rewards: {self.rewards} written" + (f"; {left}" if left else ""))
@@ -131,10 +139,55 @@ def find_signals(data_dir: Path, since_us: int, quiet_seconds: float = QUIET_SEC
             [since_us],
         ).fetchall()}  # fmt: skip
         held = _held(con, groups)
+        held.classified = _classified(con, since_us)
     finally:
         con.close()
+    held.turns_by_record = {t.record_id: t for t in turns}
     signals = read_signals(turns, now_us(), int(quiet_seconds * 1e6))
     return groups, signals, written, held
+
+
+def _classified(con, since_us: int) -> dict[tuple[str, str | None], Signal]:
+    """The classifier's readings written before (reactions.py), by (turn, message record):
+    a message is read once."""
+    rows = con.execute(
+        "SELECT record_id, kind, value, confidence, rule, evidence, evidence_record, extra "
+        "FROM signals WHERE source = ? AND created_at >= to_timestamp(?::DOUBLE / 1e6)",
+        [CLASSIFIER, since_us],
+    ).fetchall()
+    out = {}
+    for record, kind, value, confidence, rule, evidence, evidence_record, extra in rows:
+        extra = json.loads(extra) if extra else {}
+        out[(record, evidence_record)] = Signal(
+            record, kind, value, confidence, rule, evidence or "", evidence_record, extra,
+            CLASSIFIER,
+        )  # fmt: skip
+    return out
+
+
+def read_guesses(
+    signals: list[Signal], held: Held, classifier: JudgeConfig | None
+) -> tuple[list[Signal], Tally | None]:
+    """`signals` with the rules' guesses (`moved_on`) read by the classifier: as it read
+    them before, or asked now when a classifier is given; kept where neither."""
+    out, ask = [], []
+    for s in signals:
+        key = (s.record_id, s.evidence_record)
+        if s.kind != MOVED_ON or s.source != "rules":
+            out.append(s)
+        elif key in held.classified:
+            out.append(held.classified[key])
+        elif classifier is not None:
+            t = held.turns_by_record[s.record_id]
+            question = next((content_text(m.get("content")) for m in reversed(t.messages)
+                             if m.get("role") == "user"), "")  # fmt: skip
+            ask.append(Reaction(s, question, content_text(t.reply.get("content"))))
+        else:
+            out.append(s)
+    if not ask:
+        return out, None
+    tally = Tally()
+    return out + asyncio.run(classify(ask, classifier, tally)), tally
 
 
 @dataclass
@@ -144,6 +197,9 @@ class Held:
     turns: dict[str, int]  # rollout -> its turns
     latest: dict[str, tuple[str, float]]  # rollout -> (source, reward) of its latest reward
     posted: dict[str, float]  # rollout -> the agent's latest posted reward
+    # The classifier's readings written before, by (turn, message record); the turns read.
+    classified: dict = field(default_factory=dict)
+    turns_by_record: dict = field(default_factory=dict)
 
 
 def _held(con, groups: dict[str, tuple[str, str]]) -> Held:
@@ -177,13 +233,17 @@ def run_signals(
     since_seconds: float = 7 * 86400,
     quiet_seconds: float = QUIET_SECONDS,
     rewards: bool = False,
+    classifier: JudgeConfig | None = None,
 ) -> SignalSummary:
     """Read the signals of the chat turns of the last `since_seconds` and write the new
-    ones; with `rewards`, the implicit rewards they make where no other source has one."""
+    ones; with `rewards`, the implicit rewards they make where no other source has one;
+    with `classifier`, the messages the rules only guessed at read by it (reactions.py)."""
     started = time.perf_counter()
     since = now_us() - int(since_seconds * 1e6)
     groups, signals, written, held = find_signals(data_dir, since, quiet_seconds)
+    signals, tally = read_guesses(signals, held, classifier)
     summary = SignalSummary(turns=len(groups), found=Counter(s.kind for s in signals))
+    summary.classifier = tally
     rows = [_row(s, *groups[s.record_id]) for s in signals if s.signal_id not in written]
     by_turn: dict[str, list[Signal]] = {}
     for s in signals:
@@ -300,7 +360,7 @@ def _row(s: Signal, rollout_id: str, group_id: str) -> dict:
         "value": s.value,
         "confidence": s.confidence,
         "rule": s.rule,
-        "source": "rules",
+        "source": s.source,
         "evidence": s.evidence,
         "evidence_record": s.evidence_record,
         "extra": json.dumps(s.extra) if s.extra else None,

@@ -324,7 +324,7 @@ async def _judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None)
     started = time.perf_counter()
     try:
         for _fix in range(config.max_fixes + 1):
-            response = await _complete(litellm, messages, config, judgment)
+            response = await complete(litellm, messages, config, judgment)
             text = response.choices[0].message.content
             try:
                 by_id = parse_scores(text, prompt.ids)
@@ -368,8 +368,15 @@ TRANSIENT = (
 )
 
 
-async def _complete(litellm, messages: list[dict], config: JudgeConfig, judgment: Judgment):
-    """One judge call with retries on transient errors; counts tokens and cost."""
+async def complete(
+    litellm,
+    messages: list[dict],
+    config: JudgeConfig,
+    judgment: Judgment,
+    response_format: dict = RESPONSE_FORMAT,
+):
+    """One judge call with retries on transient errors; counts tokens and cost on
+    `judgment` (anything with its `attempts`, token and `cost_usd` fields)."""
     for attempt in range(config.max_retries + 1):
         judgment.attempts += 1
         try:
@@ -382,7 +389,7 @@ async def _complete(litellm, messages: list[dict], config: JudgeConfig, judgment
                 num_retries=0,
                 **_optional(temperature=config.temperature, max_tokens=config.max_tokens),
                 # --judge-arg may replace the answer format (a judge without json_schema)
-                **{"response_format": RESPONSE_FORMAT, **config.extra_args},
+                **{"response_format": response_format, **config.extra_args},
             )
         except Exception as e:
             if type(e).__name__ not in TRANSIENT or attempt == config.max_retries:

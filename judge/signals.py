@@ -127,6 +127,7 @@ class Signal:
     evidence: str = ""  # the text it read, cut
     evidence_record: str | None = None  # the record whose request carried it
     extra: dict = field(default_factory=dict)
+    source: str = "rules"  # or "classifier": a model's reading of a message (reactions.py)
 
     @property
     def signal_id(self) -> str:

@@ -297,16 +297,17 @@ async def test_signals_are_read_from_the_logged_traffic_written_once_and_shown(
     again = runner.invoke(main, ["signals", "--data", str(data), "--rewards"])
     assert "implicit rewards: 0 written; 2 turn(s) unchanged" in again.output, again.output
     # A night that names the source reads the signals first, and the plan weighs the
-    # implicit rewards like any other (here: single calls, groups of one, nothing to train).
+    # implicit rewards like any other: single calls, groups of one, pooled as lone turns
+    # (trainer/night/lone_turns.py), too few of them tonight to train.
     night = ["train", "--data", str(data), "--proxy", str(proxy.make_url("")), "--settle", "0",
              "--base-model", str(tiny_model_dir), "--reward-source", "agent",
              "--reward-source", "implicit", "--no-promote"]  # fmt: skip
     done = await asyncio.to_thread(runner.invoke, main, night)
     assert "signals: read 3 chat turn(s): 6 signal(s)" in done.output, done.output
     assert "signals: implicit rewards: 0 written; 2 turn(s) unchanged" in done.output
-    assert done.exit_code == 0 and "skipped 3 group(s): fewer than 2 trainable rollouts" in (
-        done.output
-    )
+    assert done.exit_code == 0 and (
+        "lone turns: none trained (3 rewarded, fewer than 8: left for a later night)"
+    ) in done.output, done.output
     bad = runner.invoke(main, ["signals", "--data", str(data), "--since", "soon"])
     assert bad.exit_code != 0 and "expected a number and a unit" in bad.output
 
@@ -358,3 +359,85 @@ def test_the_concordance_counts_every_pair_without_walking_them():
                 total += 1
                 agree += 0.5 if vi == vj else float((vi - vj) * (pi - pj) > 0)
         assert _concordance(pairs) == (agree, total)
+
+
+# -- the classifier: what the rules only guessed at ------------------------------------------
+
+
+def _turns_with_reactions(data_dir, reactions: list[str]) -> None:
+    """One conversation per reaction: a question, an answer, then the reaction (and its
+    own answer), logged as the proxy logs chat turns."""
+    from overnight.storage import LogWriter, WriterConfig, now_us
+
+    from .helpers import chat_response, completion_row
+
+    writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
+    writer.start()
+    at = now_us() - 60_000_000
+    for i, reaction in enumerate(reactions):
+        # Each its own question: the same first message from another client within
+        # minutes reads as a regenerate (docs/signals.md, "How they fail").
+        ask = {"role": "user", "content": f"What is 3 plus {4 + i}?"}
+        answer = {"role": "assistant", "content": f"It is {8 + i}."}
+        first = {"messages": [ask]}
+        then = {"messages": [ask, answer, {"role": "user", "content": reaction}]}
+        for k, (request, reply) in enumerate([(first, answer["content"]), (then, "Ok.")]):
+            writer.append("completions", completion_row(
+                f"c{i}.{k}", f"c{i}.{k}", record_id=f"c{i}.{k}", started_at=at + 2 * i + k,
+                ended_at=at + 2 * i + k, request=request, response=chat_response(reply),
+                finish_reason="stop",
+            ))  # fmt: skip
+    writer.close()
+
+
+async def test_the_messages_rules_only_guess_at_are_read_by_a_classifier_once(
+    aiohttp_server, tmp_path, monkeypatch
+):
+    import json
+
+    from overnight.config import JudgeConfig
+    from overnight.judge.implicit import run_signals
+
+    from .judge_server import SEEN, answer, create_judge_server
+
+    monkeypatch.setenv("OVERNIGHT_JUDGE_BACKOFF", "0.01")
+
+    def reads(body: dict):  # as a model would: by what the user wrote
+        said = body["messages"][1]["content"]
+        word = "corrected" if "not 8" in said else "accepted" if "Lovely" in said else "banana"
+        return answer(json.dumps({"reaction": word}))(body)
+
+    judge = await aiohttp_server(create_judge_server([reads]))
+    # Words the rules do not know, each read by them as moving on (+0.3, a guess).
+    _turns_with_reactions(tmp_path, ["Hmm, 3 and 4 make 7, not 8.", "Lovely, cheers.",
+                                     "What is the capital of France?"])  # fmt: skip
+    config = JudgeConfig(model="openai/reader", base_url=str(judge.make_url("/v1")), api_key="k")
+    summary = await asyncio.to_thread(run_signals, tmp_path, rewards=True, classifier=config)
+    tally = summary.classifier
+    assert (tally.asked, tally.changed, tally.unreadable, tally.failed) == (3, 2, 1, 0)
+    assert tally.prompt_tokens == 300 and tally.completion_tokens == 60  # the server's usage
+    line = "\n".join(summary.lines())
+    assert "classifier openai/reader: 3 message(s) the rules only guessed, 2 read otherwise" in line
+    sent = judge.app[SEEN][0]
+    assert sent["response_format"]["json_schema"]["schema"]["properties"]["reaction"]["enum"]
+    asked = sorted(body["messages"][1]["content"] for body in judge.app[SEEN])
+    assert "The assistant answered:\nIt is 8.\n\nThe user then wrote:\nHmm" in asked[0]
+    found = rows(tmp_path, "SELECT record_id, kind, value, confidence, source, rule FROM signals "
+                           "WHERE kind != 'ended' ORDER BY record_id")  # fmt: skip
+    assert [(r["record_id"], r["kind"], r["source"]) for r in found] == [
+        ("c0.0", CORRECTED, "classifier"),
+        ("c1.0", ACCEPTED, "classifier"),
+        ("c2.0", MOVED_ON, "rules"),  # "banana": the guess kept
+    ]
+    assert found[0]["rule"] == "classifier openai/reader" and found[0]["confidence"] == 0.6
+    rewards = {r["rollout_id"]: r["reward"] for r in rows(
+        tmp_path, "SELECT rollout_id, reward FROM rewards WHERE source = 'implicit'")}  # fmt: skip
+    assert rewards == {"c0.0": -1.0, "c1.0": 1.0, "c2.0": 0.3}
+    # Read once: a second run asks only what it could not read, and changes no reward.
+    again = await asyncio.to_thread(run_signals, tmp_path, rewards=True, classifier=config)
+    assert again.classifier.asked == 1 and len(judge.app[SEEN]) == 4
+    assert again.rewards == 0
+    # Without a classifier, its earlier readings still stand (a night's own signals step).
+    plain = await asyncio.to_thread(run_signals, tmp_path, rewards=True)
+    assert plain.classifier is None and plain.rewards == 0
+    assert plain.found[CORRECTED] == 1 and plain.found[ACCEPTED] == 1

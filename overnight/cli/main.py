@@ -205,7 +205,28 @@ def judge(
     help="Also write the reward source `implicit`: each turn's signals weighted by their "
     "confidence, where no posted, function or judge reward is.",
 )  # fmt: skip
-def signals(data_dir: Path, since: str, quiet: str, rewards: bool) -> None:
+@click.option(
+    "--classify-model",
+    help="litellm model string that reads the messages the rules only guessed at (read as "
+    "`moved_on`): accepted, corrected, asked again or a new request; read once, its cost "
+    "counted (docs/signals.md).",
+)  # fmt: skip
+@click.option(
+    "--classify-base-url", help="Base URL of a self-hosted classifier (with /v1), e.g. a vLLM."
+)
+@click.option(
+    "--classify-api-key", envvar="OVERNIGHT_CLASSIFY_API_KEY",
+    help="Key for the classifier (default: the provider's usual variable).",
+)  # fmt: skip
+def signals(
+    data_dir: Path,
+    since: str,
+    quiet: str,
+    rewards: bool,
+    classify_model: str | None,
+    classify_base_url: str | None,
+    classify_api_key: str | None,
+) -> None:
     """Read what happens next in each conversation: the `signals` of its turns.
 
     A correction, an acceptance, a re-ask, a regenerate or an edit, a tool error or retry,
@@ -218,6 +239,7 @@ def signals(data_dir: Path, since: str, quiet: str, rewards: bool) -> None:
     Example:
       overnight signals
       overnight signals --rewards     # and the implicit rewards they make
+      overnight signals --classify-model openai/gpt-4o-mini   # what the rules only guessed
       overnight sql "SELECT kind, count(*) FROM signals GROUP BY kind"
     """
     from overnight.judge.implicit import run_signals
@@ -227,10 +249,15 @@ def signals(data_dir: Path, since: str, quiet: str, rewards: bool) -> None:
 
     require_data_dir(data_dir)
     window, quiet_for = parse_age(since), parse_age(quiet)  # a ConfigError says what is wrong
+    classifier = None
+    if classify_model:  # a one-word answer: a short, cool call
+        classifier = JudgeConfig(model=classify_model, base_url=classify_base_url,
+                                 api_key=classify_api_key, max_tokens=16, temperature=0.0)  # fmt: skip
     with naming_damaged_files(data_dir):
         summary = run_signals(
-            data_dir, window.total_seconds(), quiet_for.total_seconds(), rewards=rewards
-        )
+            data_dir, window.total_seconds(), quiet_for.total_seconds(), rewards=rewards,
+            classifier=classifier,
+        )  # fmt: skip
     for line in summary.lines():
         click.echo(line)
 
