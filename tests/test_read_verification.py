@@ -93,6 +93,12 @@ def _all_rows(data: Path) -> tuple[int, list[dict], str]:
     return result.exit_code, found, result.output
 
 
+def _ids(path: Path, column: str = "record_id") -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=[column]).column(column).to_pylist()
+
+
 def _flip(path: Path, spot: int) -> None:
     data = bytearray(path.read_bytes())
     data[spot] ^= 0x04  # bit 2, as the crash pass flipped
@@ -191,3 +197,80 @@ def test_the_crash_pass_reproduction_warns_on_stderr_and_sets_the_file_aside(sto
     assert result.exit_code == 1 and f"quarantined completions/{today}" in " ".join(
         result.output.split()
     )
+
+
+# -- a night over a damaged day ---------------------------------------------------------------
+
+
+def test_a_night_over_a_damaged_day_trains_nothing_from_the_damaged_file_and_says_so(tmp_path):
+    """Two groups, each written by its own log (its own segments); a bit flipped in one
+    group's completions segment: the plan trains the other group alone, and its lines
+    (what a night and `overnight train --dry-run` print) name the file left out."""
+    from overnight.config import TrainConfig
+    from overnight.trainer.night.plan import plan_run
+
+    from .test_train_plan import write
+
+    write(tmp_path, {"sound": [1.0, 0.0]})
+    first = set(_files(tmp_path))
+    write(tmp_path, {"damaged": [1.0, 0.0]})
+    (victim,) = set(_files(tmp_path)) - first
+    assert plan_run(tmp_path, TrainConfig(), settle_seconds=600).groups == ["sound", "damaged"]
+    path = tmp_path / "completions" / victim
+    _flip(path, path.stat().st_size // 3)  # a data page: DuckDB would read it back changed
+    plan = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    assert plan.groups == ["sound"] and {s.group_id for s in plan.samples} == {"sound"}
+    assert f"completions/{victim}" in plan.damaged
+    said = "\n".join(plan.lines())
+    assert "left out: the rows of 1 damaged file(s)" in said and victim in said
+    result = CliRunner().invoke(main, ["train", "--data", str(tmp_path), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert f"completions/{victim}" in result.output and "not trained on" in result.output
+
+
+# -- every other read path ------------------------------------------------------------------
+
+
+async def test_every_read_path_leaves_a_flipped_file_out_and_names_it(tmp_path, caplog, make_proxy):
+    """`ls`, `show`, `export`, /ui and the Responses store go through the same listing
+    (`Segments.readable`/`covering`): each flipped file is left out, named, set aside,
+    and no path shows a changed value."""
+    from overnight.storage.integrity import quarantined
+    from overnight.storage.read.response_index import find_response
+
+    from .test_store_checks import responses_record
+
+    caplog.set_level(logging.WARNING)
+    for first in (0, 100):  # two logs: two segments per table
+        writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
+        writer.start()
+        for i in range(first, first + 5):
+            writer.append("completions", responses_record(i) | {"rollout_id": f"roll{i}"})
+        writer.close()
+    assert find_response(tmp_path, "resp_000003") is not None
+    (victim,) = [f for f in _files(tmp_path) if "rec3" in _ids(tmp_path / "completions" / f)]
+    path = tmp_path / "completions" / victim
+    _flip(path, path.stat().st_size // 3)
+    data = ["--data", str(tmp_path)]
+    export = tmp_path / "out.jsonl"
+    for args in (["show", *data, "roll3"], ["ls", *data],
+                 ["export", *data, "--format", "jsonl", "--out", str(export)]):  # fmt: skip
+        result = CliRunner().invoke(main, args)
+        assert "question 3" not in result.output and "answer 3" not in result.output, args
+    assert [json.loads(line)["record_id"] for line in export.read_text().splitlines()] == [
+        f"rec{i}" for i in range(100, 105)
+    ]
+    assert f"completions/{victim} is damaged" in caplog.text
+    assert [n["file"] for n in quarantined(tmp_path)] == [f"completions/{victim}"]
+    # The Responses store: the index still names resp_000003, its record's file is gone.
+    assert find_response(tmp_path, "resp_000003") is None
+    assert find_response(tmp_path, "resp_000103") is not None
+    (index,) = [p for p in (tmp_path / "response_ids").glob("date=*/*.parquet")
+                if "resp_000103" in _ids(p, "response_id")]  # fmt: skip
+    _flip(index, index.stat().st_size // 3)
+    caplog.clear()
+    assert find_response(tmp_path, "resp_000103") is None  # its index file left out, named
+    assert f"response_ids/{index.parent.name}/{index.name} is damaged" in caplog.text
+    proxy = await make_proxy(data_dir=tmp_path)
+    page = await proxy.get("/ui")
+    assert page.status == 200 and "roll3" not in await page.text()
