@@ -12,17 +12,16 @@ and never goes missing. With `--data` a URL, the segments are listed in the buck
 read from this machine's copies of them (fetched when missing, location.py), the live
 logs from its local directory.
 
-A damaged segment (truncated, say) is left out of the read with a warning that names
-it (manifest.py's `Segments.readable`), never fatal to the other files or tables; files
-set aside by a merge or `overnight check --quarantine` are named too. What a reader checks
-before each read is the shape of every file (magic bytes, a footer length that fits),
-a merged file's size and footer sha256 as its entry says, and that DuckDB can read each
-footer it must open: a stat and a few small reads a file. The data's checksums are not
-checked per query (that is every byte of the store, each time): a flip in a data page
-that DuckDB still decodes reads back as a wrong value until `overnight check` (or the
-merge that rewrites the file) finds it. A query that DuckDB fails while reading
-(`read_failure`: a page header it cannot decode, say) has the files it read verified
-whole then, once, and the damaged ones named in its error, with what to do.
+A damaged file (truncated, a bit flipped anywhere) is left out of the read with a
+warning that names it and what it held, never fatal to the other files or tables:
+before a file is read it is verified whole against its manifest entry or record, once
+per version of it (storage/verified.py: remembered in the process and in
+`verified/{table}.json`, so a query pays a stat per file once its files verified), and
+one that fails is set aside as `overnight check --quarantine` would; files set aside
+before are named too. A query that DuckDB fails while reading nonetheless (a file
+damaged since it verified, without a write; verification off) has the files it read
+verified whole then, once, and the damaged ones named in its error, with what to do
+(`read_failure`).
 
 A live log is read as compaction will read it: a value that does not fit its column is
 made to fit (with a note), and a line that cannot be stored is left out here (and set
