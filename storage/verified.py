@@ -62,8 +62,9 @@ _TRUSTED: dict[str, tuple] = {}
 # str(path) -> (version, why): damaged, and not set aside (the lock was taken, or the
 # directory is read-only): left out again without hashing it again.
 _FAILED: dict[str, tuple[tuple, str]] = {}
-# `table/rel` -> why, of every file this process's reads left out as damaged.
-_LEFT_OUT: dict[str, str] = {}
+# (data directory, `table/rel`) -> why, of every file this process's reads left out.
+_LEFT_OUT: dict[tuple[str, str], str] = {}
+SOUND = "sound"  # `_set_aside`'s answer for a file that verifies when looked at again
 
 
 def version_of(path: Path, etag: str | None, entry: dict | None) -> tuple | None:
@@ -106,11 +107,10 @@ class Verifier:
         why = verify_path(path, expected(self.store, self.table, rel, entry), self.table)
         if why is not None and why != "missing" and self.store.remote:
             why, version = self._fetched_again(rel, path, entry, etag)
-        if why is None:
-            self._trust(rel, key, version)
-            return None
-        if why != "missing":
-            self._damaged(rel, path, entry, etag, why)
+        if why is None:  # the version taken before hashing: a write meanwhile is a new one
+            self._trust(rel, key, version)  # type: ignore[arg-type]
+        elif why != "missing":  # None: sound when looked at again (not remembered)
+            why = self._damaged(rel, path, entry, etag, why)
         return why
 
     def save(self) -> None:
@@ -161,11 +161,16 @@ class Verifier:
 
     def _damaged(
         self, rel: str, path: Path, entry: dict | None, etag: str | None, why: str
-    ) -> None:
-        where = f"{self.table}/{rel}"
-        _LEFT_OUT[where] = why
+    ) -> str | None:
+        """`why` after the file is set aside (and named); None when, verified again under
+        the merge lock, it is sound: rewritten meanwhile (a compaction run again writes
+        its segment and record anew), not damaged."""
         holds = _holds(entry or expected(self.store, self.table, rel, None), rel)
-        done = self._set_aside(rel, path, entry, etag, why)
+        done = self._set_aside(rel, path, entry)
+        if done == SOUND:
+            return None
+        where = f"{self.table}/{rel}"
+        _LEFT_OUT[(str(self.store.data_dir), where)] = why
         if done is None:
             _FAILED[str(path)] = (version_of(path, etag, entry), why)
             done = ("not set aside yet (its table's merge lock is held, or the directory "
@@ -175,19 +180,20 @@ class Verifier:
         log.warning("%s is damaged (%s): its %s are left out of this read; %s. `overnight "
                     "check` says more (docs/operations.md, \"Damaged files\")", where, why,
                     holds, done)  # fmt: skip
+        return why
 
-    def _set_aside(
-        self, rel: str, path: Path, entry: dict | None, etag: str | None, why: str
-    ) -> str | None:
-        """Where the file went, or None when it stays (the lock is busy, or it cannot
-        be moved). Under the merge lock it is verified again: a file rewritten since
-        (a compaction run again) is not the one that failed."""
+    def _set_aside(self, rel: str, path: Path, entry: dict | None) -> str | None:
+        """Where the file went; `SOUND` when, verified again under the merge lock, it is
+        (a file rewritten since is not the one that failed); None when it stays (the lock
+        is busy, or it cannot be moved)."""
         try:
             with self.store.try_lock(self.table) as held:
                 if not held:
                     return None
                 again = verify_path(path, expected(self.store, self.table, rel, entry), self.table)
-                if again is None or again == "missing":
+                if again is None:
+                    return SOUND
+                if again == "missing":
                     return None
                 note = set_aside(self.store, self.table, rel, again)
         except OSError as e:
@@ -215,11 +221,7 @@ def _load(path: Path) -> dict[str, list]:
     return found if isinstance(found, dict) else {}
 
 
-def left_out(tables: set[str] | None = None) -> dict[str, str]:
-    """`table/rel` -> why, of the files this process's reads left out as damaged (of
-    `tables`, when given): for the night to say what it did not train on."""
-    return {
-        where: why
-        for where, why in _LEFT_OUT.items()
-        if tables is None or where.partition("/")[0] in tables
-    }
+def left_out(data_dir: Path) -> dict[str, str]:
+    """`table/rel` -> why, of the files of `data_dir` this process's reads left out as
+    damaged: for the night to say what it did not train on."""
+    return {where: why for (d, where), why in _LEFT_OUT.items() if d == str(Path(data_dir))}

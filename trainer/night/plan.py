@@ -158,7 +158,7 @@ def damaged_files(data_dir: Path) -> dict[str, str]:
     """The files a night's rows could have come from that it did not read (`table/rel`
     -> why): left out as damaged by this process's reads, or set aside before."""
     found = {n.get("file", "?"): n.get("why", "?") for n in quarantined(data_dir)}
-    found.update(left_out())
+    found.update(left_out(data_dir))
     return {where: why for where, why in found.items() if not where.startswith(INDEX + "/")}
 
 
