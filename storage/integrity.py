@@ -14,18 +14,19 @@ own, written by compaction just after the segment and read as its entry by every
 compaction killed between the two renames, which runs again) has its in-file checksums
 only. Three depths of looking:
 
-- `quick_check`, what every reader does to every file before reading it (a stat and two
-  small reads, three for a merged file): both magic numbers, a footer length that fits,
-  the size its entry says, and its footer's sha256. It finds what crashes and copies
-  leave behind, a truncated or partial file, and a damaged footer of a merged file (the
-  footer is what DuckDB trusts for types and statistics).
-- `verify`, what merges, cleanups, prune and `overnight check` do before they trust a
-  file: its checksums recomputed, its footer read, its rows and columns as its entry
-  says; a file written before checksums existed is decoded whole, its page CRCs checked.
+- `quick_check` (a stat and two small reads, three for a merged file): both magic
+  numbers, a footer length that fits, the size its entry says, and its footer's sha256.
+  It finds what crashes and copies leave behind, a truncated or partial file, and a
+  damaged footer of a merged file: what a listing checks of a merged file before its
+  entry counts, and cleanup of every file before a merge.
+- `verify`, what readers (once per file version: verified.py), merges, cleanups, prune
+  and `overnight check` do before they trust a file: its checksums recomputed, its
+  footer read, its rows and columns as its entry says; a file written before checksums
+  existed is decoded whole, its page CRCs checked.
 - `read_verified`: `verify`, then the table, for a merge that rewrites it.
 
 DuckDB checks neither checksum (a flipped bit reads back as a wrong value), which is why
-nothing is merged from a file that was not verified. A damaged file is never deleted:
+nothing is read or merged from a file that was not verified. A damaged file is never deleted:
 `set_aside` moves it (and its record) out of the readers' view, to
 `quarantine/files/{table}/{rel}`, with the reason beside it (`{name}.why`), where
 `quarantined` finds it (`/health`, `overnight check`). In a bucket the object moves under

@@ -100,6 +100,7 @@ class SegmentFile:
     rel: str
     mtime: float  # seconds since the epoch (an object's LastModified)
     size: int
+    etag: str | None = None  # an object's version in a bucket (None for a local file)
 
 
 def segment_store(data_dir: str | os.PathLike) -> SegmentStore:
@@ -180,7 +181,9 @@ class SegmentStore:
             rel = key[len(prefix) :]
             folder, _, name = rel.partition("/")
             if folder.startswith("date=") and "/" not in name and name.endswith(".parquet"):
-                out.append(SegmentFile(rel, _mtime(info), int(info.get("size") or 0)))
+                etag = info.get("ETag") or info.get("etag")
+                size = int(info.get("size") or 0)
+                out.append(SegmentFile(rel, _mtime(info), size, str(etag) if etag else None))
         return sorted(out, key=lambda f: f.rel)
 
     def exists(self, table: str, rel: str) -> bool:
@@ -303,6 +306,18 @@ class SegmentStore:
     def lock(self, table: str) -> Iterator[None]:
         """Mergers on this machine take turns (an flock in the local directory); across
         machines, a bucket's manifest is written with `write_if`."""
+        with self._flock(table, wait=True):
+            yield
+
+    @contextmanager
+    def try_lock(self, table: str) -> Iterator[bool]:
+        """The merge lock if it is free now (True), else False at once: for a reader
+        that must not wait behind a merge of a month (reader-side set-aside, verified.py)."""
+        with self._flock(table, wait=False) as held:
+            yield held
+
+    @contextmanager
+    def _flock(self, table: str, wait: bool) -> Iterator[bool]:
         import fcntl
 
         where = self.local_path(table) if not self.remote else self.data_dir / "locks"
@@ -310,8 +325,12 @@ class SegmentStore:
         name = ".merge.lock" if not self.remote else f"merge-{table}.lock"
         fd = os.open(where / name, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
         finally:
             os.close(fd)
 

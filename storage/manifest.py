@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import verified
 from .files import create_private, replace_durably
 from .integrity import quick_check
 from .location import SegmentStore, segment_store
@@ -68,6 +69,8 @@ class Segments:
     # open them.
     entries: dict[str, dict] = field(default_factory=dict)
     damaged: dict[str, str] = field(default_factory=dict)  # rel -> why, found by `readable`
+    set_aside: list[str] = field(default_factory=list)  # rels `readable` moved to the quarantine
+    etags: dict[str, str] = field(default_factory=dict)  # in a bucket: each object's version
     hidden: set[str] = field(default_factory=set)  # what the counted merged files replace
 
     @property
@@ -80,12 +83,14 @@ class Segments:
         without a day, `date=unknown`, always)."""
         return [self.store.uri(self.table, rel) for rel in self._since(day)]
 
-    def readable(self, day: dt.date | None) -> list[tuple[Path, dict]]:
+    def readable(self, day: dt.date | None, verify: bool = True) -> list[tuple[Path, dict]]:
         """`since`, as local files DuckDB reads (in a bucket, this machine's copies,
         location.py: fetched once, kept while the bucket keeps them), each with what
         the manifest says of it (`{}` for a segment not merged, or merged before
-        manifests described files)."""
-        return self._readable(self._since(day))
+        manifests described files). Each verified whole once per version first
+        (verified.py); `verify=False`: their shape only (`overnight check`, which
+        verifies every byte itself and sets nothing aside unasked)."""
+        return self._readable(self._since(day), verify)
 
     def covering(self, day: str) -> list[Path]:
         """The files that may hold rows of `day` (a merged week or month from its first
@@ -93,24 +98,34 @@ class Segments:
         rels = [r for r in self.rels if first_day(self.entries.get(r, {}), r) <= day <= day_of(r)]
         return [path for path, _ in self._readable(rels)]
 
-    def _readable(self, rels: list[str]) -> list[tuple[Path, dict]]:
+    def _readable(self, rels: list[str], verify: bool = True) -> list[tuple[Path, dict]]:
         if not self.store.remote:
             paths = [self.store.local_path(self.table, rel) for rel in rels]
         else:
             paths = self.store.local_copies(self.table, rels, self.sizes)
+        on = verify and verified.ENABLED
+        checker = verified.Verifier(self.store, self.table, set(self.sizes)) if on else None
         out = []
         for path, rel in zip(paths, rels, strict=True):
-            # A damaged file is left out (named, once), never fatal to reading the rest.
-            entry = self.entries.get(rel, {})
-            why = quick_check(path, entry.get("bytes"), entry.get("footer"))
+            # A damaged file is left out (named), never fatal to reading the rest.
+            entry = self.entries.get(rel)
+            if checker is not None:
+                why = checker.why_not(rel, path, entry, self.etags.get(rel))
+            else:
+                why = quick_check(path, (entry or {}).get("bytes"), (entry or {}).get("footer"))
             if why is None:
                 out.append((path, self.describe(rel)))
                 continue
             self.damaged[rel] = why
+            if checker is not None:
+                continue  # named by the verifier, with what it holds and where it went
             if self.store.remote:  # this machine's copy: fetched again next time
                 path.unlink(missing_ok=True)
             warn_once(f"{path} {why}", "%s/%s is damaged (%s): left out of this read; "
                       "`overnight check` says more", self.table, rel, why)  # fmt: skip
+        if checker is not None:
+            checker.save()
+            self.set_aside += checker.set_aside
         return out
 
     def describe(self, rel: str) -> dict:
@@ -285,6 +300,7 @@ def list_segments(
     entries = manifest["merged"]
     out = Segments(store, table, mtimes={f.rel: f.mtime for f in listed})
     out.sizes = {f.rel: f.size for f in listed}
+    out.etags = {f.rel: f.etag for f in listed if f.etag}
     names = set(out.sizes)
     # A merged file not listed was merged after we listed (its sources are no longer
     # counted, so it must be), or was deleted since (by `overnight prune`), or never was.

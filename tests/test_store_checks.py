@@ -145,7 +145,9 @@ async def test_a_truncated_segment_is_left_out_named_and_set_aside(tmp_path, cap
     assert record_ids(tmp_path) == sorted(set(written) - lost)
     assert rows(tmp_path, "SELECT count(*) AS n FROM rewards") == [{"n": 3}]  # other tables
     assert victim in caplog.text and "damaged" in caplog.text
-    assert plan_prune(tmp_path, dt.timedelta(0)).tables["completions"].files == 3
+    # The read that found it set it aside (storage/verified.py): no merge had to.
+    assert [n["file"] for n in quarantined(tmp_path)] == [f"completions/{victim}"]
+    assert plan_prune(tmp_path, dt.timedelta(0)).tables["completions"].files == 2
     assert merge.merge_closed_days(tmp_path, now=LATER) == 2  # completions and rewards
     assert [n["file"] for n in quarantined(tmp_path)] == [f"completions/{victim}"]
     assert (tmp_path / "quarantine" / "files" / "completions" / victim).exists()
@@ -162,7 +164,8 @@ async def test_a_truncated_segment_is_left_out_named_and_set_aside(tmp_path, cap
 def test_a_segment_whose_footer_cannot_be_read_is_left_out_not_fatal(tmp_path, caplog):
     """Damage inside a footer passes the shape check (magic bytes, a length that fits):
     DuckDB then failed every reader at the footer ("don't know what type"), naming no
-    file, `overnight check` included. Now that file alone is left out, and named."""
+    file, `overnight check` included. Now that file alone is left out, named and set
+    aside by the read that found it."""
     written = past_day(tmp_path)
     victim = files(tmp_path)[0]
     lost = ids_in(tmp_path, victim)
@@ -173,9 +176,11 @@ def test_a_segment_whose_footer_cannot_be_read_is_left_out_not_fatal(tmp_path, c
     data[start : start + length // 2] = b"\xff" * (length // 2)  # the footer's first half
     path.write_bytes(bytes(data))
     assert record_ids(tmp_path) == sorted(set(written) - lost)
-    assert str(path) in caplog.text and "footer cannot be read" in caplog.text
+    assert f"completions/{victim} is damaged" in caplog.text and "left out" in caplog.text
     report = check_store(tmp_path)
-    assert [(f.kind, f.where) for f in report.findings] == [("damaged", f"completions/{victim}")]
+    assert [(f.kind, f.where) for f in report.findings] == [
+        ("quarantined", f"completions/{victim}")
+    ]
 
 
 def flip(path: Path, at: float = 0.5) -> None:
@@ -269,13 +274,20 @@ def flip_page_header(path: Path, column: str) -> None:
     path.write_bytes(bytes(data))
 
 
-async def test_a_query_that_fails_in_a_damaged_page_names_the_file(tmp_path, make_proxy):
+async def test_a_query_that_fails_in_a_damaged_page_names_the_file(
+    tmp_path, make_proxy, monkeypatch
+):
     """The defect: a flip in a data page's header failed `overnight sql`, `ls` and `/ui`
     with DuckDB's "TProtocolException: Invalid data", naming no file. Now the files the
     query read are verified whole, and the damaged one is named with what to do; a query
-    of other tables, and a query's own mistakes, are answered as before."""
+    of other tables, and a query's own mistakes, are answered as before. Reads verify
+    each file before they trust it (storage/verified.py), so this is the path of a flip
+    they did not see (the disk's own, after the file verified): verification off here."""
     import duckdb
 
+    from overnight.storage import verified
+
+    monkeypatch.setattr(verified, "ENABLED", False)
     past_day(tmp_path)
     victim = files(tmp_path)[1]
     flip_page_header(tmp_path / "completions" / victim, "group_id")
@@ -297,9 +309,13 @@ async def test_a_query_that_fails_in_a_damaged_page_names_the_file(tmp_path, mak
     assert page.status == 500 and f"completions/{victim} (" in await page.text()
 
 
-def test_a_responses_lookup_that_fails_in_a_damaged_index_names_the_file(tmp_path):
+def test_a_responses_lookup_that_fails_in_a_damaged_index_names_the_file(tmp_path, monkeypatch):
+    """A flip the reads' verification did not see (verification off, as above)."""
+    from overnight.storage import verified
     from overnight.storage.read.reader import DamagedRead
     from overnight.storage.read.response_index import find_response
+
+    monkeypatch.setattr(verified, "ENABLED", False)
 
     writer = LogWriter(WriterConfig(tmp_path, commit_interval=0.0, compact_in_process=True))
     writer.start()
@@ -671,10 +687,14 @@ def test_a_malformed_promotion_state_names_its_file(tmp_path):
             StateFile(path).read()
 
 
-def test_a_batch_step_that_fails_in_a_damaged_page_names_the_file(tmp_path):
+def test_a_batch_step_that_fails_in_a_damaged_page_names_the_file(tmp_path, monkeypatch):
     """The nightly job's reads, as `sql`'s: `overnight judge` and `overnight train` over a
     store with a damaged data page stop naming the file and what to do, not with DuckDB's
-    bare "TProtocolException"; a store that verifies gives the error as it was."""
+    bare "TProtocolException"; a store that verifies gives the error as it was. (A flip
+    the reads' verification did not see: verification off, as above.)"""
+    from overnight.storage import verified
+
+    monkeypatch.setattr(verified, "ENABLED", False)
     past_day(tmp_path)
     victim = files(tmp_path)[1]
     flip_page_header(tmp_path / "completions" / victim, "group_id")

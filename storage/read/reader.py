@@ -12,17 +12,16 @@ and never goes missing. With `--data` a URL, the segments are listed in the buck
 read from this machine's copies of them (fetched when missing, location.py), the live
 logs from its local directory.
 
-A damaged segment (truncated, say) is left out of the read with a warning that names
-it (manifest.py's `Segments.readable`), never fatal to the other files or tables; files
-set aside by a merge or `overnight check --quarantine` are named too. What a reader checks
-before each read is the shape of every file (magic bytes, a footer length that fits),
-a merged file's size and footer sha256 as its entry says, and that DuckDB can read each
-footer it must open: a stat and a few small reads a file. The data's checksums are not
-checked per query (that is every byte of the store, each time): a flip in a data page
-that DuckDB still decodes reads back as a wrong value until `overnight check` (or the
-merge that rewrites the file) finds it. A query that DuckDB fails while reading
-(`read_failure`: a page header it cannot decode, say) has the files it read verified
-whole then, once, and the damaged ones named in its error, with what to do.
+A damaged file (truncated, a bit flipped anywhere) is left out of the read with a
+warning that names it and what it held, never fatal to the other files or tables:
+before a file is read it is verified whole against its manifest entry or record, once
+per version of it (storage/verified.py: remembered in the process and in
+`verified/{table}.json`, so a query pays a stat per file once its files verified), and
+one that fails is set aside as `overnight check --quarantine` would; files set aside
+before are named too. A query that DuckDB fails while reading nonetheless (a file
+damaged since it verified, without a write; verification off) has the files it read
+verified whole then, once, and the damaged ones named in its error, with what to do
+(`read_failure`).
 
 A live log is read as compaction will read it: a value that does not fit its column is
 made to fit (with a note), and a line that cannot be stored is left out here (and set
@@ -147,7 +146,7 @@ DERIVED_VIEWS = {
 
 
 def snapshot(
-    data_dir: Path, days_from: dt.date | None = None
+    data_dir: Path, days_from: dt.date | None = None, verify: bool = True
 ) -> tuple[dict[str, pa.Table], dict[str, list[tuple[Path, dict]]]]:
     """Rows of the logs that have no segment yet, and the segments (each with what the
     merge manifest says of it, `Segments.describe`), by table.
@@ -155,7 +154,10 @@ def snapshot(
     One listing of the segments serves both: listing them again later could find a
     segment compacted in between from a log whose rows are already live, and count
     those rows twice. `days_from` leaves out segments (and live rows) of earlier days,
-    in every table but `training_runs` (small, and needed whole).
+    in every table but `training_runs` (small, and needed whole). Each file is verified
+    whole once per version (`verify`: storage/verified.py); one that fails is left out,
+    and a merged file set aside brings back what it replaced where that is still there
+    (the table listed once more).
     """
     rows: dict[str, list[tuple[str, dict]]] = {name: [] for name in TABLES}
     for path in log_files(data_dir):
@@ -167,7 +169,15 @@ def snapshot(
             if table in rows:
                 rows[table].extend((path.stem, r) for r in table_rows)
     store = segment_store(data_dir)
-    listed = {name: list_segments(data_dir, name, store) for name in TABLES}
+    listed, segments = {}, {}
+    for name in TABLES:
+        since = None if name == "training_runs" else days_from
+        listed[name] = list_segments(data_dir, name, store)
+        segments[name] = listed[name].readable(since, verify)
+        if set(listed[name].set_aside) & set(listed[name].entries):
+            # Listed again (still after the logs were read): its sources count in its place.
+            listed[name] = list_segments(data_dir, name, store)
+            segments[name] = listed[name].readable(since, verify)
     aside = quarantined(data_dir)
     if aside:  # said once per process and count: a reader opens the store at every query
         names = ", ".join(n.get("file", "?") for n in aside[:5]) + (
@@ -176,7 +186,7 @@ def snapshot(
         warn_once(f"quarantined {len(aside)}", "%d damaged file(s) set aside in %s, their "
                   "rows not read: %s; see `overnight check`", len(aside),
                   data_dir / SET_ASIDE, names)  # fmt: skip
-    live, segments = {}, {}
+    live = {}
     for name, pairs in rows.items():
         since = None if name == "training_runs" else days_from
         # A row whose table and day have a segment from its log (merged ones' sources
@@ -190,7 +200,6 @@ def snapshot(
         live[name], rejected = to_arrow(name, table_rows)
         if rejected:
             log.warning("%s: %d live row(s) left out: %s", name, len(rejected), rejected[0][1])
-        segments[name] = listed[name].readable(since)
     return live, segments
 
 
@@ -219,19 +228,23 @@ def day_of(table: str) -> str:
     return f"DATE '1970-01-01' + CAST(floor(epoch_us({column}) / 86400000000) AS INTEGER)"
 
 
-def open_db(data_dir: str | Path, *, days_from: dt.date | None = None) -> duckdb.DuckDBPyConnection:
+def open_db(
+    data_dir: str | Path, *, days_from: dt.date | None = None, verify: bool = True
+) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with views `completions`, `rewards`, `finishes`, `judgments`,
     `training_runs`, `rollout_rewards`, `rollout_judgments`, `rollouts` and `groups`
     over `data_dir`; each stored table's has a `date` column, its rows' own UTC day
     (`day_of`). `days_from` (a UTC day) leaves out rows of earlier days in every
     table but `training_runs`: for a caller that asks only about groups begun since
-    then (their rewards, finishes and judgments all come later)."""
+    then (their rewards, finishes and judgments all come later). Every file is verified
+    whole once per version before it is read (`snapshot`); `verify=False` checks its
+    shape only, for `overnight check`, which has just verified every byte itself."""
     data_dir = Path(data_dir)
     con = duckdb.connect(":memory:")
     # Footers read once per connection, not once per query (`ls` asks one per group).
     con.execute("SET parquet_metadata_cache = true")
     segment_store(data_dir).register(con)  # a query may name a bucket's files itself
-    live, segments = snapshot(data_dir, days_from)
+    live, segments = snapshot(data_dir, days_from, verify)
     for name in TABLES:
         con.register(f"_live_{name}", live[name])
         check_versions(name, live[name].column("schema_version").to_pylist())
@@ -444,7 +457,7 @@ def damaged_files(
     out = []
     for table in tables:
         found = list_segments(data_dir, table, store)
-        for path, _ in found.readable(None):
+        for path, _ in found.readable(None, verify=False):  # verified below, and named
             if only and Path(path) not in only:
                 continue
             rel = f"{path.parent.name}/{path.name}"  # a copy sits where the file does

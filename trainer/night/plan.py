@@ -39,8 +39,11 @@ import pyarrow as pa
 
 from overnight.config import TrainConfig
 from overnight.storage import finished_groups, now_us, open_db
+from overnight.storage.integrity import quarantined
 from overnight.storage.read.policy_scope import PolicyScope
+from overnight.storage.read.response_index import INDEX
 from overnight.storage.read.siblings import TURN_PREFIX
+from overnight.storage.verified import left_out
 from overnight.telemetry import traced
 from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages
 from overnight.trainer.grpo.logged_turns import Loaded, load_samples
@@ -93,6 +96,10 @@ class Plan:
     lone: list[str] = field(default_factory=list)
     # What lone_turns.py pooled: turns by kind and by source, the pool's mean and std.
     pooled: dict | None = None
+    # Files whose rows this plan could not trust (`table/rel` -> why): damaged, found by
+    # its reads or set aside before; their rows are not in the store's views, so not
+    # trained on (storage/verified.py; docs/operations.md, "Damaged files").
+    damaged: dict[str, str] = field(default_factory=dict)
 
     @property
     def loaded(self) -> dict:
@@ -123,6 +130,11 @@ class Plan:
             ages = ", ".join(f"{n} {_age(a)}" for a, n in sorted(self.staleness.items()))
             out.append(f"  by the adapter that sampled them: {ages}")
         out += [f"  skipped {n} group(s): {reason}" for reason, n in self.skipped.most_common()]
+        if self.damaged:
+            named = [f"{where} ({why})" for where, why in list(self.damaged.items())[:5]]
+            more = ", ..." if len(self.damaged) > 5 else ""
+            out.append(f"  left out: the rows of {len(self.damaged)} damaged file(s), set aside "
+                       f"and not trained on (`overnight check`): {', '.join(named)}{more}")  # fmt: skip
         if self.retokenised:
             gaps = self.token_count_gaps
             worst = max((abs(g) for g in gaps), default=0)
@@ -147,6 +159,14 @@ class Plan:
         self.samples += [replace(s, advantage=adv.advantages[s.rollout_id]) for s in samples]
         self.rewards.update(rewards)
         self.group_stats[group_id] = {"mean": adv.mean, "std": adv.std, "rollouts": len(rewards)}
+
+
+def damaged_files(data_dir: Path) -> dict[str, str]:
+    """The files a night's rows could have come from that it did not read (`table/rel`
+    -> why): left out as damaged by this process's reads, or set aside before."""
+    found = {n.get("file", "?"): n.get("why", "?") for n in quarantined(data_dir)}
+    found.update(left_out(data_dir))
+    return {where: why for where, why in found.items() if not where.startswith(INDEX + "/")}
 
 
 def _age(label: str) -> str:
@@ -266,6 +286,7 @@ def plan_run(
         con.close()
     plan = _plan_from(loaded)
     plan.lone = [g for g in candidates if g in lone]
+    plan.damaged = damaged_files(data_dir)
     plan.considered, plan.loaded_groups = candidates, wanted
     plan.looked_since = last["watermark"] if last is not None else None
     plan.turn_pool = turn_pool

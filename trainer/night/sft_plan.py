@@ -43,7 +43,7 @@ from overnight.telemetry import traced
 from overnight.trainer.grpo.data import Sample
 from overnight.trainer.grpo.render import load_conversations
 
-from .plan import Plan, chosen_rewards, looked_at_groups, selection_record
+from .plan import Plan, chosen_rewards, damaged_files, looked_at_groups, selection_record
 
 HELD_OUT = "held out for the gate by --sft-held-out (the same groups every night; never trained)"
 PARTLY_SCORED = (
@@ -151,6 +151,7 @@ def plan_sft(
         "duplicates": duplicates,
     }
     plan.waiting = plan.groups + pending
+    plan.damaged = damaged_files(data_dir)
     if only is None and since is None:
         plan.selection = selection_record(plan, looked_at, settle_seconds, config, scope)
     return plan
