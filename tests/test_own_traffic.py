@@ -26,6 +26,11 @@ from overnight.examples.sum_agent import HELD_OUT as SUM_HELD_OUT
 from overnight.judge.rewards import RewardFunction
 from overnight.judge.run import run_judge
 from overnight.proxy.address import write_address
+from overnight.proxy.alias.promotions import Route
+from overnight.proxy.capture.attribution import Attribution
+from overnight.proxy.capture.captures import Capture
+from overnight.proxy.capture.recorder_main import frame_of, replayed
+from overnight.proxy.capture.records import RecordFacts, record_rows
 from overnight.storage import LogWriter, WriterConfig, now_us
 from overnight.trainer.train import RunResult, plan_run, record_run
 
@@ -135,6 +140,17 @@ async def test_the_request_counters_say_who_sent_each_request(day):
     requests = "overnight_requests_total"
     assert value(scraped, requests, sent_by="client") == len(AGENT_GROUPS) + len(FORGED)
     assert value(scraped, requests, sent_by="eval") == len(HELD_OUT)
+
+
+def test_the_recorder_process_builds_the_rows_with_who_sent_the_request():
+    """--recorder process: the frame the child gets carries the mark to the rows it builds."""
+    capture = Capture("chat.completions", False, dict(CHAT), Route("fake-base", None, "policy"))
+    capture.status = 200
+    who = Attribution("heldout-0", "heldout-0.0", "header")
+    facts = RecordFacts(now_us(), now_us(), True, sent_by="eval")
+    again, who_again, facts_again, turns = replayed(frame_of(capture, who, facts, [0]))
+    built = record_rows(again, who_again, turns, "recorder", facts_again)
+    assert [row["sent_by"] for row in built] == ["eval"]
 
 
 async def test_without_an_admin_token_loopback_is_the_operator_and_a_kind_must_be_known(
