@@ -31,6 +31,7 @@ from overnight.proxy.capture.attribution import Attribution
 from overnight.proxy.capture.captures import Capture
 from overnight.proxy.capture.recorder_main import frame_of, replayed
 from overnight.proxy.capture.records import RecordFacts, record_rows
+from overnight.proxy.observe.tracing import start_attributes
 from overnight.storage import LogWriter, WriterConfig, now_us
 from overnight.trainer.train import RunResult, plan_run, record_run
 
@@ -151,6 +152,16 @@ def test_the_recorder_process_builds_the_rows_with_who_sent_the_request():
     again, who_again, facts_again, turns = replayed(frame_of(capture, who, facts, [0]))
     built = record_rows(again, who_again, turns, "recorder", facts_again)
     assert [row["sent_by"] for row in built] == ["eval"]
+
+
+def test_a_span_says_who_sent_its_request():
+    """Traces: the agents' spans are `overnight.sent_by = client` (Langfuse: its metadata)."""
+    capture = Capture("chat.completions", False, dict(CHAT), Route("fake-base", None, "policy"))
+    capture.sent_by = "eval"
+    attributes = start_attributes("chat", capture, Attribution(None, None, "none"), CHAT)
+    assert (
+        attributes["overnight.sent_by"] == attributes["langfuse.trace.metadata.sent_by"] == "eval"
+    )
 
 
 async def test_without_an_admin_token_loopback_is_the_operator_and_a_kind_must_be_known(
