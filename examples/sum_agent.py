@@ -45,6 +45,7 @@ async def attempt(
     question: str,
     group: str,
     args: argparse.Namespace,
+    marked: dict[str, str],
 ) -> str:
     rollout = f"{group}.{uuid.uuid4().hex[:8]}"
     reply = await client.chat.completions.create(
@@ -52,11 +53,21 @@ async def attempt(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-        extra_headers={"X-Rollout-Group": group, "X-Rollout-Id": rollout},
+        extra_headers={"X-Rollout-Group": group, "X-Rollout-Id": rollout, **marked},
     )
     # Tell the proxy this attempt is over; scoring happens in the nightly batch.
     (await http.post(f"/rollouts/{rollout}/finish")).raise_for_status()
     return reply.choices[0].message.content or ""
+
+
+def measurement_headers() -> dict[str, str]:
+    """The held-out questions are the demo's measurement, not an agent's traffic: marked
+    as overnight's own (`eval`), so that `overnight ls` and /ui list the agent's groups
+    first. The proxy honours the mark from the operator only: with its admin token
+    (OVERNIGHT_ADMIN_TOKEN), or from loopback where it has none (docs/operations.md)."""
+    headers = {"X-Rollout-Origin": "eval"}
+    token = os.environ.get("OVERNIGHT_ADMIN_TOKEN")
+    return {**headers, "X-Rollout-Origin-Token": token} if token else headers
 
 
 def day_questions(run: str, tasks: int) -> list[str]:
@@ -83,16 +94,16 @@ async def main() -> None:
     if args.held_out:  # each question --group-size times, each time a group of one
         work = [(q, f"heldout-{args.run}-{i}-{k}")
                 for i, q in enumerate(HELD_OUT) for k in range(args.group_size)]  # fmt: skip
-        size = 1
+        size, marked = 1, measurement_headers()
     else:
         questions = day_questions(args.run, args.tasks)
         work = [(q, f"sums-{args.run}-{i}") for i, q in enumerate(questions)]
-        size = args.group_size
+        size, marked = args.group_size, {}
     async with httpx.AsyncClient(
         base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=300
     ) as http:
         jobs = [
-            attempt(client, http, args.model, question, group, args)
+            attempt(client, http, args.model, question, group, args, marked)
             for question, group in work
             for _ in range(size)
         ]

@@ -39,11 +39,14 @@ from .trajectories import content_text
 # A conversation quiet this long has ended: no next message is coming for its last turn.
 QUIET_SECONDS = 30 * 60
 
+# The agents' turns only: overnight's own (a judge through the proxy, the demo's held-out
+# measurement: storage/read/sent_by.py) say nothing of how the agents' turns went.
 TURNS_SQL = """
 SELECT record_id, request_id, rollout_id, group_id, attribution, epoch_us(started_at),
        request, response, finish_reason
 FROM completions
 WHERE endpoint = 'chat.completions' AND coalesce(logged, true) AND error IS NULL
+  AND sent_by = 'client'
   AND coalesce(http_status, 200) = 200 AND started_at >= to_timestamp(?::DOUBLE / 1e6)
 """
 

@@ -72,6 +72,10 @@ COMPLETIONS = pa.schema(
         ("stream", pa.bool_()),
         ("logged", pa.bool_()),  # false under X-Rollout-Log: off (bodies not kept)
         ("proxy_id", pa.string()),  # the proxy process that wrote the row
+        # Who sent the request: `client` (an agent), or what of overnight's own sent it
+        # through the proxy (storage/read/sent_by.py: eval, judge, ...). Nullable, added
+        # without a version bump: rows written before it read as `client` (reader.py).
+        ("sent_by", pa.string()),
         NOTES,
     ]
 )

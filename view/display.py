@@ -18,6 +18,7 @@ from overnight.errors import OvernightError
 from overnight.storage import segment_store
 from overnight.storage.bucket import conditional
 from overnight.storage.read.policy_scope import PolicyScope
+from overnight.storage.read.sent_by import AGGREGATE_SENT_BY, CLIENT, shown
 
 
 def _table(headers: list[str], rows: list[tuple]) -> str:
@@ -82,17 +83,29 @@ def newest_groups(
 
 
 def list_groups(
-    con: duckdb.DuckDBPyConnection, group: str | None, limit: int, policy: str | None = None
+    con: duckdb.DuckDBPyConnection,
+    group: str | None,
+    limit: int,
+    policy: str | None = None,
+    sent_by: str = CLIENT,
 ) -> str:
-    """`overnight ls`: the newest groups (of those that asked for `policy`'s alias), each
-    with the model its turns asked for (the policy) and its rollouts."""
+    """`overnight ls`: the newest groups (of those that asked for `policy`'s alias, sent by
+    `sent_by`: the agents by default; storage/read/sent_by.py `shown`), each with the
+    model its turns asked for (the policy) and its rollouts. A group named is shown
+    whoever sent it."""
     columns = "group_id, rollouts, turns, tokens, mean_reward, finished, models_served, ended_at"
+    columns += ", sent_by"
     # A policy's groups are those whose first turn asked for its alias, as its nights
     # choose them (storage/read/policy_scope.py; offline, no proxy says which others exist).
     where, args = [], []
     if policy is not None:
         condition, args = PolicyScope(policy, default=False).group_condition()
         where = [condition]
+    mine = " AND ".join(["TRUE", *where])  # on the turns, for the counts below
+    mine_args = list(args)
+    sent, sent_args = shown("sent_by", sent_by)
+    if not group:
+        where, args = [*where, sent], [*args, *sent_args]
     if group:
         groups = con.execute(
             f"SELECT {columns} FROM groups WHERE group_id = ? AND {' AND '.join(['TRUE', *where])}",
@@ -103,12 +116,17 @@ def list_groups(
     if not groups:
         if policy is not None:
             return f"no group asked for the policy {policy!r}" + (f" as {group!r}" if group else "")
-        return "no records yet" if not group else f"no group {group!r}"
-    # Counted on the turns: the `groups` view would aggregate every rollout to count them.
-    total = con.execute(
-        "SELECT count(DISTINCT group_id), count(DISTINCT rollout_id) FROM completions"
-    ).fetchone()
-    out = [f"{total[0]} group(s), {total[1]} rollout(s); newest {len(groups)} shown", ""]
+        if not group:
+            return _none_sent_by(con, sent_by)
+        return f"no group {group!r}"
+    out = [_sent_by_counts(con, sent_by, mine, mine_args, len(groups)), ""]
+    out += _group_blocks(con, groups)
+    return "\n".join(out).rstrip()
+
+
+def _group_blocks(con: duckdb.DuckDBPyConnection, groups: list[tuple]) -> list[str]:
+    """`overnight ls`'s lines for the listed groups: each one's line, then its rollouts."""
+    out: list[str] = []
     # One query for the rollouts of every shown group, not one per group: each query
     # aggregates the rewards and judgments again.
     by_group: dict[str, list[tuple]] = {g[0]: [] for g in groups}
@@ -134,7 +152,9 @@ def list_groups(
         out.append(
             f"group {g[0]}: {g[1]} rollout(s), {g[2]} turn(s), {g[3]} tokens, "
             f"mean reward {_cell(g[4])}, {g[5]} finished, asked for {asked.get(g[0]) or '-'}, "
-            f"served by {g[6]}" + (f" via {via[g[0]]}" if via.get(g[0]) else "")
+            f"served by {g[6]}"
+            + (f" via {via[g[0]]}" if via.get(g[0]) else "")
+            + (f", sent by overnight ({g[8]})" if g[8] != CLIENT else "")
         )
         rollouts = by_group[g[0]]
         table = _table(
@@ -154,7 +174,46 @@ def list_groups(
         )
         out.append("\n".join("  " + line for line in table.splitlines()))
         out.append("")
-    return "\n".join(out).rstrip()
+    return out
+
+
+def _group_senders(con: duckdb.DuckDBPyConnection, mine: str, args: list) -> dict[str, tuple]:
+    """(groups, rollouts) by who sent the group, counted on the turns (the `groups` view
+    would aggregate every rollout to count them)."""
+    rows = con.execute(
+        f"SELECT sent_by, count(*), sum(rollouts) FROM (SELECT "
+        f"{AGGREGATE_SENT_BY.format(column='sent_by')} AS sent_by, count(DISTINCT rollout_id) "
+        f"AS rollouts FROM completions WHERE {mine} GROUP BY group_id) GROUP BY sent_by",
+        args,
+    ).fetchall()
+    return {kind: (n, rollouts) for kind, n, rollouts in rows}
+
+
+def _sent_by_counts(con, sent_by: str, mine: str, args: list, shown_now: int) -> str:
+    """The listing's first line: the groups and rollouts of those it lists, and how to
+    list overnight's own (or the agents') where there are any."""
+    counts = _group_senders(con, mine, args)
+    own = [(k, n) for k, (n, _) in sorted(counts.items()) if k != CLIENT]
+    listed = [
+        v for k, v in counts.items()
+        if sent_by == "all" or k == sent_by or (sent_by == "own" and k != CLIENT)
+    ]  # fmt: skip
+    groups, rollouts = sum(n for n, _ in listed), sum(r for _, r in listed)
+    line = f"{groups} group(s), {rollouts} rollout(s); newest {shown_now} shown"
+    if sent_by == CLIENT and own:
+        kinds = ", ".join(f"{n} {k}" for k, n in own)
+        line += f" (and overnight's own: {kinds}; `--sent-by own` lists them)"
+    elif sent_by != CLIENT and CLIENT in counts:
+        line += f" (and the agents': {counts[CLIENT][0]}; `--sent-by client` lists them)"
+    return line
+
+
+def _none_sent_by(con: duckdb.DuckDBPyConnection, sent_by: str) -> str:
+    """What `overnight ls` says when nothing sent by `sent_by` is recorded."""
+    total = con.execute("SELECT count(DISTINCT group_id) FROM completions").fetchone()[0]
+    if not total:
+        return "no records yet"
+    return f"no group sent by {sent_by!r} ({total} group(s) by others; `--sent-by all` lists them)"
 
 
 @dataclass
@@ -185,6 +244,7 @@ class ShownRollout:
     judge_explanation: str | None
     judge_model: str | None
     turns: list[ShownTurn]
+    sent_by: str = CLIENT  # an agent, or what of overnight's own (storage/read/sent_by.py)
 
 
 def load_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> ShownRollout:
@@ -199,9 +259,9 @@ def load_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> ShownRollou
         raise OvernightError(
             f"no rollout {rollout_id!r} (see `overnight ls`)", status=404, code="not_found"
         )
-    reward, source, finished, score, explanation, judge = con.execute(
-        "SELECT reward, reward_source, finished_at, judge_score, judge_explanation, judge_model "
-        "FROM rollouts WHERE rollout_id = ?",
+    reward, source, finished, score, explanation, judge, sent_by = con.execute(
+        "SELECT reward, reward_source, finished_at, judge_score, judge_explanation, judge_model, "
+        "sent_by FROM rollouts WHERE rollout_id = ?",
         [rollout_id],
     ).fetchone()
     signals = _signals_of(con, [row[-1] for row in turns])
@@ -251,6 +311,7 @@ def load_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> ShownRollou
         explanation,
         judge,
         shown,
+        sent_by,
     )
 
 
@@ -333,6 +394,7 @@ def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
         f"rollout {r.rollout_id} in group {r.group_id}: {len(r.turns)} turn(s), "
         f"reward {_cell(r.reward)} ({r.reward_source or 'none'}), "
         f"{'finished' if r.finished else 'not finished'}"
+        + (f", sent by overnight ({r.sent_by})" if r.sent_by != CLIENT else "")
     ]
     if r.judge_score is not None:
         out.append(f"judge {r.judge_model}: {r.judge_score:.3f}: {r.judge_explanation}")

@@ -123,18 +123,35 @@ def read_db(data_dir: Path) -> Iterator[Any]:
 @click.option("--group", help="Only this rollout group.")
 @click.option("--limit", default=20, show_default=True, help="Most recent groups shown.")
 @click.option("--policy", help="Only groups that asked for this policy's alias.")
-def ls_command(data_dir: Path, group: str | None, limit: int, policy: str | None) -> None:
-    """List rollout groups and their rollouts, newest first.
+@click.option(
+    "--sent-by",
+    default="client",
+    show_default=True,
+    help="Whose groups: client (the agents'), own (overnight's own: the demo's held-out "
+    "measurement, a judge through the proxy, ...), one kind of those (eval, judge, ...), or all.",
+)
+def ls_command(
+    data_dir: Path, group: str | None, limit: int, policy: str | None, sent_by: str
+) -> None:
+    """List rollout groups and their rollouts, newest first: the agents' by default.
 
     \b
     Example:
       overnight ls --limit 5
       overnight ls --policy support
+      overnight ls --sent-by own
     """
+    from overnight.storage.read.sent_by import shown
     from overnight.view import display
 
+    try:
+        shown("sent_by", sent_by)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--sent-by") from None
     with read_db(data_dir) as con:
-        click.echo(display.list_groups(con, group=group, limit=limit, policy=policy))
+        click.echo(
+            display.list_groups(con, group=group, limit=limit, policy=policy, sent_by=sent_by)
+        )
 
 
 @click.command()

@@ -316,18 +316,22 @@ class _Night:
 
 def _tiny_held_out(base: str, tag: str) -> None:
     """Each of TINY_HELD_OUT once, as the number agent asks (a rollout, then finished);
-    groups of one, which no night trains on: the gate's held-out prompts."""
+    groups of one, which no night trains on: the gate's held-out prompts, sent as
+    overnight's own (`eval`), so that `overnight ls` and /ui list the agents' first."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
     from overnight.examples.number_agent import SYSTEM
+    from overnight.examples.sum_agent import measurement_headers
+
+    marked = measurement_headers()  # the demo's measurement, not the agent's traffic
 
     def ask(http: httpx.Client, i: int, question: str) -> None:
         rollout = f"heldout-{tag}-{i}.0"
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         body = {"model": "policy", "messages": messages, "max_tokens": 12, "temperature": 1.0}
-        headers = {"X-Rollout-Group": f"heldout-{tag}-{i}", "X-Rollout-Id": rollout}
+        headers = {"X-Rollout-Group": f"heldout-{tag}-{i}", "X-Rollout-Id": rollout, **marked}
         answer = http.post("/v1/chat/completions", json={**body, "top_k": 50}, headers=headers)
         answer.raise_for_status()
         http.post(f"/v1/rollouts/{rollout}/finish").raise_for_status()

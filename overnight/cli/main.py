@@ -267,9 +267,12 @@ def _judge(
 ) -> None:
     from overnight.judge.run import judge_step
 
+    from .policy_runs import marked_through_proxy
+
+    config = build(JudgeConfig, values) if judge_model else None
     judge_step(
         data_dir,
-        build(JudgeConfig, values) if judge_model else None,
+        marked_through_proxy(config, data_dir, values.get("admin_token")),
         reward,
         say=click.echo,
         combine=combine,

@@ -140,6 +140,39 @@ def judge_config(values: dict[str, Any], *, own_max_tokens: bool = True):
                                if own_max_tokens or k != "max_tokens"})  # fmt: skip
 
 
+def marked_through_proxy(judge, data_dir: Path, token: str | None):
+    """`judge` (a JudgeConfig or None) marking its calls as overnight's own
+    (`X-Rollout-Origin: judge`, with the admin token where one is given) when its
+    --judge-base-url is the proxy serving `data_dir` (DATA/proxy.json): a local judge
+    served by the same vLLM through the proxy is not an agent's traffic, and its calls
+    are then never listed, trained or read for signals as one (docs/operations.md). Any
+    other server gets no mark, and never the token; a judge given its own
+    `extra_headers` keeps them as they are."""
+    if judge is None or not judge.base_url:
+        return judge
+    if any(arg.partition("=")[0].strip() == "extra_headers" for arg in judge.args):
+        return judge
+    import dataclasses
+
+    from overnight.proxy.address import find_proxy
+    from overnight.proxy.capture.attribution import ORIGIN_HEADER, ORIGIN_TOKEN_HEADER
+
+    found = find_proxy(data_dir)
+    if found is None or _server(found["url"]) != _server(judge.base_url):
+        return judge
+    headers = {ORIGIN_HEADER: "judge", **({ORIGIN_TOKEN_HEADER: token} if token else {})}
+    return dataclasses.replace(judge, args=(*judge.args, f"extra_headers={json.dumps(headers)}"))
+
+
+def _server(url: str) -> tuple[str, int | None]:
+    """A URL's host and port, every loopback name as one (the proxy advertises 127.0.0.1)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    return ("loopback" if host in ("localhost", "127.0.0.1", "::1") else host), parts.port
+
+
 def score_night(
     run: PolicyRun,
     data_dir: Path,
@@ -159,7 +192,8 @@ def score_night(
     from .options import build
 
     values = run.values
-    judge, reward = judge_config(values, own_max_tokens=False), run.option("reward", reward)
+    judge = marked_through_proxy(judge_config(values, own_max_tokens=False), data_dir, token)
+    reward = run.option("reward", reward)
     tool_calls = {
         "tool_call_parser": values["tool_call_parser"],
         "tool_parser_tokenizer": values["tool_parser_tokenizer"] or values["base_model"],

@@ -18,6 +18,11 @@ from overnight.errors import OvernightError
 GROUP_HEADER = "X-Rollout-Group"
 ROLLOUT_HEADER = "X-Rollout-Id"
 LOG_HEADER = "X-Rollout-Log"
+# What of overnight's own sent a request (storage/read/sent_by.py), and the admin token
+# that proves the operator sent it (routes/auth.py `Access._sent_by`). Like every
+# X-Rollout-* header, neither is ever forwarded upstream (routes/relay.py).
+ORIGIN_HEADER = "X-Rollout-Origin"
+ORIGIN_TOKEN_HEADER = "X-Rollout-Origin-Token"
 METADATA_GROUP = "rollout_group"
 METADATA_ROLLOUT = "rollout_id"
 

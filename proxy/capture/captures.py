@@ -13,6 +13,7 @@ from typing import Any
 
 from overnight.proxy.alias.promotions import Route
 from overnight.storage import new_id
+from overnight.storage.read.sent_by import CLIENT
 
 from .apis import ResponsesAdditions, api_accumulator
 from .chat import CHAT, TEXT, Accumulator
@@ -41,6 +42,7 @@ class Capture:
         "recipe",
         "plain",
         "answer",
+        "sent_by",
     )
 
     def __init__(self, endpoint: str, stream: bool, request_body: dict, route: Route):
@@ -50,6 +52,9 @@ class Capture:
         self.request_body = request_body
         self.route = route
         self.use()
+        # `client`, or what of overnight's own sent it (routes/auth.py SENT_BY): its
+        # record, its counters and its span say so.
+        self.sent_by = CLIENT
         self.plain: str | None = None  # sent as the client sent it, and why (`sent_plain`)
         # With a recorder process (recorder.py): the bytes of each object the accumulator
         # was given, as the upstream sent them, for the recorder to give its own again.

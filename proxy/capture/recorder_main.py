@@ -61,7 +61,7 @@ def frame_of(capture: Capture, who: Attribution, facts: RecordFacts, turns: list
         capture.plain,
         capture.answer,
         (who.group_id, who.rollout_id, who.source),
-        (facts.started, facts.ended, facts.logged, facts.key_note, facts.hosted),
+        (facts.started, facts.ended, facts.logged, facts.key_note, facts.hosted, facts.sent_by),
         turns,  # last: its length is the frame's number of rows
     )
 

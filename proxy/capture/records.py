@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from overnight.errors import OvernightError
 from overnight.storage import SCHEMA_VERSION, new_id, now_us
+from overnight.storage.read.sent_by import CLIENT
 
 from .attribution import Attribution, validate_id
 from .captures import Capture, TurnCounter
@@ -113,6 +114,8 @@ def record_rows(
         proxy_id=proxy_id,
         ended=facts.ended,
     )
+    for row in rows:
+        row["sent_by"] = facts.sent_by
     add_key_note(rows, facts.key_note)
     if facts.hosted is not None:
         add_upstream_note(rows, facts.hosted, capture.acc.meta.get("model"))
@@ -129,6 +132,7 @@ class RecordFacts:
     logged: bool  # false: X-Rollout-Log: off, the row keeps no contents
     key_note: dict | None = None  # a scoped key's name and refusals (routes/keys.py)
     hosted: str | None = None  # a hosted upstream's label (routes/hosted.py)
+    sent_by: str = CLIENT  # an agent, or what of overnight's own (routes/auth.py SENT_BY)
 
 
 def add_key_note(rows: list[dict], note: dict | None) -> None:

@@ -54,6 +54,7 @@ from overnight.proxy.capture.uncaptured import UNCAPTURED
 from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import WRITER
 from overnight.storage import now_us
+from overnight.storage.read.sent_by import CLIENT
 
 from .shared import Shared
 from .tally import Tally
@@ -170,10 +171,13 @@ class Metrics:
 
     def _define(self) -> None:
         r = self.registry
-        by_request = ["model_name", "endpoint", "requested_model", "adapter", "status"]
+        # sent_by: `client`, or what of overnight's own sent it (storage/read/sent_by.py):
+        # the agents' traffic is {sent_by="client"}.
+        by_request = ["model_name", "endpoint", "requested_model", "adapter", "status", "sent_by"]
         self.requests = Counter(
             "overnight_requests",
-            "Completions answered, by model asked for, adapter served, endpoint and status.",
+            "Completions answered, by model asked for, adapter served, endpoint, status and "
+            "sender (client: an agent; else overnight's own: eval, judge, ...).",
             by_request,
             registry=r,
         )
@@ -272,6 +276,7 @@ class Metrics:
             capture.status or 499,  # no status: the client left before any
             capture.stream,
             self.model_name(),
+            capture.sent_by,
         )
         tally = self._tallies.get(key)
         if tally is None:
@@ -282,7 +287,7 @@ class Metrics:
         tally.duration.observe(duration)
         failure = error_type(capture)
         if failure is not None:
-            self.failures.labels(key[-1], capture.endpoint, failure).inc()
+            self.failures.labels(key[5], capture.endpoint, failure).inc()  # its model_name
         elif capture.sent_at is not None and capture.latency_ms is not None:
             upstream = capture.t0 + capture.latency_ms / 1000 - capture.sent_at
             tally.own_time.observe(max(0.0, duration - upstream))
@@ -310,10 +315,10 @@ class Metrics:
         return children if children is not None else self._make_children(key)
 
     def _make_children(self, key: tuple) -> _Children:
-        endpoint, requested, adapter, status, stream, model_name = key
+        endpoint, requested, adapter, status, stream, model_name, sent_by = key
         timing = (model_name, endpoint, "true" if stream else "false")
         children = _Children(
-            self.requests.labels(model_name, endpoint, requested, adapter, str(status)),
+            self.requests.labels(model_name, endpoint, requested, adapter, str(status), sent_by),
             self.duration.labels(*timing),
             self.first_chunk.labels(*timing),
             self.own_time.labels(*timing),
@@ -323,10 +328,11 @@ class Metrics:
         self._children[key] = children
         return children
 
-    def refused(self, endpoint: str, error: OvernightError) -> None:
+    def refused(self, endpoint: str, error: OvernightError, sent_by: str = CLIENT) -> None:
         """A completion the proxy refused before forwarding it (a body it cannot read)."""
         model_name = self.model_name()
-        self.requests.labels(model_name, endpoint, OTHER, OTHER, str(error.status)).inc()
+        status = str(error.status)
+        self.requests.labels(model_name, endpoint, OTHER, OTHER, status, sent_by).inc()
         self.failures.labels(model_name, endpoint, error.code).inc()
 
     # -- counts the proxy keeps, copied ---------------------------------------------------

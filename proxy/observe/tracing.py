@@ -172,6 +172,10 @@ def start_attributes(
         "overnight.request_id": capture.request_id,
         "overnight.endpoint": capture.endpoint,
         "overnight.attribution": who.source,
+        # `client`, or what of overnight's own sent it: the agents' spans are the
+        # `client` ones (storage/read/sent_by.py); Langfuse filters on its metadata.
+        "overnight.sent_by": capture.sent_by,
+        "langfuse.trace.metadata.sent_by": capture.sent_by,
     }
     if isinstance(body.get("model"), str):
         attributes["gen_ai.request.model"] = body["model"]

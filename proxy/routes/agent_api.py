@@ -57,7 +57,9 @@ from overnight.proxy.shadow.sampler import SHADOW
 from overnight.proxy.state import MAINTENANCE, POLICIES, STATS, TURNS, WRITER
 from overnight.proxy.vllm_sleep import Unavailable
 from overnight.storage import now_us
+from overnight.storage.read.sent_by import CLIENT
 
+from .auth import SENT_BY
 from .handover import HostedBeside, hop_of, hosted_of
 from .hosted import HostedUpstream, request_bytes
 from .keys import check_chain, check_completion, check_rollout, record_note, remember
@@ -120,7 +122,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         if endpoint == RESPONSES:  # nor another policy's Responses chain
             await check_chain(request, body, app[CHAINS])
     except OvernightError as e:
-        count_refusal(app, endpoint, e)
+        count_refusal(app, endpoint, e, request.get(SENT_BY, CLIENT))
         raise
     route = choose_route(app, body, who)  # in flight on it until `release_and_count`
     capture = open_capture(request, endpoint, body, who, route, started)
@@ -185,11 +187,13 @@ def authorize(request: web.Request, body: dict, who: Attribution) -> None:
     check_completion(request, body.get("model"), who)
 
 
-def count_refusal(app: web.Application, endpoint: str, error: OvernightError) -> None:
+def count_refusal(
+    app: web.Application, endpoint: str, error: OvernightError, sent_by: str = CLIENT
+) -> None:
     """A completion refused before anything was forwarded (after it, _record counts it)."""
     metrics = app.get(METRICS)  # absent with --no-metrics
     if metrics is not None:
-        metrics.refused(endpoint, error)
+        metrics.refused(endpoint, error, sent_by)
 
 
 def choose_route(app: web.Application, body: dict, who: Attribution) -> Route:
@@ -212,6 +216,7 @@ def open_capture(
     app = request.app
     stream = lax_bool(body.get("stream")) is True  # as vLLM reads it
     capture = Capture(endpoint, stream, request_body=body, route=route)
+    capture.sent_by = request.get(SENT_BY, CLIENT)  # the operator's own, or a client's
     if RECORDER in app:  # what the accumulator is given, kept for the recorder process
         capture.answer = []
     remember(request, who, capture.request_id, body.get("model"))  # for scoped rewards
@@ -331,7 +336,8 @@ def _record(
     if metrics is not None:  # first: its clock stops when the answer was written
         metrics.observe(capture, started)
     hosted = hosted_of(app, capture.route)
-    facts = RecordFacts(started, now_us(), logged, key_note, hosted.label if hosted else None)
+    hosted_label = hosted.label if hosted else None
+    facts = RecordFacts(started, now_us(), logged, key_note, hosted_label, capture.sent_by)
     recorder = app.get(RECORDER)
     if recorder is not None:  # built and written by the recorder process (recorder.py)
         recorder.record(capture, who, facts)

@@ -14,6 +14,12 @@
   loopback or not: it promotes its policy's own adapters only (alias/ownership.py)
   and reads what its night needs (admin.py). The handlers know it by `POLICY_TOKEN`.
 
+Overnight's own requests (`X-Rollout-Origin: eval`, ...; storage/read/sent_by.py) are
+recorded as its own only when the operator sent them, by the rule of the admin API: with
+an admin token, `X-Rollout-Origin-Token` carries it; without one, from loopback; never
+under a scoped key. Any other request is recorded as `client`, header or not
+(`SENT_BY`), so a client can neither hide its traffic nor change what trains.
+
 Secrets are compared with `hmac.compare_digest`, so an answer's timing says nothing
 about how much of a guess was right. The web view's cookie holds a random session id
 (never the token), `Secure` when the proxy is served over TLS.
@@ -44,7 +50,9 @@ from aiohttp import web
 from overnight.config import ProxyConfig
 from overnight.config.keys import PolicyToken, policy_names
 from overnight.errors import OvernightError
+from overnight.proxy.capture.attribution import ORIGIN_HEADER, ORIGIN_TOKEN_HEADER
 from overnight.storage import new_id
+from overnight.storage.read.sent_by import CLIENT, KINDS
 from overnight.view.web import COOKIE as VIEW_COOKIE
 
 from .hosted import PROXY_KEY_HEADER, separate_proxy_key
@@ -74,6 +82,8 @@ POLICY_ADMIN = frozenset(
 )
 # Set on a request a per-policy admin token made: the handlers limit what it may name and see.
 POLICY_TOKEN = web.RequestKey("overnight_policy_token", PolicyToken)
+# Set on a completion the operator sent for overnight itself: what of it (absent: `client`).
+SENT_BY = web.RequestKey("overnight_sent_by", str)
 
 
 def bearer(request: web.Request) -> str | None:
@@ -125,7 +135,30 @@ class Access:
             if scoped is not None:
                 check_path(request, scoped, path)
                 request[KEY] = scoped  # the handlers scope by it; the guard limits it
+        if ORIGIN_HEADER in request.headers:  # one lookup for every other request
+            self._sent_by(request)
         return False
+
+    def _sent_by(self, request: web.Request) -> None:
+        """Overnight's own request, when the operator sent it (the module's docstring);
+        an unknown kind from the operator is refused (a typo would record it as a client's)."""
+        kind = request.headers[ORIGIN_HEADER].strip().lower()
+        if request.get(KEY) is not None:  # a scoped key is a client's, loopback or not
+            return
+        if self.admin_token is None:
+            operator = is_loopback(request.remote)
+        else:
+            token = request.headers.get(ORIGIN_TOKEN_HEADER)
+            operator = token is not None and self._is_admin_token(token)
+        if not operator or kind == CLIENT:
+            return
+        if kind not in KINDS:
+            raise OvernightError(
+                f"{ORIGIN_HEADER} must be one of {sorted(KINDS)}, got {kind!r:.40}",
+                status=400,
+                code="invalid_origin",
+            )
+        request[SENT_BY] = kind
 
     def _check_admin(self, request: web.Request, path: str) -> bool:
         if self.admin_token is None:

@@ -69,6 +69,7 @@ from overnight.proxy.capture.redact import Redactor
 from overnight.proxy.forward.balancer import Balancer, Replica
 from overnight.proxy.forward.jsonio import json_dumps
 from overnight.storage import LogWriter, now_us
+from overnight.storage.read.sent_by import CLIENT
 from overnight.storage.read.siblings import TABLE as SIBLINGS
 from overnight.storage.read.siblings import (
     SiblingError,
@@ -275,6 +276,8 @@ class ShadowSampler:
         if grouped and self.groups.add(row["group_id"], row["rollout_id"]) > 1:
             return None  # a group of two or more rollouts
         if not row["logged"] or resample_unsupported(row) is not None:
+            return None
+        if row.get("sent_by", CLIENT) != CLIENT:  # overnight's own turn: never trained
             return None
         self.stats.eligible += 1
         key = row["rollout_id"] if row["attribution"] != "none" else row["record_id"]

@@ -43,6 +43,7 @@ import pyarrow as pa
 from overnight.storage.integrity import SET_ASIDE, expected, quarantined, verify_path
 from overnight.storage.location import segment_store
 from overnight.storage.manifest import list_segments, warn_once
+from overnight.storage.read.sent_by import AGGREGATE_SENT_BY
 from overnight.storage.schema import TABLES, check_versions, schema_fingerprint
 from overnight.storage.write.segments import (
     PARTITION_COLUMN,
@@ -55,6 +56,8 @@ from overnight.storage.write.segments import (
 
 log = logging.getLogger("overnight.storage")
 
+# Who sent a rollout or a group: `client` when any of its turns was a client's (sent_by.py).
+_SENT_BY = AGGREGATE_SENT_BY.format(column="sent_by")
 # Views built on the three stored tables: what people and the trainer ask about.
 # Every completion row has a rollout and a group (the proxy fills in its own ids for
 # requests that carried none), so these are plain aggregations.
@@ -75,7 +78,7 @@ DERIVED_VIEWS = {
               WHERE error IS NULL)
         GROUP BY s.rollout_id
     """,
-    "rollouts": """
+    "rollouts": f"""
         WITH turns AS (
             -- Grouped by group_id too (a rollout has one), not any_value(group_id): a
             -- filter on group_id is then pushed below the aggregation, to the scan.
@@ -92,7 +95,10 @@ DERIVED_VIEWS = {
                 -- text at less than half the cost over a million rows (bench/history_scale.py).
                 nullif(array_to_string(list_sort(list_distinct(list(model_served))), ','), '')
                     AS models_served,
-                count(*) FILTER (WHERE error IS NOT NULL) AS errors
+                count(*) FILTER (WHERE error IS NOT NULL) AS errors,
+                -- Who sent it, and overnight's own turns in it (sent_by.py).
+                {_SENT_BY} AS sent_by,
+                count(*) FILTER (WHERE sent_by <> 'client') AS own_turns
             FROM completions
             GROUP BY rollout_id, group_id
         ),
@@ -126,7 +132,7 @@ DERIVED_VIEWS = {
                l.judge_score, l.judge_explanation, l.judge_model
         FROM turns t LEFT JOIN late l USING (rollout_id)
     """,
-    "groups": """
+    "groups": f"""
         SELECT
             group_id,
             count(*) AS rollouts,
@@ -138,7 +144,9 @@ DERIVED_VIEWS = {
             min(started_at) AS started_at,
             max(ended_at) AS ended_at,
             nullif(array_to_string(list_sort(list_distinct(list(models_served))), ','), '')
-                AS models_served
+                AS models_served,
+            {_SENT_BY} AS sent_by,
+            sum(own_turns) AS own_turns
         FROM rollouts
         GROUP BY group_id
     """,
@@ -206,13 +214,16 @@ def snapshot(
 # The completions as stored, and as read: a request with n > 1 choices is stored on its
 # first choice's row only (`request_shared`); the others get it back here. Both sides of
 # the join read only shared rows, which Parquet statistics find without a scan.
+# Rows written before `sent_by` (null there) read as the client's: they were (sent_by.py).
 COMPLETIONS_VIEW = """
-    SELECT * FROM _completions_stored WHERE request_shared IS NOT TRUE
-    UNION ALL BY NAME
-    SELECT c.* EXCLUDE (request), h.request
-    FROM (SELECT * FROM _completions_stored WHERE request_shared) c
-    LEFT JOIN (SELECT request_id, request FROM _completions_stored
-               WHERE request_shared AND request IS NOT NULL) h USING (request_id)
+    SELECT * REPLACE (coalesce(sent_by, 'client') AS sent_by) FROM (
+        SELECT * FROM _completions_stored WHERE request_shared IS NOT TRUE
+        UNION ALL BY NAME
+        SELECT c.* EXCLUDE (request), h.request
+        FROM (SELECT * FROM _completions_stored WHERE request_shared) c
+        LEFT JOIN (SELECT request_id, request FROM _completions_stored
+                   WHERE request_shared AND request IS NOT NULL) h USING (request_id)
+    )
 """
 
 
@@ -342,13 +353,17 @@ def file_versions(con: duckdb.DuckDBPyConnection, files: list[str]) -> list[int]
 
 def finished_groups(con, settle_seconds: float, only: list[str] | None) -> list[str]:
     """Groups whose every rollout was finished explicitly or has been idle long enough,
-    oldest first (ties by id: the same data always plans the same night)."""
+    oldest first (ties by id: the same data always plans the same night). Without `only`,
+    none that holds a turn overnight sent itself (sent_by.py): a night judges, resamples
+    and trains those only where a step names them."""
+    agents_only = "" if only else "AND sum(own_turns) = 0"
     rows = con.execute(
-        """
+        f"""
         SELECT group_id FROM rollouts
         GROUP BY group_id
         HAVING bool_and(finished_at IS NOT NULL
                         OR ended_at < now() - to_microseconds(CAST(? * 1e6 AS BIGINT)))
+               {agents_only}
         ORDER BY min(started_at), group_id
         """,
         [settle_seconds],

@@ -38,6 +38,9 @@ from .plan import Plan, trained_groups, without
 from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
 from .turn_groups import conversation_key, is_turn_group, trained_turn_sources
 
+# Whose first turns may be the gate's prompts (storage/read/sent_by.py): like tomorrow's
+# traffic, or asked to measure it.
+GATE_SENDERS = "('client', 'eval', 'gate')"
 MAX_NEW_TOKENS = 512  # a reply's cap when its logged request set none
 # Why a plan group is not trained tonight when the gate takes its conversation.
 GIVEN_TO_THE_GATE = (
@@ -161,11 +164,14 @@ def _give(plan: Plan, given: list[str]) -> Plan:
 
 
 def _first_turns(con, limit: int, scope: PolicyScope | None = None) -> list[tuple[str, str, str]]:
-    """(record, group, request) of recent first turns (of `scope`'s policy), newest first."""
+    """(record, group, request) of recent first turns (of `scope`'s policy), newest first:
+    the agents' and the held-out measurement's (sent by `eval` or `gate`: what the gate is
+    for, as the demo asks them), never a judge's or a classifier's prompts through the proxy."""
     condition, params = scope.requested() if scope is not None else ("TRUE", [])
     return con.execute(
         "SELECT record_id, group_id, request FROM completions "
         f"WHERE turn_index = 0 AND logged AND error IS NULL AND request IS NOT NULL AND {condition} "
+        f"AND sent_by IN {GATE_SENDERS} "
         "ORDER BY started_at DESC, record_id LIMIT ?",
         [*params, limit],
     ).fetchall()

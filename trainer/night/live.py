@@ -55,8 +55,10 @@ def live_rewards(
     a model name, or a hosted upstream's label); with `since` (an ISO time), only rollouts
     that began then or later; with `requested`, only those that asked for that alias
     throughout (a policy's: policy_of; a rollout with a turn that asked for another model
-    is not the policy's)."""
+    is not the policy's). The agents' rollouts only: overnight's own (the demo's held-out
+    measurement, storage/read/sent_by.py) are not what the adapter serves live."""
     only = "AND bool_and(coalesce(model_requested = ?, FALSE)) " if requested is not None else ""
+    only += "AND bool_and(sent_by = 'client') "
     con = open_db(data_dir)
     try:
         served = con.execute(

@@ -1,6 +1,8 @@
 """What a run trains on: finished, scored, untrained groups, and why the others are left out.
 
-A group is trained once. It is taken when every rollout in it is finished, has a
+A group is trained once; one that holds a turn overnight sent itself through the proxy
+(the demo's held-out measurement, a judge served by the same vLLM: storage/read/sent_by.py)
+never is, unless a resumed run began with it. A group is taken when every rollout in it is finished, has a
 reward from one of the configured sources, and the rewards differ (equal rewards give
 every advantage zero: no signal). Samples come out with their advantages attached.
 
@@ -42,6 +44,7 @@ from overnight.storage import finished_groups, now_us, open_db
 from overnight.storage.integrity import quarantined
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.storage.read.response_index import INDEX
+from overnight.storage.read.sent_by import without_own
 from overnight.storage.read.siblings import TURN_PREFIX
 from overnight.storage.verified import left_out
 from overnight.telemetry import traced
@@ -373,6 +376,8 @@ def _changed_since(
     if isinstance(last.get(TURN_PENDING_KEY), list):
         turn_pool = turns | set(last[TURN_PENDING_KEY])
     pool = [g for g in (changed - turns) | set(last.get("pending", [])) if g not in done]
+    # Overnight's own traffic never trains (finished_groups leaves it out of a full look).
+    pool = without_own(con, pool)
     return _group_rollouts(con, pool, settle_seconds, finished_only=True), turn_pool
 
 

@@ -178,9 +178,10 @@ def _members(
 ) -> dict[str, tuple[list[str], str]]:
     """Each per-turn group's (member ids, the served turn's own group), oldest served
     turn first (a resumed run: `only`'s); of `pool` only, when given."""
-    where, params = [], []
+    # Turns overnight sent itself never train (storage/read/sent_by.py), siblings or not.
+    where, params = ["c.sent_by = 'client'"], []
     if since is not None:
-        where, params = ["c.started_at >= ?"], [since]
+        where, params = [*where, "c.started_at >= ?"], [since]
     if only is not None or pool is not None:
         chosen = [g for g in (only if only is not None else pool) if is_turn_group(g)]
         con.register("_turn_pool", pa.table({"group_id": pa.array(chosen, pa.string())}))
@@ -189,7 +190,7 @@ def _members(
         f"""
         SELECT t.group_id, list(t.rollout_id ORDER BY t.rollout_id), any_value(c.group_id)
         FROM turn_completions t JOIN completions c ON c.record_id = t.sibling_of
-        {"WHERE " + " AND ".join(where) if where else ""}
+        WHERE {" AND ".join(where)}
         GROUP BY t.group_id ORDER BY min(c.started_at), t.group_id
         """,
         params,

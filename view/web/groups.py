@@ -4,7 +4,8 @@
     /ui/groups/{group}        a group's rollouts: reward, judge score and explanation
     /ui/rollouts/{rollout}    one conversation turn by turn, tool calls included
 
-A filter is a link that can be shared: the groups page's filters are its query
+By default the page shows the agents' groups; `?sent_by=` (senders.py) shows overnight's
+own (`own`, or one kind) or all of them, one link away. A filter is a link that can be shared: the groups page's filters are its query
 parameters, checked (`BadFilter`, a 400) before they become SQL parameters. Each page
 takes `?policy=NAME` (policies.py): the groups whose first turn asked for that policy,
 as its nights choose them (storage/read/policy_scope.py); its links keep the policy.
@@ -22,6 +23,7 @@ from overnight.view.display import load_rollout, message_parts, newest_groups, s
 from .data import UNCAPTURED, query
 from .frame import esc, html_page, html_table, num, stamp, url_segment
 from .policies import Chosen, chosen_policy, is_policys, owner, policy_links
+from .senders import chosen_senders, count_of, group_counts, sender_links
 
 # -- groups ---------------------------------------------------------------------------
 
@@ -88,7 +90,9 @@ def _group_filters(request: web.Request) -> GroupFilters:
     return GroupFilters(search, adapter, status, limit, where, args)
 
 
-def _filter_form(request: web.Request, f: GroupFilters, adapters: list[str], chosen: Chosen) -> str:
+def _filter_form(
+    request: web.Request, f: GroupFilters, adapters: list[str], chosen: Chosen, senders: str
+) -> str:
     options = "".join(
         f'<option value="{esc(s)}"{" selected" if s == f.status else ""}>{esc(s)}</option>'
         for s in STATUSES
@@ -100,7 +104,8 @@ def _filter_form(request: web.Request, f: GroupFilters, adapters: list[str], cho
     # The policy rides along as a hidden field: filtering stays within it.
     policy = (
         f'<input type="hidden" name="policy" value="{esc(chosen.name)}">' if chosen.name else ""
-    )
+    )  # and whose traffic, as the switcher above the form chose it
+    policy += f'<input type="hidden" name="sent_by" value="{esc(senders)}">'
     return f"""<form class="filters" method="get" action="/ui">{policy}
 <label>group id contains<input name="q" value="{esc(f.search)}"></label>
 <label>served by<select name="adapter">{adapter_options}</select></label>
@@ -115,25 +120,26 @@ async def groups_page(request: web.Request) -> web.Response:
     f = _group_filters(request)
     chosen = chosen_policy(request)  # an unknown one: 404
     mine, mine_args = chosen.scope.group_condition() if chosen.scope else ("TRUE", [])
+    senders, sent, sent_args = chosen_senders(request)  # an unknown one: 400
 
     def render(con):
-        # Counted on the turns (one pass for both), newest first from the last days
-        # back (newest_groups): neither aggregates every group of the history (but a
-        # policy's: which groups are its is decided by each one's first turn).
-        total, served = con.execute(
-            "SELECT count(DISTINCT group_id), list(DISTINCT model_served) FROM completions "
-            f"WHERE {mine}",
-            mine_args,
+        # Counted on the turns, newest first from the last days back (newest_groups):
+        # neither aggregates every group of the history (but a policy's: which groups
+        # are its is decided by each one's first turn).
+        (served,) = con.execute(
+            f"SELECT list(DISTINCT model_served) FROM completions WHERE {mine}", mine_args
         ).fetchone()
+        counts = group_counts(con, mine, mine_args)
         columns = (
             "group_id, rollouts, finished, rewarded, mean_reward, turns, tokens, "
             "models_served, started_at"
         )
-        where, args = [*f.where, mine], [*f.args, *mine_args]
+        where, args = [*f.where, mine, sent], [*f.args, *mine_args, *sent_args]
         rows = newest_groups(con, columns, "started_at", f.limit, where, args)
-        return total, rows, sorted(m for m in served or [] if m)
+        return counts, rows, sorted(m for m in served or [] if m)
 
-    total, rows, adapters = await query(request, render)
+    counts, rows, adapters = await query(request, render)
+    total = count_of(counts, senders)
     table = html_table(
         [
             "group",
@@ -164,7 +170,8 @@ async def groups_page(request: web.Request) -> web.Response:
     )
     summary = f'<p class="meta" id="count">{len(rows)} of {total} group(s) shown</p>'
     links = policy_links("/ui", chosen.names, chosen.name, every=True)
-    form = _filter_form(request, f, adapters, chosen)
+    links += sender_links(senders, counts, chosen.query("&"))
+    form = _filter_form(request, f, adapters, chosen, senders)
     body = _uncaptured_html(request) + links + form + summary + table
     return html_page(request, "Groups", body, chosen.name)
 
