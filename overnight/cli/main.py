@@ -218,6 +218,7 @@ def judge(
     "--classify-api-key", envvar="OVERNIGHT_CLASSIFY_API_KEY",
     help="Key for the classifier (default: the provider's usual variable).",
 )  # fmt: skip
+@admin_token_option
 def signals(
     data_dir: Path,
     since: str,
@@ -226,6 +227,7 @@ def signals(
     classify_model: str | None,
     classify_base_url: str | None,
     classify_api_key: str | None,
+    admin_token: str | None,
 ) -> None:
     """Read what happens next in each conversation: the `signals` of its turns.
 
@@ -251,8 +253,12 @@ def signals(
     window, quiet_for = parse_age(since), parse_age(quiet)  # a ConfigError says what is wrong
     classifier = None
     if classify_model:  # a one-word answer: a short, cool call
+        from .policy_runs import marked_through_proxy
+
         classifier = JudgeConfig(model=classify_model, base_url=classify_base_url,
                                  api_key=classify_api_key, max_tokens=16, temperature=0.0)  # fmt: skip
+        # At the proxy (the local model): overnight's own traffic, never an agent's.
+        classifier = marked_through_proxy(classifier, data_dir, admin_token, kind="signals")
     with naming_damaged_files(data_dir):
         summary = run_signals(
             data_dir, window.total_seconds(), quiet_for.total_seconds(), rewards=rewards,

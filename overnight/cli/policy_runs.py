@@ -140,8 +140,9 @@ def judge_config(values: dict[str, Any], *, own_max_tokens: bool = True):
                                if own_max_tokens or k != "max_tokens"})  # fmt: skip
 
 
-def marked_through_proxy(judge, data_dir: Path, token: str | None):
-    """`judge` (a JudgeConfig or None) marking its calls as overnight's own
+def marked_through_proxy(judge, data_dir: Path, token: str | None, kind: str = "judge"):
+    """`judge` (a JudgeConfig or None: the judge, or the signals' classifier with `kind`
+    "signals") marking its calls as overnight's own
     (`X-Rollout-Origin: judge`, with the admin token where one is given) when its
     --judge-base-url is the proxy serving `data_dir` (DATA/proxy.json): a local judge
     served by the same vLLM through the proxy is not an agent's traffic, and its calls
@@ -160,7 +161,7 @@ def marked_through_proxy(judge, data_dir: Path, token: str | None):
     found = find_proxy(data_dir)
     if found is None or _server(found["url"]) != _server(judge.base_url):
         return judge
-    headers = {ORIGIN_HEADER: "judge", **({ORIGIN_TOKEN_HEADER: token} if token else {})}
+    headers = {ORIGIN_HEADER: kind, **({ORIGIN_TOKEN_HEADER: token} if token else {})}
     return dataclasses.replace(judge, args=(*judge.args, f"extra_headers={json.dumps(headers)}"))
 
 
