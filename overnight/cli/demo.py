@@ -23,11 +23,9 @@ the new one is not worse; the verdict is printed for every night.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -35,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overnight.examples.number_agent import QUESTIONS
+from overnight.testing.processes import run_overnight, sql_rows
 
 
 @dataclass(frozen=True)
@@ -123,28 +122,6 @@ class Day:
     gate: str = "-"  # the night's gate verdict line ("-": no training that night)
 
 
-def _overnight(*args: str, show: Callable[[str], None] | None = None) -> str:
-    """Run `overnight ARGS`; its output, and each line passed to `show` as it comes (a
-    night's steps print their rate and time left: the demo's progress)."""
-    command = [sys.executable, "-m", "overnight.cli", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")  # each line as it is printed, not at the end
-    # stderr to a file, not a pipe read after stdout: a full pipe would block the child.
-    with tempfile.TemporaryFile("w+") as errors:
-        with subprocess.Popen(command, text=True, stdout=subprocess.PIPE, stderr=errors,
-                              env=env) as process:  # fmt: skip
-            lines = []
-            for line in process.stdout:  # type: ignore[union-attr]
-                lines.append(line)
-                if show is not None:
-                    show(line.rstrip("\n"))
-        errors.seek(0)
-        stderr = errors.read()
-    out = "".join(lines)
-    if process.returncode != 0:
-        raise RuntimeError(f"overnight {args[0]} failed:\n{out[-2000:]}{stderr[-2000:]}")
-    return out
-
-
 def _agent(module: str, env: dict, *args: str) -> None:
     subprocess.run(
         [sys.executable, "-m", f"overnight.examples.{module}", *args],
@@ -152,11 +129,6 @@ def _agent(module: str, env: dict, *args: str) -> None:
         check=True,
         stdout=subprocess.DEVNULL,
     )
-
-
-def _sql(data: str, query: str) -> list[dict]:
-    out = _overnight("sql", query, "--data", data, "--format", "json")
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
 def run_demo(
@@ -181,7 +153,7 @@ def run_demo(
         serve = spawn_serve(data, "--upstream", upstream, port=port)
     else:
         say(f"preparing the {story.model} model (reused when present)")
-        model_dir = _overnight("prepare-model", story.model,
+        model_dir = run_overnight("prepare-model", story.model,
                                *(["--out", model_dir] if model_dir else [])).strip()  # fmt: skip
         say(f"starting vLLM (CPU) on {model_dir} and the proxy; their logs go to {data}/logs/")
         serve = _serve(story, model_dir, data, port)
@@ -257,7 +229,7 @@ class _Night:
     def score(self, day: int) -> tuple[list[str], list[str]]:
         """Score the day's agent and held-out groups with the story's reward function."""
         story = self.story
-        rows = _sql(
+        rows = sql_rows(
             self.data,
             "SELECT group_id, group_id LIKE '" + story.held_out + "' AS held FROM groups "
             f"WHERE (group_id LIKE '{story.trained}' OR group_id LIKE '{story.held_out}') "
@@ -267,7 +239,7 @@ class _Night:
         held_out = [r["group_id"] for r in rows if r["held"]]
         group_args = [a for r in rows for a in ("--group", r["group_id"])]
         self.say(f"night {day}: overnight judge --reward {story.reward} ({len(rows)} groups)")
-        _overnight("judge", "--data", self.data, "--settle", "0", "--reward", story.reward,
+        run_overnight("judge", "--data", self.data, "--settle", "0", "--reward", story.reward,
                    *group_args)  # fmt: skip
         return groups, held_out
 
@@ -277,7 +249,7 @@ class _Night:
         judge = ["judge", "--data", self.data, "--settle", "0", "--judge-model", self.judge_model]
         judge += ["--judge-base-url", self.judge_base_url] if self.judge_base_url else []
         judge += [a for q in range(2) for a in ("--group", f"handbook-{tag}-{q}")]
-        out = _overnight(*judge)
+        out = run_overnight(*judge)
         return out.splitlines()[0] if out else "-"
 
     def train(self, day: int) -> str:
@@ -295,7 +267,7 @@ class _Night:
             if line.startswith(PROGRESS):
                 self.say(f"night {day}: {line}")
 
-        out = _overnight(
+        out = run_overnight(
             "train", "--data", self.data, "--proxy", self.base, "--preset", story.preset,
             "--settle", "0", "--no-watch", "--gate-reward", story.reward,
             "--gate-prompts", str(story.gate_prompts), show=progress,
@@ -306,7 +278,7 @@ class _Night:
         """The mean reward of `groups`' rollouts, and what served them."""
         if not groups:
             return float("nan"), "-"
-        (row,) = _sql(
+        (row,) = sql_rows(
             self.data,
             "SELECT avg(reward) AS reward, string_agg(DISTINCT models_served, ',') AS served "
             f"FROM rollouts WHERE group_id IN ({', '.join(repr(g) for g in groups)})",
@@ -343,7 +315,7 @@ def _tiny_held_out(base: str, tag: str) -> None:
 def _summary(data: str, results: list[Day]) -> None:
     """The table test_demo reads, each night's gate verdict, and the count of failed
     requests (the groups themselves are one `overnight ls` away)."""
-    (failures,) = _sql(
+    (failures,) = sql_rows(
         data,
         "SELECT count(*) AS n FROM completions WHERE error IS NOT NULL OR http_status <> 200",
     )

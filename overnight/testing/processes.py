@@ -9,11 +9,13 @@ that starts it: a free port, output to a log file, a deadline for becoming healt
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,3 +202,31 @@ def serve_tiny(
         port=port,
         log_level=log_level,
     )
+
+
+def run_overnight(*args: str, show: Callable[[str], None] | None = None) -> str:
+    """Run `overnight ARGS`; its output, and each line passed to `show` as it comes (a
+    night's steps print their rate and time left: the demo's progress)."""
+    command = [sys.executable, "-m", "overnight.cli", *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # each line as it is printed, not at the end
+    # stderr to a file, not a pipe read after stdout: a full pipe would block the child.
+    with tempfile.TemporaryFile("w+") as errors:
+        with subprocess.Popen(command, text=True, stdout=subprocess.PIPE, stderr=errors,
+                              env=env) as process:  # fmt: skip
+            lines = []
+            for line in process.stdout:  # type: ignore[union-attr]
+                lines.append(line)
+                if show is not None:
+                    show(line.rstrip("\n"))
+        errors.seek(0)
+        stderr = errors.read()
+    out = "".join(lines)
+    if process.returncode != 0:
+        raise RuntimeError(f"overnight {args[0]} failed:\n{out[-2000:]}{stderr[-2000:]}")
+    return out
+
+
+def sql_rows(data: str | Path, query: str) -> list[dict]:
+    """`overnight sql QUERY` over DATA, as a child: its rows."""
+    out = run_overnight("sql", query, "--data", str(data), "--format", "json")
+    return [json.loads(line) for line in out.splitlines() if line.strip()]

@@ -1,0 +1,201 @@
+"""Implicit rewards against posted ones: one day of scripted users, a night on each.
+
+The proof of the source `implicit` (docs/signals.md, docs/grpo.md): does a night trained
+on what users did next learn what a night trained on the true reward learns?
+
+1. **A day.** Scripted users (scripted_user.py) talk to the base model through the proxy,
+   each answer a rollout of its own; the users know their true rewards, the store does
+   not.
+2. **Two copies of it.** `implicit`: `overnight signals --rewards` turns the reactions
+   into rewards. `posted`: the true rewards, posted as the agent's (source `agent`), and
+   `overnight signals` prints how well the signals agree with them.
+3. **A night on each**, the same options but the reward source: every answer is a group
+   of one, so both train as lone turns against the night's pool (trainer/night/lone_turns.py).
+4. **Held-out sums** (examples/sum_agent.py's, never asked by day), sampled from the base
+   model and from each night's adapter with the same seeds, scored by the true reward:
+   each night's gain over the base, and the implicit night's share of the posted one's.
+
+The benchmark bench/implicit_nights.py runs it on SmolLM2 at full size; the test
+tests/test_implicit_nights.py at a smaller one on the session's vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from overnight.examples.sum_agent import ASKED, HELD_OUT, SYSTEM
+
+from .processes import run_overnight, sql_rows
+from .scripted_user import Conversation, converse_all, true_reward
+
+
+@dataclass(frozen=True)
+class TrialSize:
+    conversations: int = 48  # a day's conversations, each up to `turns` answers
+    turns: int = 3
+    samples: int = 8  # per held-out sum, per model
+    seed: int = 7
+    # Every answer is a group of one: 16 a step is as many sequences as the demo's four
+    # groups of four (the smollm2-cpu preset's steps).
+    train: tuple[str, ...] = ("--preset", "smollm2-cpu", "--groups-per-step", "16")
+
+
+@dataclass
+class TrialResult:
+    answers: int = 0  # answers the users gave a true reward to
+    rewarded: int = 0  # of them, with an implicit reward
+    auc: float | None = None  # implicit rewards against the true ones
+    trained: dict[str, str] = field(default_factory=dict)  # arm -> the plan's lone-turn line
+    held_out: dict[str, float] = field(default_factory=dict)  # base/implicit/posted -> mean
+
+    @property
+    def gains(self) -> dict[str, float]:
+        return {arm: self.held_out[arm] - self.held_out["base"] for arm in ("implicit", "posted")}
+
+    @property
+    def share(self) -> float:
+        gains = self.gains
+        return gains["implicit"] / gains["posted"] if gains["posted"] > 0 else float("nan")
+
+    def lines(self) -> list[str]:
+        h, g = self.held_out, self.gains
+        return [
+            f"day: {self.answers} answers, {self.rewarded} with an implicit reward, AUC against "
+            f"the true reward {self.auc:.3f}"
+            if self.auc is not None
+            else "day: no AUC",
+            *(f"night on {arm}: {line}" for arm, line in self.trained.items()),
+            f"held-out true reward: base {h['base']:.3f}, implicit {h['implicit']:.3f} "
+            f"({g['implicit']:+.3f}), posted {h['posted']:.3f} ({g['posted']:+.3f}); "
+            f"implicit's share of the posted gain {self.share:.2f}",
+        ]
+
+
+async def log_day(upstream: str, data: Path, size: TrialSize) -> Conversation:
+    """The day's conversations through an in-process proxy in front of `upstream`
+    (vLLM); its store closed when they are done."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from overnight.config import ProxyConfig
+    from overnight.proxy import create_app
+
+    config = ProxyConfig(upstream=upstream, data_dir=data, commit_interval=0.0)
+    async with TestClient(TestServer(create_app(config))) as proxy:
+
+        async def chat(body: dict, headers: dict) -> dict:
+            r = await proxy.post("/v1/chat/completions", json=body, headers=headers)
+            if r.status != 200:
+                raise RuntimeError(f"the proxy answered {r.status}: {await r.text()}")
+            return await r.json()
+
+        return await converse_all(chat, "c", ASKED, size.conversations, size.seed,
+                                  turns=size.turns)  # fmt: skip
+
+
+def run_trial(
+    upstream: str, model_dir: Path, work: Path, size: TrialSize, say=print
+) -> TrialResult:
+    """The whole trial in `work` (see the module's docstring)."""
+    result = TrialResult()
+    day = work / "day"
+    say(f"day: {size.conversations} scripted conversations through the proxy")
+    truth = asyncio.run(log_day(upstream, day, size)).truth
+    result.answers = len(truth)
+    arms = {arm: work / arm for arm in ("implicit", "posted")}
+    for path in arms.values():
+        shutil.copytree(day, path, ignore=shutil.ignore_patterns("logs"))
+    run_overnight("signals", "--data", str(arms["implicit"]), "--rewards", "--quiet", "0h")
+    implicit = _implicit_rewards(arms["implicit"])
+    result.rewarded = len(implicit.keys() & truth.keys())
+    result.auc = auc([(v, truth[r]) for r, v in implicit.items() if r in truth])
+    _post(arms["posted"], truth)
+    agreement = run_overnight("signals", "--data", str(arms["posted"]), "--quiet", "0h")
+    say("posted side: " + " ".join(agreement.split()))
+    adapters = {}
+    for arm, path in arms.items():
+        source = "implicit" if arm == "implicit" else "agent"
+        say(f"night on {arm}: overnight train --reward-source {source} {' '.join(size.train)}")
+        out = run_overnight(
+            "train", "--data", str(path), "--base-model", str(model_dir), "--proxy", "",
+            "--settle", "0", "--no-watch", "--lone-turns", "pool", "--reward-source", source,
+            *size.train,
+        )  # fmt: skip
+        result.trained[arm] = next((x.strip() for x in out.splitlines() if "lone turns" in x), "-")
+        adapters[arm] = _adapter(path)
+    say("held out: sampling the base model and both nights' adapters")
+    result.held_out = held_out_means(model_dir, adapters, size)
+    for line in result.lines():
+        say(line)
+    return result
+
+
+def held_out_means(model_dir: Path, adapters: dict[str, Path], size: TrialSize) -> dict[str, float]:
+    """The mean true reward on the held-out sums of the base model and of each adapter,
+    sampled with the same seeds (the gate's sampler: trainer/night/gate.py)."""
+    from overnight.config import TrainConfig
+    from overnight.trainer.night.gate import sample_both
+    from overnight.trainer.night.gate_prompts import GatePrompt
+
+    questions = [q for q in HELD_OUT for _ in range(size.samples)]
+    prompts = [
+        GatePrompt(f"held-{i}", [{"role": "system", "content": SYSTEM},
+                                 {"role": "user", "content": q}], [], 0.8, 1.0, 24)
+        for i, q in enumerate(questions)
+    ]  # fmt: skip
+    config = TrainConfig(seed=size.seed, dtype="float32")
+    implicit, posted = sample_both(str(model_dir), adapters["implicit"], adapters["posted"],
+                                   prompts, config)  # fmt: skip
+    _, base = sample_both(str(model_dir), adapters["implicit"], None, prompts, config)
+
+    def mean(replies: list[str]) -> float:
+        return statistics.fmean(true_reward(q, r) for q, r in zip(questions, replies, strict=True))
+
+    return {"base": mean(base), "implicit": mean(implicit), "posted": mean(posted)}
+
+
+def auc(scored: list[tuple[float, float]]) -> float | None:
+    """How often a pair of answers with different true rewards is ordered the same way by
+    the implicit rewards (ties half): 1 the same order, 0.5 chance."""
+    wins = pairs = 0.0
+    for i, (a, ta) in enumerate(scored):
+        for b, tb in scored[i + 1 :]:
+            if ta != tb:
+                pairs += 1
+                same = (a - b) * (ta - tb)
+                wins += 1.0 if same > 0 else 0.5 if same == 0 else 0.0
+    return wins / pairs if pairs else None
+
+
+def _implicit_rewards(data: Path) -> dict[str, float]:
+    query = "SELECT rollout_id, reward FROM rewards WHERE source = 'implicit'"
+    return {row["rollout_id"]: row["reward"] for row in sql_rows(data, query)}
+
+
+def _post(data: Path, truth: dict[str, float]) -> None:
+    """The users' true rewards as an agent posts them (source `agent`)."""
+    from overnight.storage import LogWriter, WriterConfig, new_id, now_us
+    from overnight.storage.schema import SCHEMA_VERSION
+
+    writer = LogWriter(WriterConfig(data, compact_in_process=True))
+    writer.start()
+    try:
+        for rollout, reward in truth.items():
+            writer.append("rewards", {
+                "reward_id": new_id(), "schema_version": SCHEMA_VERSION, "rollout_id": rollout,
+                "reward": reward, "source": "agent", "created_at": now_us(),
+                "proxy_id": writer.writer_id,
+            })  # fmt: skip
+    finally:
+        writer.close()
+
+
+def _adapter(data: Path) -> Path:
+    query = "SELECT run_id FROM training_runs WHERE status = 'trained' ORDER BY started_at DESC"
+    out = sql_rows(data, query)
+    if not out:
+        raise RuntimeError(f"no night trained in {data}")
+    return data / "adapters" / out[0]["run_id"]
