@@ -2,7 +2,9 @@
 written as `signals` rows (the rules are judge/signals.py's); with `--rewards`, the
 reward source `implicit` made of them.
 
-Recent chat turns are read (a window, `since`), every signal is found again from scratch
+Recent turns are read (a window, `since`): chat completions, and Responses and Messages
+turns, which the proxy records in the chat shape too (a `previous_response_id` turn with
+its whole conversation: proxy/capture/conversation.py). Every signal is found again from scratch
 (a turn's next message may have come after the last run), and only the signals not
 written before are appended: a signal's id is a hash of what it is about and what said
 so, so a second run over the same traffic writes nothing.
@@ -45,7 +47,8 @@ TURNS_SQL = """
 SELECT record_id, request_id, rollout_id, group_id, attribution, epoch_us(started_at),
        request, response, finish_reason
 FROM completions
-WHERE endpoint = 'chat.completions' AND coalesce(logged, true) AND error IS NULL
+WHERE endpoint IN ('chat.completions', 'responses', 'messages') AND coalesce(logged, true)
+  AND error IS NULL
   AND sent_by = 'client'
   AND coalesce(http_status, 200) = 200 AND started_at >= to_timestamp(?::DOUBLE / 1e6)
 """

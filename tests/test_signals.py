@@ -311,6 +311,37 @@ async def test_signals_are_read_from_the_logged_traffic_written_once_and_shown(
     assert bad.exit_code != 0 and "expected a number and a unit" in bad.output
 
 
+async def test_responses_and_messages_conversations_are_read_as_chat_ones(make_proxy, tmp_path):
+    """The proxy records Responses and Messages turns in the chat shape (a
+    `previous_response_id` turn with its whole conversation): the rules read them alike."""
+    from overnight.judge.implicit import run_signals
+
+    proxy = await make_proxy()
+    data = tmp_path / "data"
+    first = await (await proxy.post("/v1/responses", json={
+        "model": "policy", "input": "What is the capital of Australia?", "max_output_tokens": 4,
+    })).json()  # fmt: skip
+    await proxy.post("/v1/responses", json={
+        "model": "policy", "previous_response_id": first["id"], "max_output_tokens": 4,
+        "input": "No, that's wrong: it is Canberra.",
+    })  # fmt: skip
+    ask = {"role": "user", "content": "What is 2 plus 2?"}
+    body = {"model": "policy", "max_tokens": 4, "messages": [ask]}
+    reply = await (await proxy.post("/v1/messages", json=body)).json()
+    said = {"role": "assistant", "content": reply["content"]}
+    thanks = {"role": "user", "content": "Thanks, that works."}
+    await proxy.post("/v1/messages", json={**body, "messages": [ask, said, thanks]})
+    logged = await wait_for_rows(data, 4)
+    summary = await asyncio.to_thread(run_signals, data)
+    assert summary.turns == 4
+    found = rows(data, "SELECT s.kind, c.endpoint FROM signals s JOIN completions c "
+                       "USING (record_id) WHERE s.kind IN ('corrected', 'accepted')")  # fmt: skip
+    assert sorted((r["kind"], r["endpoint"]) for r in found) == [
+        (ACCEPTED, "messages"),
+        (CORRECTED, "responses"),
+    ], logged
+
+
 def test_a_turns_signals_make_one_reward_and_silence_makes_none():
     from overnight.judge.implicit import Held, agreement, implicit_reward, reward_target
     from overnight.judge.signals import Signal
