@@ -35,7 +35,13 @@ from overnight.storage.read.siblings import TURN_PREFIX, add_turn_views, served_
 from overnight.trainer.grpo.data import DataError, GroupAdvantages, Sample, group_advantages
 from overnight.trainer.grpo.logged_turns import load_samples
 
-from .plan import Plan, chosen_sourced_rewards, pools_lone_turns, trained_groups
+from .plan import (
+    Plan,
+    chosen_sourced_rewards,
+    pools_lone_turns,
+    trained_as_turns,
+    trained_groups,
+)
 from .turn_groups import TURN_SOURCES
 
 # The fewest rewards a night's pool needs: below it the mean moves too much with each
@@ -65,7 +71,10 @@ def add_lone_turns(
     try:
         add_turn_views(con)
         done = trained_groups(con)
-        served = _without_turns_trained_tonight(con, plan.lone, plan)
+        # A turn with siblings to compare with trains in its per-turn group tonight (the
+        # better signal), and a turn trains once: its lone group waits.
+        tonight = trained_as_turns(con, plan.lone, set(plan.groups))
+        served = [g for g in plan.lone if g not in tonight]
         turns = _rewarded_turns(con, config, plan, done, only, scope)
         room = None if max_groups is None else max(max_groups - len(plan.groups), 0)
         left = (served + list(turns))[room:] if room is not None else []
@@ -121,23 +130,6 @@ def _pool(plan: Plan, samples: list[Sample], sourced: dict, config: TrainConfig)
         "std": adv.std,
         "sources": dict(Counter(sourced[s.rollout_id][0] for s in samples)),
     }
-
-
-def _without_turns_trained_tonight(con, groups: list[str], plan: Plan) -> list[str]:
-    """`groups` less those a turn of which trains tonight in its per-turn group (with
-    siblings to compare with: the better signal; a turn trains once)."""
-    records = [g[len(TURN_PREFIX) :] for g in plan.groups if g.startswith(TURN_PREFIX)]
-    if not groups or not records:
-        return list(groups)
-    con.register("_lone_groups", pa.table({"group_id": pa.array(groups, pa.string())}))
-    con.register("_lone_tonight", pa.table({"record_id": pa.array(records, pa.string())}))
-    rows = con.execute(
-        "SELECT DISTINCT group_id FROM completions "
-        "WHERE group_id IN (SELECT group_id FROM _lone_groups) "
-        "AND record_id IN (SELECT record_id FROM _lone_tonight)"
-    ).fetchall()
-    taken = {g for (g,) in rows}
-    return [g for g in groups if g not in taken]
 
 
 def _rewarded_turns(
