@@ -124,6 +124,7 @@ def turn_of(row: tuple) -> tuple[Turn, str] | None:
         reply=reply,
         finish_reason=finish,
         response_format=response_format if isinstance(response_format, dict) else None,
+        group_id=group,
     )
     return turn, group
 

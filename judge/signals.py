@@ -115,6 +115,7 @@ class Turn:
     reply: dict  # the assistant message
     finish_reason: str | None = None
     response_format: dict | None = None
+    group_id: str | None = None  # the rollout group it was logged under
 
 
 @dataclass(frozen=True)
@@ -293,17 +294,20 @@ def _tool_called_again(t: Turn, u: Turn) -> Signal | None:
 
 def _asked_again(t: Turn, by_messages: dict, by_question: dict) -> list[Signal]:
     """A later request of the same client with `t`'s very messages (a regenerate) or with
-    its last user message changed (an edit). An agent's own rollouts of one group share
-    their prompt on purpose, so attributed turns count only within their rollout. Without
-    ids, an edit needs a history of its own (an answer before the edited message): two
-    users' first questions alike are not an edit, and a system prompt is every user's."""
+    its last user message changed (an edit). An agent's rollouts of one group share their
+    prompt on purpose, so within a named group only the same rollout counts (a client
+    that names each answer's rollout, as a chat app tagging every reply does, regenerates
+    in a group of its own). Without ids, an edit needs a history of its own (an answer
+    before the edited message): two users' first questions alike are not an edit, and a
+    system prompt is every user's."""
 
     def same_client(u: Turn) -> bool:
         if u.record_id == t.record_id or u.request_id == t.request_id:
             return False  # the n choices of one request are not a regenerate
         if not 0 <= u.started_at - t.started_at <= AGAIN_WITHIN_US:
             return False
-        return u.rollout_id == t.rollout_id if (t.attributed or u.attributed) else True
+        siblings = (t.attributed or u.attributed) and u.group_id == t.group_id
+        return u.rollout_id == t.rollout_id if siblings else True
 
     out = []
     again = [u for u in by_messages.get(_key(t.messages), ()) if same_client(u)]

@@ -109,9 +109,13 @@ def test_a_regenerate_and_an_edit_come_from_the_same_client_only():
     assert kinds(read_signals([first, later], 61 * MINUTE, 600 * MINUTE)) == {}
     # An agent's rollouts of one group share their prompt on purpose: not a regenerate.
     ours = {"attributed": True}
-    a = turn("t1", [QUESTION], ANSWER, 0, rollout_id="g.0", **ours)
-    b = turn("t2", [QUESTION], ANSWER, MINUTE, rollout_id="g.1", **ours)
+    a = turn("t1", [QUESTION], ANSWER, 0, rollout_id="g.0", group_id="g", **ours)
+    b = turn("t2", [QUESTION], ANSWER, MINUTE, rollout_id="g.1", group_id="g", **ours)
     assert read_signals([a, b], 3 * MINUTE, 60 * MINUTE) == []
+    # A client naming each answer's rollout (no group: each its own) regenerates in another.
+    tagged = turn("t2", [QUESTION], ANSWER, MINUTE, rollout_id="r2", group_id="r2", **ours)
+    alone = turn("t1", [QUESTION], ANSWER, 0, rollout_id="r1", group_id="r1", **ours)
+    assert kinds(read_signals([alone, tagged], 3 * MINUTE, 60 * MINUTE)) == {REGENERATED: -1.0}
     # Nor are the n choices of one request.
     c = turn("t2", [QUESTION], ANSWER, 0, request_id="req-t1")
     assert kinds(read_signals([first, c], 3 * MINUTE, 60 * MINUTE)) == {}

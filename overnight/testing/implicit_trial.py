@@ -137,7 +137,7 @@ def held_out_means(model_dir: Path, adapters: dict[str, Path], size: TrialSize) 
     """The mean true reward on the held-out sums of the base model and of each adapter,
     sampled with the same seeds (the gate's sampler: trainer/night/gate.py)."""
     from overnight.config import TrainConfig
-    from overnight.trainer.night.gate import sample_both
+    from overnight.trainer.night.gate import sample_each
     from overnight.trainer.night.gate_prompts import GatePrompt
 
     questions = [q for q in HELD_OUT for _ in range(size.samples)]
@@ -147,14 +147,12 @@ def held_out_means(model_dir: Path, adapters: dict[str, Path], size: TrialSize) 
         for i, q in enumerate(questions)
     ]  # fmt: skip
     config = TrainConfig(seed=size.seed, dtype="float32")
-    implicit, posted = sample_both(str(model_dir), adapters["implicit"], adapters["posted"],
-                                   prompts, config)  # fmt: skip
-    _, base = sample_both(str(model_dir), adapters["implicit"], None, prompts, config)
+    replies = sample_each(str(model_dir), {"base": None, **adapters}, prompts, config)
 
     def mean(replies: list[str]) -> float:
         return statistics.fmean(true_reward(q, r) for q, r in zip(questions, replies, strict=True))
 
-    return {"base": mean(base), "implicit": mean(implicit), "posted": mean(posted)}
+    return {name: mean(said) for name, said in replies.items()}
 
 
 def auc(scored: list[tuple[float, float]]) -> float | None:

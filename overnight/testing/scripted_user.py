@@ -13,7 +13,7 @@ last one is sent too, as a request of its own whose answer nobody reads.
 
 Each answer is its own rollout (`X-Rollout-Id`, no group: a group of one, as production
 traffic is), so the true reward can be posted for it where a trial wants the posted side.
-Deterministic for a seed, apart from what the model says.
+Deterministic for a seed: its choices, and the model's (each request carries a seed).
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ async def converse(
     for t in range(turns + 1):
         rollout = f"{conversation_id}-{t}"
         last = t == turns  # the reaction to the last answer, sent; its answer unread
-        answer = await chat({**body, "messages": messages}, {"X-Rollout-Id": rollout})
+        # A seed per request (vLLM's): the same day again, whatever else runs at once.
+        sampled = {**body, "messages": messages, "seed": rng.randrange(2**31)}
+        answer = await chat(sampled, {"X-Rollout-Id": rollout})
         if last:
             break
         reply = answer["choices"][0]["message"].get("content") or ""

@@ -153,6 +153,15 @@ def sample_both(
 ) -> tuple[list[str], list[str]]:
     """Each prompt's reply from the candidate and from the served adapter (None: the base
     model), one base model in memory with both adapters on it."""
+    replies = sample_each(base_model, {"candidate": candidate, "served": served}, prompts, config)
+    return replies["candidate"], replies["served"]
+
+
+def sample_each(
+    base_model: str, adapters: dict[str, Path | str | None], prompts: list[GatePrompt], config
+) -> dict[str, list[str]]:
+    """Each prompt's reply from each named adapter (None: the base model), in the order
+    given, one base model in memory with every adapter on it, each from the same seeds."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -161,18 +170,24 @@ def sample_both(
 
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype(config.dtype))
-    model = PeftModel.from_pretrained(model, str(candidate), adapter_name="candidate")
-    if served is not None:
-        model.load_adapter(str(served), adapter_name="served")
+    for name, path in adapters.items():
+        if path is None:
+            continue
+        if isinstance(model, PeftModel):
+            model.load_adapter(str(path), adapter_name=name)
+        else:
+            model = PeftModel.from_pretrained(model, str(path), adapter_name=name)
     model.eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
-    candidate_replies = _replies(model, tokenizer, prompts, config.seed, device)
-    if served is not None:
-        model.set_adapter("served")
-    with model.disable_adapter() if served is None else nullcontext():
-        served_replies = _replies(model, tokenizer, prompts, config.seed, device)
-    return candidate_replies, served_replies
+    out = {}
+    for name, path in adapters.items():
+        if path is not None:
+            model.set_adapter(name)
+        off = path is None and isinstance(model, PeftModel)
+        with model.disable_adapter() if off else nullcontext():
+            out[name] = _replies(model, tokenizer, prompts, config.seed, device)
+    return out
 
 
 def _replies(model, tokenizer, prompts: list[GatePrompt], seed: int, device: str) -> list[str]:
