@@ -331,7 +331,14 @@ def _asked_again(t: Turn, by_messages: dict, by_question: dict) -> list[Signal]:
         for u in by_question.get(_key(t.messages[:-1]), ()):
             edited = content_text(u.messages[-1].get("content"))
             changed = edited.strip() != question.strip()
-            if same_client(u) and changed and similarity(edited, question) >= EDIT_SIMILARITY:
+            # Without a history, only the same rollout is surely the same client.
+            own = history or u.rollout_id == t.rollout_id
+            if (
+                same_client(u)
+                and own
+                and changed
+                and similarity(edited, question) >= EDIT_SIMILARITY
+            ):
                 out.append(
                     Signal(
                         t.record_id,

@@ -116,6 +116,10 @@ def test_a_regenerate_and_an_edit_come_from_the_same_client_only():
     tagged = turn("t2", [QUESTION], ANSWER, MINUTE, rollout_id="r2", group_id="r2", **ours)
     alone = turn("t1", [QUESTION], ANSWER, 0, rollout_id="r1", group_id="r1", **ours)
     assert kinds(read_signals([alone, tagged], 3 * MINUTE, 60 * MINUTE)) == {REGENERATED: -1.0}
+    # ... but two first questions alike, each its own rollout, are not an edit.
+    other = turn("t2", [{"role": "user", "content": "What is the capital of Austria?"}], ANSWER,
+                 MINUTE, rollout_id="r2", group_id="r2", **ours)  # fmt: skip
+    assert kinds(read_signals([alone, other], 3 * MINUTE, 60 * MINUTE)) == {}
     # Nor are the n choices of one request.
     c = turn("t2", [QUESTION], ANSWER, 0, request_id="req-t1")
     assert kinds(read_signals([first, c], 3 * MINUTE, 60 * MINUTE)) == {}
