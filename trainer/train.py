@@ -49,6 +49,9 @@ from .grpo.step import fresh_adapter, micro_batch_loss
 from .night.canary import start as start_canary
 from .night.colocation import should_colocate
 from .night.colocation import window as maintenance_window
+from .night.forgetting import judge as judge_forgetting
+from .night.forgetting import load_references
+from .night.forgetting import measure as measure_forgetting
 from .night.gate import Scorer, Verdict, run_gate, skipped
 from .night.gate_prompts import held_out_prompts
 from .night.lone_turns import add_lone_turns
@@ -287,6 +290,8 @@ class Night:
         self.report.begin(self.run_dir.run_id, self.data_dir, config, self.base_model, start,
                           plan, self.tokenizer, judge, resumed=self.resumed is not None)  # fmt: skip
         self.adapter_dir = self.data_dir / "adapters" / self.run_dir.run_id
+        if self.promote_it and self.proxy_url and config.reference != "off":
+            load_references(config.reference)  # a bad --reference fails before training
         self.colocated = bool(self.proxy_url) and should_colocate(
             config.colocate, self.state, _on_gpu(), self.say
         )
@@ -386,10 +391,13 @@ def _gate(
     served = served_adapter(state)
     if served == shared:
         return Verdict(config.gate, True, "promoted before the run was interrupted")
+    served_path = local_adapter(data_dir, served)
     verdict = skipped(config, scorer) or run_gate(
-        config, base_model, adapter_dir, local_adapter(data_dir, served), prompts, scorer,
-        result.held_out,
-    )  # fmt: skip
+        config, base_model, adapter_dir, served_path, prompts, scorer, result.held_out
+    )
+    if config.reference != "off":  # what the nights cost elsewhere (night/forgetting.py)
+        judge_forgetting(verdict, measure_forgetting(config, data_dir, base_model, adapter_dir,
+                                                     served_path))  # fmt: skip
     say(verdict.line())
     if not verdict.promote:
         say(f"not promoted: the adapter stays in {adapter_dir}; the proxy keeps serving "

@@ -1,0 +1,246 @@
+"""Forgetting: what an adapter lost of what the base model could already do.
+
+  a reference set (general prompts bundled with overnight, references.json, and/or the
+  operator's --reference JSONL) -> each prompt's reference answer (the operator's, or the
+  base model's own greedy answer, generated once per base model and cached in
+  DATA/references/) -> the mean per-token log-likelihood of each answer given its prompt,
+  teacher-forced, under the base model, the served adapter and the candidate (one forward
+  pass each, no sampling) -> forgetting = base - adapter, in nats per token, averaged over
+  the set -> the gate refuses a candidate over --forgetting-budget (docs/grpo.md).
+
+The gate (gate.py) compares the candidate with the served adapter on tonight's traffic;
+this compares both with the base model on everything else, so that the drift of nights
+stacked on one another stays in view across promotions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from overnight.config import TrainConfig
+from overnight.errors import ConfigError
+from overnight.storage.files import replace_durably
+
+from .gate import generate_replies, load_adapters, prompt_ids
+from .gate_prompts import GatePrompt
+
+BUNDLED = Path(__file__).with_name("references.json")
+ANSWER_TOKENS = 48  # greedy tokens of a base answer: a sentence or two, as the prompts ask
+BATCH = 16  # references scored together (sorted by length: little padding)
+MAX_ANSWER_TOKENS = 128  # an operator's long reference is scored on its beginning
+LOST = 0.5  # nats per token: a reference whose likelihood fell this far counts as lost
+
+
+class ReferenceSetError(ConfigError):
+    """A --reference the night cannot read (found before training: Night.begin)."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    messages: list[dict]
+    answer: str | None  # None: the base model's own greedy answer (base_answers)
+    source: str  # "bundled" or the operator's file
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.messages, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def load_references(spec: str) -> list[Reference]:
+    """The reference set `--reference` names: `bundled`, a JSONL file, both (`bundled,PATH`)."""
+    refs: list[Reference] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "bundled":
+            rows = json.loads(BUNDLED.read_text(encoding="utf-8"))
+            refs += [Reference(r["messages"], None, "bundled") for r in rows]
+        elif part:
+            refs += read_jsonl(Path(part))
+    if not refs:
+        raise ReferenceSetError(f"--reference {spec!r} names no reference prompts")
+    return refs
+
+
+def read_jsonl(path: Path) -> list[Reference]:
+    """The operator's set: one JSON object a line, `messages` (a chat, or `prompt`: one user
+    message) and `reference` (the answer whose likelihood is kept; absent: the base model's)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ReferenceSetError(f"--reference {path}: {e.strerror or e}") from e
+    refs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+            answer = row.get("reference")
+            if not isinstance(messages, list) or not (answer is None or isinstance(answer, str)):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ReferenceSetError(
+                f'--reference {path} line {n}: want {{"messages": [...], "reference": '
+                '"..."}} (or "prompt" for one user message; no reference: the base model\'s)'
+            ) from None
+        refs.append(Reference(messages, answer, str(path)))
+    return refs
+
+
+# -- the base model's answers, once per base model -------------------------------------
+
+
+def model_identity(base_model: str) -> str:
+    """What names a base model's weights: its config and its weight files' sizes and
+    ends (a local folder), or its name (the hub's). A changed model answers anew."""
+    folder = Path(base_model)
+    digest = hashlib.sha256()
+    if not folder.is_dir():
+        digest.update(base_model.encode())
+        return digest.hexdigest()[:20]
+    for path in sorted(folder.iterdir()):
+        if path.name == "config.json" or path.suffix in (".safetensors", ".bin", ".json"):
+            size = path.stat().st_size
+            digest.update(f"{path.name}:{size}".encode())
+            with path.open("rb") as f:
+                digest.update(f.read(65536))
+                f.seek(max(0, size - 65536))
+                digest.update(f.read())
+    return digest.hexdigest()[:20]
+
+
+def base_answers(data_dir: Path, base_model: str, model, tokenizer, refs, device) -> list[str]:
+    """Each reference's answer: the operator's, else the base model's greedy one, read from
+    DATA/references/{model}.json or generated (adapters disabled) and added to it."""
+    cache_path = Path(data_dir) / "references" / f"{model_identity(base_model)}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    missing = [r for r in refs if r.answer is None and r.key not in cache]
+    if missing:
+        prompts = [GatePrompt(r.key, r.messages, [], 0.0, 1.0, ANSWER_TOKENS) for r in missing]
+        with model.disable_adapter():
+            answers = generate_replies(model, tokenizer, prompts, 0, device)  # greedy: no seed used
+        cache.update({r.key: a for r, a in zip(missing, answers, strict=True)})
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, ensure_ascii=False, indent=0))
+        replace_durably(tmp, cache_path)
+    return [r.answer if r.answer is not None else cache[r.key] for r in refs]
+
+
+# -- the measure --------------------------------------------------------------------------
+
+
+def encode(tokenizer, refs: list[Reference], answers: list[str]) -> list[tuple[list[int], int]]:
+    """(prompt + answer token ids, where the answer starts) per reference; the answer as the
+    chat template's assistant turn would hold it, closed by the end-of-sequence token."""
+    out = []
+    for ref, answer in zip(refs, answers, strict=True):
+        prompt = prompt_ids(tokenizer, GatePrompt("", ref.messages, [], 0.0, 1.0, 0))
+        reply = tokenizer(answer, add_special_tokens=False)["input_ids"][:MAX_ANSWER_TOKENS]
+        if tokenizer.eos_token_id is not None:
+            reply = [*reply, tokenizer.eos_token_id]
+        out.append((prompt + reply, len(prompt)))
+    return out
+
+
+def loglik(model, encoded: list[tuple[list[int], int]], pad: int, device: str) -> np.ndarray:
+    """Each reference's mean per-token log-likelihood of its answer, teacher-forced, under
+    whichever adapter `model` has active (right-padded, BATCH at a time)."""
+    import torch
+
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
+    out = np.zeros(len(encoded))
+    for start in range(0, len(order), BATCH):
+        members = order[start : start + BATCH]
+        batch = [encoded[i] for i in members]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in batch], device=device)
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch],
+                            device=device)  # fmt: skip
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        for row, (x, begins) in enumerate(batch):
+            targets = ids[row, begins : len(x)]
+            logprobs = torch.log_softmax(logits[row, begins - 1 : len(x) - 1], dim=-1)
+            out[members[row]] = logprobs.gather(1, targets[:, None]).mean().item()
+    return out
+
+
+@dataclass
+class Forgetting:
+    """How far the served adapter and the candidate moved from the base model on the
+    reference set: mean (base - adapter) per-token log-likelihood, in nats per token."""
+
+    references: int
+    budget: float
+    base_loglik: float  # the base model's mean per-token log-likelihood of the answers
+    served: float  # the served adapter's forgetting (0: the base model is served)
+    candidate: float
+    served_lost: float  # share of references down by more than LOST nats per token
+    candidate_lost: float
+    seconds: float = 0.0
+    over: bool = False  # the candidate forgets more than the budget (and than the served)
+
+    def line(self) -> str:
+        return (
+            f"forgetting on {self.references} reference answers: candidate "
+            f"{self.candidate:+.3f} nats/token vs the base model ({self.candidate_lost:.0%} of "
+            f"them down by more than {LOST}), served {self.served:+.3f}; budget "
+            f"{self.budget:g}"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure(
+    config: TrainConfig, data_dir: Path, base_model: str, candidate: Path, served: str | None
+) -> Forgetting:
+    """The reference set scored under the base model, the served adapter (None: the base
+    model itself) and the candidate, one model in memory with both adapters on it."""
+    began = time.monotonic()
+    refs = load_references(config.reference)
+    model, tokenizer, device = load_adapters(base_model, candidate, served, config)
+    answers = base_answers(data_dir, base_model, model, tokenizer, refs, device)
+    encoded = encode(tokenizer, refs, answers)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with model.disable_adapter():
+        base = loglik(model, encoded, pad, device)
+    model.set_adapter("candidate")
+    drift = {"candidate": base - loglik(model, encoded, pad, device)}
+    if served is not None:
+        model.set_adapter("served")
+        drift["served"] = base - loglik(model, encoded, pad, device)
+    else:
+        drift["served"] = np.zeros_like(base)
+    result = Forgetting(
+        len(refs), config.forgetting_budget, float(base.mean()),
+        float(drift["served"].mean()), float(drift["candidate"].mean()),
+        float((drift["served"] > LOST).mean()), float((drift["candidate"] > LOST).mean()),
+        time.monotonic() - began,
+    )  # fmt: skip
+    result.over = result.candidate > result.budget and result.candidate > result.served
+    return result
+
+
+def judge(verdict, forgetting: Forgetting) -> None:
+    """The gate's verdict with forgetting in it: a candidate over the budget is refused
+    whatever its task reward, unless it forgets less than the served adapter (a step back
+    towards the base model is never refused for being not far enough); --gate off only
+    records it."""
+    verdict.forgetting = forgetting.as_dict()
+    clause = forgetting.line()
+    if forgetting.over and verdict.mode != "off":
+        was = "passed" if verdict.promote else "refused"
+        verdict.promote = False
+        verdict.reason = (
+            f"forgets more than the budget: {clause} (--forgetting-budget); the task gate "
+            f"{was}: {verdict.reason}"
+        )
+    else:
+        verdict.reason += f"; {clause}"
