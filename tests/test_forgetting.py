@@ -27,6 +27,9 @@ from overnight.trainer.night.forgetting import (
 from overnight.trainer.night.gate import Verdict, load_adapters
 from overnight.trainer.night.plan import Plan
 from overnight.trainer.run.record import RunResult, record_run
+from overnight.view.report import write_report
+
+from .helpers import rows
 
 pytest.importorskip("peft")
 
@@ -195,13 +198,25 @@ def test_within_the_budget_or_back_towards_the_base_the_task_gate_decides():
 # -- the record -----------------------------------------------------------------------------
 
 
-def test_the_runs_listing_shows_each_nights_forgetting_and_why_one_was_refused(tmp_path):
+async def test_each_nights_forgetting_is_listed_plotted_and_shown_with_why_one_was_refused(
+    tmp_path, make_proxy
+):
     data = tmp_path / "data"
-    for run_id, candidate in (("night-1", 0.02), ("night-2", 0.4)):
+    for run_id, candidate, served in (("night-1", 0.02, 0.0), ("night-2", 0.4, 0.02)):
         verdict = Verdict("not-worse", True, "task fine")
-        judge(verdict, figures(candidate))
+        judge(verdict, figures(candidate, served))
         result = RunResult(run_id, Plan(), gate=verdict)
         record_run(data, result, TrainConfig(), "tiny", None, 0, None)
+    (run,) = rows(data, "SELECT metrics FROM training_runs WHERE run_id = 'night-2'")
+    assert json.loads(run["metrics"])["gate"]["forgetting"]["served"] == 0.02
+    # The report's chart across promotions: served, candidate and budget by night.
+    report = write_report(data).read_text()
+    assert "Forgetting against the base model" in report
+    chart = report.split("Forgetting against the base model")[-1].split("</figure>")[0]
+    assert chart.count("<polyline") == 3 and chart.count("<circle") == 6
+    page = await (await (await make_proxy(data_dir=data)).get("/ui/runs")).text()
+    assert "<th>forgetting</th>" in page.replace(' class="num"', "")
+    assert "Forgetting against the base model" in page and "0.400" in page
     listing = CliRunner().invoke(main, ["runs", "--data", str(data)])
     assert listing.exit_code == 0, listing.output
     header = listing.output.splitlines()[0]
