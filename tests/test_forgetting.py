@@ -224,3 +224,54 @@ async def test_each_nights_forgetting_is_listed_plotted_and_shown_with_why_one_w
     assert "0.02" in listing.output and "0.4" in listing.output
     assert "night-2: gate refused: forgets more than the budget" in listing.output
     assert "night-1: gate refused" not in listing.output
+
+
+# -- the watch ------------------------------------------------------------------------------
+
+
+def night_measured(data: Path, run_id: str, served: str | None, candidate: str, figures_: tuple):
+    """A night's row as the gate records it: forgetting measured for both adapters."""
+    measured = figures(figures_[1], served=figures_[0])
+    measured.served_path, measured.candidate_path = served, candidate
+    verdict = Verdict("not-worse", True, "task fine")
+    judge(verdict, measured)
+    record_run(data, RunResult(run_id, Plan(), gate=verdict), TrainConfig(), "tiny", None, 0, None)
+
+
+async def test_the_watch_rolls_back_an_adapter_served_over_the_budget(
+    make_proxy, tmp_path, lora_adapter
+):
+    import asyncio
+    import shutil
+
+    from overnight.trainer.night.watch import watch
+
+    proxy = await make_proxy()
+    url, data = str(proxy.make_url("")), tmp_path / "data"
+    first, second = tmp_path / "first", tmp_path / "second"
+    shutil.copytree(lora_adapter, first)
+    shutil.copytree(lora_adapter, second)
+    for adapter in (first, second):
+        await proxy.post("/admin/adapters/promote", json={"path": str(adapter)})
+    # The first measured at 0.02 (its night), the second at 0.08 (promoted under the
+    # budget of its night, 0.1); then the operator lowers the budget to 0.05.
+    night_measured(data, "night-1", None, str(first), (0.0, 0.02))
+    night_measured(data, "night-2", str(first), str(second), (0.02, 0.08))
+    lines: list[str] = []
+    kept = await asyncio.to_thread(watch, data, url, None, TrainConfig(), lines.append)
+    assert not kept.worse and "keeps serving" in lines[-1], lines
+    lowered = TrainConfig(forgetting_budget=0.05)
+    verdict = await asyncio.to_thread(watch, data, url, None, lowered, lines.append)
+    assert verdict.worse and verdict.forgets, verdict.reason
+    assert "forgets +0.080 nats/token" in verdict.reason and "(" + str(first) in verdict.reason
+    after = await (await proxy.get("/admin/adapters")).json()
+    assert after["current"]["path"] == str(first), "the predecessor serves again"
+    (event,) = [e for e in after["events"] if e["action"] == "rollback"]
+    assert "worse on the reference set" in event["reason"]
+    # The first is within the lowered budget: it stays.
+    again = await asyncio.to_thread(watch, data, url, None, lowered, lines.append)
+    assert not again.worse
+    # Off: forgetting decides nothing.
+    assert not (await asyncio.to_thread(
+        watch, data, url, None, TrainConfig(forgetting_budget=0.0, reference="off"), lines.append
+    )).worse  # fmt: skip

@@ -25,6 +25,7 @@ import numpy as np
 
 from overnight.config import TrainConfig
 from overnight.errors import ConfigError
+from overnight.storage import open_db
 from overnight.storage.files import replace_durably
 
 from .gate import generate_replies, load_adapters, prompt_ids
@@ -185,6 +186,8 @@ class Forgetting:
     candidate_lost: float
     seconds: float = 0.0
     over: bool = False  # the candidate forgets more than the budget (and than the served)
+    served_path: str | None = None  # which adapters were measured (the watch reads them)
+    candidate_path: str | None = None
 
     def line(self) -> str:
         return (
@@ -225,6 +228,7 @@ def measure(
         time.monotonic() - began,
     )  # fmt: skip
     result.over = result.candidate > result.budget and result.candidate > result.served
+    result.served_path, result.candidate_path = served, str(candidate)
     return result
 
 
@@ -244,3 +248,50 @@ def judge(verdict, forgetting: Forgetting) -> None:
         )
     else:
         verdict.reason += f"; {clause}"
+
+
+# -- the watch: an adapter served over the budget -------------------------------------------
+
+
+def recorded(data_dir: Path, path: str | None) -> float | None:
+    """The newest forgetting measured for the adapter at `path`, as the candidate or as
+    the served adapter of a night (None: never measured; the base model: 0)."""
+    if path is None:
+        return 0.0
+    con = open_db(data_dir)
+    try:
+        rows = con.execute(
+            "SELECT json_extract_string(metrics, '$.gate.forgetting.candidate_path'), "
+            "json_extract_string(metrics, '$.gate.forgetting.served_path'), "
+            "CAST(json_extract(metrics, '$.gate.forgetting.candidate') AS DOUBLE), "
+            "CAST(json_extract(metrics, '$.gate.forgetting.served') AS DOUBLE) "
+            "FROM training_runs WHERE json_extract(metrics, '$.gate.forgetting') IS NOT NULL "
+            "ORDER BY ended_at DESC"
+        ).fetchall()
+    finally:
+        con.close()
+    for candidate_path, served_path, candidate, served in rows:
+        if served_path == path:
+            return served
+        if candidate_path == path:
+            return candidate
+    return None
+
+
+def over_budget(data_dir: Path, current: str, before: str | None, budget: float) -> str | None:
+    """Why the watch rolls back the adapter at `current`: its recorded forgetting is over
+    the budget and more than its predecessor's (a step back is never undone); None when
+    it is not, or when either was never measured."""
+    if budget is None:
+        return None
+    now = recorded(data_dir, current)
+    if now is None or now <= budget:
+        return None
+    then = recorded(data_dir, before)
+    if then is None or now <= then:
+        return None
+    return (
+        f"it forgets {now:+.3f} nats/token of the reference answers against the base model, "
+        f"over --forgetting-budget {budget:g} and more than its predecessor "
+        f"({before or 'the base model'}: {then:+.3f})"
+    )
