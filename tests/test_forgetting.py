@@ -84,6 +84,18 @@ def test_the_bundled_set_and_the_operators_combine_and_a_bad_line_is_named(tmp_p
         TrainConfig(forgetting_budget=-0.1)
 
 
+def test_auto_is_the_bundled_set_except_on_the_tiny_random_model(tiny_model_dir, tmp_path):
+    from overnight.trainer.night.forgetting import resolve
+
+    assert TrainConfig().reference == "auto"
+    # Random weights know nothing: their drift on random answers is noise, not loss.
+    assert resolve("auto", str(tiny_model_dir)) is None
+    assert resolve("auto", str(tmp_path)) == "bundled"  # any other model
+    assert resolve("auto", "HuggingFaceTB/SmolLM2-135M-Instruct") == "bundled"
+    assert resolve("bundled", str(tiny_model_dir)) == "bundled", "asked for: measured"
+    assert resolve("off", str(tmp_path)) is None
+
+
 # -- the measure ---------------------------------------------------------------------------
 
 

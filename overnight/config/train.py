@@ -246,14 +246,15 @@ class TrainConfig:
     )
     # Forgetting (trainer/night/forgetting.py, docs/grpo.md): the reference set's answers'
     # likelihood under the base, the served adapter and the candidate, every gated night.
+    # auto: bundled, except on the tiny random model (--model tiny), which knows nothing.
     reference: str = field(
-        default="bundled",
+        default="auto",
         metadata={
             "help": "The reference set forgetting is measured on every gated night: bundled (a "
             "hundred-odd general prompts shipped with overnight, the base model's own greedy "
             "answers as references), a JSONL file of {messages, reference} lines (the "
             "operator's; a line without reference gets the base model's), both as "
-            "bundled,PATH, or off."
+            "bundled,PATH, off, or auto (bundled; off on overnight's tiny random model)."
         },
     )
     # Argued from measurements on SmolLM2 (docs/operations.md, BENCHMARKS.md): a normal

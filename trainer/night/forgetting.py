@@ -25,6 +25,7 @@ import numpy as np
 
 from overnight.config import TrainConfig
 from overnight.errors import ConfigError
+from overnight.models.tiny import is_tiny
 from overnight.storage import open_db
 from overnight.storage.files import replace_durably
 
@@ -36,6 +37,9 @@ ANSWER_TOKENS = 48  # greedy tokens of a base answer: a sentence or two, as the 
 BATCH = 16  # references scored together (sorted by length: little padding)
 MAX_ANSWER_TOKENS = 128  # an operator's long reference is scored on its beginning
 LOST = 0.5  # nats per token: a reference whose likelihood fell this far counts as lost
+# Below this, two figures are the same adapter's (float sums in another order): a
+# candidate over the budget is "further than the served one" only beyond it.
+SAME = 1e-3
 
 
 class ReferenceSetError(ConfigError):
@@ -51,6 +55,15 @@ class Reference:
     @property
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self.messages, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def resolve(spec: str, base_model: str | None) -> str | None:
+    """The reference set `--reference` means for this base model; None: none measured
+    (off, and auto on overnight's tiny random model: nothing learnt, nothing to lose;
+    its drift on random answers would refuse nights for noise). auto elsewhere: bundled."""
+    if spec == "off" or (spec == "auto" and is_tiny(base_model)):
+        return None
+    return "bundled" if spec == "auto" else spec
 
 
 def load_references(spec: str) -> list[Reference]:
@@ -202,12 +215,18 @@ class Forgetting:
 
 
 def measure(
-    config: TrainConfig, data_dir: Path, base_model: str, candidate: Path, served: str | None
+    config: TrainConfig,
+    data_dir: Path,
+    base_model: str,
+    candidate: Path,
+    served: str | None,
+    spec: str | None = None,
 ) -> Forgetting:
-    """The reference set scored under the base model, the served adapter (None: the base
-    model itself) and the candidate, one model in memory with both adapters on it."""
+    """The reference set (`spec`, resolved; None: config.reference as given) scored under
+    the base model, the served adapter (None: the base model itself) and the candidate,
+    one model in memory with both adapters on it."""
     began = time.monotonic()
-    refs = load_references(config.reference)
+    refs = load_references(spec or config.reference)
     model, tokenizer, device = load_adapters(base_model, candidate, served, config)
     answers = base_answers(data_dir, base_model, model, tokenizer, refs, device)
     encoded = encode(tokenizer, refs, answers)
@@ -227,7 +246,7 @@ def measure(
         float((drift["served"] > LOST).mean()), float((drift["candidate"] > LOST).mean()),
         time.monotonic() - began,
     )  # fmt: skip
-    result.over = result.candidate > result.budget and result.candidate > result.served
+    result.over = result.candidate > result.budget and result.candidate > result.served + SAME
     result.served_path, result.candidate_path = served, str(candidate)
     return result
 
