@@ -6,7 +6,8 @@ On SmolLM2-135M-Instruct, offline (no vLLM, no proxy): the sum agent's traffic
 examples/rewards.py:bare_sum, and trained by the trainer's own loop twice:
 
   normal       the smollm2-cpu preset (learning rate 1e-3, 2 epochs)
-  destructive  a learning rate 30x the preset's, 6 epochs on the same narrow data
+  destructive  a learning rate 5x the preset's and 6 epochs on the same narrow data
+               (task reward up, references drifting), and 30x (the model wrecked)
 
 Each candidate then goes through the night's own gate (`trainer.train._gate`: the task
 gate on the held-out sums, paired with the served adapter, then forgetting on the bundled
@@ -14,7 +15,7 @@ reference set against the base model), the normal one against the base model ser
 destructive one against the normal one served (nights stack). Prints both verdicts and the
 figures, and the seconds the forgetting measure took (the default set, three models).
 
-    PYTHONPATH=.shim python bench/forgetting.py [--model DIR] [--out DIR]
+    PYTHONPATH=.shim python bench/forgetting.py --threads 1 [--destructive 5x6,30x6]
 """
 
 from __future__ import annotations
@@ -124,6 +125,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/overnight-forgetting"))
     parser.add_argument("--questions", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument(
+        "--destructive",
+        default="5x6,30x6",
+        help="destructive nights: learning rate times the preset's x epochs",
+    )
+    parser.add_argument("--reuse-normal", action="store_true",
+                        help="the normal night's adapter from an earlier run (--out)")  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         import torch
@@ -137,14 +145,19 @@ def main() -> None:
           f"reward mean {sum(plan.rewards.values()) / len(plan.rewards):.3f} "
           f"({time.monotonic() - began:.0f} s)", flush=True)  # fmt: skip
     normal = TrainConfig(base_model=str(args.model), **SMOLLM2_CPU_PRESET)
-    hard = {**SMOLLM2_CPU_PRESET, "learning_rate": 30 * SMOLLM2_CPU_PRESET["learning_rate"],
-            "epochs": 6}  # fmt: skip
-    destructive = TrainConfig(base_model=str(args.model), **hard)
-    results = [night("normal", plan, normal, args.model, args.out, None)]
-    print(json.dumps(results[0], indent=1), flush=True)
-    results.append(night("destructive", plan, destructive, args.model, args.out,
-                         args.out / "normal"))  # fmt: skip
-    print(json.dumps(results[1], indent=1), flush=True)
+    if not (args.out / "normal" / "adapter_config.json").exists() or not args.reuse_normal:
+        print(json.dumps(night("normal", plan, normal, args.model, args.out, None), indent=1),
+              flush=True)  # fmt: skip
+    for dose in args.destructive.split(","):
+        times, epochs = (int(x) for x in dose.split("x"))
+        lr = times * SMOLLM2_CPU_PRESET["learning_rate"]
+        hard = TrainConfig(
+            base_model=str(args.model),
+            **{**SMOLLM2_CPU_PRESET, "learning_rate": lr, "epochs": epochs},
+        )
+        result = night(f"destructive-{dose}", plan, hard, args.model, args.out,
+                       args.out / "normal")  # fmt: skip
+        print(json.dumps({"learning_rate": lr, "epochs": epochs, **result}, indent=1), flush=True)
 
 
 if __name__ == "__main__":

@@ -141,15 +141,29 @@ def test_forgetting_is_zero_for_an_unchanged_model_and_positive_for_a_moved_one(
     assert moved.base_loglik == pytest.approx(unchanged.base_loglik, abs=1e-6)
     # Deterministic: no sampling; the base's answers come from the cache the first call
     # wrote (generation is never asked again), keyed by the model.
-    (cached,) = (data / "references").glob("*.json")
+    cached = data / "references" / f"{forgetting.model_identity(str(tiny_model_dir))}.json"
     assert len(json.loads(cached.read_text())) == 4
+    # The base model's figures too: computed once, never again.
+    assert len(json.loads(cached.with_suffix(".loglik.json").read_text())) == 4
     monkeypatch.setattr(forgetting, "generate_replies", _no_generation)
+    real_loglik = forgetting.loglik
+    monkeypatch.setattr(
+        forgetting, "loglik", lambda model, *a: _adapter_only(model, real_loglik, *a)
+    )
     again = measure(config, data, str(tiny_model_dir), lora_adapter, str(fresh_adapter))
     assert again.candidate == moved.candidate
     # Served and candidate swapped: the figures follow the adapters.
     swapped = measure(config, data, str(tiny_model_dir), fresh_adapter, str(lora_adapter))
     assert swapped.served == pytest.approx(moved.candidate, abs=1e-6)
     assert swapped.candidate == pytest.approx(0.0, abs=1e-6)
+
+
+def _adapter_only(model, real, *args):
+    flags = (getattr(m, "disable_adapters", None) for m in model.modules())
+    disabled = [flag for flag in flags if isinstance(flag, bool)]  # the LoRA layers'
+
+    assert disabled and not any(disabled), "the base model was scored again"
+    return real(model, *args)
 
 
 def _no_generation(*_args, **_kwargs):
@@ -166,7 +180,7 @@ def test_the_operators_references_are_scored_as_given(tiny_model_dir, fresh_adap
     refs = load_references(str(operator_set(tmp_path, MINE)))
     answers = base_answers(tmp_path, str(tiny_model_dir), model, tokenizer, refs, device)
     assert answers[:2] == ["Blue.", "Hi there!"]
-    (cached,) = (tmp_path / "references").glob("*.json")
+    cached = tmp_path / "references" / f"{forgetting.model_identity(str(tiny_model_dir))}.json"
     assert list(json.loads(cached.read_text()).values()) == [answers[2]], "only the third"
 
 

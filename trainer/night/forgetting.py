@@ -4,8 +4,8 @@
   operator's --reference JSONL) -> each prompt's reference answer (the operator's, or the
   base model's own greedy answer, generated once per base model and cached in
   DATA/references/) -> the mean per-token log-likelihood of each answer given its prompt,
-  teacher-forced, under the base model, the served adapter and the candidate (one forward
-  pass each, no sampling) -> forgetting = base - adapter, in nats per token, averaged over
+  teacher-forced, under the base model (once, cached there too), the served adapter and
+  the candidate (one forward pass each, no sampling) -> forgetting = base - adapter, in nats per token, averaged over
   the set -> the gate refuses a candidate over --forgetting-budget (docs/grpo.md).
 
 The gate (gate.py) compares the candidate with the served adapter on tonight's traffic;
@@ -139,11 +139,35 @@ def base_answers(data_dir: Path, base_model: str, model, tokenizer, refs, device
         with model.disable_adapter():
             answers = generate_replies(model, tokenizer, prompts, 0, device)  # greedy: no seed used
         cache.update({r.key: a for r, a in zip(missing, answers, strict=True)})
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache, ensure_ascii=False, indent=0))
-        replace_durably(tmp, cache_path)
+        _save(cache_path, cache)
     return [r.answer if r.answer is not None else cache[r.key] for r in refs]
+
+
+def base_logliks(data_dir: Path, base_model: str, model, encoded, pad: int, device: str):
+    """The base model's figure per reference (loglik, adapters disabled): the same every
+    night for the same model, tokens and dtype, so computed once and cached beside the
+    answers (DATA/references/{model}.loglik.json): a night scores two models, not three."""
+    path = Path(data_dir) / "references" / f"{model_identity(base_model)}.loglik.json"
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    dtype = next(model.parameters()).dtype
+    keys = [
+        hashlib.sha256(f"{dtype}:{device}:{begins}:{ids}".encode()).hexdigest()[:24]
+        for ids, begins in encoded
+    ]
+    missing = [i for i, key in enumerate(keys) if key not in cache]
+    if missing:
+        with model.disable_adapter():
+            values = loglik(model, [encoded[i] for i in missing], pad, device)
+        cache.update({keys[i]: float(v) for i, v in zip(missing, values, strict=True)})
+        _save(path, cache)
+    return np.asarray([cache[key] for key in keys])
+
+
+def _save(path: Path, cache: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cache, ensure_ascii=False, indent=0))
+    replace_durably(tmp, path)
 
 
 # -- the measure --------------------------------------------------------------------------
@@ -231,8 +255,7 @@ def measure(
     answers = base_answers(data_dir, base_model, model, tokenizer, refs, device)
     encoded = encode(tokenizer, refs, answers)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with model.disable_adapter():
-        base = loglik(model, encoded, pad, device)
+    base = base_logliks(data_dir, base_model, model, encoded, pad, device)
     model.set_adapter("candidate")
     drift = {"candidate": base - loglik(model, encoded, pad, device)}
     if served is not None:
