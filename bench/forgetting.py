@@ -119,6 +119,19 @@ def night(name: str, plan, config: TrainConfig, model: Path, out: Path, served: 
             "served_reward": verdict.served_mean, "forgetting": verdict.forgetting}  # fmt: skip
 
 
+def cost(model: Path, out: Path, candidate: Path, served: Path) -> None:
+    """What the measure costs a night, on a fresh data directory: the first night (the
+    base model's answers generated and its figures computed, then cached) and the next."""
+    from overnight.trainer.night.forgetting import measure
+
+    config = TrainConfig(base_model=str(model))
+    data = out / f"cost-{time.time_ns()}"
+    for night_ in ("first night", "a later night"):
+        f = measure(config, data, str(model), candidate, str(served), "bundled")
+        print(f"cost, {night_}: {f.seconds:.1f} s for {f.references} references "
+              f"(candidate {f.candidate:+.3f}, served {f.served:+.3f})", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, default=MODEL)
@@ -132,12 +145,21 @@ def main() -> None:
     )
     parser.add_argument("--reuse-normal", action="store_true",
                         help="the normal night's adapter from an earlier run (--out)")  # fmt: skip
+    parser.add_argument(
+        "--cost-only",
+        action="store_true",
+        help="only time the measure, on the adapters of an earlier run",
+    )
     args = parser.parse_args()
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)  # a shared, loaded machine: one spins less
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.cost_only:
+        first = args.destructive.split(",")[0]
+        cost(args.model, args.out, args.out / f"destructive-{first}", args.out / "normal")
+        return
     questions = random.Random(0).sample(ASKED, args.questions)
     began = time.monotonic()
     plan = sample_traffic(args.model, questions, seed=0)

@@ -388,8 +388,9 @@ def _gate(
     state: dict,
 ) -> Verdict:
     """The gate's verdict on the new adapter against the one served now (`state`, read
-    after training); a resumed run whose adapter (`shared`: as the proxies name it) is
-    served already passed it before it was interrupted."""
+    after training), then forgetting on the reference set (the tiny model: none); a
+    resumed run whose adapter (`shared`: as the proxies name it) is served already passed
+    it before it was interrupted."""
     served = served_adapter(state)
     if served == shared:
         return Verdict(config.gate, True, "promoted before the run was interrupted")
