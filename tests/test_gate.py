@@ -4,6 +4,7 @@ adapter rolled back (the tiny model sampled with peft; the proxy in front of the
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import time
 
@@ -230,9 +231,13 @@ async def test_an_unchanged_adapter_passes_with_prompts_the_plan_gave_up(
     write_night(data, tasks=8, held_out=6)
     reward = tmp_path / "reward.py"
     reward.write_text("def length(rollout):\n    return len(rollout['messages'][-1]['content'])\n")
+    # Forgetting measured on an operator's set (the tiny model has none by default).
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(f'{{"prompt": "Tell me about {t}."}}\n' for t in ("cats", "tea")))
     config = TrainConfig(
-        base_model=str(tiny_model_dir), learning_rate=1e-9, lora_rank=4, gate_prompts=8
-    )
+        base_model=str(tiny_model_dir), learning_rate=1e-9, lora_rank=4, gate_prompts=8,
+        reference=str(mine), forgetting_budget=0.0,
+    )  # fmt: skip
     from overnight.trainer.train import train
 
     lines: list[str] = []
@@ -242,10 +247,17 @@ async def test_an_unchanged_adapter_passes_with_prompts_the_plan_gave_up(
     )  # fmt: skip
     verdict = result.gate
     assert verdict is not None and verdict.promote and verdict.prompts == 8, lines
+    # The served (random) adapter forgets; the candidate, barely trained from it, as much:
+    # over a budget of 0, but no further from the base model than what it replaces.
+    forgot = verdict.forgetting
+    assert forgot["references"] == 2 and forgot["served_path"] == str(lora_adapter)
+    assert forgot["served"] > 0 and forgot["candidate"] == pytest.approx(forgot["served"], abs=1e-3)
+    assert "forgetting on 2 reference answers" in verdict.reason
     given = verdict.held_out_from_plan
     assert len(given) == 2 and set(given) < {f"task{t}" for t in range(8)}, verdict
     assert result.plan.groups == [f"task{t}" for t in range(8) if f"task{t}" not in given]
     served = await (await proxy.get("/admin/adapters")).json()
     assert served["current"]["name"] == result.promoted_as
-    (run,) = rows(data, "SELECT groups FROM training_runs")
+    (run,) = rows(data, "SELECT groups, metrics FROM training_runs")
     assert not set(given) & set(run["groups"]), "the held-out groups stay untrained"
+    assert json.loads(run["metrics"])["gate"]["forgetting"] == forgot

@@ -228,11 +228,12 @@ def test_error_types_are_a_few_words():
     )
 
 
-def _runs(data_dir, *runs: tuple[str, str, bool]) -> None:
-    """Rows of `training_runs` as `overnight train` writes them: (status, ended, promoted)."""
+def _runs(data_dir, *runs: tuple) -> None:
+    """Rows of `training_runs` as `overnight train` writes them: (status, ended, promoted,
+    and optionally the gate's forgetting figures)."""
     writer = LogWriter(WriterConfig(data_dir, compact_in_process=True))
     writer.start()
-    for i, (status, ended, promoted) in enumerate(runs):
+    for i, (status, ended, promoted, *forgetting) in enumerate(runs):
         at = int(dt.datetime.fromisoformat(ended).timestamp() * 1e6)
         writer.append(
             "training_runs",
@@ -244,6 +245,9 @@ def _runs(data_dir, *runs: tuple[str, str, bool]) -> None:
                 "status": status,
                 "promoted_as": "policy-v1" if promoted else None,
                 "groups": [],
+                "metrics": json.dumps({"gate": {"forgetting": forgetting[0]}})
+                if forgetting
+                else None,
             },
         )
     writer.close()
@@ -268,6 +272,25 @@ async def test_the_last_nights_come_from_the_data_directory(make_proxy, tmp_path
     trained = dt.datetime.fromisoformat("2026-11-30T03:00:00+00:00").timestamp()
     assert value(m, "overnight_last_training_run_end_timestamp_seconds") == newest
     assert value(m, "overnight_last_successful_training_run_end_timestamp_seconds") == trained
+
+
+async def test_the_newest_measured_forgetting_is_each_policys_gauge(make_proxy, tmp_path):
+    data = tmp_path / "data"
+    _runs(
+        data,
+        ("trained", "2026-11-29T03:00:00+00:00", True, {"served": 0.0, "candidate": 0.03,
+                                                         "budget": 0.1}),
+        ("trained", "2026-11-30T03:00:00+00:00", False, {"served": 0.03, "candidate": 0.4,
+                                                          "budget": 0.1}),
+        ("failed", "2026-12-01T03:00:00+00:00", False),  # measured nothing: the last stands
+    )  # fmt: skip
+    m = await scrape(await make_proxy(data_dir=data))
+    name = "overnight_policy_forgetting_nats_per_token"
+    assert {dict(ls)["of"]: v for (n, ls), v in m.items() if n == name} == {
+        "served": 0.03,
+        "candidate": 0.4,
+        "budget": 0.1,
+    }
 
 
 # -- a real `overnight serve --workers 2` --------------------------------------------------

@@ -326,6 +326,27 @@ def test_a_failing_wandb_call_is_warned_once_and_the_night_goes_on(offline, tmp_
     assert read_run(run_dir)["exit_code"] == 0 and not report.on
 
 
+def test_the_gates_forgetting_figures_go_to_the_runs_summary(offline, tmp_path):
+    from overnight.trainer.night.forgetting import Forgetting, judge
+    from overnight.trainer.night.gate import Verdict
+    from overnight.trainer.night.plan import Plan
+
+    report = Report(TrainConfig(report_to="wandb"))
+    report.begin("night-1", tmp_path, TrainConfig(report_to="wandb"), "tiny", None, Plan())
+    verdict = Verdict("not-worse", True, "task fine")
+    figures = Forgetting(120, 0.1, -1.5, 0.02, 0.4, 0.0, 0.3, 12.0)
+    figures.over = True
+    judge(verdict, figures)  # refused: over the budget
+    report.gate(verdict)
+    report.finish()
+    (run_dir,) = offline_runs(tmp_path)
+    summary = read_run(run_dir)["summary"]
+    assert summary["gate/verdict"] == "refused"
+    assert summary["forgetting/candidate"] == 0.4 and summary["forgetting/served"] == 0.02
+    assert summary["forgetting/budget"] == 0.1 and summary["forgetting/over"] is True
+    assert "forgets more than the budget" in summary["gate/reason"]
+
+
 def test_report_to_is_chosen_and_checked(monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     assert not wants_wandb(TrainConfig()) and wants_wandb(TrainConfig(report_to="wandb"))

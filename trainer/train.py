@@ -49,6 +49,10 @@ from .grpo.step import fresh_adapter, micro_batch_loss
 from .night.canary import start as start_canary
 from .night.colocation import should_colocate
 from .night.colocation import window as maintenance_window
+from .night.forgetting import judge as judge_forgetting
+from .night.forgetting import load_references
+from .night.forgetting import measure as measure_forgetting
+from .night.forgetting import resolve as resolve_references
 from .night.gate import Scorer, Verdict, run_gate, skipped
 from .night.gate_prompts import held_out_prompts
 from .night.lone_turns import add_lone_turns
@@ -287,6 +291,9 @@ class Night:
         self.report.begin(self.run_dir.run_id, self.data_dir, config, self.base_model, start,
                           plan, self.tokenizer, judge, resumed=self.resumed is not None)  # fmt: skip
         self.adapter_dir = self.data_dir / "adapters" / self.run_dir.run_id
+        spec = resolve_references(config.reference, self.base_model)
+        if self.promote_it and self.proxy_url and spec is not None:
+            load_references(spec)  # a bad --reference fails before training
         self.colocated = bool(self.proxy_url) and should_colocate(
             config.colocate, self.state, _on_gpu(), self.say
         )
@@ -381,15 +388,20 @@ def _gate(
     state: dict,
 ) -> Verdict:
     """The gate's verdict on the new adapter against the one served now (`state`, read
-    after training); a resumed run whose adapter (`shared`: as the proxies name it) is
-    served already passed it before it was interrupted."""
+    after training), then forgetting on the reference set (the tiny model: none); a
+    resumed run whose adapter (`shared`: as the proxies name it) is served already passed
+    it before it was interrupted."""
     served = served_adapter(state)
     if served == shared:
         return Verdict(config.gate, True, "promoted before the run was interrupted")
+    served_path = local_adapter(data_dir, served)
     verdict = skipped(config, scorer) or run_gate(
-        config, base_model, adapter_dir, local_adapter(data_dir, served), prompts, scorer,
-        result.held_out,
-    )  # fmt: skip
+        config, base_model, adapter_dir, served_path, prompts, scorer, result.held_out
+    )
+    spec = resolve_references(config.reference, base_model)
+    if spec is not None:  # what the nights cost elsewhere (night/forgetting.py)
+        judge_forgetting(verdict, measure_forgetting(config, data_dir, base_model, adapter_dir,
+                                                     served_path, spec))  # fmt: skip
     say(verdict.line())
     if not verdict.promote:
         say(f"not promoted: the adapter stays in {adapter_dir}; the proxy keeps serving "

@@ -72,8 +72,8 @@ def line_chart(
 
 
 def training_charts(con, policy: str | None = None) -> list[str]:
-    """Reward over nightly runs, reward by serving adapter, the last run's loss; of
-    `policy`'s runs and traffic only, when given."""
+    """Reward over nightly runs, reward by serving adapter, forgetting across promotions,
+    the last run's loss; of `policy`'s runs and traffic only, when given."""
     from overnight.view.display import RUN_POLICY
 
     where, args = (f"WHERE {RUN_POLICY} = ?", [policy]) if policy is not None else ("", [])
@@ -103,6 +103,15 @@ def training_charts(con, policy: str | None = None) -> list[str]:
                 "adapter, in order: " + ", ".join(str(m) for m, _ in served),
             )
         )
+    forgetting = forgetting_series(runs)
+    if forgetting:
+        charts.append(
+            line_chart(
+                "Forgetting against the base model on the reference set (nats per token)",
+                forgetting,
+                "run (served: what was served during it; candidate: what it trained)",
+            )
+        )
     if runs:
         steps = json.loads(runs[-1][2] or "{}").get("steps", [])
         charts.append(
@@ -116,3 +125,16 @@ def training_charts(con, policy: str | None = None) -> list[str]:
             )
         )
     return charts
+
+
+def forgetting_series(runs: list[tuple]) -> dict[str, list[tuple[float, float]]]:
+    """Each gated night's forgetting (trainer/night/forgetting.py) by run: the served
+    adapter's (the curve across promotions), the candidate's and the budget; {} when no
+    run measured it."""
+    series: dict[str, list[tuple[float, float]]] = {"served": [], "candidate": [], "budget": []}
+    for i, (_, _, metrics) in enumerate(runs):
+        measured = (json.loads(metrics or "{}").get("gate") or {}).get("forgetting")
+        if measured:
+            for name in series:
+                series[name].append((i + 1, measured[name]))
+    return series if series["candidate"] else {}

@@ -468,16 +468,20 @@ def list_runs(
         "max_logprob_gap, promoted_as, started_at, json_extract_string(metrics, '$.gate.verdict'), "
         "json_extract_string(metrics, '$.gate.reason'), "
         "json_extract_string(metrics, '$.logprob_gaps'), "
-        f"CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE), {RUN_POLICY} "
+        f"CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE), {RUN_POLICY}, "
+        "CAST(json_extract(metrics, '$.gate.forgetting.candidate') AS DOUBLE) "
         f"FROM training_runs {where} ORDER BY started_at DESC LIMIT {int(limit)}",
         args,
     ).fetchall()
     headers = ["run_id", "policy", "status", "groups", "rollouts", "steps", "trained_tokens"]
     headers += ["reward_mean", "logprob_gap", "stale_gap", "promoted_as", "started_at", "gate"]
     headers += ["asleep_s"]  # a colocated night's window: vLLM asleep, requests held
+    # The candidate's drift from the base model on the reference set, nats per token
+    # (trainer/night/forgetting.py): the forgetting curve, night by night.
+    headers += ["forgetting"]
     shown = [
         r[:1] + (r[14],) + r[1:7] + (_gap(r[7]), _number(stale_gap(r[12]))) + r[8:11]
-        + (_number(r[13]),)
+        + (_number(r[13]), _number(r[15]))
         for r in rows
     ]  # fmt: skip
     out = _table(headers, shown) + f"\n({len(rows)} row(s))"

@@ -244,6 +244,31 @@ class TrainConfig:
     gate_prompts: int = field(
         default=32, metadata={"help": "Held-out prompts the gate samples both adapters on."}
     )
+    # Forgetting (trainer/night/forgetting.py, docs/grpo.md): the reference set's answers'
+    # likelihood under the base, the served adapter and the candidate, every gated night.
+    # auto: bundled, except on the tiny random model (--model tiny), which knows nothing.
+    reference: str = field(
+        default="auto",
+        metadata={
+            "help": "The reference set forgetting is measured on every gated night: bundled (a "
+            "hundred-odd general prompts shipped with overnight, the base model's own greedy "
+            "answers as references), a JSONL file of {messages, reference} lines (the "
+            "operator's; a line without reference gets the base model's), both as "
+            "bundled,PATH, off, or auto (bundled; off on overnight's tiny random model)."
+        },
+    )
+    # Argued from measurements on SmolLM2 (docs/operations.md, BENCHMARKS.md): a normal
+    # night moves the references by 0.046 nats per token, 8 epochs on the same data by
+    # 0.128 (its task reward passing the gate); the budget sits between, counted from the
+    # base model across promotions.
+    forgetting_budget: float = field(
+        default=0.1,
+        metadata={
+            "help": "The gate refuses a candidate whose reference answers lost more than this "
+            "many nats per token of mean log-likelihood against the base model, whatever its "
+            "task reward (unless it forgets less than the served adapter)."
+        },
+    )
     watch: bool = field(
         default=True,
         metadata={
@@ -422,6 +447,8 @@ class TrainConfig:
                 f"gate must be one of {', '.join(GATE_MODES)} (got {self.gate!r}), "
                 "gate_margin_spread and gate_margin >= 0, and gate_prompts >= 1"
             )
+        if self.forgetting_budget < 0 or not self.reference.strip():
+            raise ConfigError("forgetting_budget must be at least 0 and reference not empty")
         if self.colocate not in COLOCATE_MODES:
             raise ConfigError(f"colocate must be auto, on or off, got {self.colocate!r}")
         if self.maintenance_lease < 5 or self.keep_adapters < 0:

@@ -161,6 +161,9 @@ _WORDS = [
 ]
 
 
+MARKER = "overnight-tiny.json"  # written last: the model is whole
+
+
 def _corpus(seed: int, lines: int = 4000) -> list[str]:
     """Varied text: words, numbers, JSON and chat markup, so merges cover all of them."""
     rng = random.Random(seed)
@@ -217,7 +220,7 @@ def build_tiny_model(
     from filelock import FileLock
 
     out = Path(out_dir)
-    marker = out / "overnight-tiny.json"
+    marker = out / MARKER
     recipe = {
         "seed": seed,
         "vocab_size": vocab_size,
@@ -234,6 +237,11 @@ def build_tiny_model(
         if not _built(marker, recipe):
             _build(out, marker, recipe)
     return out
+
+
+def is_tiny(model_dir: str | Path | None) -> bool:
+    """Whether `model_dir` is a tiny random model built here (its marker file)."""
+    return model_dir is not None and (Path(model_dir) / MARKER).is_file()
 
 
 def _built(marker: Path, recipe: dict) -> bool:

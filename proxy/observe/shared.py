@@ -103,6 +103,13 @@ class Shared:
             "When each policy's newest run that trained ended (Unix time): alert on its age.",
             labels=["policy"],
         )
+        forgetting = GaugeMetricFamily(
+            "overnight_policy_forgetting_nats_per_token",
+            "The newest night's forgetting on the reference set, each policy's: the mean "
+            "per-token log-likelihood its served adapter and its candidate lost against the "
+            "base model, and the budget the gate held the candidate to (docs/operations.md).",
+            labels=["policy", "of"],
+        )
         default = self.adapters.default
         for policy in self.adapters.names:
             nights = [summary.by_policy.get(policy)]
@@ -121,4 +128,9 @@ class Shared:
             good = max((n.last_trained_at for n in nights if n.last_trained_at), default=None)
             if good is not None:
                 trained.add_metric([policy], good)
-        yield from (counts, ended, trained)
+            measured = max((n.forgetting for n in nights if n.forgetting), default=None,
+                           key=lambda f: f[0])  # fmt: skip
+            for of, value in (measured[1] if measured else {}).items():
+                if value is not None:
+                    forgetting.add_metric([policy, of], value)
+        yield from (counts, ended, trained, forgetting)

@@ -10,7 +10,8 @@ has moved it.
 
 Each run is also counted for its policy (the `policy` in its config JSON; a run from
 before policies has none: the proxy counts it for its default policy), so that the
-metrics say how each policy's last nights ended.
+metrics say how each policy's last nights ended, and how far the newest night that
+measured it found the served adapter and its candidate from the base model (forgetting).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from overnight.storage.manifest import list_segments
 
 log = logging.getLogger("overnight.storage")
 
-COLUMNS = ("status", "ended_at", "promoted_as", "config")
+COLUMNS = ("status", "ended_at", "promoted_as", "config", "metrics")
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,16 @@ class Nights:
     counts: dict[str, int] = field(default_factory=dict)  # runs by status
     last: LastRun | None = None  # the newest run that ended
     last_trained_at: float | None = None  # when the newest trained run ended
+    # The newest run's forgetting, where measured (trainer/night/forgetting.py): when it
+    # ended, and its figures (served, candidate, budget; nats per token from the base).
+    forgetting: tuple[float, dict] | None = None
 
-    def add(self, status: str, at: float | None, promoted: bool) -> None:
+    def add(self, status: str, at: float | None, promoted: bool, forgetting=None) -> None:
         self.counts[status] = self.counts.get(status, 0) + 1
         if at is None:
             return
+        if forgetting and (self.forgetting is None or at > self.forgetting[0]):
+            self.forgetting = (at, forgetting)
         if self.last is None or at > self.last.ended_at:
             self.last = LastRun(status, at, promoted)
         if status == "trained" and (self.last_trained_at is None or at > self.last_trained_at):
@@ -84,8 +90,10 @@ def latest_runs(data_dir: str | Path, previous: RunsSummary | None = None) -> Ru
             ended = row.get("ended_at")
             at = ended.timestamp() if isinstance(ended, dt.datetime) else None
             promoted = row.get("promoted_as") is not None
+            forgetting = _forgetting_of(row.get("metrics"))
             every.add(status, at, promoted)
-            by_policy.setdefault(_policy_of(row.get("config")), Nights()).add(status, at, promoted)
+            nights = by_policy.setdefault(_policy_of(row.get("config")), Nights())
+            nights.add(status, at, promoted, forgetting)
     return RunsSummary(listing, every.counts, every.last, every.last_trained_at, by_policy)
 
 
@@ -96,6 +104,18 @@ def _policy_of(config: str | None) -> str | None:
     except (ValueError, AttributeError):
         return None
     return policy if isinstance(policy, str) else None
+
+
+def _forgetting_of(metrics: str | None) -> dict | None:
+    """A run's forgetting figures (its metrics' gate.forgetting), None where unmeasured."""
+    try:
+        gate = json.loads(metrics).get("gate") if metrics else None
+        measured = gate.get("forgetting") if isinstance(gate, dict) else None
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(measured, dict):
+        return None
+    return {k: measured.get(k) for k in ("served", "candidate", "budget")}
 
 
 class RunsCache:

@@ -133,6 +133,7 @@ class Verdict:
     failed: int = 0  # prompts the scorer failed on (left out)
     held_out_from_plan: list[str] = field(default_factory=list)
     examples: list[dict] = field(default_factory=list)
+    forgetting: dict | None = None  # forgetting.py's figures, when measured
 
     @property
     def word(self) -> str:
@@ -153,8 +154,13 @@ def sample_both(
 ) -> tuple[list[str], list[str]]:
     """Each prompt's reply from the candidate and from the served adapter (None: the base
     model), one base model in memory with both adapters on it."""
-    replies = sample_each(base_model, {"candidate": candidate, "served": served}, prompts, config)
-    return replies["candidate"], replies["served"]
+    model, tokenizer, device = load_adapters(base_model, candidate, served, config)
+    candidate_replies = generate_replies(model, tokenizer, prompts, config.seed, device)
+    if served is not None:
+        model.set_adapter("served")
+    with model.disable_adapter() if served is None else nullcontext():
+        served_replies = generate_replies(model, tokenizer, prompts, config.seed, device)
+    return candidate_replies, served_replies
 
 
 def sample_each(
@@ -162,6 +168,26 @@ def sample_each(
 ) -> dict[str, list[str]]:
     """Each prompt's reply from each named adapter (None: the base model), in the order
     given, one base model in memory with every adapter on it, each from the same seeds."""
+    model, tokenizer, device = load_named(base_model, adapters, config)
+    out = {}
+    for name, path in adapters.items():
+        if path is not None:
+            model.set_adapter(name)
+        off = path is None and hasattr(model, "disable_adapter")
+        with model.disable_adapter() if off else nullcontext():
+            out[name] = generate_replies(model, tokenizer, prompts, config.seed, device)
+    return out
+
+
+def load_adapters(base_model: str, candidate: Path, served: str | None, config):
+    """(model, tokenizer, device): the base model in eval mode with the candidate adapter
+    (active) and the served one (None: none) on it; `disable_adapter()` is the base model."""
+    return load_named(base_model, {"candidate": candidate, "served": served}, config)
+
+
+def load_named(base_model: str, adapters: dict[str, Path | str | None], config):
+    """(model, tokenizer, device): the base model in eval mode with each named adapter
+    that is not None on it, the first one active."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -180,17 +206,12 @@ def sample_each(
     model.eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
-    out = {}
-    for name, path in adapters.items():
-        if path is not None:
-            model.set_adapter(name)
-        off = path is None and isinstance(model, PeftModel)
-        with model.disable_adapter() if off else nullcontext():
-            out[name] = _replies(model, tokenizer, prompts, config.seed, device)
-    return out
+    return model, tokenizer, device
 
 
-def _replies(model, tokenizer, prompts: list[GatePrompt], seed: int, device: str) -> list[str]:
+def generate_replies(
+    model, tokenizer, prompts: list[GatePrompt], seed: int, device: str
+) -> list[str]:
     """One reply per prompt; prompts with the same sampling settings are generated together
     (left-padded, BATCH at a time: one generate call costs about what one prompt did), each
     batch from a seed of its own, so both adapters see the same random stream."""
@@ -207,7 +228,7 @@ def _replies(model, tokenizer, prompts: list[GatePrompt], seed: int, device: str
             sampling.update(temperature=temperature, top_p=top_p, top_k=top_k)
         for start in range(0, len(members), BATCH):
             batch = members[start : start + BATCH]
-            ids = [_prompt_ids(tokenizer, prompts[i]) for i in batch]
+            ids = [prompt_ids(tokenizer, prompts[i]) for i in batch]
             width = max(map(len, ids))
             input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
@@ -222,7 +243,7 @@ def _replies(model, tokenizer, prompts: list[GatePrompt], seed: int, device: str
     return out
 
 
-def _prompt_ids(tokenizer, p: GatePrompt) -> list[int]:
+def prompt_ids(tokenizer, p: GatePrompt) -> list[int]:
     encoded = tokenizer.apply_chat_template(
         p.messages, tools=p.tools or None, add_generation_prompt=True, return_dict=True
     )

@@ -11,6 +11,11 @@ The test: mean(promoted) - mean(predecessor) with the gate's bootstrap (trainer/
 unpaired (different requests), one-sided: the promoted adapter is worse when the upper end
 of the one-sided 95% interval is below zero, once each side has `watch_min_rollouts`
 rewarded rollouts. A worse adapter is rolled back through the proxy's admin API.
+
+Before live rewards, forgetting (forgetting.py): an adapter whose recorded drift from the
+base model on the reference set is over --forgetting-budget and more than its
+predecessor's is rolled back too (a budget lowered since it was promoted, or an adapter
+promoted past the gate by hand or with --gate off, then measured as served).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from overnight.config import TrainConfig
 from overnight.telemetry import traced
 
+from .forgetting import over_budget
 from .gate import CONFIDENCE, bootstrap_means
 from .live import live_rewards, policy_of, rewards_of
 from .proxy_client import admin_call, serving_state
@@ -40,6 +46,7 @@ class WatchVerdict:
     high: float | None = None  # the one-sided interval's upper end
     worse: bool = False
     rolled_back_to: str | None = None  # the name served after a rollback
+    forgets: bool = False  # worse on the reference set (forgetting.py), not on live rewards
     reason: str = ""
 
     def as_dict(self) -> dict:
@@ -58,6 +65,11 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> WatchVerdict:
     if before == current["path"]:
         verdict.reason = "its predecessor is the same adapter"
         return verdict
+    if config.reference != "off":  # the budget lowered, or an adapter promoted without it
+        forgot = over_budget(data_dir, current["path"], before, config.forgetting_budget)
+        if forgot is not None:
+            verdict.worse, verdict.forgets, verdict.reason = True, True, forgot
+            return verdict
     by_served = live_rewards(data_dir, config.reward_sources, requested=policy_of(state))
     new = rewards_of(state, current["path"], by_served)
     old = rewards_of(state, before, by_served)
@@ -105,7 +117,8 @@ def watch(
     if not act:
         say(f"watch: {verdict.current} is worse, not rolled back (--dry-run): {verdict.reason}")
         return verdict
-    why = f"watch: {verdict.current} worse on live traffic: {verdict.reason}"
+    where = "on the reference set" if verdict.forgets else "on live traffic"
+    why = f"watch: {verdict.current} worse {where}: {verdict.reason}"
     payload = {"reason": why}
     now = admin_call(proxy_url, "/admin/adapters/rollback", token, payload, config.policy)
     now = now.get("current")

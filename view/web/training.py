@@ -114,7 +114,8 @@ async def runs_page(request: web.Request) -> web.Response:
             "reward_mean, promoted_as, max_logprob_gap, error, "
             "json_extract_string(metrics, '$.gate.verdict'), "
             "json_extract_string(metrics, '$.gate.reason'), "
-            f"CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE), {RUN_POLICY} "
+            f"CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE), {RUN_POLICY}, "
+            "CAST(json_extract(metrics, '$.gate.forgetting.candidate') AS DOUBLE) "
             f"FROM training_runs {where}ORDER BY started_at DESC",
             args,
         ).fetchall()
@@ -137,6 +138,7 @@ async def runs_page(request: web.Request) -> web.Response:
             "error",
             "gate",
             "vLLM asleep (s)",
+            "forgetting",
         ],
         [
             [
@@ -150,10 +152,11 @@ async def runs_page(request: web.Request) -> web.Response:
                 esc(r[10] or ""),
                 f'<span title="{esc(r[12] or "")}">{esc(r[11] or "-")}</span>',
                 num(r[13]) if r[13] is not None else "-",  # a colocated night's window
+                num(r[15]) if r[15] is not None else "-",  # nats/token from the base model
             ]
             for r in runs
         ],
-        numeric={4, 5, 6, 7, 8, 10, 13},
+        numeric={4, 5, 6, 7, 8, 10, 13, 14},
     )
     links = policy_links("runs", chosen.names, policy, every=True)
     return html_page(request, "Training runs", links + "".join(charts) + table, policy)

@@ -1,0 +1,339 @@
+"""Forgetting: what an adapter lost of what the base model could already do.
+
+  a reference set (general prompts bundled with overnight, references.json, and/or the
+  operator's --reference JSONL) -> each prompt's reference answer (the operator's, or the
+  base model's own greedy answer, generated once per base model and cached in
+  DATA/references/) -> the mean per-token log-likelihood of each answer given its prompt,
+  teacher-forced, under the base model (once, cached there too), the served adapter and
+  the candidate (one forward pass each, no sampling) -> forgetting = base - adapter, in nats per token, averaged over
+  the set -> the gate refuses a candidate over --forgetting-budget (docs/grpo.md).
+
+The gate (gate.py) compares the candidate with the served adapter on tonight's traffic;
+this compares both with the base model on everything else, so that the drift of nights
+stacked on one another stays in view across promotions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from overnight.config import TrainConfig
+from overnight.errors import ConfigError
+from overnight.models.tiny import is_tiny
+from overnight.storage import open_db
+from overnight.storage.files import replace_durably
+
+from .gate import generate_replies, load_adapters, prompt_ids
+from .gate_prompts import GatePrompt
+
+BUNDLED = Path(__file__).with_name("references.json")
+ANSWER_TOKENS = 48  # greedy tokens of a base answer: a sentence or two, as the prompts ask
+BATCH = 16  # references scored together (sorted by length: little padding)
+MAX_ANSWER_TOKENS = 128  # an operator's long reference is scored on its beginning
+LOST = 0.5  # nats per token: a reference whose likelihood fell this far counts as lost
+# Below this, two figures are the same adapter's (float sums in another order): a
+# candidate over the budget is "further than the served one" only beyond it.
+SAME = 1e-3
+
+
+class ReferenceSetError(ConfigError):
+    """A --reference the night cannot read (found before training: Night.begin)."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    messages: list[dict]
+    answer: str | None  # None: the base model's own greedy answer (base_answers)
+    source: str  # "bundled" or the operator's file
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.messages, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def resolve(spec: str, base_model: str | None) -> str | None:
+    """The reference set `--reference` means for this base model; None: none measured
+    (off, and auto on overnight's tiny random model: nothing learnt, nothing to lose;
+    its drift on random answers would refuse nights for noise). auto elsewhere: bundled."""
+    if spec == "off" or (spec == "auto" and is_tiny(base_model)):
+        return None
+    return "bundled" if spec == "auto" else spec
+
+
+def load_references(spec: str) -> list[Reference]:
+    """The reference set `--reference` names: `bundled`, a JSONL file, both (`bundled,PATH`)."""
+    refs: list[Reference] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "bundled":
+            rows = json.loads(BUNDLED.read_text(encoding="utf-8"))
+            refs += [Reference(r["messages"], None, "bundled") for r in rows]
+        elif part:
+            refs += read_jsonl(Path(part))
+    if not refs:
+        raise ReferenceSetError(f"--reference {spec!r} names no reference prompts")
+    return refs
+
+
+def read_jsonl(path: Path) -> list[Reference]:
+    """The operator's set: one JSON object a line, `messages` (a chat, or `prompt`: one user
+    message) and `reference` (the answer whose likelihood is kept; absent: the base model's)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ReferenceSetError(f"--reference {path}: {e.strerror or e}") from e
+    refs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+            answer = row.get("reference")
+            if not isinstance(messages, list) or not (answer is None or isinstance(answer, str)):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ReferenceSetError(
+                f'--reference {path} line {n}: want {{"messages": [...], "reference": '
+                '"..."}} (or "prompt" for one user message; no reference: the base model\'s)'
+            ) from None
+        refs.append(Reference(messages, answer, str(path)))
+    return refs
+
+
+# -- the base model's answers, once per base model -------------------------------------
+
+
+def model_identity(base_model: str) -> str:
+    """What names a base model's weights: its config and its weight files' sizes and
+    ends (a local folder), or its name (the hub's). A changed model answers anew."""
+    folder = Path(base_model)
+    digest = hashlib.sha256()
+    if not folder.is_dir():
+        digest.update(base_model.encode())
+        return digest.hexdigest()[:20]
+    for path in sorted(folder.iterdir()):
+        if path.name == "config.json" or path.suffix in (".safetensors", ".bin", ".json"):
+            size = path.stat().st_size
+            digest.update(f"{path.name}:{size}".encode())
+            with path.open("rb") as f:
+                digest.update(f.read(65536))
+                f.seek(max(0, size - 65536))
+                digest.update(f.read())
+    return digest.hexdigest()[:20]
+
+
+def base_answers(data_dir: Path, base_model: str, model, tokenizer, refs, device) -> list[str]:
+    """Each reference's answer: the operator's, else the base model's greedy one, read from
+    DATA/references/{model}.json or generated (adapters disabled) and added to it."""
+    cache_path = Path(data_dir) / "references" / f"{model_identity(base_model)}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    missing = [r for r in refs if r.answer is None and r.key not in cache]
+    if missing:
+        prompts = [GatePrompt(r.key, r.messages, [], 0.0, 1.0, ANSWER_TOKENS) for r in missing]
+        with model.disable_adapter():
+            answers = generate_replies(model, tokenizer, prompts, 0, device)  # greedy: no seed used
+        cache.update({r.key: a for r, a in zip(missing, answers, strict=True)})
+        _save(cache_path, cache)
+    return [r.answer if r.answer is not None else cache[r.key] for r in refs]
+
+
+def base_logliks(data_dir: Path, base_model: str, model, encoded, pad: int, device: str):
+    """The base model's figure per reference (loglik, adapters disabled): the same every
+    night for the same model, tokens and dtype, so computed once and cached beside the
+    answers (DATA/references/{model}.loglik.json): a night scores two models, not three."""
+    path = Path(data_dir) / "references" / f"{model_identity(base_model)}.loglik.json"
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    dtype = next(model.parameters()).dtype
+    keys = [
+        hashlib.sha256(f"{dtype}:{device}:{begins}:{ids}".encode()).hexdigest()[:24]
+        for ids, begins in encoded
+    ]
+    missing = [i for i, key in enumerate(keys) if key not in cache]
+    if missing:
+        with model.disable_adapter():
+            values = loglik(model, [encoded[i] for i in missing], pad, device)
+        cache.update({keys[i]: float(v) for i, v in zip(missing, values, strict=True)})
+        _save(path, cache)
+    return np.asarray([cache[key] for key in keys])
+
+
+def _save(path: Path, cache: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cache, ensure_ascii=False, indent=0))
+    replace_durably(tmp, path)
+
+
+# -- the measure --------------------------------------------------------------------------
+
+
+def encode(tokenizer, refs: list[Reference], answers: list[str]) -> list[tuple[list[int], int]]:
+    """(prompt + answer token ids, where the answer starts) per reference; the answer as the
+    chat template's assistant turn would hold it, closed by the end-of-sequence token."""
+    out = []
+    for ref, answer in zip(refs, answers, strict=True):
+        prompt = prompt_ids(tokenizer, GatePrompt("", ref.messages, [], 0.0, 1.0, 0))
+        reply = tokenizer(answer, add_special_tokens=False)["input_ids"][:MAX_ANSWER_TOKENS]
+        if tokenizer.eos_token_id is not None:
+            reply = [*reply, tokenizer.eos_token_id]
+        out.append((prompt + reply, len(prompt)))
+    return out
+
+
+def loglik(model, encoded: list[tuple[list[int], int]], pad: int, device: str) -> np.ndarray:
+    """Each reference's mean per-token log-likelihood of its answer, teacher-forced, under
+    whichever adapter `model` has active (right-padded, BATCH at a time)."""
+    import torch
+
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
+    out = np.zeros(len(encoded))
+    for start in range(0, len(order), BATCH):
+        members = order[start : start + BATCH]
+        batch = [encoded[i] for i in members]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in batch], device=device)
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch],
+                            device=device)  # fmt: skip
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        for row, (x, begins) in enumerate(batch):
+            targets = ids[row, begins : len(x)]
+            logprobs = torch.log_softmax(logits[row, begins - 1 : len(x) - 1], dim=-1)
+            out[members[row]] = logprobs.gather(1, targets[:, None]).mean().item()
+    return out
+
+
+@dataclass
+class Forgetting:
+    """How far the served adapter and the candidate moved from the base model on the
+    reference set: mean (base - adapter) per-token log-likelihood, in nats per token."""
+
+    references: int
+    budget: float
+    base_loglik: float  # the base model's mean per-token log-likelihood of the answers
+    served: float  # the served adapter's forgetting (0: the base model is served)
+    candidate: float
+    served_lost: float  # share of references down by more than LOST nats per token
+    candidate_lost: float
+    seconds: float = 0.0
+    over: bool = False  # the candidate forgets more than the budget (and than the served)
+    served_path: str | None = None  # which adapters were measured (the watch reads them)
+    candidate_path: str | None = None
+
+    def line(self) -> str:
+        return (
+            f"forgetting on {self.references} reference answers: candidate "
+            f"{self.candidate:+.3f} nats/token vs the base model ({self.candidate_lost:.0%} of "
+            f"them down by more than {LOST}), served {self.served:+.3f}; budget "
+            f"{self.budget:g}"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure(
+    config: TrainConfig,
+    data_dir: Path,
+    base_model: str,
+    candidate: Path,
+    served: str | None,
+    spec: str | None = None,
+) -> Forgetting:
+    """The reference set (`spec`, resolved; None: config.reference as given) scored under
+    the base model, the served adapter (None: the base model itself) and the candidate,
+    one model in memory with both adapters on it."""
+    began = time.monotonic()
+    refs = load_references(spec or config.reference)
+    model, tokenizer, device = load_adapters(base_model, candidate, served, config)
+    answers = base_answers(data_dir, base_model, model, tokenizer, refs, device)
+    encoded = encode(tokenizer, refs, answers)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    base = base_logliks(data_dir, base_model, model, encoded, pad, device)
+    model.set_adapter("candidate")
+    drift = {"candidate": base - loglik(model, encoded, pad, device)}
+    if served is not None:
+        model.set_adapter("served")
+        drift["served"] = base - loglik(model, encoded, pad, device)
+    else:
+        drift["served"] = np.zeros_like(base)
+    result = Forgetting(
+        len(refs), config.forgetting_budget, float(base.mean()),
+        float(drift["served"].mean()), float(drift["candidate"].mean()),
+        float((drift["served"] > LOST).mean()), float((drift["candidate"] > LOST).mean()),
+        time.monotonic() - began,
+    )  # fmt: skip
+    result.over = result.candidate > result.budget and result.candidate > result.served + SAME
+    result.served_path, result.candidate_path = served, str(candidate)
+    return result
+
+
+def judge(verdict, forgetting: Forgetting) -> None:
+    """The gate's verdict with forgetting in it: a candidate over the budget is refused
+    whatever its task reward, unless it forgets less than the served adapter (a step back
+    towards the base model is never refused for being not far enough); --gate off only
+    records it."""
+    verdict.forgetting = forgetting.as_dict()
+    clause = forgetting.line()
+    if forgetting.over and verdict.mode != "off":
+        was = "passed" if verdict.promote else "refused"
+        verdict.promote = False
+        verdict.reason = (
+            f"forgets more than the budget: {clause} (--forgetting-budget); the task gate "
+            f"{was}: {verdict.reason}"
+        )
+    else:
+        verdict.reason += f"; {clause}"
+
+
+# -- the watch: an adapter served over the budget -------------------------------------------
+
+
+def recorded(data_dir: Path, path: str | None) -> float | None:
+    """The newest forgetting measured for the adapter at `path`, as the candidate or as
+    the served adapter of a night (None: never measured; the base model: 0)."""
+    if path is None:
+        return 0.0
+    con = open_db(data_dir)
+    try:
+        rows = con.execute(
+            "SELECT json_extract_string(metrics, '$.gate.forgetting.candidate_path'), "
+            "json_extract_string(metrics, '$.gate.forgetting.served_path'), "
+            "CAST(json_extract(metrics, '$.gate.forgetting.candidate') AS DOUBLE), "
+            "CAST(json_extract(metrics, '$.gate.forgetting.served') AS DOUBLE) "
+            "FROM training_runs WHERE json_extract(metrics, '$.gate.forgetting') IS NOT NULL "
+            "ORDER BY ended_at DESC"
+        ).fetchall()
+    finally:
+        con.close()
+    for candidate_path, served_path, candidate, served in rows:
+        if served_path == path:
+            return served
+        if candidate_path == path:
+            return candidate
+    return None
+
+
+def over_budget(data_dir: Path, current: str, before: str | None, budget: float) -> str | None:
+    """Why the watch rolls back the adapter at `current`: its recorded forgetting is over
+    the budget and more than its predecessor's (a step back is never undone); None when
+    it is not, or when either was never measured."""
+    if budget is None:
+        return None
+    now = recorded(data_dir, current)
+    if now is None or now <= budget:
+        return None
+    then = recorded(data_dir, before)
+    if then is None or now <= then:
+        return None
+    return (
+        f"it forgets {now:+.3f} nats/token of the reference answers against the base model, "
+        f"over --forgetting-budget {budget:g} and more than its predecessor "
+        f"({before or 'the base model'}: {then:+.3f})"
+    )
