@@ -207,7 +207,11 @@ OLD_ROLLOUTS = """
                min(started_at) AS started_at, max(ended_at) AS ended_at,
                nullif(array_to_string(list_sort(list_distinct(list(model_served))), ','), '')
                    AS models_served,
-               count(*) FILTER (WHERE error IS NOT NULL) AS errors
+               count(*) FILTER (WHERE error IS NOT NULL) AS errors,
+               -- Who sent it (storage/read/sent_by.py), added since: the same in both.
+               CASE WHEN bool_or(sent_by = 'client') THEN 'client' ELSE min(sent_by) END
+                   AS sent_by,
+               count(*) FILTER (WHERE sent_by <> 'client') AS own_turns
         FROM completions GROUP BY rollout_id, group_id)
     SELECT t.*, w.reward, w.reward_source, f.finished_at,
            j.judge_score, j.judge_explanation, j.judge_model
