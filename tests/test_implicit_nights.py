@@ -45,7 +45,8 @@ def test_a_night_on_implicit_rewards_learns_what_a_night_on_the_true_reward_lear
     result = run_trial(smollm2_server.url, smollm2_dir, tmp_path, TrialSize(16, samples=8))
     print("\n".join(result.lines()))
     # The users' reactions are read right: measured AUC 0.977 to 1.000 on 8 to 48
-    # conversations ("Are you sure?" read as moving on; users who left say nothing).
+    # conversations (a next sum much like the last reads as a re-ask; users who left say
+    # nothing).
     assert result.auc is not None and result.auc >= 0.9
     assert result.rewarded >= 0.75 * result.answers  # the rest left without a word
     assert "by source: implicit" in result.trained["implicit"]
