@@ -25,10 +25,31 @@ for _name in [n for n in os.environ if n.startswith(("OTEL_", "LANGFUSE_"))] + [
     os.environ.pop(_name, None)
 
 
+def _threads_per_worker() -> int | None:
+    """Torch's threads in each pytest-xdist worker and the processes it starts (a night's
+    `overnight train`, torchrun's ranks): the cores shared out, so that the workers'
+    OpenMP pools do not spin against each other. Measured on two cores: two processes of
+    two threads each ran a matmul loop 4.7x slower than one alone; of one thread each,
+    1.6x (BENCHMARKS.md, "The suite's threads"). None: one worker, torch's default."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return None
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+# Before torch is imported here, so that its pool starts at this size; a developer's own
+# OMP_NUM_THREADS wins. vLLM's workers set their own (bound to a core of theirs).
+if (_threads := _threads_per_worker()) is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks into node ids
 def pytest_collection_modifyitems(config, items):
     """`make test` runs the suite on two pytest-xdist workers with `--dist loadgroup`:
     the tests of one real vLLM server go to one worker, so that each server starts once
-    (a minute or more each) rather than once in every worker that meets one of them."""
+    (a minute or more each) rather than once in every worker that meets one of them.
+    xdist hands out the largest groups first (its --loadscope-reorder), one to each
+    worker, and the single tests after them to whichever worker is free."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & {"smollm2_server", "smollm2_dir"}:

@@ -91,12 +91,27 @@ def agents_first(data) -> None:
 # to run, so the test holds the direction, on both columns pooled, after two nights (a
 # third cost the suite four minutes of a worker), and leaves the size to BENCHMARKS.md.
 DAYS = 3
+# Forgetting is measured each night on a slice of the bundled reference set: the whole
+# 120 cost the first night 3 minutes and each later one 1 (bench/forgetting.py), and what
+# the measure is is tests/test_forgetting.py's; here, that a real night is measured.
+REFERENCES = 16
+
+
+def reference_slice(path, n: int):
+    """The first `n` of the bundled references, as an operator's --reference file."""
+    from overnight.trainer.night.forgetting import BUNDLED
+
+    lines = [json.dumps({"messages": r["messages"]}) for r in json.loads(BUNDLED.read_text())]
+    path.write_text("\n".join(lines[:n]) + "\n")
+    return path
 
 
 @pytest.mark.timeout(1500)  # three days and two gated nights of a real model on 2 cores
 def test_the_demo_on_the_real_model_learns_what_it_is_asked(smollm2_server, tmp_path):
     data = tmp_path / "demo-data"
-    out = demo(smollm2_server, data, DAYS, "--model", "smollm2")
+    refs = reference_slice(tmp_path / "references.jsonl", REFERENCES)
+    env = dict(os.environ, OVERNIGHT_TRAIN_REFERENCE=str(refs))
+    out = demo(smollm2_server, data, DAYS, "--model", "smollm2", env=env)
     rewards, held_out, served, promoted = story(out, DAYS - 1)
     print(f"smollm2 demo: rewards by day {rewards}, held-out {held_out}, promoted {promoted}")
     assert served[0] == "smollm2"
@@ -114,6 +129,9 @@ def test_the_demo_on_the_real_model_learns_what_it_is_asked(smollm2_server, tmp_
     assert [r["promoted_as"] is not None for r in runs] == promoted
     for run, gate in zip(runs, VERDICT.findall(out), strict=True):
         assert json.loads(run["metrics"])["gate"]["verdict"] == gate[1]
+        # Each gated night measured what it cost elsewhere (issue 39), on the slice.
+        assert f"forgetting on {REFERENCES} reference answers" in gate[2], gate
+        assert json.loads(run["metrics"])["gate"]["forgetting"]["references"] == REFERENCES
 
 
 @pytest.mark.timeout(600)
