@@ -24,7 +24,7 @@ from overnight.trainer.night.forgetting import (
     loglik,
     measure,
 )
-from overnight.trainer.night.gate import Verdict, load_adapters
+from overnight.trainer.night.gate import Verdict, load_named
 from overnight.trainer.night.plan import Plan
 from overnight.trainer.run.record import RunResult, record_run
 from overnight.view.report import write_report
@@ -176,7 +176,7 @@ def test_the_operators_references_are_scored_as_given(tiny_model_dir, fresh_adap
     from overnight.trainer.night.forgetting import base_answers
 
     config = TrainConfig(base_model=str(tiny_model_dir))
-    model, tokenizer, device = load_adapters(str(tiny_model_dir), fresh_adapter, None, config)
+    model, tokenizer, device = load_named(str(tiny_model_dir), {"candidate": fresh_adapter}, config)
     refs = load_references(str(operator_set(tmp_path, MINE)))
     answers = base_answers(tmp_path, str(tiny_model_dir), model, tokenizer, refs, device)
     assert answers[:2] == ["Blue.", "Hi there!"]

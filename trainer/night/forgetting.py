@@ -29,7 +29,7 @@ from overnight.models.tiny import is_tiny
 from overnight.storage import open_db
 from overnight.storage.files import replace_durably
 
-from .gate import generate_replies, load_adapters, prompt_ids
+from .gate import generate_replies, load_named, prompt_ids
 from .gate_prompts import GatePrompt
 
 BUNDLED = Path(__file__).with_name("references.json")
@@ -251,7 +251,8 @@ def measure(
     one model in memory with both adapters on it."""
     began = time.monotonic()
     refs = load_references(spec or config.reference)
-    model, tokenizer, device = load_adapters(base_model, candidate, served, config)
+    adapters = {"candidate": candidate, "served": served}
+    model, tokenizer, device = load_named(base_model, adapters, config)
     answers = base_answers(data_dir, base_model, model, tokenizer, refs, device)
     encoded = encode(tokenizer, refs, answers)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -154,13 +154,8 @@ def sample_both(
 ) -> tuple[list[str], list[str]]:
     """Each prompt's reply from the candidate and from the served adapter (None: the base
     model), one base model in memory with both adapters on it."""
-    model, tokenizer, device = load_adapters(base_model, candidate, served, config)
-    candidate_replies = generate_replies(model, tokenizer, prompts, config.seed, device)
-    if served is not None:
-        model.set_adapter("served")
-    with model.disable_adapter() if served is None else nullcontext():
-        served_replies = generate_replies(model, tokenizer, prompts, config.seed, device)
-    return candidate_replies, served_replies
+    both = sample_each(base_model, {"candidate": candidate, "served": served}, prompts, config)
+    return both["candidate"], both["served"]
 
 
 def sample_each(
@@ -179,15 +174,9 @@ def sample_each(
     return out
 
 
-def load_adapters(base_model: str, candidate: Path, served: str | None, config):
-    """(model, tokenizer, device): the base model in eval mode with the candidate adapter
-    (active) and the served one (None: none) on it; `disable_adapter()` is the base model."""
-    return load_named(base_model, {"candidate": candidate, "served": served}, config)
-
-
 def load_named(base_model: str, adapters: dict[str, Path | str | None], config):
     """(model, tokenizer, device): the base model in eval mode with each named adapter
-    that is not None on it, the first one active."""
+    that is not None on it, the first one active; `disable_adapter()` is the base model."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
