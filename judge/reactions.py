@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from overnight.config import JudgeConfig
 
 from . import import_litellm
-from .ruler import complete
+from .ruler import CallCounts, complete
 from .signals import ACCEPTED, CORRECTED, MOVED_ON, RE_ASKED, Signal
 
 # What the classifier may answer -> (kind, value): the rules' values for the same kinds.
@@ -67,29 +67,23 @@ RESPONSE_FORMAT = {
 
 @dataclass
 class Tally:
-    """The classifier's calls, as the judge's are counted (the fields ruler.complete adds to)."""
+    """What the classifier read this run; its calls counted as the judge's are."""
 
     model: str = ""
     asked: int = 0  # messages sent to it
     changed: int = 0  # readings that differ from the rules' guess
     unreadable: int = 0  # answers that were none of READINGS: the guess kept
     failed: int = 0  # calls that failed: the guess kept, asked again next run
-    attempts: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float | None = None
+    calls: CallCounts = field(default_factory=CallCounts)
 
     def line(self) -> str:
-        cost = (
-            "unknown (no price for this model)"
-            if self.cost_usd is None
-            else f"${self.cost_usd:.4f}"
-        )
+        calls = self.calls
         return (
             f"classifier {self.model}: {self.asked} message(s) the rules only guessed, "
             f"{self.changed} read otherwise, {self.unreadable} unreadable answer(s), "
-            f"{self.failed} failed call(s); tokens {self.prompt_tokens} prompt, "
-            f"{self.completion_tokens} completion; cost {cost}"
+            f"{self.failed} failed call(s); tokens {calls.prompt_tokens} prompt, "
+            f"{calls.completion_tokens} completion; cost "
+            f"{calls.cost('unknown (no price for this model)')}"
         )
 
 
@@ -147,7 +141,7 @@ async def classify(reactions: list[Reaction], config: JudgeConfig, tally: Tally)
         async with limit:
             tally.asked += 1
             try:
-                response = await complete(litellm, r.prompt(), config, tally, RESPONSE_FORMAT)
+                response = await complete(litellm, r.prompt(), config, tally.calls, RESPONSE_FORMAT)
                 text = response.choices[0].message.content or ""
             except Exception:  # a call that fails keeps the guess; the next run asks again
                 tally.failed += 1

@@ -242,6 +242,27 @@ def parse_scores(text: str | None, ids: list[str]) -> dict[str, tuple[float, str
 
 
 @dataclass
+class CallCounts:
+    """What a model's calls cost, counted by `complete`: the judge's per group and per run,
+    the reaction classifier's per run (judge/reactions.py)."""
+
+    attempts: int = 0  # calls made, retries included
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float | None = None  # None: litellm knows no price for the model
+
+    def add(self, other: CallCounts) -> None:
+        self.attempts += other.attempts
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        if other.cost_usd is not None:
+            self.cost_usd = (self.cost_usd or 0.0) + other.cost_usd
+
+    def cost(self, unknown: str) -> str:
+        return unknown if self.cost_usd is None else f"${self.cost_usd:.4f}"
+
+
+@dataclass
 class Judgment:
     group_id: str
     prompt_hash: str  # the cache key: the judge key and the messages (judge/cache.py)
@@ -250,10 +271,7 @@ class Judgment:
     error: str | None = None
     error_class: str | None = None  # judge/cache.py: PERMANENT, TRANSIENT, ANSWER, NO_SIGNAL
     cut: Cut | None = None  # what fitting the budget cut from the prompt
-    attempts: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float | None = None
+    calls: CallCounts = field(default_factory=CallCounts)
     latency_ms: float = 0.0
 
     def notes(self) -> dict:
@@ -289,11 +307,11 @@ def _judge_span(j: Judgment) -> dict:
     GenAI conventions' names for the model and tokens; never the prompt."""
     return {
         "gen_ai.operation.name": "chat",
-        "gen_ai.usage.input_tokens": j.prompt_tokens,
-        "gen_ai.usage.output_tokens": j.completion_tokens,
+        "gen_ai.usage.input_tokens": j.calls.prompt_tokens,
+        "gen_ai.usage.output_tokens": j.calls.completion_tokens,
         "group_id": j.group_id,
-        "judge.attempts": j.attempts,
-        "judge.cost_usd": j.cost_usd,
+        "judge.attempts": j.calls.attempts,
+        "judge.cost_usd": j.calls.cost_usd,
         "error.type": j.error_class,
     }
 
@@ -324,7 +342,7 @@ async def _judge_group(group: Group, config: JudgeConfig, prompt: Prompt | None)
     started = time.perf_counter()
     try:
         for _fix in range(config.max_fixes + 1):
-            response = await complete(litellm, messages, config, judgment)
+            response = await complete(litellm, messages, config, judgment.calls)
             text = response.choices[0].message.content
             try:
                 by_id = parse_scores(text, prompt.ids)
@@ -372,13 +390,13 @@ async def complete(
     litellm,
     messages: list[dict],
     config: JudgeConfig,
-    judgment: Judgment,
+    counts: CallCounts,
     response_format: dict = RESPONSE_FORMAT,
 ):
-    """One judge call with retries on transient errors; counts tokens and cost on
-    `judgment` (anything with its `attempts`, token and `cost_usd` fields)."""
+    """One judge call with retries on transient errors; its attempts, tokens and cost
+    counted on `counts`."""
     for attempt in range(config.max_retries + 1):
-        judgment.attempts += 1
+        counts.attempts += 1
         try:
             response = await litellm.acompletion(
                 model=config.model,
@@ -397,11 +415,11 @@ async def complete(
             await asyncio.sleep(_retry_delay(e, attempt))
             continue
         usage = getattr(response, "usage", None)
-        judgment.prompt_tokens += getattr(usage, "prompt_tokens", 0) or 0
-        judgment.completion_tokens += getattr(usage, "completion_tokens", 0) or 0
+        counts.prompt_tokens += getattr(usage, "prompt_tokens", 0) or 0
+        counts.completion_tokens += getattr(usage, "completion_tokens", 0) or 0
         cost = _cost(litellm, response)
         if cost is not None:
-            judgment.cost_usd = (judgment.cost_usd or 0.0) + cost
+            counts.cost_usd = (counts.cost_usd or 0.0) + cost
         return response
     raise AssertionError("unreachable")
 

@@ -41,6 +41,7 @@ from .cache import NO_SIGNAL, Memory, remembered
 from .rewards import RewardFunction
 from .ruler import (
     DEFAULT_RUBRIC,
+    CallCounts,
     Judgment,
     import_litellm,
     judge_group,
@@ -62,22 +63,17 @@ class Summary:
     turn_groups: int = 0  # of the groups scored: per-turn groups (a turn and its siblings)
     tool_calls: str = ""  # how siblings' tool calls were read, when there were siblings
     shortened: int = 0  # groups cut to fit the judge's budget
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float | None = None
+    calls: CallCounts = field(default_factory=CallCounts)  # the judge's, all groups
     seconds: float = 0.0
     failures: list[tuple[str, str]] = field(default_factory=list)  # (group, why)
 
     def lines(self) -> list[str]:
-        cost = (
-            "unknown (no price for this judge)"
-            if self.cost_usd is None
-            else f"${self.cost_usd:.4f}"
-        )
+        calls = self.calls
         out = [
             f"judged {self.judged} group(s), failed {self.failed}, skipped {sum(self.skipped.values())} "
             f"in {self.seconds:.1f} s",
-            f"judge tokens: {self.prompt_tokens} prompt, {self.completion_tokens} completion; cost {cost}",
+            f"judge tokens: {calls.prompt_tokens} prompt, {calls.completion_tokens} completion; "
+            f"cost {calls.cost('unknown (no price for this judge)')}",
         ]
         if self.shortened:
             out.append(f"shortened {self.shortened} group(s) to fit the judge's prompt budget")
@@ -92,7 +88,7 @@ class Summary:
         return out
 
 
-@traced("score", lambda s: {"judged": s.judged, "failed": s.failed, "cost_usd": s.cost_usd})
+@traced("score", lambda s: {"judged": s.judged, "failed": s.failed, "cost_usd": s.calls.cost_usd})
 def judge_step(
     data_dir: Path,
     config: JudgeConfig | None,
@@ -402,10 +398,7 @@ def _account(summary: Summary, j: Judgment) -> None:
     else:
         summary.failed += 1
         summary.failures.append((j.group_id, f"[{j.error_class}] {j.error}"))
-    summary.prompt_tokens += j.prompt_tokens
-    summary.completion_tokens += j.completion_tokens
-    if j.cost_usd is not None:
-        summary.cost_usd = (summary.cost_usd or 0.0) + j.cost_usd
+    summary.calls.add(j.calls)
 
 
 def _write_judgment(writer: LogWriter, j: Judgment, config: JudgeConfig, rubric: str) -> str:
@@ -425,10 +418,10 @@ def _write_judgment(writer: LogWriter, j: Judgment, config: JudgeConfig, rubric:
                 for r, (s, why) in sorted(j.scores.items())
             ],
             "error": j.error,
-            "attempts": j.attempts,
-            "prompt_tokens": j.prompt_tokens,
-            "completion_tokens": j.completion_tokens,
-            "cost_usd": j.cost_usd,
+            "attempts": j.calls.attempts,
+            "prompt_tokens": j.calls.prompt_tokens,
+            "completion_tokens": j.calls.completion_tokens,
+            "cost_usd": j.calls.cost_usd,
             "latency_ms": j.latency_ms,
             "proxy_id": writer.writer_id,
             "notes": j.notes(),

@@ -94,7 +94,7 @@ async def test_good_answers_become_judgments_and_rewards(judge, tmp_path):
     server = await judge(good(lambda i: [1.0, 0.3, 0.0][i - 1]))
     summary = await run_judge(tmp_path, config_for(server), progress=False)
     assert (summary.judged, summary.failed) == (1, 0)
-    assert (summary.prompt_tokens, summary.completion_tokens) == (100, 20)
+    assert (summary.calls.prompt_tokens, summary.calls.completion_tokens) == (100, 20)
     (j,) = rows(tmp_path, "SELECT * FROM judgments")
     assert j["error"] is None and j["judge_model"] == "openai/judge-model" and j["attempts"] == 1
     assert [(s["rollout_id"], s["score"], s["explanation"]) for s in j["scores"]] == [

@@ -31,7 +31,7 @@ async def test_tiny_vllm_judge_is_parsed_or_recorded(vllm_server, tmp_path, monk
     )
     summary = await run_judge(tmp_path, config, progress=False)
     assert summary.judged + summary.failed == 2
-    assert summary.prompt_tokens > 0  # vLLM answered and counted tokens
+    assert summary.calls.prompt_tokens > 0  # vLLM answered and counted tokens
     judgments = rows(tmp_path, "SELECT * FROM judgments ORDER BY group_id")
     assert [j["group_id"] for j in judgments] == ["france", "peru"]
     for j in judgments:
@@ -41,4 +41,4 @@ async def test_tiny_vllm_judge_is_parsed_or_recorded(vllm_server, tmp_path, monk
             assert (
                 j["error"].startswith(("unusable answer", "BadRequestError")) and j["scores"] == []
             )
-    assert summary.cost_usd is None  # a self-hosted judge has no price
+    assert summary.calls.cost_usd is None  # a self-hosted judge has no price

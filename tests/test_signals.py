@@ -453,7 +453,8 @@ async def test_the_messages_rules_only_guess_at_are_read_by_a_classifier_once(
     summary = await asyncio.to_thread(run_signals, tmp_path, rewards=True, classifier=config)
     tally = summary.classifier
     assert (tally.asked, tally.changed, tally.unreadable, tally.failed) == (3, 2, 1, 0)
-    assert tally.prompt_tokens == 300 and tally.completion_tokens == 60  # the server's usage
+    calls = tally.calls  # the server's usage
+    assert calls.prompt_tokens == 300 and calls.completion_tokens == 60
     line = "\n".join(summary.lines())
     assert "classifier openai/reader: 3 message(s) the rules only guessed, 2 read otherwise" in line
     sent = judge.app[SEEN][0]

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from overnight.cli.main import main
 from overnight.config import ConfigError, TrainConfig
+from overnight.judge.ruler import CallCounts
 from overnight.judge.run import Summary
 from overnight.trainer.run.wandb_run import STEP_METRICS, Report, wants_wandb
 
@@ -129,7 +130,8 @@ async def test_a_night_reports_its_steps_samples_gate_and_promotion_to_an_offlin
         base_model=str(tiny_model_dir), learning_rate=1e-2, epochs=2, lora_rank=4,
         groups_per_step=3, gate_prompts=8, report_to="wandb", policy="policy",
     )  # fmt: skip  # the proxy's default policy: every group here is its
-    judged = Summary(judged=6, prompt_tokens=1200, completion_tokens=90, cost_usd=0.0125)
+    calls = CallCounts(prompt_tokens=1200, completion_tokens=90, cost_usd=0.0125)
+    judged = Summary(judged=6, calls=calls)
     from overnight.judge.scoring import pair_scorer
     from overnight.trainer.train import train
 

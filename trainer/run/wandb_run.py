@@ -59,15 +59,8 @@ STEP_METRICS = {
     "seconds": "time/step_seconds",
 }
 GATE_NUMBERS = ("prompts", "candidate_mean", "served_mean", "diff_mean", "low", "high", "margin")
-JUDGE_COUNTS = (
-    "judged",
-    "failed",
-    "scored_by_function",
-    "prompt_tokens",
-    "completion_tokens",
-    "cost_usd",
-    "seconds",
-)
+JUDGE_COUNTS = ("judged", "failed", "scored_by_function", "seconds")
+JUDGE_CALLS = ("prompt_tokens", "completion_tokens", "cost_usd")  # judge/ruler.py's CallCounts
 
 
 def wants_wandb(config: TrainConfig) -> bool:
@@ -205,8 +198,10 @@ class Report:
         """The judge's batch before training (judge/run.py's Summary): added to what a
         resumed run's earlier part counted."""
         totals = {}
-        for key in JUDGE_COUNTS:
-            value = getattr(summary, key, None)
+        counted = [(key, getattr(summary, key, None)) for key in JUDGE_COUNTS]
+        calls = getattr(summary, "calls", None)
+        counted += [(key, getattr(calls, key, None)) for key in JUDGE_CALLS]
+        for key, value in counted:
             if value is None:
                 continue
             before = self._run.summary.get(f"judge/{key}") if self._resumed else None
