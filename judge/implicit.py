@@ -129,9 +129,22 @@ def turn_of(row: tuple) -> tuple[Turn, str] | None:
     return turn, group
 
 
-def find_signals(data_dir: Path, since_us: int, quiet_seconds: float = QUIET_SECONDS):
-    """(the turns read, each record's rollout and group, the signals found, the ids
-    already written, what the store already holds of rewards: `Held`)."""
+@dataclass
+class Found:
+    """What `find_signals` read of a window of chat turns."""
+
+    turns: dict[str, Turn]  # record -> its turn
+    groups: dict[str, tuple[str, str]]  # record -> (its rollout, its group)
+    signals: list[Signal]  # what the rules read of them
+    written: set[str]  # the signal ids the store holds already
+    held: Held  # the rewards it holds
+    # The classifier's readings written before, by (turn, message record): read once.
+    classified: dict[tuple[str, str | None], Signal]
+
+
+def find_signals(data_dir: Path, since_us: int, quiet_seconds: float = QUIET_SECONDS) -> Found:
+    """The turns since `since_us`, the signals the rules read in them, and what the store
+    holds already of signals and rewards."""
     con = open_db(data_dir)
     try:
         turns, groups = [], {}
@@ -146,12 +159,11 @@ def find_signals(data_dir: Path, since_us: int, quiet_seconds: float = QUIET_SEC
             [since_us],
         ).fetchall()}  # fmt: skip
         held = _held(con, groups)
-        held.classified = _classified(con, since_us)
+        classified = _classified(con, since_us)
     finally:
         con.close()
-    held.turns_by_record = {t.record_id: t for t in turns}
     signals = read_signals(turns, now_us(), int(quiet_seconds * 1e6))
-    return groups, signals, written, held
+    return Found({t.record_id: t for t in turns}, groups, signals, written, held, classified)
 
 
 def _classified(con, since_us: int) -> dict[tuple[str, str | None], Signal]:
@@ -172,20 +184,18 @@ def _classified(con, since_us: int) -> dict[tuple[str, str | None], Signal]:
     return out
 
 
-def read_guesses(
-    signals: list[Signal], held: Held, classifier: JudgeConfig | None
-) -> tuple[list[Signal], Tally | None]:
-    """`signals` with the rules' guesses (`moved_on`) read by the classifier: as it read
-    them before, or asked now when a classifier is given; kept where neither."""
+def read_guesses(found: Found, classifier: JudgeConfig | None) -> tuple[list[Signal], Tally | None]:
+    """The signals found, with the rules' guesses (`moved_on`) read by the classifier: as
+    it read them before, or asked now when a classifier is given; kept where neither."""
     out, ask = [], []
-    for s in signals:
+    for s in found.signals:
         key = (s.record_id, s.evidence_record)
         if s.kind != MOVED_ON or s.source != "rules":
             out.append(s)
-        elif key in held.classified:
-            out.append(held.classified[key])
+        elif key in found.classified:
+            out.append(found.classified[key])
         elif classifier is not None:
-            t = held.turns_by_record[s.record_id]
+            t = found.turns[s.record_id]
             question = next((content_text(m.get("content")) for m in reversed(t.messages)
                              if m.get("role") == "user"), "")  # fmt: skip
             ask.append(Reaction(s, question, content_text(t.reply.get("content"))))
@@ -204,9 +214,6 @@ class Held:
     turns: dict[str, int]  # rollout -> its turns
     latest: dict[str, tuple[str, float]]  # rollout -> (source, reward) of its latest reward
     posted: dict[str, float]  # rollout -> the agent's latest posted reward
-    # The classifier's readings written before, by (turn, message record); the turns read.
-    classified: dict = field(default_factory=dict)
-    turns_by_record: dict = field(default_factory=dict)
 
 
 def _held(con, groups: dict[str, tuple[str, str]]) -> Held:
@@ -247,8 +254,9 @@ def run_signals(
     with `classifier`, the messages the rules only guessed at read by it (reactions.py)."""
     started = time.perf_counter()
     since = now_us() - int(since_seconds * 1e6)
-    groups, signals, written, held = find_signals(data_dir, since, quiet_seconds)
-    signals, tally = read_guesses(signals, held, classifier)
+    found = find_signals(data_dir, since, quiet_seconds)
+    groups, written, held = found.groups, found.written, found.held
+    signals, tally = read_guesses(found, classifier)
     summary = SignalSummary(turns=len(groups), found=Counter(s.kind for s in signals))
     summary.classifier = tally
     rows = [_row(s, *groups[s.record_id]) for s in signals if s.signal_id not in written]
