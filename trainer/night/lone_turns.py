@@ -40,7 +40,7 @@ from .plan import (
     chosen_sourced_rewards,
     pools_lone_turns,
     trained_as_turns,
-    trained_groups,
+    trained_before,
 )
 from .turn_groups import TURN_SOURCES
 
@@ -70,7 +70,7 @@ def add_lone_turns(
     con = open_db(data_dir)
     try:
         add_turn_views(con)
-        done = trained_groups(con)
+        done = trained_before(con, plan)
         # A turn with siblings to compare with trains in its per-turn group tonight (the
         # better signal), and a turn trains once: its lone group waits.
         tonight = trained_as_turns(con, plan.lone, set(plan.groups))

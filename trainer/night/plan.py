@@ -103,6 +103,9 @@ class Plan:
     # its reads or set aside before; their rows are not in the store's views, so not
     # trained on (storage/verified.py; docs/operations.md, "Damaged files").
     damaged: dict[str, str] = field(default_factory=dict)
+    # The groups earlier nights trained, read once a night (plan_run) for the steps that
+    # add to the plan (turn_groups.py, lone_turns.py); None: a plan not made by plan_run.
+    trained_before: set[str] | None = None
 
     @property
     def loaded(self) -> dict:
@@ -228,11 +231,20 @@ def trained_groups(con) -> set[str]:
     return {g for (g,) in rows}
 
 
+def trained_before(con, plan: Plan) -> set[str]:
+    """The groups earlier nights trained, as the plan read them (or read now)."""
+    return plan.trained_before if plan.trained_before is not None else trained_groups(con)
+
+
 def candidate_groups(
-    con, settle_seconds: float, since: dt.datetime | None, only: list[str] | None
+    con,
+    settle_seconds: float,
+    since: dt.datetime | None,
+    only: list[str] | None,
+    done: set[str],
 ) -> list[str]:
-    """Groups no earlier run trained on: finished ones, or exactly `only` (in its order)."""
-    done = trained_groups(con)
+    """Groups no earlier run trained on (`done`): finished ones, or exactly `only` (in its
+    order)."""
     # A resumed run trains on exactly the groups it began with, in their order (the
     # shuffles replay from it); they were finished then, so that is not asked again.
     pool = only if only is not None else finished_groups(con, settle_seconds, None)
@@ -294,6 +306,7 @@ def plan_run(
     plan.looked_since = last["watermark"] if last is not None else None
     plan.turn_pool = turn_pool
     plan.turn_held = set(last.get(TURN_HELD_KEY) or []) if last is not None else set()
+    plan.trained_before = done
     by_group: dict[str, list[Sample]] = {}
     for s in loaded.samples:
         by_group.setdefault(s.group_id, []).append(s)
@@ -335,7 +348,7 @@ def looked_at_groups(
     done = trained_groups(con)
     turn_pool = None  # per-turn groups: all
     if last is None:
-        candidates = candidate_groups(con, settle_seconds, since, only)
+        candidates = candidate_groups(con, settle_seconds, since, only, done)
         rollouts = _group_rollouts(con, candidates, settle_seconds)
     else:
         rollouts, turn_pool = _changed_since(data_dir, con, last, settle_seconds, done)

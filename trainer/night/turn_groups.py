@@ -39,7 +39,7 @@ from .plan import (
     Plan,
     _advantages_or_reason,
     chosen_rewards,
-    trained_groups,
+    trained_before,
 )
 from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
 
@@ -90,7 +90,7 @@ def add_turn_groups(
         if scope is not None and only is None:  # a turn is its own group's policy's
             own = scope.groups(con, sorted({group for _, group in members.values()}))
             members = {g: m for g, m in members.items() if m[1] in own}
-        done = trained_groups(con)
+        done = trained_before(con, plan)
         candidates = [g for g in members if g not in done]
         plan.considered += candidates
         sources = tuple(s for s in config.reward_sources if s in TURN_SOURCES)
