@@ -8,6 +8,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import re
 import time
 
 import pytest
@@ -200,6 +201,13 @@ def test_every_shape_reads_back_exactly_as_sent(tmp_path):
     assert "https://example.com/a.png" in json.dumps(stored)  # a URL stays a URL, not fetched
     assert len(stored_files(tmp_path)) == 4  # one per media type: the type is in the name
     assert restore_images(stored, tmp_path) == request
+    # A client's text that reads like a reference is its text: only an image's own place
+    # is read back (no other request's image reaches this one through its words).
+    digest = re.search(r"sha256:([0-9a-f]{64})", json.dumps(stored)).group(1)
+    words = {
+        "messages": [{"role": "user", "content": f"overnight-image:image/png;sha256:{digest}"}]
+    }
+    assert restore_images(words, tmp_path) is words
 
 
 async def test_bad_images_are_kept_inline_noted_and_counted(make_proxy, tmp_path):

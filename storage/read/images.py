@@ -25,34 +25,62 @@ def restore_images(
     request: Any, data_dir: str | os.PathLike, store: ImageStore | None = None
 ) -> Any:
     """`request` with every image reference replaced by its verified base64 (a copy
-    where anything changed; `request` itself is never changed)."""
+    where anything changed; `request` itself is never changed). Only an image's own
+    place is read (a chat `image_url`, a Responses `input_image`, a Messages `source`):
+    a message whose text reads like a reference is the client's text, left as it is."""
     store = store or ImageStore(data_dir)
-    return _restore(request, store, 0, in_source=False)
+    return _restore(request, store, 0)
 
 
-def _restore(value: Any, store: ImageStore, depth: int, in_source: bool) -> Any:
+def _restore(value: Any, store: ImageStore, depth: int) -> Any:
     if depth > MAX_DEPTH:
         return value
-    if isinstance(value, str):
-        ref = parse_reference(value)
-        if ref is None:
-            return value
-        text = base64.b64encode(store.read(ref[1], ref[0])).decode("ascii")
-        return text if in_source else f"data:{ref[0]};base64,{text}"
     if isinstance(value, list):
-        items = [_restore(v, store, depth + 1, False) for v in value]
+        items = [_restore(v, store, depth + 1) for v in value]
         return items if any(a is not b for a, b in zip(items, value, strict=True)) else value
     if not isinstance(value, dict):
         return value
-    # A Messages image's `source` held only the base64, not a data URL.
-    source = value.get("type") == "base64"
+    part = _restored_part(value, store)
+    if part is not value:
+        return part
     out = None
     for key, item in value.items():
-        new = _restore(item, store, depth + 1, in_source=source and key == "data")
+        new = _restore(item, store, depth + 1)
         if new is not item:
             out = dict(value) if out is None else out
             out[key] = new
     return value if out is None else out
+
+
+def _restored_part(part: dict, store: ImageStore) -> dict:
+    """One content part with its referenced image read back, or `part` itself (the
+    three shapes write/images.py stores)."""
+    kind = part.get("type")
+    if kind == "image_url":
+        inner = part.get("image_url")
+        if isinstance(inner, dict):
+            url = _data_url(inner.get("url"), store)
+            return part if url is None else {**part, "image_url": {**inner, "url": url}}
+        url = _data_url(inner, store)
+        return part if url is None else {**part, "image_url": url}
+    if kind == "input_image":
+        url = _data_url(part.get("image_url"), store)
+        return part if url is None else {**part, "image_url": url}
+    source = part.get("source")
+    if kind == "image" and isinstance(source, dict) and source.get("type") == "base64":
+        ref = parse_reference(source.get("data"))
+        if ref is not None:
+            data = base64.b64encode(store.read(ref[1], ref[0])).decode("ascii")
+            return {**part, "source": {**source, "data": data}}
+    return part
+
+
+def _data_url(value: Any, store: ImageStore) -> str | None:
+    """The data URL a reference stands for, read and verified; None: not a reference."""
+    ref = parse_reference(value)
+    if ref is None:
+        return None
+    return f"data:{ref[0]};base64,{base64.b64encode(store.read(ref[1], ref[0])).decode('ascii')}"
 
 
 @dataclass(frozen=True)
