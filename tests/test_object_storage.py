@@ -385,3 +385,41 @@ def test_two_overnight_serve_processes_on_one_bucket_share_a_promotion(s3, tmp_p
                 assert Path(path).parent == tmp_path / name / CACHE
                 assert (Path(path) / "adapter_model.safetensors").read_bytes() == b"\x07" * 4096
             assert a.stop() == 0 and b.stop() == 0
+
+
+async def test_images_go_to_the_bucket_and_read_back_on_another_machine(s3, make_proxy, tmp_path):
+    """Issue 40: with --data a bucket, a request's image is put under the prefix's
+    images/ (once), not on local disk, and another machine restores it from there."""
+    import base64
+    import hashlib
+
+    from overnight.storage.images import ImageStore
+    from overnight.storage.location import attach
+    from overnight.storage.read.images import restore_images
+
+    _, client = s3
+    url, local = f"s3://{BUCKET}/team-img", tmp_path / "local"
+    shot = b"\x89PNG\r\n\x1a\n" + hashlib.shake_256(b"bucket").digest(5000)
+    digest = hashlib.sha256(shot).hexdigest()
+    part = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(shot).decode()},
+    }
+    proxy = await make_proxy(data_dir=url, local_dir=local)
+    for turn in range(2):  # the same image twice: one object
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": str(turn)}]}],
+        }
+        assert (await proxy.post("/v1/chat/completions", json=body)).status == 200
+    await proxy.close()
+    assert [k for k in objects(client, "team-img") if k.startswith("images/")] == [
+        f"images/{digest[:2]}/{digest}.png"
+    ]
+    assert not (local / "images").exists()
+    other = attach(url, tmp_path / "other-machine")
+    found = rows(other, "SELECT request FROM completions")
+    assert len(found) == 2 and all("base64" not in r["request"] for r in found)
+    restored = restore_images(json.loads(found[0]["request"]), other)
+    assert restored["messages"][0]["content"][0] == part
+    assert [(i.digest, i.size) for i in ImageStore(other).list()] == [(digest, len(shot))]

@@ -17,6 +17,8 @@ from overnight.config import LOGPROB_GAP_WARNING
 from overnight.errors import OvernightError
 from overnight.storage import segment_store
 from overnight.storage.bucket import conditional
+from overnight.storage.images import ImageStore
+from overnight.storage.read.images import ImagePart, image_of
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.storage.read.sent_by import AGGREGATE_SENT_BY, CLIENT, shown
 
@@ -348,14 +350,15 @@ def _messages(value) -> list[dict]:
     return [_message(m) for m in value] if isinstance(value, list) else [_message(value)]
 
 
-def message_parts(message: dict) -> tuple[str, str, list[tuple[str, str]]]:
-    """(role, text, [(tool name, arguments)]) of a chat message; content parts joined."""
+def message_parts(
+    message: dict, images: ImageStore | None = None
+) -> tuple[str, str, list[tuple[str, str]]]:
+    """(role, text, [(tool name, arguments)]) of a chat message; content parts joined,
+    an image as its label (`image_label`: its reference, media type and size; `images`
+    the store that knows a stored one's size), never its base64."""
     content = message.get("content")
     if isinstance(content, list):
-        content = " ".join(
-            _text(p.get("text", f"<{p.get('type')}>")) if isinstance(p, dict) else _text(p)
-            for p in content
-        )
+        content = " ".join(_part_text(p, images) for p in content)
     calls = []
     for call in _list(message.get("tool_calls")):
         fn = call.get("function") if isinstance(call, dict) else None
@@ -382,14 +385,54 @@ def _signals_of(con: duckdb.DuckDBPyConnection, records: list[str]) -> dict[str,
     return out
 
 
+def _part_text(part, images: ImageStore | None) -> str:
+    if not isinstance(part, dict):
+        return _text(part)
+    image = image_of(part)
+    if image is not None:
+        return image_label(image, images)
+    return _text(part.get("text", f"<{part.get('type')}>"))
+
+
+def image_label(image: ImagePart, images: ImageStore | None = None) -> str:
+    """`<image sha256:1f2e3d4c5b6a… image/png 12.3 KB>`, `<image inline image/png 12.3 KB
+    (not stored)>`, `<image https://...>`: what an image is, in one short line."""
+    if image.kind == "url":
+        return f"<image {_short(image.url or '?')}>"
+    size = image.size
+    if image.kind == "stored" and images is not None:
+        found = images.find(image.digest or "")
+        size = found[1] if found else None
+    said = _bytes(size) if size is not None else "missing from the store"
+    if image.kind == "stored":
+        return f"<image sha256:{(image.digest or '')[:12]}… {image.media_type} {said}>"
+    return f"<image inline {_short(image.media_type or '?')} {said} (not stored)>"
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n < 1000 or unit == "MB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
 def signal_line(s: dict) -> str:
     """One signal as `overnight show` and the web view print it."""
     said = f": {s['evidence']!r}" if s["evidence"] else ""
     return f"{s['kind']} ({s['value']:+g}, confidence {s['confidence']:g}): {s['rule']}{said}"
 
 
-def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
+def show_rollout(
+    con: duckdb.DuckDBPyConnection, rollout_id: str, data_dir: Path | None = None
+) -> str:
+    """A rollout turn by turn; `data_dir`: where its images' sizes are looked up."""
     r = load_rollout(con, rollout_id)
+    images = ImageStore(data_dir) if data_dir is not None else None
     out = [
         f"rollout {r.rollout_id} in group {r.group_id}: {len(r.turns)} turn(s), "
         f"reward {_cell(r.reward)} ({r.reward_source or 'none'}), "
@@ -405,7 +448,7 @@ def show_rollout(con: duckdb.DuckDBPyConnection, rollout_id: str) -> str:
             f"{t.tokens} tokens, {t.latency_ms:.0f} ms, finish {t.finish_reason}"
         )
         for message in t.messages:
-            role, text, calls = message_parts(message)
+            role, text, calls = message_parts(message, images)
             out.append(f"[{role}] {text}" if text else f"[{role}]")
             out += [f"  -> {name}({arguments})" for name, arguments in calls]
         if t.error:

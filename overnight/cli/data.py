@@ -167,7 +167,7 @@ def show(data_dir: Path, rollout_id: str) -> None:
     from overnight.view import display
 
     with read_db(data_dir) as con:
-        click.echo(display.show_rollout(con, rollout_id))
+        click.echo(display.show_rollout(con, rollout_id, data_dir))
 
 
 @click.command()
@@ -298,6 +298,9 @@ def _prune_days(data_dir: Path, older_than: str, yes: bool) -> None:
         click.echo(f"deleted {delete(plan)} day partition(s)")
         if plan.rewritten:
             click.echo(f"rewrote {plan.rewritten} merged week(s)/month(s) without the older days")
+        if plan.images is not None and plan.images.unreferenced:
+            click.echo(f"deleted {len(plan.images.unreferenced)} image(s) no row references "
+                       f"({plan.images.bytes:,} bytes)")  # fmt: skip
     else:
         click.echo("nothing deleted: run again with --yes to delete these")
 

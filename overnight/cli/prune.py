@@ -7,8 +7,11 @@ deleted, so a reader sees the whole day or none of it (a query that had already 
 the day's files fails once and can be run again). `training_runs` is kept: it is small,
 it is the report's history, and it names the groups already trained on.
 
+Images (storage/images.py) that no remaining row references go with the days that
+referenced them, once older than a grace period (storage/upkeep/images.py).
+
 Without `yes` nothing is deleted: the plan says what would go (days, files, rows and
-bytes per table).
+bytes per table; images: how many and how big).
 """
 
 from __future__ import annotations
@@ -58,10 +61,12 @@ class PrunePlan:
     tables: dict[str, TableDays] = field(default_factory=dict)
     store: Any = None  # storage.location.SegmentStore: where the days are
     rewritten: int = 0  # merged weeks and months that kept later days, rewritten without the rest
+    images: Any = None  # storage.upkeep.images.ImageSweep: what goes once the days have
 
     @property
     def empty(self) -> bool:
-        return not any(t.days or t.straddling for t in self.tables.values())
+        no_images = self.images is None or not self.images.unreferenced
+        return no_images and not any(t.days or t.straddling for t in self.tables.values())
 
     def lines(self) -> list[str]:
         where = self.store.describe() if self.store is not None else self.data_dir
@@ -76,6 +81,8 @@ class PrunePlan:
                            "without those days")  # fmt: skip
         total = sum(t.bytes for t in self.tables.values())
         out.append(f"  {'total':<12} {_size(total):>47}")
+        if self.images is not None:
+            out.append(self.images.line())
         return out
 
 
@@ -105,7 +112,17 @@ def plan_prune(
                 days.files += 1
                 days.bytes += file.stat().st_size
                 days.rows += _rows(pq.read_metadata, file)
+    plan.images = _plan_images(plan.data_dir, before)
     return plan
+
+
+def _plan_images(data_dir: Path, before: dt.date) -> Any:
+    """The images no row kept by the prune references (those of days before `before`
+    only, or none)."""
+    from overnight.storage.upkeep.images import plan_sweep
+
+    midnight = dt.datetime.combine(before, dt.time(), tzinfo=dt.UTC)
+    return plan_sweep(data_dir, since_us=int(midnight.timestamp() * 1_000_000))
 
 
 def _plan_bucket(plan: PrunePlan, table: str, days: TableDays) -> None:
@@ -145,6 +162,10 @@ def prune(plan: PrunePlan) -> int:
     # A merged week or month lives in its last day's folder: one that began before the
     # cutoff keeps its earlier days' rows until rewritten without them.
     plan.rewritten = drop_rows_before(plan.data_dir, tuple(plan.tables), plan.before)
+    # Looked at again now the days are gone: a row written since the plan keeps its image.
+    from overnight.storage.upkeep.images import sweep
+
+    plan.images = sweep(plan.data_dir)
     return removed
 
 

@@ -41,6 +41,7 @@ from overnight.storage.schema import TABLES, fit_row
 
 from .commits import Commits
 from .compactor import Compactor
+from .images import ImageCapture
 from .segments import LOG_DIR, LOG_SUFFIX
 from .wal import LockedFile, log_line
 
@@ -66,6 +67,11 @@ class WriterHealth:
     # read until restored; while there are any, status is "degraded" and the reason
     # names them (integrity.py, `overnight check`).
     files_quarantined: int = 0
+    # Base64 images of requests moved to the image store, and those kept inline in their
+    # row (a media type not stored, bad base64, a failing store: the row's `notes` say
+    # why; write/images.py).
+    images_stored: int = 0
+    images_kept_inline: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +90,8 @@ class WriterConfig:
     # Compact in this process instead of a child. Only for batch jobs: in a server it
     # holds the GIL for seconds per 64 MiB log and stalls the event loop.
     compact_in_process: bool = False
+    # Requests' base64 images moved to the image store (write/images.py) as rows are written.
+    store_images: bool = True
 
     def __post_init__(self) -> None:
         if self.commit_interval < 0 or self.roll_bytes <= 0 or self.roll_seconds <= 0:
@@ -121,6 +129,7 @@ class LogWriter:
         self._reasons_logged: set[str] = set()
         self._writer = threading.Thread(target=self._write_loop, name="overnight-wal", daemon=True)
         self._compactor = Compactor(config.data_dir, config.compact_in_process)
+        self._images = ImageCapture(config.data_dir) if config.store_images else None
 
     # -- the caller's side -------------------------------------------------------------
 
@@ -210,6 +219,8 @@ class LogWriter:
             lines_quarantined=self.lines_quarantined,
             compact_errors=self.compact_errors,
             files_quarantined=len(aside),
+            images_stored=self._images.stored if self._images else 0,
+            images_kept_inline=self._images.kept_inline if self._images else 0,
         )
 
     def close(self) -> None:
@@ -297,6 +308,8 @@ class LogWriter:
                 self._seal()
 
     def _encode(self, table: str, row: dict) -> bytes:
+        if table == "completions" and self._images is not None and row.get("request"):
+            row = self._with_image_references(row)
         fitted = fit_row(table, row)
         notes = fitted.get("notes")
         if fitted is not row and notes is not row.get("notes") and isinstance(notes, dict):
@@ -304,6 +317,26 @@ class LogWriter:
             for column, note in notes.items():
                 self._log_once(f"{table}.{column}: {str(note).split(':')[0]} (stored with a note)")
         return log_line(table, fitted)
+
+    def _with_image_references(self, row: dict) -> dict:
+        """The row with its request's images in the image store (a copy if any moved;
+        the caller's row and request are never changed)."""
+        request, kept = self._images.externalize(row["request"])  # type: ignore[union-attr]
+        if request is row["request"] and not kept:
+            return row
+        row = {**row, "request": request}
+        if kept:
+            notes = row.get("notes")
+            notes = (
+                dict(notes)
+                if isinstance(notes, dict)
+                else {}
+                if notes is None
+                else {"notes": notes}
+            )
+            notes["images"] = f"{len(kept)} image(s) kept inline: " + "; ".join(kept)
+            row["notes"] = notes
+        return row
 
     # -- degraded and back -------------------------------------------------------------
 

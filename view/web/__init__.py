@@ -5,12 +5,13 @@
     /ui/rollouts/{rollout}    one conversation turn by turn, tool calls included
     /ui/adapters              adapter versions: the promotion stack, and when each served
     /ui/runs                  training runs, with reward and loss curves
+    /ui/images/{sha256}       a stored image of a request (images.py)
 
 Every page takes `?policy=NAME`, one of the proxy's policies (policies.py): that policy's
 groups, adapters and runs, and links that keep to it.
 
-Plain HTML and inline SVG, no script and nothing fetched: it works on a machine with
-no network, and a filter is a link that can be shared. Each page opens its own DuckDB
+Plain HTML and inline SVG, no script and nothing fetched from elsewhere (a request's
+images come from /ui/images): it works on a machine with no network, and a filter is a link that can be shared. Each page opens its own DuckDB
 over the Parquet segments and live logs (as `overnight ls` does), in a worker thread
 so the event loop keeps forwarding traffic.
 
@@ -30,6 +31,7 @@ from aiohttp import web
 
 from .data import ADAPTER_STATE, DATA_DIR, UNCAPTURED
 from .groups import group_page, groups_page, rollout_page
+from .images import image
 from .training import adapters_page, runs_page
 
 # The keys live below the pages that read them (data.py); the mounter imports them
@@ -47,4 +49,5 @@ def create_web_view() -> web.Application:
     view.router.add_get("/rollouts/{rollout}", rollout_page)
     view.router.add_get("/adapters", adapters_page)
     view.router.add_get("/runs", runs_page)
+    view.router.add_get("/images/{digest}", image)
     return view

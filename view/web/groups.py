@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from overnight.errors import OvernightError
+from overnight.storage.read.images import image_parts
 from overnight.view.display import load_rollout, message_parts, newest_groups, signal_line
 
 from .data import UNCAPTURED, query
@@ -253,6 +254,14 @@ async def group_page(request: web.Request) -> web.Response:
 def _message_html(message: dict) -> str:
     role, text, calls = message_parts(message)
     parts = [f'<div class="msg {esc(role)}"><strong>{esc(role)}</strong> {esc(text)}']
+    # A stored image is shown from the store (images.py); an inline or linked one is not
+    # fetched (its label says what it is).
+    parts += [
+        f'<div class="image"><img src="/ui/images/{i.digest}" alt="{esc(i.media_type)}"'
+        ' style="max-width:100%"></div>'
+        for i in image_parts(message)
+        if i is not None and i.kind == "stored"
+    ]
     parts += [f'<div class="call">&rarr; {esc(name)}({esc(args)})</div>' for name, args in calls]
     return "".join(parts) + "</div>"
 

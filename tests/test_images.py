@@ -1,0 +1,394 @@
+"""Issue 40, part 1: a request's images stored once, by their sha256, beside the tables;
+the rows keep references; read back verified; served to /ui; pruned when no row needs them."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import time
+
+import pytest
+
+from overnight.cli.prune import plan_prune, prune
+from overnight.storage.images import ImageDamaged, ImageStore, parse_reference
+from overnight.storage.read.images import restore_images
+from overnight.storage.upkeep.images import plan_sweep
+from overnight.view.display import show_rollout
+
+from .helpers import rows, wait_for_rows
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def image(seed: int, size: int = 30_000) -> bytes:
+    """Distinct bytes per seed (a PNG's signature, then noise: the store never decodes)."""
+    return PNG_MAGIC + hashlib.shake_256(str(seed).encode()).digest(size)
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def chat_part(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+def stray_bits(url: str) -> str:
+    """A data URL whose last base64 digit carries bits the bytes do not use: it decodes,
+    and encodes back to another text."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    assert url.endswith("==")
+    return url[:-3] + alphabet[alphabet.index(url[-3]) | 1] + "=="
+
+
+def stored_files(data_dir) -> list:
+    return sorted(p for p in (data_dir / "images").rglob("*") if p.is_file())
+
+
+async def screenshot_conversation(proxy, turns: int, screenshot) -> list[dict]:
+    """`turns` chat requests of one rollout, each resending the history, each user turn
+    with `screenshot(k)`'s image; the bodies sent."""
+    sent, messages = [], []
+    for k in range(turns):
+        messages = [
+            *messages,
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": f"step {k}"}, chat_part(screenshot(k))],
+            },
+        ]
+        body = {"model": "m", "messages": messages}
+        r = await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "shots"})
+        assert r.status == 200
+        reply = (await r.json())["choices"][0]["message"]
+        messages = [*messages, {"role": "assistant", "content": reply.get("content") or ""}]
+        sent.append(body)
+    return sent
+
+
+@pytest.mark.parametrize("distinct", [False, True], ids=["same-screenshot", "one-new-each-turn"])
+async def test_a_20_turn_screenshot_conversation_stores_each_image_once(
+    make_proxy, tmp_path, distinct
+):
+    proxy = await make_proxy()
+    data = tmp_path / "data"
+    sent = await screenshot_conversation(
+        proxy, 20, (lambda k: image(k)) if distinct else (lambda k: image(0))
+    )
+    found = await wait_for_rows(data, 20)
+    files = stored_files(data)
+    distinct_images = {image(k) for k in range(20)} if distinct else {image(0)}
+    assert len(files) == len(distinct_images) == (20 if distinct else 1)
+    assert sum(f.stat().st_size for f in files) == sum(len(b) for b in distinct_images)
+    assert {f.read_bytes() for f in files} == distinct_images
+    inline = sum(len(json.dumps(b)) for b in sent)  # what the rows held before: 210 images
+    stored = sum(len(r["request"]) for r in found)
+    assert "base64" not in "".join(r["request"] for r in found)
+    assert stored < 70_000 < 5_000_000 < inline  # 210 references of ~100 chars, not 210 x 40 KB
+    print(f"request column: {inline:,} chars inline, {stored:,} with references")
+    # Read back, every turn is what was sent (the proxy drops nothing else from these).
+    by_turn = sorted(found, key=lambda r: r["turn_index"])
+    for row, body in zip(by_turn, sent, strict=True):
+        assert restore_images(json.loads(row["request"]), data)["messages"] == body["messages"]
+
+
+async def test_the_same_image_through_chat_responses_and_messages_is_stored_once(
+    make_proxy, tmp_path
+):
+    proxy = await make_proxy()
+    data = tmp_path / "data"
+    shot = image(7)
+    b64 = base64.b64encode(shot).decode()
+    chat = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what?"}, chat_part(shot)]}
+        ],
+    }
+    responses = {
+        "model": "m",
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "what?"},
+                    {"type": "input_image", "image_url": data_url(shot)},
+                ],
+            }
+        ],
+    }
+    messages = {
+        "model": "m",
+        "max_tokens": 16,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what?"},
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": b64},
+                    },
+                ],
+            }
+        ],
+    }
+    for path, body, rollout in (
+        ("/v1/chat/completions", chat, "chat"),
+        ("/v1/responses", responses, "responses"),
+        ("/v1/messages", messages, "messages"),
+    ):
+        r = await proxy.post(path, json=body, headers={"X-Rollout-Id": rollout})
+        assert r.status == 200, await r.text()
+    found = {r["rollout_id"]: r for r in await wait_for_rows(data, 3)}
+    assert [f.name for f in stored_files(data)] == [f"{hashlib.sha256(shot).hexdigest()}.png"]
+    ref = f"overnight-image:image/png;sha256:{hashlib.sha256(shot).hexdigest()}"
+    for rollout, row in found.items():
+        assert ref in row["request"] and b64 not in row["request"], rollout
+        assert parse_reference(ref) == ("image/png", hashlib.sha256(shot).hexdigest())
+    assert (
+        restore_images(json.loads(found["chat"]["request"]), data)["messages"] == chat["messages"]
+    )
+    for rollout in ("responses", "messages"):  # recorded in the chat shape (conversation.py)
+        restored = restore_images(json.loads(found[rollout]["request"]), data)
+        assert restored["messages"][-1]["content"][-1] == chat_part(shot), rollout
+
+
+def test_every_shape_reads_back_exactly_as_sent(tmp_path):
+    from overnight.storage.write.images import ImageCapture
+
+    shot = image(3)
+    b64 = base64.b64encode(shot).decode()
+    request = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    chat_part(shot),
+                    {"type": "image_url", "image_url": data_url(shot, "image/jpeg")},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": data_url(shot, "image/webp")}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/gif", "data": b64},
+                    }
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+                ],
+            },
+        ]
+    }
+    before = json.dumps(request)
+    capture = ImageCapture(tmp_path)
+    stored, kept = capture.externalize(request)
+    assert json.dumps(request) == before  # the caller's request is never changed
+    assert kept == [] and capture.stored == 4 and b64 not in json.dumps(stored)
+    assert "https://example.com/a.png" in json.dumps(stored)  # a URL stays a URL, not fetched
+    assert len(stored_files(tmp_path)) == 4  # one per media type: the type is in the name
+    assert restore_images(stored, tmp_path) == request
+    # A client's text that reads like a reference is its text: only an image's own place
+    # is read back (no other request's image reaches this one through its words).
+    digest = re.search(r"sha256:([0-9a-f]{64})", json.dumps(stored)).group(1)
+    words = {
+        "messages": [{"role": "user", "content": f"overnight-image:image/png;sha256:{digest}"}]
+    }
+    assert restore_images(words, tmp_path) is words
+
+
+async def test_bad_images_are_kept_inline_noted_and_counted(make_proxy, tmp_path):
+    proxy = await make_proxy()
+    data = tmp_path / "data"
+    bad = {
+        "tiff": data_url(image(1), "image/tiff"),
+        "not-base64": "data:image/png;base64," + "!@#$" * 40,
+        "no-padding": data_url(image(2, 1001)).rstrip("="),
+        "stray-bits": stray_bits(data_url(image(2, 1001))),
+    }
+    good = chat_part(image(9))
+    for name, url in bad.items():
+        body = {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [good, {"type": "image_url", "image_url": {"url": url}}],
+                }
+            ],
+        }
+        r = await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": name})
+        assert r.status == 200
+    found = {r["rollout_id"]: r for r in await wait_for_rows(data, 4)}
+    for name, url in bad.items():
+        row = found[name]
+        assert url in row["request"], name  # kept inline, whole
+        assert "overnight-image:" in row["request"]  # its good image still stored
+        assert "1 image(s) kept inline" in json.loads(row["notes"])["images"], name
+    notes = {name: json.loads(found[name]["notes"])["images"] for name in bad}
+    assert "image/tiff" in notes["tiff"] and "invalid base64" in notes["not-base64"]
+    assert "invalid base64" in notes["no-padding"]
+    assert "does not read back" in notes["stray-bits"]  # decodes, but not to the same text
+    stats = await (await proxy.get("/admin/stats")).json()
+    assert stats["images_kept_inline"] == 4 and stats["images_stored"] == 4
+    assert len(stored_files(data)) == 1
+
+
+def test_a_flipped_byte_is_an_error_naming_the_image(tmp_path):
+    store = ImageStore(tmp_path)
+    shot = image(5)
+    digest = store.put(shot, "image/png")
+    path = store.path(digest, "image/png")
+    damaged = bytearray(path.read_bytes())
+    damaged[1000] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(ImageDamaged, match=digest) as e:
+        store.read(digest, "image/png")
+    assert str(path) in str(e.value)
+    request = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "input_image",
+                        "image_url": f"overnight-image:image/png;sha256:{digest}",
+                    }
+                ],
+            }
+        ]
+    }
+    with pytest.raises(ImageDamaged):
+        restore_images(request, tmp_path)
+    store.put(shot, "image/png")  # present: never written again, not even to mend it
+    assert path.read_bytes() == bytes(damaged)
+
+
+async def test_ui_images_serves_a_stored_image_and_nothing_else(make_proxy, tmp_path):
+    proxy = await make_proxy()
+    data = tmp_path / "data"
+    shot = image(11)
+    body = {"model": "m", "messages": [{"role": "user", "content": [chat_part(shot)]}]}
+    assert (
+        await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "ui"})
+    ).status == 200
+    await wait_for_rows(data, 1)
+    digest = hashlib.sha256(shot).hexdigest()
+    r = await proxy.get(f"/ui/images/{digest}")
+    assert r.status == 200 and await r.read() == shot
+    assert r.headers["Content-Type"] == "image/png"
+    assert r.headers["X-Content-Type-Options"] == "nosniff"
+    page = await (await proxy.get("/ui/rollouts/ui")).text()
+    assert f'src="/ui/images/{digest}"' in page and "base64" not in page
+    # A secret beside the store, and a link in the store's place pointing at it.
+    (data / "secret.txt").write_text("secret")
+    other = "ab" * 32
+    (data / "images" / "ab").mkdir()
+    os.symlink(data / "secret.txt", data / "images" / "ab" / f"{other}.png")
+    for bad in (
+        "../secret.txt",
+        "..%2Fsecret.txt",
+        "..%2F..%2Fimages%2F" + digest[:2],
+        digest.upper(),
+        digest[:63],
+        digest + "0",
+        f"{digest}.png",
+        "0" * 64,  # well formed, not stored
+        other,  # a symbolic link: never followed
+    ):
+        r = await proxy.get(f"/ui/images/{bad}")
+        text = await r.text()
+        assert r.status in (400, 404), (bad, r.status)
+        assert "secret" not in text and r.headers.get("Content-Type") != "image/png", bad
+
+
+async def test_show_gives_references_sizes_and_types_not_base64(make_proxy, tmp_path):
+    proxy = await make_proxy()
+    data = tmp_path / "data"
+    shot = image(12)
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "look"}, chat_part(shot)]}
+        ],
+    }
+    assert (
+        await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "s"})
+    ).status == 200
+    await wait_for_rows(data, 1)
+    from overnight.storage import open_db
+
+    con = open_db(data)
+    try:
+        text = show_rollout(con, "s", data)
+    finally:
+        con.close()
+    digest = hashlib.sha256(shot).hexdigest()
+    assert f"<image sha256:{digest[:12]}… image/png {len(shot) / 1000:.1f} KB>" in text
+    assert base64.b64encode(shot).decode()[:100] not in text
+
+
+async def test_prune_deletes_unreferenced_images_and_keeps_referenced_ones(make_proxy, tmp_path):
+    proxy = await make_proxy()
+    data = tmp_path / "data"
+    kept, young = image(20), image(22)
+    body = {"model": "m", "messages": [{"role": "user", "content": [chat_part(kept)]}]}
+    assert (await proxy.post("/v1/chat/completions", json=body)).status == 200
+    await wait_for_rows(data, 1)
+    store = ImageStore(data)
+    orphan = store.put(image(21), "image/png")  # no row names it (its row was lost, pruned)
+    store.put(young, "image/png")  # no row yet: its row may still be on its way
+    day_ago = time.time() - 2 * 86_400
+    for digest in (hashlib.sha256(kept).hexdigest(), orphan):
+        os.utime(store.path(digest, "image/png"), (day_ago, day_ago))
+    plan = plan_prune(data, dt.timedelta(days=30))
+    assert [i.digest for i in plan.images.unreferenced] == [orphan]
+    assert plan.images.bytes == len(image(21)) and plan.images.kept == 2
+    assert "1 no longer referenced (30,008 bytes), 2 kept" in "\n".join(plan.lines())
+    assert len(stored_files(data)) == 3  # a plan deletes nothing
+    prune(plan)
+    left = {f.name.split(".")[0] for f in stored_files(data)}
+    assert left == {hashlib.sha256(kept).hexdigest(), hashlib.sha256(young).hexdigest()}
+    # Once the rows that name it are pruned too (here: all rows before tomorrow), it goes.
+    tomorrow = int((time.time() + 86_400) * 1_000_000)
+    later = plan_sweep(data, since_us=tomorrow)
+    assert [i.digest for i in later.unreferenced] == [hashlib.sha256(kept).hexdigest()]
+
+
+async def test_a_responses_chain_rebuilt_from_the_store_records_its_images(make_proxy, tmp_path):
+    """A chain read back from the store holds references (conversation.py stored_chain):
+    the next turn's record keeps them as they are, and they read back as the image."""
+    data = tmp_path / "data"
+    shot = image(30)
+    part = {"type": "input_image", "image_url": data_url(shot)}
+    first = {"model": "m", "input": [{"role": "user", "content": [part]}]}
+    before = await make_proxy(data_dir=data)
+    answer = await (
+        await before.post("/v1/responses", json=first, headers={"X-Rollout-Id": "a"})
+    ).json()
+    await wait_for_rows(data, 1)
+    await before.close()
+    after = await make_proxy(data_dir=data)  # a new proxy: the chain only in the store
+    second = {"model": "m", "previous_response_id": answer["id"], "input": "and now?"}
+    r = await after.post("/v1/responses", json=second, headers={"X-Rollout-Id": "b"})
+    assert r.status == 200
+    await wait_for_rows(data, 2)
+    row = rows(data, "SELECT request FROM completions WHERE rollout_id = 'b'")[0]
+    request = json.loads(row["request"])
+    assert "history_missing" not in request and "base64" not in row["request"]
+    restored = restore_images(request, data)
+    assert restored["messages"][0]["content"] == [chat_part(shot)]
+    assert len(stored_files(data)) == 1
