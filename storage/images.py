@@ -203,11 +203,45 @@ class ImageStore:
                 out.append(StoredImage(match.group(1), media, size, _mtime(info)))
         return sorted(out, key=lambda i: i.digest)
 
+    def files(self) -> list[tuple[str, int]]:
+        """(name under `images/`, size) of every file there, ours or not (`overnight
+        check` tells them apart: `image_name`); a local store's symbolic links too,
+        never followed."""
+        if self.remote:
+            prefix = self.segments.key(FOLDER) + "/"
+            try:
+                with on_bucket(self.segments.url, "listing images"):
+                    found = self.segments.fs.find(prefix, detail=True)
+            except FileNotFoundError:
+                return []
+            return sorted((k[len(prefix) :], int(i.get("size") or 0)) for k, i in found.items())
+        root = self.segments.local_path(FOLDER)
+        out = []
+        for folder, dirs, names in os.walk(root):  # never into a linked folder
+            for name in [*names, *(d for d in dirs if Path(folder, d).is_symlink())]:
+                path = Path(folder, name)
+                try:
+                    size = path.lstat().st_size
+                except FileNotFoundError:  # pruned meanwhile
+                    continue
+                out.append((path.relative_to(root).as_posix(), size))
+        return sorted(out)
+
     def delete(self, images: list[StoredImage]) -> None:
         with self._lock:
             for image in images:
                 self._known.discard(self.rel(image.digest, image.media_type))
         self.segments.delete(FOLDER, [self.rel(i.digest, i.media_type) for i in images])
+
+
+def image_name(rel: str) -> tuple[str, str] | None:
+    """(sha256 hex, media type) of a name under `images/` that is one of the store's
+    (`ab/ab<62 hex>.png`); None for anything else."""
+    folder, _, name = rel.partition("/")
+    match = _NAME.fullmatch(name)
+    if match is None or folder != match.group(1)[:2]:
+        return None
+    return match.group(1), EXTENSIONS[match.group(2)]
 
 
 def _is_link(st: os.stat_result) -> bool:

@@ -12,7 +12,9 @@ import re
 import time
 
 import pytest
+from click.testing import CliRunner
 
+from overnight.cli.main import main
 from overnight.cli.prune import plan_prune, prune
 from overnight.storage.images import ImageDamaged, ImageStore, parse_reference
 from overnight.storage.read.images import restore_images
@@ -275,6 +277,54 @@ def test_a_flipped_byte_is_an_error_naming_the_image(tmp_path):
         restore_images(request, tmp_path)
     store.put(shot, "image/png")  # present: never written again, not even to mend it
     assert path.read_bytes() == bytes(damaged)
+
+
+def check_output(data_dir, *args: str) -> tuple[int, str, list[tuple[str, str, str]]]:
+    """`overnight check`'s exit code, output and findings (mark, kind, where)."""
+    result = CliRunner().invoke(main, ["check", "--data", str(data_dir), *args])
+    found = [
+        (parts[0], parts[1], parts[2].rstrip(":"))
+        for line in result.output.splitlines()[1:-1]
+        if len(parts := line.split()) > 3 and parts[0] in ("DAMAGE", "note")
+    ]
+    return result.exit_code, result.output, found
+
+
+def test_check_verifies_every_image_and_names_a_damaged_one(tmp_path):
+    store = ImageStore(tmp_path)
+    pngs = [store.put(image(k), "image/png") for k in range(3)]
+    store.put(image(7, 500), "image/jpeg")
+    code, output, found = check_output(tmp_path)
+    assert code == 0 and found == [] and "no damage found" in output, output
+    assert "and 4 image(s), 0.1 MB," in output.splitlines()[0]  # every image read
+
+    victim = store.path(pngs[1], "image/png")
+    damaged = bytearray(victim.read_bytes())
+    damaged[20_000] ^= 0x80
+    victim.write_bytes(bytes(damaged))
+    (victim.parent / "notes.txt").write_bytes(b"not an image")
+    misplaced = tmp_path / "images" / "zz" / f"{pngs[0]}.png"  # a name, in the wrong folder
+    misplaced.parent.mkdir()
+    misplaced.write_bytes(image(0))
+    (victim.parent / f".{victim.name}.1.2.tmp").write_bytes(b"half")
+    code, output, found = check_output(tmp_path)
+    rel = f"images/{pngs[1][:2]}/{pngs[1]}.png"
+    assert code == 1 and "1 finding(s) of damage" in output, output
+    assert sorted(found) == sorted(
+        [
+            ("DAMAGE", "damaged", rel),
+            ("note", "stray", f"images/{pngs[1][:2]}/notes.txt"),
+            ("note", "stray", f"images/zz/{pngs[0]}.png"),
+            ("note", "leftover", f"images/{pngs[1][:2]}/.{pngs[1]}.png.1.2.tmp"),
+        ]
+    ), output
+    assert str(victim) in output and "hash to sha256" in output  # the file, and why
+    assert "and 4 image(s)," in output.splitlines()[0]  # strays are not read as images
+    code, output, _ = check_output(tmp_path, "--quarantine")  # reported, never moved
+    assert code == 1 and victim.read_bytes() == bytes(damaged)
+    victim.write_bytes(image(1))  # restored from a backup
+    code, output, found = check_output(tmp_path)
+    assert code == 0 and all(mark == "note" for mark, _, _ in found), output
 
 
 async def test_ui_images_serves_a_stored_image_and_nothing_else(make_proxy, tmp_path):

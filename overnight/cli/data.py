@@ -345,8 +345,9 @@ def _prune_adapters(
 def check(data_dir: Path, quarantine: bool) -> None:
     """Verify every file and manifest of the records; exit 1 on damage.
 
-    Checksums, footers, manifest entries, live logs, rows stored twice. What to do for
-    each finding: docs/operations.md, "Damaged files".
+    Checksums, footers, manifest entries, live logs, stored images (their bytes against
+    their names), rows stored twice. What to do for each finding: docs/operations.md,
+    "Damaged files".
 
     \b
     Example:

@@ -5,8 +5,11 @@ What it reads: each table's manifest (that it parses, that its entries are entri
 each merged file is there and verifies: size, sha256, rows, columns), every Parquet file
 whole (`integrity.verify`: the whole file's sha256 against its entry, or a segment's
 against its record beside it, so that a flip in a footer is found too; its in-file
-checksums and footer; for files written before checksums, a decode of every page), the live logs (damaged lines), the quarantine, and, over the
-readers' view, rows stored twice (one id, two rows). With `quarantine`, each damaged
+checksums and footer; for files written before checksums, a decode of every page), the
+live logs (damaged lines), the quarantine, every stored image (its bytes against the
+sha256 that names it; a file under `images/` not named as the store names its images is
+a stray, never read as one: not damage), and, over the readers' view, rows stored twice
+(one id, two rows). A damaged image is reported, never set aside. With `quarantine`, each damaged
 file is set aside (integrity.set_aside) under its table's merge lock, verified again
 first. A manifest is never rewritten here: one that cannot be read is reported, and
 nothing merges or prunes that table until it is repaired by hand.
@@ -18,11 +21,13 @@ reader's path. Below the CLI (overnight/cli/data.py), which prints `Report.lines
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
 
+from overnight.storage.images import FOLDER, ImageDamaged, ImageMissing, ImageStore, image_name
 from overnight.storage.integrity import expected, quarantined, set_aside
 from overnight.storage.location import SegmentStore, segment_store
 from overnight.storage.manifest import day_of, read_manifest
@@ -40,12 +45,17 @@ ID_COLUMNS = {
     "siblings": "record_id",
     "signals": "signal_id",
 }
+_IMAGE_TEMPORARY = re.compile(r"\..+\.tmp")  # ImageStore._put_local's, before its rename
+IMAGE_DONE = (
+    "restore the file from a backup (same name: its name is its sha256); the rows naming "
+    "it read it as damaged until then (never set aside: --quarantine leaves it)"
+)
 
 
 @dataclass
 class Finding:
     kind: str  # damaged, manifest, entry, lost, duplicates, unreadable, quarantined, leftover,
-    # log, record
+    # log, record, stray
     where: str  # `table/rel`, or a path
     detail: str
     damage: bool = True  # counts toward a non-zero exit
@@ -57,6 +67,8 @@ class Report:
     data_dir: Path
     files: int = 0
     bytes: int = 0
+    images: int = 0
+    image_bytes: int = 0
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -68,7 +80,8 @@ class Report:
 
     def lines(self) -> list[str]:
         size = f"{self.bytes / 1e6:.1f} MB"
-        out = [f"checked {self.files} file(s), {size}, in {self.data_dir}"]
+        images = f"{self.images} image(s), {self.image_bytes / 1e6:.1f} MB"
+        out = [f"checked {self.files} file(s), {size}, and {images}, in {self.data_dir}"]
         for f in self.findings:
             mark = "DAMAGE" if f.damage else "note"
             out.append(f"  {mark:<6} {f.kind:<11} {f.where}: {f.detail}")
@@ -88,6 +101,7 @@ def check_store(data_dir: Path, quarantine: bool = False) -> Report:
         if store.remote or store.local_path(table).is_dir():
             _check_table(store, table, report, quarantine)
     _check_logs(Path(data_dir), report)
+    _check_images(Path(data_dir), report)
     for note in quarantined(Path(data_dir)):
         when = dt.datetime.fromtimestamp(note.get("at", 0), dt.UTC).strftime("%Y-%m-%d %H:%M")
         report.add("quarantined", note.get("file", "?"), f"set aside {when} UTC: "
@@ -160,6 +174,32 @@ def _check_logs(data_dir: Path, report: Report) -> None:
         lines = sum(1 for _ in path.open("rb"))
         report.add("log", str(path), f"{lines} log line(s) set aside by compaction, with "
                    "their reason", damage=False)  # fmt: skip
+
+
+def _check_images(data_dir: Path, report: Report) -> None:
+    """Every file under `images/`: an image's bytes hashed against its name (the store's
+    own verified read); anything not named as an image is reported, never read."""
+    store = ImageStore(data_dir)
+    for rel, size in store.files():
+        where = f"{FOLDER}/{rel}"
+        name = image_name(rel)
+        if name is None:
+            if _IMAGE_TEMPORARY.fullmatch(rel.rpartition("/")[2]):
+                report.add("leftover", where, "a temporary file of an image being stored, "
+                           "or of a writer that was killed", damage=False)  # fmt: skip
+            else:
+                report.add("stray", where, "not an image of the store (named <sha256>."
+                           "<png|jpeg|gif|webp> in the folder of its first 2 hex): never "
+                           "read, served or pruned as one", damage=False)  # fmt: skip
+            continue
+        report.images += 1
+        report.image_bytes += size
+        try:
+            store.read(*name)
+        except ImageMissing:
+            continue  # pruned meanwhile
+        except ImageDamaged as e:
+            report.add("damaged", where, str(e), done=IMAGE_DONE)
 
 
 def _check_duplicates(data_dir: Path, report: Report) -> None:
