@@ -249,6 +249,42 @@ async def test_bad_images_are_kept_inline_noted_and_counted(make_proxy, tmp_path
     assert len(stored_files(data)) == 1
 
 
+async def test_a_full_disk_under_the_image_store_keeps_the_record_and_its_image(
+    make_proxy, tmp_path, monkeypatch
+):
+    import errno
+
+    from overnight.storage import images as images_module
+
+    def full(tmp, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    proxy = await make_proxy()
+    data = tmp_path / "data"
+    shot = chat_part(image(3))
+    body = {"model": "m", "messages": [{"role": "user", "content": [shot]}]}
+    with monkeypatch.context() as m:
+        m.setattr(images_module, "replace_durably", full)  # written, not renamed in
+        r = await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "full"})
+        assert r.status == 200
+        (row,) = await wait_for_rows(data, 1)
+    assert shot["image_url"]["url"] in row["request"]  # inline, whole
+    assert "overnight-image:" not in row["request"]
+    note = json.loads(row["notes"])["images"]
+    assert "1 image(s) kept inline" in note and "No space left on device" in note, note
+    stats = await (await proxy.get("/admin/stats")).json()
+    assert (stats["images_kept_inline"], stats["images_stored"]) == (1, 0), stats
+    assert stored_files(data) == []  # its temporary file removed too
+    # Room again: the same image is stored by the next request (nothing remembered it).
+    r = await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "room"})
+    assert r.status == 200
+    later = {r["rollout_id"]: r for r in await wait_for_rows(data, 2)}["room"]
+    assert "overnight-image:" in later["request"] and later["notes"] in (None, "", "{}")
+    stats = await (await proxy.get("/admin/stats")).json()
+    assert (stats["images_kept_inline"], stats["images_stored"]) == (1, 1), stats
+    assert len(stored_files(data)) == 1
+
+
 def test_a_flipped_byte_is_an_error_naming_the_image(tmp_path):
     store = ImageStore(tmp_path)
     shot = image(5)
