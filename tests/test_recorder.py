@@ -133,6 +133,35 @@ async def test_stats_health_and_metrics_count_the_recorders_rows(make_proxy):
     assert "overnight_records_committed_total 5.0" in metrics
 
 
+async def test_the_recorders_images_are_counted_in_admin_stats(make_proxy, tmp_path):
+    import base64
+    import hashlib
+
+    def url(media_type: str, seed: str) -> str:
+        data = base64.b64encode(hashlib.shake_256(seed.encode()).digest(3000)).decode()
+        return f"data:{media_type};base64,{data}"
+
+    client = await make_proxy(recorder="process")
+    content = [
+        {"type": "image_url", "image_url": {"url": url("image/png", "a")}},
+        {"type": "image_url", "image_url": {"url": url("image/tiff", "b")}},  # kept inline
+    ]
+    body = {**CHAT, "messages": [{"role": "user", "content": content}]}
+    r = await client.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "img"})
+    assert r.status == 200
+
+    async def counted():
+        stats = await (await client.get("/admin/stats")).json()
+        return stats if stats["rows_committed"] == 1 else None
+
+    stats = await await_until(counted, 10, "the recorder's row committed")
+    assert (stats["images_stored"], stats["images_kept_inline"]) == (1, 1), stats
+    (row,) = await wait_for_rows(tmp_path / "data", 1)
+    assert str(os.getpid()) not in row["proxy_id"]  # the recorder stored them, not this process
+    assert "overnight-image:image/png;sha256:" in row["request"]
+    assert "1 image(s) kept inline" in json.loads(row["notes"])["images"]
+
+
 async def test_a_recorder_that_dies_is_started_again_and_health_says_so(make_proxy, tmp_path):
     client = await make_proxy(recorder="process")
     recorder = client.app[RECORDER]
