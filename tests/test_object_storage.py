@@ -423,3 +423,33 @@ async def test_images_go_to_the_bucket_and_read_back_on_another_machine(s3, make
     restored = restore_images(json.loads(found[0]["request"]), other)
     assert restored["messages"][0]["content"][0] == part
     assert [(i.digest, i.size) for i in ImageStore(other).list()] == [(digest, len(shot))]
+
+
+def test_check_verifies_the_images_in_the_bucket(s3, tmp_path):
+    """`overnight check` on a bucket reads every image object: a damaged one is named by
+    its key, a stray object is noted and never read as an image."""
+    import hashlib
+
+    from overnight.storage.images import ImageStore
+    from overnight.storage.location import attach
+    from overnight.storage.upkeep.check import check_store
+
+    _, client = s3
+    local = attach(f"s3://{BUCKET}/checked", tmp_path / "local")
+    store = ImageStore(local)
+    shots = [b"\x89PNG\r\n\x1a\n" + hashlib.shake_256(bytes([k])).digest(2000) for k in range(2)]
+    digests = [store.put(shot, "image/png") for shot in shots]
+    report = check_store(local)
+    assert (report.images, report.damaged, report.findings) == (2, False, [])
+    key = f"checked/images/{digests[0][:2]}/{digests[0]}.png"
+    client.put_object(Bucket=BUCKET, Key=key, Body=shots[0][:-1] + b"\0")
+    client.put_object(Bucket=BUCKET, Key="checked/images/readme.txt", Body=b"not an image")
+    report = check_store(local)
+    found = [(f.kind, f.where, f.damage) for f in report.findings]
+    assert sorted(found) == [
+        ("damaged", f"images/{digests[0][:2]}/{digests[0]}.png", True),
+        ("stray", "images/readme.txt", False),
+    ]
+    (damaged,) = [f for f in report.findings if f.damage]
+    assert f"{BUCKET}/{key} is damaged" in damaged.detail, damaged.detail  # the object named
+    assert report.images == 2
