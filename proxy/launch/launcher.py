@@ -23,7 +23,7 @@ import urllib.request
 from overnight.config import VLLMConfig
 from overnight.errors import OvernightError
 
-from .vllm_cpu import KV_CACHE_ENV, kv_cache_env, vllm_runs_on_cpu
+from .vllm_cpu import KV_CACHE_ENV, kv_cache_env, vllm_runs_on_cpu, whole_prefill_args
 
 log = logging.getLogger("overnight")
 
@@ -162,6 +162,8 @@ def vllm_command(config: VLLMConfig, port: int) -> list[str]:
         # vllm-cpu 0.32 refuses the flag ("not supported on current platform"); its dev
         # routes answer without it and free nothing (docs/deployment.md).
         cmd.append("--enable-sleep-mode")
+    if vllm_runs_on_cpu():  # a seeded request must not stop the engine (vllm_cpu.py)
+        cmd += whole_prefill_args(config.model, config.extra_args)
     return cmd + list(config.extra_args)
 
 

