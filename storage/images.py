@@ -184,18 +184,22 @@ class ImageStore:
             return sorted(out, key=lambda i: i.digest)
         return self._list_bucket()
 
-    def _list_bucket(self) -> list[StoredImage]:
-        from .location import _mtime
-
+    def _bucket_objects(self) -> dict[str, dict]:
+        """Every object under the bucket's `images/`, by its name there, with its details."""
         prefix = self.segments.key(FOLDER) + "/"
         try:
             with on_bucket(self.segments.url, "listing images"):
                 found = self.segments.fs.find(prefix, detail=True)
         except FileNotFoundError:
-            return []
+            return {}
+        return {key[len(prefix) :]: info for key, info in found.items()}
+
+    def _list_bucket(self) -> list[StoredImage]:
+        from .location import _mtime
+
         out = []
-        for key, info in found.items():
-            folder, _, name = key[len(prefix) :].partition("/")
+        for rel, info in self._bucket_objects().items():
+            folder, _, name = rel.partition("/")
             match = _NAME.fullmatch(name)
             if match and folder == match.group(1)[:2]:
                 size = int(info.get("size") or 0)
@@ -208,13 +212,8 @@ class ImageStore:
         check` tells them apart: `image_name`); a local store's symbolic links too,
         never followed."""
         if self.remote:
-            prefix = self.segments.key(FOLDER) + "/"
-            try:
-                with on_bucket(self.segments.url, "listing images"):
-                    found = self.segments.fs.find(prefix, detail=True)
-            except FileNotFoundError:
-                return []
-            return sorted((k[len(prefix) :], int(i.get("size") or 0)) for k, i in found.items())
+            found = self._bucket_objects()
+            return sorted((rel, int(info.get("size") or 0)) for rel, info in found.items())
         root = self.segments.local_path(FOLDER)
         out = []
         for folder, dirs, names in os.walk(root):  # never into a linked folder
