@@ -29,8 +29,9 @@ def _threads_per_worker() -> int | None:
     """Torch's threads in each pytest-xdist worker and the processes it starts (a night's
     `overnight train`, torchrun's ranks): the cores shared out, so that the workers'
     OpenMP pools do not spin against each other. Measured on two cores: two processes of
-    two threads each ran a matmul loop 4.7x slower than one alone; of one thread each,
-    1.6x (BENCHMARKS.md, "The suite's threads"). None: one worker, torch's default."""
+    two threads each ran a matmul loop 3.9x slower than one alone; of one thread each,
+    1.6x (bench/threads.py; BENCHMARKS.md, "The suite's threads"). None: one worker,
+    torch's default."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers <= 1:
         return None
