@@ -122,13 +122,20 @@ def train(
     """
     night = Night.open(Path(data_dir), config, proxy_url, admin_token, promote, dry_run, say,
                        scope)  # fmt: skip
+    try:
+        return _steps(night, settle_seconds, since, max_groups, scorer, judge)
+    finally:
+        night.parallel.finish()  # a process group left to exit's teardown can abort
+
+
+def _steps(night: Night, settle_seconds, since, max_groups, scorer, judge) -> RunResult:
     plan = night.plan(settle_seconds, since, max_groups)
     plan, gate = night.hold_out_gate_prompts(plan, scorer)
     plan = night.weigh_by_age(plan)
     result = RunResult(night.run_dir.run_id, plan, held_out=gate.given)
-    if dry_run or not plan.groups:
+    if night.dry_run or not plan.groups:
         if not plan.groups:
-            say("nothing to train on")
+            night.say("nothing to train on")
         return result
     night.begin(plan, judge)
     try:

@@ -56,6 +56,17 @@ class Parallel:
             dist.init_process_group("nccl" if device != "cpu" else "gloo")
         return cls(dist.get_rank(), dist.get_world_size(), fsdp or fsdp_requested(), device)
 
+    def finish(self) -> None:
+        """Leave the process group before the interpreter exits. Without it gloo's worker
+        threads are torn down at finalization, and a process can abort ("terminate called
+        without an active exception", SIGABRT), failing a night that trained and saved."""
+        if self.world <= 1:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def prepare(self, model):
         """The model on this process's device; sharded per decoder layer under FSDP."""
         model = model.to(self.device)
