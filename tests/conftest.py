@@ -57,6 +57,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("smollm2"))
         elif "vllm_server" in fixtures:
             item.add_marker(pytest.mark.xdist_group("vllm-tiny"))
+        elif "vision_server" in fixtures:
+            item.add_marker(pytest.mark.xdist_group("vllm-vision"))
 
 
 @pytest.fixture

@@ -64,6 +64,19 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_dir() -> Path:
+    from overnight.models.tiny_vision import build_tiny_vision_model
+
+    return build_tiny_vision_model(CACHE / "tiny-vision-model")
+
+
+@pytest.fixture(scope="session")
+def vision_server(tiny_vision_dir, tmp_path_factory):
+    """A third vLLM, serving the tiny vision-language model as `tiny-vision`."""
+    yield from _serving(tiny_vision_dir, "tiny-vision", 2048, tmp_path_factory.mktemp("vllm-vl"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, prepared once from its pip package (overnight/models/smollm2.py)."""
     from overnight.models.smollm2 import prepare_smollm2

@@ -55,6 +55,7 @@ from .night.forgetting import measure as measure_forgetting
 from .night.forgetting import resolve as resolve_references
 from .night.gate import Scorer, Verdict, run_gate, skipped
 from .night.gate_prompts import held_out_prompts
+from .night.images import VisionReader, vision_reader
 from .night.lone_turns import add_lone_turns
 from .night.plan import Plan, plan_run
 from .night.proxy_client import (
@@ -192,6 +193,7 @@ class Night:
     adapter_dir: Path | None = None
     shared: str | None = None  # the adapter as the proxies name it (bucket: its upload)
     colocated: bool = False  # vLLM sleeps while this night trains and gates
+    vision: VisionReader | None = None  # a vision-language model's images (night/images.py)
 
     @classmethod
     def open(cls, data_dir, config, proxy_url, token, promote, dry_run, say, scope) -> Night:
@@ -227,7 +229,7 @@ class Night:
             data_dir, config, proxy_url, token, promote, dry_run, say, parallel, report, state,
             scope, run_dir, resumed, saved, base_model, _tokenizer(base_model),
             server_defaults(base_model, config.generation_config),  # vLLM's, where unsaid
-            started,
+            started, vision=None if dry_run else vision_reader(base_model, data_dir),
         )  # fmt: skip
 
     def plan(self, settle_seconds: float, since, max_groups: int | None) -> Plan:
@@ -241,7 +243,7 @@ class Night:
         served_only = None if only is None else [g for g in only if not is_turn_group(g)]
         plan = plan_run(
             self.data_dir, config, settle_seconds, since, max_groups, served_only,
-            self.tokenizer, self.defaults, scope=scope,
+            self.tokenizer, self.defaults, scope=scope, vision=self.vision,
         )  # fmt: skip
         # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
         # before the gate takes its prompts, so that it takes them from outside the plan;

@@ -18,6 +18,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from .images import VisionInputs
 from .sampling import NEUTRAL, SamplingParams
 
 
@@ -35,6 +36,8 @@ class Turn:
     sampling: SamplingParams = NEUTRAL
     # The model name that sampled it (`model_served`): which adapter's distribution.
     served_by: str | None = None
+    # The images its prompt shows, through the model's processor (images.py); None: none.
+    vision: VisionInputs | None = None
 
     def __post_init__(self) -> None:
         if not self.completion_ids:
@@ -73,6 +76,8 @@ class Sample:
     # not known, as without a proxy).
     served_by: tuple[str, ...] = ()
     staleness: int | None = None
+    # Every image of the sequence (its last turn's prompt shows them all); None: none.
+    vision: VisionInputs | None = None
 
     @property
     def trained_tokens(self) -> int:
@@ -107,6 +112,7 @@ class Sample:
             exact=exact,
             sampling=sampled_as,
             served_by=served_by,
+            vision=turns[-1].vision,
         )
 
 
@@ -115,13 +121,21 @@ def merge_turns(rollout_id: str, group_id: str, turns: list[Turn]) -> list[Sampl
     chains: list[list[Turn]] = []
     sequence: list[int] = []  # the current chain's tokens so far
     for turn in turns:
-        if chains and turn.prompt_ids[: len(sequence)] == sequence:
+        # Image tokens are placeholders: the same ids may stand for other pictures.
+        same_images = not chains or _images_extend(turn, chains[-1][-1])
+        if chains and turn.prompt_ids[: len(sequence)] == sequence and same_images:
             chains[-1].append(turn)
         else:
             chains.append([turn])
         # Extended or new, the sequence is now this turn's prompt and completion.
         sequence = turn.prompt_ids + turn.completion_ids
     return [Sample.from_turns(rollout_id, group_id, chain) for chain in chains]
+
+
+def _images_extend(turn: Turn, earlier: Turn) -> bool:
+    if turn.vision is None:
+        return earlier.vision is None
+    return turn.vision.extends(earlier.vision)
 
 
 @dataclass(frozen=True)

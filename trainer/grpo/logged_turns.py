@@ -39,6 +39,7 @@ def load_samples(
     tokenizer=None,
     sampling_defaults: dict | None = None,
     view: str = "completions",
+    vision=None,
 ) -> Loaded:
     """Samples of every rollout in `group_ids`, built from the logged token ids.
 
@@ -47,6 +48,10 @@ def load_samples(
 
     Each turn keeps how it was sampled: the request's temperature, top-k, top-p and
     min-p, else `sampling_defaults` (the server's: `sampling.server_defaults`).
+
+    `vision` (a vision-language model's: trainer/night/images.py) gives each turn the
+    images its prompt showed, rebuilt through the processor and checked against the
+    logged ids; a turn it cannot rebuild is skipped with its reason.
 
     Turns logged without token ids (an upstream that is not vLLM) are re-tokenised
     from their text with `tokenizer`'s chat template when one is given. That path is
@@ -94,8 +99,9 @@ def load_samples(
         else:
             try:
                 sampling = _sampling(text[0], defaults, out)
+                images = vision.turn(text[0], prompt) if vision is not None else None
                 turns[(group_id, rollout_id)].append(
-                    Turn(prompt, completion, logprobs or [], sampling, served_by)
+                    Turn(prompt, completion, logprobs or [], sampling, served_by, images)
                 )
             except DataError as e:
                 out.skipped[str(e)] += 1

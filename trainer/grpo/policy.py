@@ -16,6 +16,10 @@ The vocabulary projection is applied only where a sampled token is predicted, a
 chunk of tokens at a time (head.py): context positions (system, user, tool output)
 never materialise their logits, and the trained ones only a chunk's at once.
 Gradient checkpointing is checkpointing.py's.
+
+A sample that saw images (a vision-language model's) goes in a row without sharing its
+prompt: image tokens are placeholders, so equal ids are not the same picture. Its
+images' features take their tokens' places in the embeddings (images.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from overnight.errors import ConfigError
 from .attention import VARLEN, explicit_mask, flex_mask, kernel, row_passes
 from .data import Sample
 from .head import chunked_logprobs
+from .images import VisionInputs, is_vision_config, with_image_features
 from .sampling import NEUTRAL, SamplingParams, sampling_tensors
 
 # A shared prompt shorter than this is repeated: the mask costs more than it saves.
@@ -58,11 +63,10 @@ def load_policy(
     """The base model, with `adapter` (a peft directory) applied if given; `attention`:
     TrainConfig.attention (auto: transformers' default, sdpa)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     options = {} if attention == "auto" else {"attn_implementation": attention}
     try:
-        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, **options)
+        model = load_base(base_model, dtype, **options)
     except (ImportError, ValueError) as e:
         if attention not in VARLEN:
             raise
@@ -74,6 +78,16 @@ def load_policy(
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
     return model
+
+
+def load_base(base_model: str | Path, dtype: torch.dtype, **options):
+    """The base model from its folder: a causal LM, or a vision-language model with its
+    vision tower (the same output projection and decoder stack, for `_parts`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = is_vision_config(AutoConfig.from_pretrained(base_model))
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return auto.from_pretrained(base_model, dtype=dtype, **options)
 
 
 def _parts(model):
@@ -112,7 +126,11 @@ def _units(samples: list[Sample], capacity: int | None, share_prompts: bool) -> 
     if not share_prompts:
         return [_Unit(0, [i]) for i in range(len(samples))]
     by_group: dict[str, list[int]] = {}
+    alone = []  # a sample with images: equal placeholder ids may be other pictures
     for i, s in enumerate(samples):
+        if s.vision is not None:
+            alone.append(_Unit(0, [i]))
+            continue
         by_group.setdefault(s.group_id, []).append(i)
     units = []
     for members in by_group.values():
@@ -131,7 +149,7 @@ def _units(samples: list[Sample], capacity: int | None, share_prompts: bool) -> 
                 parts.append([])
             parts[-1].append(i)
         units += [_Unit(prefix, part) if len(part) > 1 else _Unit(0, part) for part in parts]
-    return units
+    return units + alone
 
 
 def pack(
@@ -205,6 +223,7 @@ class _Layout:
         # (sample, token position, flat index, flat index of its predictor, logprob,
         # how the token was sampled)
         self.entries: list[tuple[int, int, int, int, float, SamplingParams]] = []
+        self.with_images: list[int] = []  # samples that saw images, in row order
 
     def fill_row(self, r: int, row: list[_Unit]) -> None:
         col = 0
@@ -231,6 +250,8 @@ class _Layout:
         """Sample i's tokens after the shared `prefix` at `col`; the column after them."""
         s = self.samples[i]
         assert not s.trained[0], "a sequence cannot start with a trained token (it is prompt)"
+        if s.vision is not None:
+            self.with_images.append(i)
         branch = s.tokens[prefix:]
         n = len(branch)
         self.ids[r, col : col + n] = torch.tensor(branch)
@@ -267,6 +288,8 @@ class _Layout:
                 [e[0] for e in entries], dtype=torch.long
             ),  # (N,) sample
             **sampling_tensors([e[5] for e in entries]),  # (N,) each: temperature, top_k, ...
+            # The samples whose images' features fill the image tokens, in row order.
+            "image_samples": torch.tensor(self.with_images, dtype=torch.long),
         }
         if shared:
             batch["block"], batch["parent"] = self.block, self.parent  # (B, L) each
@@ -275,23 +298,32 @@ class _Layout:
         return batch
 
 
+def batch_images(samples: list[Sample], batch: dict[str, torch.Tensor]) -> list[VisionInputs]:
+    """The images of a packed batch's samples, in the order their tokens lie in the rows."""
+    return [samples[i].vision for i in batch["image_samples"].tolist()]
+
+
 def trained_logprobs(
-    model, batch: dict[str, torch.Tensor], chunk: int = LOGIT_CHUNK_TOKENS
+    model,
+    batch: dict[str, torch.Tensor],
+    chunk: int = LOGIT_CHUNK_TOKENS,
+    images: list[VisionInputs] = (),
 ) -> torch.Tensor:
     """Logprob under `model` of each trained token of a packed batch: (N,), in the
     distribution it was sampled from (temperature, top-k, top-p: trainer/grpo/sampling.py),
-    the vocabulary projected `chunk` tokens at a time."""
+    the vocabulary projected `chunk` tokens at a time. `images`: `batch_images`."""
     decoder, head = _parts(model)
-    hidden = _predictor_states(model, decoder, batch)  # (N, H)
+    hidden = _predictor_states(model, decoder, batch, images)  # (N, H)
     targets = batch["input_ids"].reshape(-1)[batch["trained_index"]]  # (N,)
     params = tuple(batch[k] for k in ("temperature", "top_k", "top_p", "min_p"))
     return chunked_logprobs(head, hidden, targets, params, chunk)
 
 
-def _predictor_states(model, decoder, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _predictor_states(model, decoder, batch: dict[str, torch.Tensor], images) -> torch.Tensor:
     """The last hidden state at each trained token's predictor (N, H), over the row
     passes attention.py lays out (one, or a long row at a time)."""
     ids, positions = batch["input_ids"], batch["position_ids"]
+    embeds = with_image_features(decoder, ids, list(images)) if images else None
     width = ids.shape[1]
     flex = kernel(model) == "flex_attention"
     mask = batch.get("attention_mask")
@@ -310,8 +342,13 @@ def _predictor_states(model, decoder, batch: dict[str, torch.Tensor]) -> torch.T
         part_mask = mask
         if mask is not None and not flex:
             part_mask = mask[first:end, :, :cut, :cut]
+        given = (
+            {"input_ids": ids[first:end, :cut]}
+            if embeds is None
+            else {"inputs_embeds": embeds[first:end, :cut]}
+        )
         hidden = decoder(
-            input_ids=ids[first:end, :cut],
+            **given,
             position_ids=positions[first:end, :cut],
             attention_mask=part_mask,
             use_cache=False,

@@ -27,12 +27,15 @@ def fresh_adapter(model, config: TrainConfig):
     """`model` with a new LoRA adapter (B = 0: it starts as the base model)."""
     from peft import LoraConfig, get_peft_model
 
+    from .images import language_model_targets
+
     return get_peft_model(
         model,
         LoraConfig(
             r=config.lora_rank,
             lora_alpha=config.lora_alpha,
-            target_modules=list(config.target_modules),
+            # A vision-language model's: in its language model only (images.py).
+            target_modules=language_model_targets(model, list(config.target_modules)),
             lora_dropout=0.0,
             task_type="CAUSAL_LM",
         ),
@@ -69,13 +72,14 @@ def micro_batch_loss(
     import torch
 
     from .loss import policy_loss, sft_loss
-    from .policy import pack, trained_logprobs
+    from .policy import batch_images, pack, trained_logprobs
 
     device = next(model.parameters()).device
     shared = shares_prompts(model, samples, share_prompts)
     batch = pack(samples, share_prompts=shared, attention=kernel(model))
     batch = {k: v.to(device) for k, v in batch.items()}
-    logp = trained_logprobs(model, batch, chunk)  # (N,)
+    images = batch_images(samples, batch)
+    logp = trained_logprobs(model, batch, chunk, images)  # (N,)
     seq = batch["sequence_index"]
     if loss_config.objective == "sft":  # nothing logged to compare with: no gap
         loss, stats = sft_loss(logp, torch.tensor(weights, device=device)[seq])
@@ -84,7 +88,7 @@ def micro_batch_loss(
     ref = None
     if loss_config.kl_coef > 0:
         with torch.no_grad(), model.disable_adapter():
-            ref = trained_logprobs(model, batch, chunk)
+            ref = trained_logprobs(model, batch, chunk, images)
     loss, stats = policy_loss(
         logp,
         batch["behaviour_logprobs"],
@@ -204,14 +208,15 @@ def behaviour_pass(
     serving against training (dtype, logprobs mode); on older ones, drift."""
     import torch
 
-    from .policy import pack, trained_logprobs
+    from .policy import batch_images, pack, trained_logprobs
 
     device = next(model.parameters()).device
     out: dict[int, tuple[Sample, Gap | None]] = {}
     for batch_samples in micro_batches(samples, budget):
         batch = {k: v.to(device) for k, v in pack(batch_samples).items()}
+        images = batch_images(batch_samples, batch)
         with torch.no_grad():
-            logp = trained_logprobs(model, batch, chunk).float().tolist()
+            logp = trained_logprobs(model, batch, chunk, images).float().tolist()
         for s in batch_samples:
             positions = [j for j, t in enumerate(s.trained) if t]
             mine, logp = logp[: len(positions)], logp[len(positions) :]

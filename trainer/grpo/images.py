@@ -1,0 +1,88 @@
+"""Images in a trained sequence: the vision tower's features where vLLM put image tokens.
+
+vLLM logs a prompt's token ids with each image already expanded to its placeholder
+tokens (SmolVLM's `<image>` x 64 per tile, say), and feeds the vision tower's features
+at those places. The trainer does the same: a sample that saw images carries the
+processor's tensors for them (`VisionInputs`, built and checked against the logged ids
+by trainer/night/images.py); the embeddings of a packed batch are the token embeddings
+with each image token's place taken, in order, by the next row of the images' features
+(what transformers' own vision-language models do inside `forward`, done here so that
+packing, prompt sharing and row passes stay the trainer's).
+
+The vision tower and the connector are not trained by default (LoRA targets the
+language model: `language_model_targets`), so their features carry no gradient.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class VisionInputs:
+    """A sequence's images as the model's processor prepares them (pixel values and what
+    goes with them, each model its own), with each image's sha256, in order."""
+
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    digests: tuple[str, ...]
+
+    def extends(self, earlier: VisionInputs | None) -> bool:
+        """Whether these images begin with `earlier`'s (the same conversation, later)."""
+        before = earlier.digests if earlier is not None else ()
+        return self.digests[: len(before)] == before
+
+
+def is_vision_config(config) -> bool:
+    """A vision-language model's config (transformers keeps its tower's under vision_config)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def image_token_id(config) -> int | None:
+    """The placeholder token of an image (the names differ between model families)."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def language_model_targets(model, targets: list[str]) -> list[str] | str:
+    """LoRA's target modules on a vision-language model: `targets` in the language model
+    only, as one regular expression (peft full-matches it against module names), since
+    the vision tower has projections of the same names (q_proj, ...) and vLLM serves an
+    adapter on the language model unless started with --enable-tower-connector-lora.
+    A text model's targets are returned as they are."""
+    if not is_vision_config(getattr(model, "config", None)):
+        return targets
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    names = "|".join(re.escape(t) for t in targets)
+    return rf"{re.escape(prefix)}\..*\b({names})"
+
+
+def with_image_features(decoder, ids: torch.Tensor, images: list[VisionInputs]):
+    """The input embeddings of `ids` (B, L) with every image token's embedding replaced by
+    the images' features, in order (`images`: those of the samples as laid out in the
+    rows, row by row). A count that differs is a ValueError, never a silent shift."""
+    embeds = decoder.get_input_embeddings()(ids)
+    token = image_token_id(decoder.config)
+    places = ids == token
+    features = torch.cat([image_features(decoder, v, embeds.device) for v in images])
+    if int(places.sum()) != features.shape[0]:
+        raise ValueError(
+            f"{int(places.sum())} image tokens in the batch but {features.shape[0]} image "
+            "feature rows: the images do not match the token ids"
+        )
+    return embeds.masked_scatter(places.unsqueeze(-1), features.to(embeds.dtype))
+
+
+def image_features(decoder, vision: VisionInputs, device) -> torch.Tensor:
+    """(tokens, hidden): the features of one sample's images, one row per image token."""
+    tensors = {k: v.to(device) for k, v in vision.tensors.items()}
+    out = decoder.get_image_features(**tensors, return_dict=True).pooler_output
+    if isinstance(out, list | tuple):  # some models give one tensor per image
+        out = torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
+    return out.reshape(-1, out.shape[-1])

@@ -1,0 +1,142 @@
+"""A logged turn's images, rebuilt through the model's processor and checked against vLLM.
+
+For a vision-language base model, each turn whose request showed images gets its
+images back from the store (storage/read/images.py, each verified against its hash),
+rendered with the processor's chat template and prepared by the processor as vLLM
+prepared them. The processor's token ids must equal the prompt ids vLLM logged: that
+is the proof that the pixels the trainer feeds are the ones the model saw, placed where
+it saw them. A turn that fails any of this is skipped with its reason (a DataError) and
+stays in the store.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+from pathlib import Path
+
+from overnight.storage.images import ImageDamaged, ImageMissing, ImageStore
+from overnight.storage.read.images import image_of, restore_images
+from overnight.trainer.grpo.data import DataError
+from overnight.trainer.grpo.images import VisionInputs, image_token_id
+
+
+def vision_reader(base_model: str | Path | None, data_dir: str | Path) -> VisionReader | None:
+    """The reader for a vision-language base model; None for a text model (or none)."""
+    if base_model is None:
+        return None
+    from transformers import AutoConfig
+
+    from overnight.trainer.grpo.images import is_vision_config
+
+    try:
+        config = AutoConfig.from_pretrained(base_model)
+    except (OSError, ValueError):
+        return None
+    return VisionReader(base_model, data_dir) if is_vision_config(config) else None
+
+
+class VisionReader:
+    """The images of logged turns, as the base model's processor prepares them."""
+
+    def __init__(self, base_model: str | Path, data_dir: str | Path) -> None:
+        from transformers import AutoConfig, AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(base_model)
+        self.image_token = image_token_id(AutoConfig.from_pretrained(base_model))
+        self.data_dir = Path(data_dir)
+        self.store = ImageStore(data_dir)
+
+    def turn(self, request: str | None, prompt_ids: list[int]) -> VisionInputs | None:
+        """The images of a turn's request, checked against its logged prompt ids; None
+        when it shows none. A DataError says why a turn cannot be trained as logged."""
+        body = json.loads(request) if request else None
+        messages = body.get("messages") if isinstance(body, dict) else None
+        shown = isinstance(messages, list) and any(_images_of(m) for m in messages)
+        if not shown:
+            if self.image_token in prompt_ids:
+                raise DataError("image tokens in the prompt but no image in the logged request")
+            return None
+        try:
+            messages = restore_images(messages, self.data_dir, self.store)
+        except ImageMissing as e:
+            raise DataError("an image of the turn is no longer in the store (pruned)") from e
+        except ImageDamaged as e:
+            raise DataError("an image of the turn is damaged in the store") from e
+        pictures, digests, rendered = [], [], []
+        for message in messages:
+            rendered.append(_template_message(message, pictures, digests))
+        text = self.processor.apply_chat_template(
+            rendered,
+            tools=body.get("tools") or None,
+            add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+            tokenize=False,
+        )
+        # vLLM tokenises a rendered chat without adding special tokens: the template has them.
+        encoded = self.processor(
+            text=[text], images=[pictures], return_tensors="pt", add_special_tokens=False
+        )
+        ids = encoded["input_ids"][0].tolist()
+        if ids != list(prompt_ids):
+            raise DataError(
+                "the processor builds other token ids than vLLM logged for the turn's "
+                "images and text (another processor or template than the server's?)"
+            )
+        tensors = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
+        return VisionInputs(tensors, tuple(digests))
+
+
+def _images_of(message) -> list:
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return []
+    return [p for p in content if image_of(p) is not None]
+
+
+def _template_message(message, pictures: list, digests: list) -> dict:
+    """`message` as chat templates take it: each image part `{"type": "image"}` (as vLLM
+    renders them), its decoded picture appended to `pictures`, its hash to `digests`."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        if image_of(part) is None:
+            parts.append(part)
+            continue
+        data = _image_bytes(part)
+        pictures.append(_decoded(data))
+        digests.append(hashlib.sha256(data).hexdigest())
+        parts.append({"type": "image"})
+    return {**message, "content": parts}
+
+
+def _image_bytes(part: dict) -> bytes:
+    """An image part's bytes, from its data URL (chat, Responses) or base64 (Messages)."""
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    source = part.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64":
+        data = source.get("data")
+    elif isinstance(url, str) and url.startswith("data:") and ";base64," in url:
+        data = url.split(";base64,", 1)[1]
+    else:
+        raise DataError("an image given by URL: it was not stored, so it is not trained on")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (ValueError, TypeError) as e:
+        raise DataError("an image whose base64 does not decode") from e
+
+
+def _decoded(data: bytes):
+    """The picture, as vLLM loads it (RGB). PIL's own limit refuses decompression bombs."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as picture:
+            return picture.convert("RGB")
+    except Exception as e:  # PIL raises many kinds for a file that is not a picture
+        raise DataError(f"an image that does not decode ({type(e).__name__})") from e
