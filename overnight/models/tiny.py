@@ -162,6 +162,7 @@ _WORDS = [
 
 
 MARKER = "overnight-tiny.json"  # written last: the model is whole
+VISION_MARKER = "overnight-tiny-vision.json"  # the tiny vision-language model's (tiny_vision.py)
 
 
 def _corpus(seed: int, lines: int = 4000) -> list[str]:
@@ -241,7 +242,9 @@ def build_tiny_model(
 
 def is_tiny(model_dir: str | Path | None) -> bool:
     """Whether `model_dir` is a tiny random model built here (its marker file)."""
-    return model_dir is not None and (Path(model_dir) / MARKER).is_file()
+    if model_dir is None:
+        return False
+    return any((Path(model_dir) / marker).is_file() for marker in (MARKER, VISION_MARKER))
 
 
 def _built(marker: Path, recipe: dict) -> bool:

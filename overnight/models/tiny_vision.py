@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .tiny import VISION_MARKER as MARKER  # written last: the model is whole
 from .tiny import build_tokenizer
 
-MARKER = "overnight-tiny-vision.json"  # written last: the model is whole
 IMAGE_SIDE = 56
 PATCH = 14
 SCALE_FACTOR = 2

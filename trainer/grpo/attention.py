@@ -104,7 +104,7 @@ def sharing_pays(model, shared_rows, repeated_rows) -> bool:
 
 
 def _cost(model, rows) -> float:
-    config = model.config
+    config = model.config.get_text_config()  # a vision-language model's: its language model
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads

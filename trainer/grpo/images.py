@@ -63,6 +63,18 @@ def language_model_targets(model, targets: list[str]) -> list[str] | str:
     return rf"{re.escape(prefix)}\..*\b({names})"
 
 
+def tower_parameters(config) -> int:
+    """Parameters of a vision-language model outside its language model (the vision
+    tower and the connector), counted on the meta device: no weights read or allocated."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    text = {id(p) for p in model.get_decoder().parameters()}
+    text |= {id(p) for p in model.get_output_embeddings().parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in text)
+
+
 def with_image_features(decoder, ids: torch.Tensor, images: list[VisionInputs]):
     """The input embeddings of `ids` (B, L) with every image token's embedding replaced by
     the images' features, in order (`images`: those of the samples as laid out in the

@@ -10,6 +10,9 @@ weights read) the estimate adds:
   activations       per token of a micro-batch and per layer: what the backward keeps
                     (about 16 hidden + 2 intermediate values; one hidden value with
                     gradient checkpointing, plus one layer's whole)
+  vision tower      a vision-language model's tower and connector, in the training
+                    dtype (counted on the meta device); they are frozen, so their
+                    forward keeps no activations for the backward
   logits            per trained token of a chunk (--logit-chunk-tokens): the
                     vocabulary's logits in float32 1.7 times over (trainer/grpo/head.py
                     keeps one float32 (chunk, V) tensor, beside a bfloat16 projection
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
+from overnight.trainer.grpo.images import is_vision_config, tower_parameters
 from overnight.trainer.grpo.sampling import FILTER_ROWS
 
 GIB = 1024**3
@@ -75,7 +79,12 @@ def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: in
     """The training peak for a transformers config of a decoder (Qwen2, Llama, Mistral);
     with FSDP the weights are split over `shards` devices. A sequence longer than a
     micro-batch (`longest` tokens) is forwarded alone, so the larger of the two counts.
-    `checkpointing` overrides what --gradient-checkpointing would choose."""
+    `checkpointing` overrides what --gradient-checkpointing would choose. A
+    vision-language model's language model is its text config's, its tower counted apart."""
+    tower = 0
+    if is_vision_config(model_config):
+        tower = tower_parameters(model_config)
+        model_config = model_config.get_text_config()
     h, layers = model_config.hidden_size, model_config.num_hidden_layers
     inter = getattr(model_config, "intermediate_size", 4 * h)
     vocab = model_config.vocab_size
@@ -93,7 +102,7 @@ def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: in
     }
     per_layer = sum(i * o for i, o in shapes.values()) + 2 * h
     embeddings = vocab * h * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
-    weights = (layers * per_layer + embeddings + h) * bytes_per_value / shards
+    weights = (layers * per_layer + embeddings + h + tower) * bytes_per_value / shards
     adapted = [shapes[m] for m in config.target_modules if m in shapes]
     lora = layers * sum(config.lora_rank * (i + o) for i, o in adapted) * 4 * 4
     tokens = max(config.micro_batch_tokens, longest)
