@@ -31,6 +31,7 @@ from overnight.storage import (
     now_us,
     open_db,
 )
+from overnight.storage.images import ImageStore
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.storage.read.siblings import add_turn_views
 from overnight.telemetry import traced
@@ -38,6 +39,7 @@ from overnight.telemetry import traced
 from .budget import Counter as TokenCounter
 from .budget import budget_for, counter_for
 from .cache import NO_SIGNAL, Memory, remembered
+from .images import sees_images, with_images
 from .rewards import RewardFunction
 from .ruler import (
     DEFAULT_RUBRIC,
@@ -257,8 +259,9 @@ async def run_judge(
     try:
         limit = asyncio.Semaphore(config.concurrency if config else 8)
         scoring = _Scoring(
-            config, reward, combine, memory, budget, counter, rubric, limit, writer, summary
-        )
+            config, reward, combine, memory, budget, counter, rubric, limit, writer, summary,
+            (Path(data_dir), ImageStore(data_dir)) if config and sees_images(config) else None,
+        )  # fmt: skip
         tasks = [asyncio.create_task(scoring.score(g)) for g in work]
         await _with_progress(tasks, progress)
     finally:
@@ -329,6 +332,7 @@ class _Scoring:
     limit: asyncio.Semaphore
     writer: LogWriter
     summary: Summary
+    images: tuple[Path, ImageStore] | None = None  # a judge that sees: where the pictures are
 
     async def score(self, group: Group) -> None:
         async with self.limit:
@@ -368,6 +372,8 @@ class _Scoring:
         if group.group_id in self.memory.no_signal:  # scored by the function only
             return None
         prompt = prompt_for(group, self.config, self.budget, self.counter)
+        if self.images is not None:  # the pictures the prompt names, after its text
+            prompt = with_images(prompt, group, *self.images)
         if len(prompt.ids) < 2:  # nothing to compare: no call, but a row that says why
             judgment = new_judgment(group, self.config, prompt)
             judgment.error = (

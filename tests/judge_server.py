@@ -18,7 +18,10 @@ SEEN = web.AppKey("seen", list)
 
 
 def trajectory_count(body: dict) -> int:
-    return int(re.search(r"Score all (\d+) trajectories", body["messages"][1]["content"]).group(1))
+    content = body["messages"][1]["content"]
+    if isinstance(content, list):  # a judge that sees: the text first, the pictures after it
+        content = content[0]["text"]
+    return int(re.search(r"Score all (\d+) trajectories", content).group(1))
 
 
 def answer(text: str, status: int = 200, headers: dict | None = None):

@@ -227,3 +227,94 @@ async def test_image_turns_train_on_vllm_s_own_ids_and_the_night_serves_the_adap
     await wait_for_rows(data, 19)
     served = rows(data, "SELECT model_served FROM completions WHERE rollout_id = 'after.0'")
     assert version_of(served[0]["model_served"]) == "policy-v1", served
+
+
+def test_turns_with_images_get_no_token_id_siblings():
+    """--resample and --shadow-* ask vLLM by token ids, which carry no pixels."""
+    from overnight.storage.read.siblings import decoding_unsupported
+
+    shown = {"messages": [asks(picture(COLOURS["red"]))]}
+    assert "images" in decoding_unsupported(shown)
+    assert decoding_unsupported({"messages": [{"role": "user", "content": "hi"}]}) is None
+
+
+def test_the_judge_reads_each_image_as_a_placeholder_that_tells_pictures_apart():
+    """A judge model reads text (RULER renders messages as text): an image is named, by
+    its stored hash, so trajectories with the same words and other pictures stay two."""
+    from overnight.judge.trajectories import content_text, message_key
+
+    def shown(digest: str) -> dict:
+        url = f"overnight-image:image/png;sha256:{digest}"
+        return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Which colour?"}]}  # fmt: skip
+
+    text = content_text(shown("ab" * 32)["content"])
+    assert text == f"[image sha256:{'ab' * 8}] Which colour?"
+    assert message_key(shown("ab" * 32)) != message_key(shown("cd" * 32))
+    by_url = [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+    assert content_text(by_url) == "[image https://example.com/a.png]"
+    inline = [{"type": "image_url", "image_url": {"url": data_url(picture(COLOURS["red"]))}}]
+    assert content_text(inline).startswith("[image inline:") and "base64" not in content_text(
+        inline
+    )
+
+
+def write_image_groups(data_dir, store: ImageStore, pictures: dict[str, bytes]) -> None:
+    """One group per picture: two rollouts, each shown the (stored) picture, answering."""
+    import time
+
+    from overnight.storage import LogWriter, WriterConfig
+
+    from .helpers import chat_response, completion_row
+
+    writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
+    writer.start()
+    for name, data in pictures.items():
+        digest = store.put(data, "image/png")
+        ref = f"overnight-image:image/png;sha256:{digest}"
+        shown = [{"type": "image_url", "image_url": {"url": ref}}, {"type": "text", "text": "?"}]
+        for i, text in enumerate(["red", "blue"]):
+            rollout = f"{name}.r{i}"
+            request = {"model": "policy", "messages": [{"role": "user", "content": shown}]}
+            writer.append("completions", completion_row(
+                rollout, name, record_id=f"{rollout}.rec", request_id=f"{rollout}.req",
+                request=request, response=chat_response(text)))  # fmt: skip
+            writer.append(
+                "finishes",
+                {"rollout_id": rollout, "schema_version": 1, "finished_at": time.time_ns() // 1000},
+            )
+    writer.close()
+
+
+@pytest.mark.parametrize("images", ["on", "off"])
+async def test_a_judge_that_sees_gets_each_named_picture_once(aiohttp_server, tmp_path, images):
+    """Through real litellm over HTTP: `--judge-images on` sends each picture the prompt
+    names, once, under its label (a pruned one is said to be missing); off sends text."""
+    from overnight.config import JudgeConfig
+    from overnight.judge.run import run_judge
+
+    from .judge_server import SEEN, create_judge_server, good
+
+    store = ImageStore(tmp_path)
+    red, blue = picture(COLOURS["red"]), picture(COLOURS["blue"])
+    write_image_groups(tmp_path, store, {"red-task": red, "blue-task": blue})
+    store.path(__import__("hashlib").sha256(blue).hexdigest(), "image/png").unlink()  # pruned
+    server = await aiohttp_server(create_judge_server([good()]))
+    config = JudgeConfig(model="openai/judge-model", base_url=str(server.make_url("/v1")),
+                         api_key="sk-judge", max_retries=0, timeout=10, images=images)  # fmt: skip
+    summary = await run_judge(tmp_path, config, progress=False)
+    assert summary.judged == 2, summary.failures
+    sent = [body["messages"][1]["content"] for body in server.app[SEEN]]
+    for content in sent:
+        text = content if images == "off" else content[0]["text"]
+        assert text.count("[image sha256:") == 1  # the shared context: named once
+    if images == "off":
+        assert all(isinstance(c, str) for c in sent)
+        return
+    by_picture = {}
+    for content in sent:
+        urls = [p["image_url"]["url"] for p in content if p["type"] == "image_url"]
+        by_picture[tuple(urls)] = [p.get("text", "") for p in content if p["type"] == "text"]
+    assert (data_url(red),) in by_picture  # the red one, once, under its label
+    assert by_picture[(data_url(red),)][1].startswith("[image sha256:")
+    assert () in by_picture and by_picture[()][-1].startswith("Not available: [image sha256:")

@@ -91,6 +91,16 @@ class JudgeConfig:
             "flag": "--judge-arg",
         },
     )
+    # RULER's prompt is text: an image is a placeholder naming it; a judge that sees
+    # images gets the pictures too (judge/images.py).
+    images: str = field(
+        default="auto",
+        metadata={
+            "help": "Show the judge the trajectories' images: auto (where litellm says the "
+            "judge model supports vision), on, off (a placeholder naming each image).",
+            "name": "judge_images",
+        },
+    )
     # Siblings come back from vLLM as text; the served turn's calls were parsed by the
     # server's parser, so the scorer reads siblings with the same (judge/tool_calls.py).
     tool_call_parser: str = field(
@@ -113,6 +123,8 @@ class JudgeConfig:
             raise ConfigError("max_fixes and max_retries must be >= 0, concurrency >= 1")
         if self.timeout <= 0 or self.max_tool_chars < 200:
             raise ConfigError("timeout must be positive and max_tool_chars at least 200")
+        if self.images not in ("auto", "on", "off"):
+            raise ConfigError(f"judge images must be auto, on or off, got {self.images!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 256:
             raise ConfigError("max_prompt_tokens must be at least 256")
         object.__setattr__(self, "args", tuple(self.args))
