@@ -318,3 +318,21 @@ async def test_a_judge_that_sees_gets_each_named_picture_once(aiohttp_server, tm
     assert (data_url(red),) in by_picture  # the red one, once, under its label
     assert by_picture[(data_url(red),)][1].startswith("[image sha256:")
     assert () in by_picture and by_picture[()][-1].startswith("Not available: [image sha256:")
+
+
+def test_image_tokens_without_their_images_are_never_trained(tiny_vision_dir):
+    """A sample whose ids show images, loaded without them, fails the forward pass loudly
+    rather than training on the placeholders' own embeddings."""
+    import torch
+
+    from overnight.trainer.grpo.data import Sample
+    from overnight.trainer.grpo.policy import load_base, pack, trained_logprobs
+
+    model = load_base(tiny_vision_dir, torch.float32)
+    token = model.config.image_token_id
+    sample = Sample("r", "g", [1, token, token, token, token, 5, 6], [False] * 5 + [True] * 2,
+                    [0.0] * 5 + [-1.0, -1.0], 1)  # fmt: skip
+    with pytest.raises(ValueError, match="no images"):
+        trained_logprobs(model, pack([sample]))
+    text = Sample("r", "g", [1, 2, 3, 5, 6], [False] * 3 + [True] * 2, [0.0] * 3 + [-1.0] * 2, 1)
+    assert trained_logprobs(model, pack([text])).shape == (2,)  # a text sample is fine

@@ -250,11 +250,12 @@ class Night:
         # then the turns with nothing to compare with, against the night's pool.
         plan = add_turn_groups(
             self.data_dir, plan, config, since=since, max_groups=max_groups, only=only,
-            sampling_defaults=self.defaults, scope=scope,
+            sampling_defaults=self.defaults, scope=scope, vision=self.vision,
         )  # fmt: skip
         return add_lone_turns(
             self.data_dir, plan, config, max_groups=max_groups, only=only,
             tokenizer=self.tokenizer, sampling_defaults=self.defaults, scope=scope,
+            vision=self.vision,
         )  # fmt: skip
 
     def hold_out_gate_prompts(self, plan: Plan, scorer: Scorer | None) -> tuple[Plan, HeldOut]:

@@ -75,6 +75,19 @@ def tower_parameters(config) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in text)
 
 
+def image_embeddings(decoder, ids: torch.Tensor, images: list[VisionInputs]):
+    """`with_image_features`, or None where there is nothing to put in (a text model, or
+    no image token and no image). Image tokens with no images is an error: training on
+    the placeholders' own embeddings would teach the model on pictures it never got."""
+    config = decoder.config
+    token = image_token_id(config) if is_vision_config(config) else None
+    if not images and (token is None or not bool((ids == token).any())):
+        return None
+    if not images:
+        raise ValueError("image tokens in the batch but no images for them")
+    return with_image_features(decoder, ids, images)
+
+
 def with_image_features(decoder, ids: torch.Tensor, images: list[VisionInputs]):
     """The input embeddings of `ids` (B, L) with every image token's embedding replaced by
     the images' features, in order (`images`: those of the samples as laid out in the

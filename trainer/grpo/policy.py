@@ -35,7 +35,7 @@ from overnight.errors import ConfigError
 from .attention import VARLEN, explicit_mask, flex_mask, kernel, row_passes
 from .data import Sample
 from .head import chunked_logprobs
-from .images import VisionInputs, is_vision_config, with_image_features
+from .images import VisionInputs, image_embeddings, is_vision_config
 from .sampling import NEUTRAL, SamplingParams, sampling_tensors
 
 # A shared prompt shorter than this is repeated: the mask costs more than it saves.
@@ -323,7 +323,7 @@ def _predictor_states(model, decoder, batch: dict[str, torch.Tensor], images) ->
     """The last hidden state at each trained token's predictor (N, H), over the row
     passes attention.py lays out (one, or a long row at a time)."""
     ids, positions = batch["input_ids"], batch["position_ids"]
-    embeds = with_image_features(decoder, ids, list(images)) if images else None
+    embeds = image_embeddings(decoder, ids, list(images))
     width = ids.shape[1]
     flex = kernel(model) == "flex_attention"
     mask = batch.get("attention_mask")

@@ -61,6 +61,7 @@ def add_lone_turns(
     tokenizer=None,
     sampling_defaults: dict | None = None,
     scope: PolicyScope | None = None,
+    vision=None,
 ) -> Plan:
     """`plan` plus the lone turns it pools (see the module's docstring); exactly those in
     `only` for a resumed run. Called after the per-turn groups joined the plan: a turn
@@ -81,8 +82,10 @@ def add_lone_turns(
         served = [g for g in served if g not in left]
         turns = {g: own for g, own in turns.items() if g not in left}
         plan.loaded_groups += served + list(turns)
-        loaded = load_samples(con, served, tokenizer, sampling_defaults)
-        loaded_turns = load_samples(con, list(turns), None, sampling_defaults, view="served_turns")
+        loaded = load_samples(con, served, tokenizer, sampling_defaults, vision=vision)
+        loaded_turns = load_samples(
+            con, list(turns), None, sampling_defaults, view="served_turns", vision=vision
+        )
         samples = loaded.samples + loaded_turns.samples
         rollouts = [s.rollout_id for s in samples]
         sourced = chosen_sourced_rewards(con, config.reward_sources, rollouts)

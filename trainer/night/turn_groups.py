@@ -74,6 +74,7 @@ def add_turn_groups(
     only: list[str] | None = None,
     sampling_defaults: dict | None = None,
     scope: PolicyScope | None = None,
+    vision=None,
 ) -> Plan:
     """`plan` plus the per-turn groups no run trained on whose members all have a reward
     from the judge and whose rewards differ; exactly the turn groups in `only` for a
@@ -112,7 +113,9 @@ def add_turn_groups(
         pending += wanted[room:] if room is not None else []
         wanted = wanted[:room] if room is not None else wanted
         plan.loaded_groups += wanted
-        loaded = load_samples(con, wanted, None, sampling_defaults, view="turn_completions")
+        loaded = load_samples(
+            con, wanted, None, sampling_defaults, view="turn_completions", vision=vision
+        )
     finally:
         con.close()
     _take(plan, wanted, loaded, rewards, config)
