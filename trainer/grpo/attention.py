@@ -104,7 +104,9 @@ def sharing_pays(model, shared_rows, repeated_rows) -> bool:
 
 
 def _cost(model, rows) -> float:
-    config = model.config.get_text_config()  # a vision-language model's: its language model
+    config = model.config
+    if hasattr(config, "get_text_config"):  # a vision-language model's: its language model
+        config = config.get_text_config()
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
