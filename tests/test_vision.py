@@ -80,7 +80,7 @@ def test_a_turn_s_images_are_rebuilt_and_must_match_the_logged_ids(reader):
     assert ids.count(image_token) == 4  # one 56x56 picture: 4 tokens after the connector
     vision = reader.turn(json.dumps({"messages": messages}), ids)
     assert vision.digests == (__import__("hashlib").sha256(red).hexdigest(),)
-    assert vision.tensors["pixel_values"].shape[-2:] == (56, 56)
+    assert vision.tensors()["pixel_values"].shape[-2:] == (56, 56)  # made again, on demand
     # One token off: the processor's ids are not vLLM's, the turn is refused.
     with pytest.raises(DataError, match="other token ids than vLLM logged"):
         reader.turn(json.dumps({"messages": messages}), ids[:-1] + [ids[-1] + 1])
@@ -129,7 +129,7 @@ def test_turns_with_the_same_ids_but_other_pictures_are_not_one_sequence():
     import torch
 
     def turn(prompt, completion, digests):
-        vision = VisionInputs({"pixel_values": torch.zeros(1)}, digests)
+        vision = VisionInputs(digests, lambda: {"pixel_values": torch.zeros(1)})
         return Turn(prompt, completion, [-1.0] * len(completion), vision=vision)
 
     first = turn([1, 9, 9, 2], [5, 6], ("a",))

@@ -2,9 +2,9 @@
 
 vLLM logs a prompt's token ids with each image already expanded to its placeholder
 tokens (SmolVLM's `<image>` x 64 per tile, say), and feeds the vision tower's features
-at those places. The trainer does the same: a sample that saw images carries the
-processor's tensors for them (`VisionInputs`, built and checked against the logged ids
-by trainer/night/images.py); the embeddings of a packed batch are the token embeddings
+at those places. The trainer does the same: a sample that saw images carries its
+images' hashes and how to make the processor's tensors for them (`VisionInputs`, built
+and checked against the logged ids by trainer/night/images.py); the embeddings of a packed batch are the token embeddings
 with each image token's place taken, in order, by the next row of the images' features
 (what transformers' own vision-language models do inside `forward`, done here so that
 packing, prompt sharing and row passes stay the trainer's).
@@ -16,6 +16,7 @@ language model: `language_model_targets`), so their features carry no gradient.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,11 +24,16 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class VisionInputs:
-    """A sequence's images as the model's processor prepares them (pixel values and what
-    goes with them, each model its own), with each image's sha256, in order."""
+    """A sequence's images: each one's sha256, in order, and how to get them as the
+    model's processor prepares them (pixel values and what goes with them, each model
+    its own) when a forward pass needs them. The pixels are made again each time, never
+    held for the night: a screenshot's tiles are tens of MB in float32 (SmolVLM's)."""
 
-    tensors: dict[str, torch.Tensor] = field(repr=False)
     digests: tuple[str, ...]
+    load: Callable[[], dict[str, torch.Tensor]] = field(repr=False)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.load()
 
     def extends(self, earlier: VisionInputs | None) -> bool:
         """Whether these images begin with `earlier`'s (the same conversation, later)."""
@@ -106,7 +112,7 @@ def with_image_features(decoder, ids: torch.Tensor, images: list[VisionInputs]):
 
 def image_features(decoder, vision: VisionInputs, device) -> torch.Tensor:
     """(tokens, hidden): the features of one sample's images, one row per image token."""
-    tensors = {k: v.to(device) for k, v in vision.tensors.items()}
+    tensors = {k: v.to(device) for k, v in vision.tensors().items()}
     out = decoder.get_image_features(**tensors, return_dict=True).pooler_output
     if isinstance(out, list | tuple):  # some models give one tensor per image
         out = torch.cat([o.reshape(-1, o.shape[-1]) for o in out])

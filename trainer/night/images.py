@@ -15,6 +15,7 @@ import base64
 import hashlib
 import io
 import json
+from functools import partial
 from pathlib import Path
 
 from overnight.storage.images import ImageDamaged, ImageMissing, ImageStore
@@ -59,8 +60,25 @@ class VisionReader:
             if self.image_token in prompt_ids:
                 raise DataError("image tokens in the prompt but no image in the logged request")
             return None
+        encoded, digests = self._encoded(body)
+        ids = encoded["input_ids"][0].tolist()
+        if ids != list(prompt_ids):
+            raise DataError(
+                "the processor builds other token ids than vLLM logged for the turn's "
+                "images and text (another processor or template than the server's?)"
+            )
+        # The request as logged (references, not pixels) is all that is kept.
+        return VisionInputs(tuple(digests), partial(self._pixels, body))
+
+    def _pixels(self, body: dict) -> dict:
+        """The turn's image tensors, made again from the store when a forward pass needs them."""
+        encoded, _ = self._encoded(body)
+        return {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
+
+    def _encoded(self, body: dict):
+        """(the processor's output, each image's sha256) for a logged request."""
         try:
-            messages = restore_images(messages, self.data_dir, self.store)
+            messages = restore_images(body["messages"], self.data_dir, self.store)
         except ImageMissing as e:
             raise DataError("an image of the turn is no longer in the store (pruned)") from e
         except ImageDamaged as e:
@@ -78,14 +96,7 @@ class VisionReader:
         encoded = self.processor(
             text=[text], images=[pictures], return_tensors="pt", add_special_tokens=False
         )
-        ids = encoded["input_ids"][0].tolist()
-        if ids != list(prompt_ids):
-            raise DataError(
-                "the processor builds other token ids than vLLM logged for the turn's "
-                "images and text (another processor or template than the server's?)"
-            )
-        tensors = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
-        return VisionInputs(tensors, tuple(digests))
+        return encoded, digests
 
 
 def _images_of(message) -> list:
