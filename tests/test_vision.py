@@ -336,3 +336,14 @@ def test_image_tokens_without_their_images_are_never_trained(tiny_vision_dir):
         trained_logprobs(model, pack([sample]))
     text = Sample("r", "g", [1, 2, 3, 5, 6], [False] * 3 + [True] * 2, [0.0] * 3 + [-1.0] * 2, 1)
     assert trained_logprobs(model, pack([text])).shape == (2,)  # a text sample is fine
+
+
+def test_the_gate_holds_out_no_prompt_with_images():
+    """The gate samples its held-out prompts with transformers' text path, which has no
+    pixels: a prompt that shows images is not one it can sample faithfully."""
+    from overnight.trainer.night.gate_prompts import prompt_of
+
+    shown = json.dumps({"messages": [asks(picture(COLOURS["red"]))], "max_tokens": 8})
+    assert prompt_of("g", shown) is None
+    text = json.dumps({"messages": [{"role": "user", "content": "Which colour?"}]})
+    assert prompt_of("g", text).messages[0]["content"] == "Which colour?"
