@@ -218,10 +218,6 @@ def build_tiny_model(
     initializer_range: float = 0.1,
 ) -> Path:
     """Write the model to `out_dir` (reused when already complete); returns the path."""
-    from filelock import FileLock
-
-    out = Path(out_dir)
-    marker = out / MARKER
     recipe = {
         "seed": seed,
         "vocab_size": vocab_size,
@@ -229,6 +225,15 @@ def build_tiny_model(
         "layers": layers,
         "initializer_range": initializer_range,
     }
+    return build_once(Path(out_dir), MARKER, recipe, _build)
+
+
+def build_once(out: Path, marker_name: str, recipe: dict, build) -> Path:
+    """`build(out, marker, recipe)` unless `out` already holds a model of this recipe
+    (its marker file, written last, says so); returns `out`."""
+    from filelock import FileLock
+
+    marker = out / marker_name
     if _built(marker, recipe):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -236,7 +241,7 @@ def build_tiny_model(
     # wait for it and find the marker, which is written last.
     with FileLock(out.parent / f".{out.name}.lock"):
         if not _built(marker, recipe):
-            _build(out, marker, recipe)
+            build(out, marker, recipe)
     return out
 
 

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from .tiny import VISION_MARKER as MARKER  # written last: the model is whole
-from .tiny import build_tokenizer
+from .tiny import build_once, build_tokenizer
 
 IMAGE_SIDE = 56
 PATCH = 14
@@ -66,10 +66,6 @@ def build_tiny_vision_model(
     initializer_range: float = 0.1,
 ) -> Path:
     """Write the model to `out_dir` (reused when already complete); returns the path."""
-    from filelock import FileLock
-
-    out = Path(out_dir)
-    marker = out / MARKER
     recipe = {
         "seed": seed,
         "vocab_size": vocab_size,
@@ -77,17 +73,7 @@ def build_tiny_vision_model(
         "layers": layers,
         "initializer_range": initializer_range,
     }
-    if _built(marker, recipe):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(out.parent / f".{out.name}.lock"):  # test workers may all ask at once
-        if not _built(marker, recipe):
-            _build(out, marker, recipe)
-    return out
-
-
-def _built(marker: Path, recipe: dict) -> bool:
-    return marker.exists() and json.loads(marker.read_text()) == recipe
+    return build_once(Path(out_dir), MARKER, recipe, _build)
 
 
 def _build(out: Path, marker: Path, recipe: dict) -> None:

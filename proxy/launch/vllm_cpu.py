@@ -59,14 +59,14 @@ def kv_cache_gib(config: dict, extra_args: Sequence[str], total_bytes: int | Non
     Per token the cache holds a key and a value for each layer and KV head:
     2 * layers * kv_heads * head_dim * bytes per value.
     """
-    text = config.get("text_config") or config  # multimodal configs nest the language model
+    text = _language_model(config)
     layers = int(text["num_hidden_layers"])
     heads = int(text.get("num_attention_heads") or 1)
     kv_heads = int(text.get("num_key_value_heads") or heads)
     head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
     dtype = _arg(extra_args, "--dtype") or text.get("dtype") or text.get("torch_dtype")
     per_token = 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(str(dtype), 2)
-    max_len = int(_arg(extra_args, "--max-model-len") or text.get("max_position_embeddings", 4096))
+    max_len = _max_model_len(config, extra_args)
     seqs = int(_arg(extra_args, "--max-num-seqs") or CPU_MAX_NUM_SEQS)
     wanted = math.ceil(per_token * max_len * seqs / 2**30)
     total = total_bytes if total_bytes is not None else _total_memory()
@@ -93,14 +93,22 @@ def whole_prefill_args(model: str, extra_args: Sequence[str]) -> list[str]:
     chosen = (*CHUNKED_PREFILL_FLAGS, "--max-num-batched-tokens")
     if any(a == flag or a.startswith(flag + "=") for a in extra_args for flag in chosen):
         return []
-    config = model_config(model) or {}
-    text = config.get("text_config") or config
-    max_len = int(_arg(extra_args, "--max-model-len") or text.get("max_position_embeddings", 4096))
+    max_len = _max_model_len(model_config(model) or {}, extra_args)
     return [
         "--no-enable-chunked-prefill",
         "--max-num-batched-tokens",
         str(max(max_len, DEFAULT_BATCHED_TOKENS)),
     ]
+
+
+def _language_model(config: dict) -> dict:
+    return config.get("text_config") or config  # multimodal configs nest the language model
+
+
+def _max_model_len(config: dict, extra_args: Sequence[str]) -> int:
+    """The longest sequence vLLM will take: --max-model-len, else the model's own."""
+    given = _arg(extra_args, "--max-model-len")
+    return int(given or _language_model(config).get("max_position_embeddings", 4096))
 
 
 def model_config(model: str) -> dict | None:

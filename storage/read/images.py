@@ -102,6 +102,11 @@ def image_parts(message: Any) -> list[ImagePart | None]:
     return [image_of(p) for p in content]
 
 
+def shows_images(messages: Any) -> bool:
+    """Whether any message of a chat request shows an image (in any of the three shapes)."""
+    return isinstance(messages, list) and any(any(image_parts(m)) for m in messages)
+
+
 def image_of(part: Any) -> ImagePart | None:
     """The image a content part holds, in any of the three shapes; None if none."""
     if not isinstance(part, dict):

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from overnight.storage.ids import new_id
-from overnight.storage.read.images import image_parts
+from overnight.storage.read.images import shows_images
 from overnight.storage.schema import SCHEMA_VERSION
 
 TABLE = "siblings"
@@ -102,8 +102,7 @@ def decoding_unsupported(request: Mapping) -> str | None:
         return "tool_choice constrains decoding (not redone on token ids)"
     if fmt in ("json_object", "json_schema") or request.get("structured_outputs"):
         return "structured output constrains decoding (not redone on token ids)"
-    messages = request.get("messages")
-    if isinstance(messages, list) and any(any(image_parts(m)) for m in messages):
+    if shows_images(request.get("messages")):
         return "the prompt shows images (token ids carry no pixels)"
     return None
 

@@ -4,8 +4,9 @@ vLLM logs a prompt's token ids with each image already expanded to its placehold
 tokens (SmolVLM's `<image>` x 64 per tile, say), and feeds the vision tower's features
 at those places. The trainer does the same: a sample that saw images carries its
 images' hashes and how to make the processor's tensors for them (`VisionInputs`, built
-and checked against the logged ids by trainer/night/images.py); the embeddings of a packed batch are the token embeddings
-with each image token's place taken, in order, by the next row of the images' features
+and checked against the logged ids by trainer/night/images.py); the embeddings of a
+packed batch are the token embeddings with each image token's place taken, in order,
+by the next row of the images' features
 (what transformers' own vision-language models do inside `forward`, done here so that
 packing, prompt sharing and row passes stay the trainer's).
 
@@ -34,6 +35,12 @@ class VisionInputs:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return self.load()
+
+    def held(self) -> VisionInputs:
+        """These images with their tensors made once, for every pass of one micro-batch
+        (the policy's and, with --kl-coef, the reference's)."""
+        tensors = self.load()
+        return VisionInputs(self.digests, lambda: tensors)
 
     def extends(self, earlier: VisionInputs | None) -> bool:
         """Whether these images begin with `earlier`'s (the same conversation, later)."""

@@ -299,8 +299,9 @@ class _Layout:
 
 
 def batch_images(samples: list[Sample], batch: dict[str, torch.Tensor]) -> list[VisionInputs]:
-    """The images of a packed batch's samples, in the order their tokens lie in the rows."""
-    return [samples[i].vision for i in batch["image_samples"].tolist()]
+    """The images of a packed batch's samples, in the order their tokens lie in the rows,
+    each made once for all of the batch's passes."""
+    return [samples[i].vision.held() for i in batch["image_samples"].tolist()]
 
 
 def trained_logprobs(

@@ -31,7 +31,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from overnight.storage import open_db
-from overnight.storage.read.images import image_parts
+from overnight.storage.read.images import shows_images
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.storage.read.siblings import add_turn_views
 
@@ -76,7 +76,7 @@ def prompt_of(group_id: str, request_text: str | None) -> GatePrompt | None:
     messages = request.get("messages")
     if not messages or not isinstance(messages, list):
         return None  # text completions and redacted bodies: nothing to sample from
-    if any(any(image_parts(m)) for m in messages):
+    if shows_images(messages):
         return None  # the gate samples through the tokenizer's text path: no pixels
     cap = request.get("max_completion_tokens") or request.get("max_tokens") or MAX_NEW_TOKENS
     temperature = request.get("temperature")

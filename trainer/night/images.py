@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from overnight.storage.images import ImageDamaged, ImageMissing, ImageStore
-from overnight.storage.read.images import image_of, restore_images
+from overnight.storage.read.images import image_of, restore_images, shows_images
 from overnight.trainer.grpo.data import DataError
 from overnight.trainer.grpo.images import VisionInputs, image_token_id
 
@@ -54,9 +54,7 @@ class VisionReader:
         """The images of a turn's request, checked against its logged prompt ids; None
         when it shows none. A DataError says why a turn cannot be trained as logged."""
         body = json.loads(request) if request else None
-        messages = body.get("messages") if isinstance(body, dict) else None
-        shown = isinstance(messages, list) and any(_images_of(m) for m in messages)
-        if not shown:
+        if not shows_images(body.get("messages") if isinstance(body, dict) else None):
             if self.image_token in prompt_ids:
                 raise DataError("image tokens in the prompt but no image in the logged request")
             return None
@@ -97,13 +95,6 @@ class VisionReader:
             text=[text], images=[pictures], return_tensors="pt", add_special_tokens=False
         )
         return encoded, digests
-
-
-def _images_of(message) -> list:
-    content = message.get("content") if isinstance(message, dict) else None
-    if not isinstance(content, list):
-        return []
-    return [p for p in content if image_of(p) is not None]
 
 
 def _template_message(message, pictures: list, digests: list) -> dict:

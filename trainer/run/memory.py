@@ -75,16 +75,18 @@ class Estimate:
 
 
 def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: int = 1,
-             longest: int = 0, checkpointing: bool | None = None) -> Estimate:  # fmt: skip
+             longest: int = 0, checkpointing: bool | None = None,
+             tower: int | None = None) -> Estimate:  # fmt: skip
     """The training peak for a transformers config of a decoder (Qwen2, Llama, Mistral);
     with FSDP the weights are split over `shards` devices. A sequence longer than a
     micro-batch (`longest` tokens) is forwarded alone, so the larger of the two counts.
     `checkpointing` overrides what --gradient-checkpointing would choose. A
-    vision-language model's language model is its text config's, its tower counted apart."""
-    tower = 0
+    vision-language model's language model is its text config's, its tower counted apart
+    (`tower`: its parameters, where already counted)."""
     if is_vision_config(model_config):
-        tower = tower_parameters(model_config)
+        tower = tower_parameters(model_config) if tower is None else tower
         model_config = model_config.get_text_config()
+    tower = tower or 0
     h, layers = model_config.hidden_size, model_config.num_hidden_layers
     inter = getattr(model_config, "intermediate_size", 4 * h)
     vocab = model_config.vocab_size
@@ -140,11 +142,13 @@ def check_fits(base_model: str, config: TrainConfig, device: str, bytes_per_valu
     from transformers import AutoConfig
 
     model_config = AutoConfig.from_pretrained(base_model)
-    need = estimate(model_config, config, bytes_per_value, shards, longest)
+    # Counted once (a model built on the meta device), for both estimates below.
+    tower = tower_parameters(model_config) if is_vision_config(model_config) else None
+    need = estimate(model_config, config, bytes_per_value, shards, longest, tower=tower)
     free = free_memory(device) if free is None else free
     usable = int(free * (1 - SPARE))
     if config.gradient_checkpointing == "auto":
-        with_it = estimate(model_config, config, bytes_per_value, shards, longest, True)
+        with_it = estimate(model_config, config, bytes_per_value, shards, longest, True, tower)
         if need.total <= usable:
             say(f"memory: the night fits without gradient checkpointing (about "
                 f"{need.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable): it stays off, "
