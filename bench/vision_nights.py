@@ -56,7 +56,7 @@ def reward(colour: str, text: str) -> float:
     return share if colour == "red" else 1.0 - share
 
 
-async def day(proxy, tag: str, groups: int, size: int, rng: random.Random) -> dict:
+async def day(proxy, tag: str, groups: int, size: int, max_tokens: int, rng: random.Random) -> dict:
     """One day's groups through the proxy, rewarded and finished: the day's figures."""
     import base64
 
@@ -73,7 +73,7 @@ async def day(proxy, tag: str, groups: int, size: int, rng: random.Random) -> di
             r = await proxy.post(
                 "/v1/chat/completions",
                 headers={"X-Rollout-Group": f"{tag}-{g}", "X-Rollout-Id": rollout},
-                json={"model": "policy", "messages": messages, "max_tokens": 8,
+                json={"model": "policy", "messages": messages, "max_tokens": max_tokens,
                       "temperature": 1.0, "top_k": 50},
             )  # fmt: skip
             assert r.status == 200, await r.text()
@@ -99,9 +99,10 @@ async def nights(upstream: str, work: Path, args, say) -> list[dict]:
     out = []
     async with TestClient(TestServer(create_app(config))) as proxy:
         url = str(proxy.make_url(""))
-        night_config = TrainConfig(**TINY_CPU_PRESET, watch=False, seed=args.seed)
+        preset = {**TINY_CPU_PRESET, "learning_rate": args.learning_rate, "epochs": args.epochs}
+        night_config = TrainConfig(**preset, watch=False, seed=args.seed)
         for n in range(args.nights + 1):
-            figures = await day(proxy, f"day{n}", args.groups, args.size, rng)
+            figures = await day(proxy, f"day{n}", args.groups, args.size, args.max_tokens, rng)
             out.append(figures)
             say(f"day {n}: mean reward {figures['reward']:.3f} on new pictures; a-m share of "
                 f"red {figures['red']:.3f}, blue {figures['blue']:.3f}, gap "
@@ -118,12 +119,18 @@ async def nights(upstream: str, work: Path, args, say) -> list[dict]:
 
 
 def main() -> None:
+    from overnight.config import TINY_CPU_PRESET
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nights", type=int, default=5)
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--size", type=int, default=4, help="rollouts per group")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--max-tokens", type=int, default=8, help="the reply's length")
+    parser.add_argument("--learning-rate", type=float, default=TINY_CPU_PRESET["learning_rate"])
+    parser.add_argument("--epochs", type=int, default=TINY_CPU_PRESET["epochs"])
     args = parser.parse_args()
+    print(vars(args), flush=True)
 
     from overnight.models.tiny_vision import build_tiny_vision_model
     from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess

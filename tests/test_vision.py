@@ -229,6 +229,67 @@ async def test_image_turns_train_on_vllm_s_own_ids_and_the_night_serves_the_adap
     assert version_of(served[0]["model_served"]) == "policy-v1", served
 
 
+@pytest.mark.vllm
+async def test_responses_and_messages_image_turns_train_as_chat_turns_do(
+    vision_server, make_proxy, tmp_path
+):
+    """The same picture through /v1/responses (`input_image`) and /v1/messages (an
+    `image` block) of a real vLLM: the Responses turn carries vLLM's own ids, which the
+    processor's equal, and its logprobs are the trainer's; the Messages turn (vLLM gives
+    it no ids) is rebuilt by the processor to as many tokens as vLLM counted."""
+    from overnight.storage.read.reader import open_db
+    from overnight.trainer.grpo.logged_turns import load_samples
+    from overnight.trainer.grpo.policy import load_policy
+    from overnight.trainer.grpo.step import behaviour_pass
+
+    proxy = await make_proxy(upstream=vision_server.url)
+    data = tmp_path / "data"
+    green = picture(COLOURS["green"])
+    b64 = base64.b64encode(green).decode()
+    responses = {"model": "tiny-vision", "max_output_tokens": 6, "temperature": 1.0,
+                 "input": [{"role": "user", "content": [
+                     {"type": "input_image", "image_url": data_url(green)},
+                     {"type": "input_text", "text": "Which colour?"}]}]}  # fmt: skip
+    messages = {"model": "tiny-vision", "max_tokens": 6, "temperature": 1.0,
+                "messages": [{"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": b64}},
+                    {"type": "text", "text": "Which colour?"}]}]}  # fmt: skip
+    for path, body, name in (("/v1/responses", responses, "resp"),
+                             ("/v1/messages", messages, "msg")):  # fmt: skip
+        for i in range(2):
+            r = await proxy.post(
+                path, json=body, headers={"X-Rollout-Group": name, "X-Rollout-Id": f"{name}.{i}"}
+            )
+            assert r.status == 200, await r.text()
+    logged = {r["rollout_id"]: r for r in await wait_for_rows(data, 4)}
+    assert len(ImageStore(data).list()) == 1  # one picture, stored once for all four
+    assert logged["resp.0"]["prompt_token_ids"] and not logged["msg.0"]["prompt_token_ids"]
+    reader = VisionReader(vision_server.config.model, data)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vision_server.config.model)
+    con = open_db(data)
+    try:
+        loaded = load_samples(con, ["resp", "msg"], tokenizer, vision=reader)
+    finally:
+        con.close()
+    assert not loaded.skipped, dict(loaded.skipped)
+    by_group = {g: [s for s in loaded.samples if s.group_id == g] for g in ("resp", "msg")}
+    assert len(by_group["resp"]) == len(by_group["msg"]) == 2
+    expected = expected_ids(reader, [asks(green)], [green])
+    for s in loaded.samples:
+        assert s.tokens[: len(expected)] == expected and s.vision.digests == (sha256(green),)
+    # The Messages turns: re-tokenised; the prompt, pictures and all, to exactly vLLM's
+    # count of it (a random model's reply text need not re-tokenise as it was sampled).
+    assert loaded.retokenised == 2 and len(loaded.token_count_gaps) == 2
+    assert [logged[f"msg.{i}"]["prompt_tokens"] for i in range(2)] == [len(expected)] * 2
+    # The Responses turns: vLLM's own ids and logprobs, which the trainer's equal.
+    model = load_policy(vision_server.config.model)
+    _, gaps = behaviour_pass(model, by_group["resp"], budget=4096)
+    assert max(g.max_gap for g in gaps) < 1e-3, [g.max_gap for g in gaps]
+
+
 def test_turns_with_images_get_no_token_id_siblings():
     """--resample and --shadow-* ask vLLM by token ids, which carry no pixels."""
     from overnight.storage.read.siblings import decoding_unsupported
@@ -347,3 +408,98 @@ def test_the_gate_holds_out_no_prompt_with_images():
     assert prompt_of("g", shown) is None
     text = json.dumps({"messages": [{"role": "user", "content": "Which colour?"}]})
     assert prompt_of("g", text).messages[0]["content"] == "Which colour?"
+
+
+# -- records without vLLM's ids: Messages turns and --sft nights -----------------------------
+
+
+def stored(data_dir, messages: list[dict]) -> list[dict]:
+    """`messages` as the proxy records them: each picture in the image store, referenced."""
+    from overnight.storage.write.images import ImageCapture
+
+    body, problems = ImageCapture(data_dir).externalize({"messages": messages})
+    assert not problems, problems
+    return body["messages"]
+
+
+def test_a_messages_turn_is_rebuilt_through_the_processor(reader):
+    """vLLM gives no token ids on /v1/messages: such a turn is re-tokenised, and where
+    it shows images the processor builds its prompt (pictures and all), never the
+    tokenizer's text path (which would leave image tokens without pixels)."""
+    from transformers import AutoTokenizer
+
+    from overnight.trainer.grpo.logged_turns import Loaded, _retokenise
+
+    tokenizer = AutoTokenizer.from_pretrained(reader.processor.tokenizer.name_or_path)
+    blue = picture(COLOURS["blue"])
+    shown = [asks(blue)]
+    request = json.dumps({"messages": stored(reader.data_dir, shown)})
+    response = json.dumps({"choices": [{"message": {"role": "assistant", "content": "blue"},
+                                        "finish_reason": "stop"}]})  # fmt: skip
+    expected = expected_ids(reader, shown, [blue])
+    out = Loaded()
+    turn = _retokenise(tokenizer, request, response, len(expected), None, "messages", out, reader)
+    assert turn.prompt_ids == expected and turn.vision.digests == (sha256(blue),)
+    assert turn.completion_ids[-1] == tokenizer.eos_token_id and out.retokenised == 1
+    # vLLM's own count of the prompt (its usage) is compared, as for every re-tokenised turn.
+    out = Loaded()
+    _retokenise(tokenizer, request, response, len(expected), 2, "messages", out, reader)
+    assert out.token_count_gaps == [len(turn.completion_ids) - 2]
+    # A picture pruned since: the turn's reason, not a crash.
+    gone = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "overnight-image:image/png;sha256:" + "cd" * 32}}]}]}  # fmt: skip
+    with pytest.raises(DataError, match="no longer in the store"):
+        _retokenise(tokenizer, json.dumps(gone), response, None, None, "messages", Loaded(),
+                    reader)  # fmt: skip
+
+
+def sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.slow
+def test_an_sft_night_imitates_answers_about_pictures(tmp_path, tiny_vision_dir):
+    """--sft on a vision-language model: a hosted teacher's answers about pictures are
+    rendered through the processor (the pictures in the trained sequence), the same
+    words about other pictures are other sequences, and the night lowers the loss."""
+    from transformers import AutoTokenizer
+
+    from overnight.trainer.night.sft_plan import plan_sft
+
+    from .test_sft import Records, _mean_nll, sft
+
+    records = Records(tmp_path)
+    for name, rgb in COLOURS.items():
+        for shade in range(2):  # two pictures of each colour, the same answer
+            rollout = f"{name}{shade}"
+            image = picture(tuple(max(0, c - 40 * shade) for c in rgb))
+            records.turn(rollout, rollout, stored(tmp_path, [asks(image)]),
+                         {"role": "assistant", "content": f"It is {name}."})  # fmt: skip
+            records.finish(rollout)
+    records.close()
+    reader = VisionReader(tiny_vision_dir, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vision_dir)
+    plan = plan_sft(tmp_path, sft(), settle_seconds=600, tokenizer=tokenizer, vision=reader)
+    assert len(plan.samples) == 6 and not plan.skipped, dict(plan.skipped)
+    assert plan.sft["duplicates"] == 0  # the same words about another picture: kept
+    for s in plan.samples:
+        assert s.tokens.count(reader.image_token) == 4 and len(s.vision.digests) == 1
+        trained = tokenizer.decode([t for t, on in zip(s.tokens, s.trained, strict=True) if on])
+        assert trained.startswith("It is ") and reader.image_token not in [
+            t for t, on in zip(s.tokens, s.trained, strict=True) if on
+        ]
+    # Without the processor (a text model's path) such a turn is skipped with its reason.
+    text_plan = plan_sft(tmp_path, sft(), settle_seconds=600, tokenizer=tokenizer)
+    assert not text_plan.samples and any("not text" in r for r in text_plan.skipped)
+
+    from overnight.trainer.train import train
+
+    preset = {**TINY_CPU_PRESET, "learning_rate": 1e-2, "epochs": 3}
+    config = sft(**preset, base_model=str(tiny_vision_dir))
+    result = train(tmp_path, config, promote=False, settle_seconds=600, say=lambda _: None)
+    assert result.adapter_path is not None
+    before = _mean_nll(tiny_vision_dir, None, plan.samples)
+    after = _mean_nll(tiny_vision_dir, result.adapter_path, plan.samples)
+    assert after < 0.7 * before, (before, after)

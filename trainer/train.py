@@ -239,7 +239,7 @@ class Night:
         if config.sft:  # the logged conversations to imitate (night/sft_plan.py)
             tokenizer = _sft_tokenizer(self.tokenizer, self.base_model)
             return plan_sft(self.data_dir, config, settle_seconds, since, max_groups, only,
-                            tokenizer, scope)  # fmt: skip
+                            tokenizer, scope, vision=self.vision)  # fmt: skip
         served_only = None if only is None else [g for g in only if not is_turn_group(g)]
         plan = plan_run(
             self.data_dir, config, settle_seconds, since, max_groups, served_only,

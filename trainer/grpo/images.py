@@ -48,6 +48,17 @@ class VisionInputs:
         return self.digests[: len(before)] == before
 
 
+@dataclass(frozen=True)
+class Rendering:
+    """A conversation for a processor's chat template (trainer/night/images.py): its
+    messages (images as store references), tools, and whether the generation prompt
+    follows."""
+
+    messages: list
+    tools: list | None = None
+    add_generation_prompt: bool = True
+
+
 def is_vision_config(config) -> bool:
     """A vision-language model's config (transformers keeps its tower's under vision_config)."""
     return getattr(config, "vision_config", None) is not None

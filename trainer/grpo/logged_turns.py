@@ -7,7 +7,10 @@ from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
+from overnight.storage.read.images import shows_images
+
 from .data import DataError, Sample, Turn, merge_turns
+from .images import Rendering
 from .sampling import NEUTRAL, SamplingParams, from_request, unreproduced
 
 
@@ -88,7 +91,11 @@ def load_samples(
         elif upstream is not None:  # not sampled from the policy: off-policy (docs/grpo.md)
             out.skipped[HOSTED_SKIP] += 1
         elif not prompt or not completion:
-            turn = _retokenise(tokenizer, *text, out) if tokenizer is not None else None
+            try:
+                turn = _retokenise(tokenizer, *text, out, vision) if tokenizer else None
+            except DataError as e:
+                out.skipped[str(e)] += 1
+                continue
             if turn is None:
                 out.skipped["no token ids logged"] += 1
             else:  # the starting policy is its behaviour: processed as it is trained
@@ -133,9 +140,18 @@ def chat_ids(tokenizer, messages: list[dict], tools, add_generation_prompt: bool
 
 
 def _retokenise(
-    tokenizer, request, response, prompt_tokens, completion_tokens, endpoint, out: Loaded
+    tokenizer,
+    request,
+    response,
+    prompt_tokens,
+    completion_tokens,
+    endpoint,
+    out: Loaded,
+    vision=None,
 ):
-    """A Turn rebuilt from the logged text, or None when that cannot be done faithfully."""
+    """A Turn rebuilt from the logged text, or None when that cannot be done faithfully.
+    A prompt that shows images is built by the model's processor (`vision`), as vLLM
+    built it; a DataError says why one cannot be."""
     import json
 
     # Responses and Messages rows hold their conversation in the chat shape too (the
@@ -148,7 +164,11 @@ def _retokenise(
     message = (response.get("choices") or [{}])[0].get("message") or {}
     if message.get("tool_calls") or not message.get("content"):
         return None  # the template's rendering of a call is not the model's own tokens
-    prompt = chat_ids(tokenizer, request["messages"], request.get("tools"), True)
+    images = None
+    if vision is not None and shows_images(request["messages"]):
+        prompt, images = vision.rendered(Rendering(request["messages"], request.get("tools")))
+    else:
+        prompt = chat_ids(tokenizer, request["messages"], request.get("tools"), True)
     completion = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
     if (response.get("choices") or [{}])[0].get(
         "finish_reason"
@@ -159,4 +179,4 @@ def _retokenise(
             len(prompt) + len(completion) - prompt_tokens - completion_tokens
         )
     out.retokenised += 1
-    return Turn(prompt, completion, None)
+    return Turn(prompt, completion, None, vision=images)

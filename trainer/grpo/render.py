@@ -28,7 +28,10 @@ from collections import defaultdict
 
 import pyarrow as pa
 
+from overnight.storage.read.images import image_of, shows_images
+
 from .data import DataError, Turn, merge_turns
+from .images import Rendering
 from .logged_turns import Loaded, chat_ids
 
 # The endpoints whose rows hold a conversation in the chat shape (the proxy normalises
@@ -39,11 +42,13 @@ CONVERSATION_ENDPOINTS = ("chat.completions", "responses", "messages")
 BARE = {"role", "content", "reasoning_content"}
 
 
-def chat_messages(messages) -> list[dict]:
+def chat_messages(messages, images: bool = False) -> list[dict]:
     """`messages` as chat templates take them (transformers' conventions): content text,
     "" where a reply had none; tool call arguments as objects, which a template writes in
     its own format; reasoning under `reasoning_content`, merged into the reply it
-    preceded. Anything else a template cannot render faithfully is a DataError."""
+    preceded. With `images` (a vision-language model's processor renders them), content
+    may be text and image parts, kept as they are. Anything else a template cannot render
+    faithfully is a DataError."""
     if not isinstance(messages, list) or not messages:
         raise DataError("a record without messages")
     out: list[dict] = []
@@ -59,9 +64,17 @@ def chat_messages(messages) -> list[dict]:
             isinstance(p, dict) and p.get("type") == "text" for p in content
         ):
             content = "".join(str(p.get("text") or "") for p in content)
-        if content is not None and not isinstance(content, str):
+        if (
+            images
+            and isinstance(content, list)
+            and all(
+                isinstance(p, dict) and (p.get("type") == "text" or image_of(p)) for p in content
+            )
+        ):
+            pass  # text and pictures, for the processor's template
+        elif content is not None and not isinstance(content, str):
             raise DataError("a message's content is not text (an image, or not a string)")
-        message["content"] = content or ""
+        message["content"] = content if isinstance(content, list) else content or ""
         if message.get("reasoning") and not message.get("reasoning_content"):
             message["reasoning_content"] = message.pop("reasoning")
         if message["role"] == "assistant" and not message["content"] and set(message) <= BARE:
@@ -94,20 +107,27 @@ def _call(call) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def render_turn(tokenizer, request: dict, reply: dict) -> Turn:
-    """One turn: the request's conversation as context, the reply as the completion."""
-    context = chat_messages(request.get("messages"))
+def render_turn(tokenizer, request: dict, reply: dict, vision=None) -> Turn:
+    """One turn: the request's conversation as context, the reply as the completion.
+    `vision`: a vision-language model's reader (trainer/night/images.py), whose
+    processor renders a context that shows images, pictures and all."""
+    context = chat_messages(request.get("messages"), images=vision is not None)
     answer = (chat_messages([reply]) or [{}])[-1]
     if not (answer.get("content") or answer.get("tool_calls") or answer.get("reasoning_content")):
         raise DataError("an empty reply")
     tools = request.get("tools") or None
-    try:
-        prompt = chat_ids(tokenizer, context, tools, add_generation_prompt=True)
-        whole = chat_ids(tokenizer, [*context, answer], tools, add_generation_prompt=False)
-    except Exception as e:  # jinja2's errors, a template's raise_exception, a bad value
-        raise DataError(
-            f"the local chat template cannot render it ({type(e).__name__}: {str(e)[:120]})"
-        ) from None
+    images = None
+    if vision is not None and shows_images(context):
+        prompt, images = vision.rendered(Rendering(context, tools, add_generation_prompt=True))
+        whole, _ = vision.rendered(Rendering([*context, answer], tools, False))
+    else:
+        try:
+            prompt = chat_ids(tokenizer, context, tools, add_generation_prompt=True)
+            whole = chat_ids(tokenizer, [*context, answer], tools, add_generation_prompt=False)
+        except Exception as e:  # jinja2's errors, a template's raise_exception, a bad value
+            raise DataError(
+                f"the local chat template cannot render it ({type(e).__name__}: {str(e)[:120]})"
+            ) from None
     if whole[: len(prompt)] != prompt:
         raise DataError(
             "the local chat template renders the context differently once the reply follows"
@@ -117,7 +137,7 @@ def render_turn(tokenizer, request: dict, reply: dict) -> Turn:
         # A template without tool support (SmolLM2's) writes the reply's content alone:
         # imitated, it would teach the model to answer a call with nothing.
         raise DataError("the local chat template does not render tool calls")
-    return Turn(prompt, _through_end_of_turn(tokenizer, completion), None)
+    return Turn(prompt, _through_end_of_turn(tokenizer, completion), None, vision=images)
 
 
 def _renders_calls(tokenizer, completion: list[int], answer: dict) -> bool:
@@ -137,10 +157,11 @@ def _through_end_of_turn(tokenizer, completion: list[int]) -> list[int]:
     return completion[: last + 1]
 
 
-def load_conversations(con, rollouts: list[str], tokenizer) -> Loaded:
+def load_conversations(con, rollouts: list[str], tokenizer, vision=None) -> Loaded:
     """Samples of `rollouts` (each its turns in order), rendered with `tokenizer`'s chat
-    template; every turn's reply trained, the rest context. Sampled at no temperature:
-    the loss is the model's own distribution's cross-entropy."""
+    template (a turn that shows images, with `vision`'s processor); every turn's reply
+    trained, the rest context. Sampled at no temperature: the loss is the model's own
+    distribution's cross-entropy."""
     out = Loaded()
     if not rollouts:
         return out
@@ -157,7 +178,7 @@ def load_conversations(con, rollouts: list[str], tokenizer) -> Loaded:
         *(column.to_pylist() for column in table.columns), strict=True
     ):
         try:
-            turn = _turn(tokenizer, error, endpoint, request, response)
+            turn = _turn(tokenizer, error, endpoint, request, response, vision)
         except DataError as e:
             out.skipped[str(e)] += 1
             continue
@@ -168,7 +189,7 @@ def load_conversations(con, rollouts: list[str], tokenizer) -> Loaded:
     return out
 
 
-def _turn(tokenizer, error, endpoint, request, response) -> Turn:
+def _turn(tokenizer, error, endpoint, request, response, vision) -> Turn:
     if error is not None:
         raise DataError("the turn failed or was cut off")
     if endpoint not in CONVERSATION_ENDPOINTS:
@@ -185,4 +206,4 @@ def _turn(tokenizer, error, endpoint, request, response) -> Turn:
     if choice.get("finish_reason") == "length":
         # Imitated, it would teach the model to end its turn where a cap cut the text.
         raise DataError("the reply was cut off at its token limit (finish_reason length)")
-    return render_turn(tokenizer, request, {"role": "assistant", **reply})
+    return render_turn(tokenizer, request, {"role": "assistant", **reply}, vision)

@@ -21,7 +21,7 @@ from pathlib import Path
 from overnight.storage.images import ImageDamaged, ImageMissing, ImageStore
 from overnight.storage.read.images import image_of, restore_images, shows_images
 from overnight.trainer.grpo.data import DataError
-from overnight.trainer.grpo.images import VisionInputs, image_token_id
+from overnight.trainer.grpo.images import Rendering, VisionInputs, image_token_id
 
 
 def vision_reader(base_model: str | Path | None, data_dir: str | Path) -> VisionReader | None:
@@ -36,17 +36,18 @@ def vision_reader(base_model: str | Path | None, data_dir: str | Path) -> Vision
         config = AutoConfig.from_pretrained(base_model)
     except (OSError, ValueError):
         return None
-    return VisionReader(base_model, data_dir) if is_vision_config(config) else None
+    return VisionReader(base_model, data_dir, config) if is_vision_config(config) else None
 
 
 class VisionReader:
     """The images of logged turns, as the base model's processor prepares them."""
 
-    def __init__(self, base_model: str | Path, data_dir: str | Path) -> None:
+    def __init__(self, base_model: str | Path, data_dir: str | Path, config=None) -> None:
         from transformers import AutoConfig, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(base_model)
-        self.image_token = image_token_id(AutoConfig.from_pretrained(base_model))
+        config = config if config is not None else AutoConfig.from_pretrained(base_model)
+        self.image_token = image_token_id(config)
         self.data_dir = Path(data_dir)
         self.store = ImageStore(data_dir)
 
@@ -54,42 +55,60 @@ class VisionReader:
         """The images of a turn's request, checked against its logged prompt ids; None
         when it shows none. A DataError says why a turn cannot be trained as logged."""
         body = json.loads(request) if request else None
-        if not shows_images(body.get("messages") if isinstance(body, dict) else None):
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if not shows_images(messages):
             if self.image_token in prompt_ids:
                 raise DataError("image tokens in the prompt but no image in the logged request")
             return None
-        encoded, digests = self._encoded(body)
-        ids = encoded["input_ids"][0].tolist()
+        rendering = Rendering(
+            messages, body.get("tools"), body.get("add_generation_prompt", True) is not False
+        )
+        ids, vision = self.rendered(rendering)
         if ids != list(prompt_ids):
             raise DataError(
                 "the processor builds other token ids than vLLM logged for the turn's "
                 "images and text (another processor or template than the server's?)"
             )
-        # The request as logged (references, not pixels) is all that is kept.
-        return VisionInputs(tuple(digests), partial(self._pixels, body))
+        return vision
 
-    def _pixels(self, body: dict) -> dict:
+    def rendered(self, rendering: Rendering) -> tuple[list[int], VisionInputs]:
+        """The token ids the processor builds for a conversation that shows images, and
+        its images. Where no ids were logged (a Messages record, an --sft night's hosted
+        answers) these are the ids trained on; where they were, `turn` checks them."""
+        encoded, digests = self._encoded(rendering)
+        # The request as logged (references, not pixels) is all that is kept.
+        return encoded["input_ids"][0].tolist(), VisionInputs(
+            tuple(digests), partial(self._pixels, rendering)
+        )
+
+    def _pixels(self, rendering: Rendering) -> dict:
         """The turn's image tensors, made again from the store when a forward pass needs them."""
-        encoded, _ = self._encoded(body)
+        encoded, _ = self._encoded(rendering)
         return {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
 
-    def _encoded(self, body: dict):
-        """(the processor's output, each image's sha256) for a logged request."""
+    def _encoded(self, rendering: Rendering):
+        """(the processor's output, each image's sha256) for a logged conversation."""
         try:
-            messages = restore_images(body["messages"], self.data_dir, self.store)
+            messages = restore_images(rendering.messages, self.data_dir, self.store)
         except ImageMissing as e:
             raise DataError("an image of the turn is no longer in the store (pruned)") from e
         except ImageDamaged as e:
             raise DataError("an image of the turn is damaged in the store") from e
-        pictures, digests, rendered = [], [], []
+        pictures, digests, templated = [], [], []
         for message in messages:
-            rendered.append(_template_message(message, pictures, digests))
-        text = self.processor.apply_chat_template(
-            rendered,
-            tools=body.get("tools") or None,
-            add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-            tokenize=False,
-        )
+            templated.append(_template_message(message, pictures, digests))
+        try:
+            text = self.processor.apply_chat_template(
+                templated,
+                tools=rendering.tools or None,
+                add_generation_prompt=rendering.add_generation_prompt,
+                tokenize=False,
+            )
+        except Exception as e:  # jinja2's errors, a template's raise_exception, a bad value
+            raise DataError(
+                f"the processor's chat template cannot render it ({type(e).__name__}: "
+                f"{str(e)[:120]})"
+            ) from None
         # vLLM tokenises a rendered chat without adding special tokens: the template has them.
         encoded = self.processor(
             text=[text], images=[pictures], return_tensors="pt", add_special_tokens=False

@@ -91,10 +91,12 @@ def plan_sft(
     only: list[str] | None = None,
     tokenizer=None,
     scope: PolicyScope | None = None,
+    vision=None,
 ) -> Plan:
     """The groups an --sft night trains on, their samples, and why other groups wait.
     `only`: a resumed run's groups, selected again exactly (none held out: they were
-    not). `tokenizer`: the local base model's, whose chat template renders them."""
+    not). `tokenizer`: the local base model's, whose chat template renders them; `vision`:
+    a vision-language model's reader, whose processor renders turns that show images."""
     if tokenizer is None:
         raise ValueError(
             "an --sft night renders conversations: it needs the base model's tokenizer"
@@ -126,7 +128,8 @@ def plan_sft(
                 pending.append(group_id)
             else:
                 chosen[group_id] = picked
-        loaded = load_conversations(con, [r for rs in chosen.values() for r in rs], tokenizer)
+        imitated = [r for rs in chosen.values() for r in rs]
+        loaded = load_conversations(con, imitated, tokenizer, vision)
     finally:
         con.close()
     for reason, n in loaded.skipped.items():
@@ -163,7 +166,8 @@ def _unique(samples: list[Sample]) -> tuple[list[Sample], int]:
     seen: set[tuple] = set()
     out = []
     for s in samples:
-        key = (tuple(s.tokens), tuple(s.trained))
+        # The same ids with other pictures are another sequence.
+        key = (tuple(s.tokens), tuple(s.trained), s.vision.digests if s.vision else ())
         if key not in seen:
             seen.add(key)
             out.append(s)
