@@ -121,3 +121,43 @@ def test_auto_turns_checkpointing_on_when_only_that_fits(tiny_model_dir):
     with pytest.raises(WontFit):
         check_fits(str(tiny_model_dir), config, "cpu", 4, lambda _: None,
                    free=int(with_it.total * 0.9))  # fmt: skip
+
+
+def test_a_vision_tower_s_forward_is_counted_per_image_token_before_the_activations():
+    """SmolVLM-256M's shape: the tower's parameters are weights; its forward over a
+    micro-batch's images is a peak of its own, before the language model's activations
+    (so the larger counts), per image token: measured 1.96-2.24 MiB in float32 with eager
+    attention (bench/vision_tower_memory.py)."""
+    from transformers import Idefics3Config
+
+    from overnight.trainer.run.memory import image_share
+
+    vision = Idefics3Config(
+        vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                           num_attention_heads=12, image_size=512, patch_size=16),
+        text_config=dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         vocab_size=49280, tie_word_embeddings=True),
+        scale_factor=4, image_token_id=49190,
+    )  # fmt: skip
+    config = TrainConfig(micro_batch_tokens=4096)
+    text_only = estimate(vision, config, 4)
+    assert text_only.tower_forward == 0  # no image token in the night
+    # The tower and connector: SigLIP base's 86 M and a 12,288 x 576 projection.
+    tower = (text_only.weights - estimate(vision.get_text_config(), config, 4).weights) / 4
+    assert tower == pytest.approx(86e6 + 12_288 * 576, rel=0.02)
+    token = vision.image_token_id
+    # The largest share of image tokens in one sequence bounds a micro-batch's.
+    assert image_share(vision, [[1, token, token, 2], [token] + [3] * 9]) == 0.5
+    assert image_share(qwen_config(), [[1, 2]]) == 0.0  # a text model has none
+    shown = estimate(vision, config, 4, image_share=0.5)
+    per_token = shown.tower_forward / (4096 * 0.5)
+    assert 1.9 * 2**20 < per_token < 2.3 * 2**20
+    assert shown.weights == text_only.weights and shown.activations == text_only.activations
+    # Not beside the activations: the larger of the two.
+    assert shown.total == shown.weights + shown.lora + max(
+        shown.activations + shown.logits, shown.tower_forward
+    )
+    crowded = estimate(vision, config, 4, image_share=1.0)
+    assert crowded.tower_forward > crowded.activations + crowded.logits
+    assert crowded.total > text_only.total and "vision tower's forward" in crowded.parts()

@@ -12,7 +12,14 @@ weights read) the estimate adds:
                     gradient checkpointing, plus one layer's whole)
   vision tower      a vision-language model's tower and connector, in the training
                     dtype (counted on the meta device); they are frozen, so their
-                    forward keeps no activations for the backward
+                    forward keeps no activations for the backward. Its forward has a
+                    peak of its own, before the language model's (so the larger of the
+                    two counts, not their sum): per image token of a micro-batch, the
+                    scale factor squared patches, each one layer's hidden, MLP and
+                    attention-score values (eager attention's; SDPA's is about half).
+                    Measured on SmolVLM-256M's tower shape in float32 (8 tiles, 512 image
+                    tokens): 1.8 MiB an image token eager, 0.9 with SDPA; this counts
+                    2.1 (bench/vision_tower_memory.py). Only sequences with images count
   logits            per trained token of a chunk (--logit-chunk-tokens): the
                     vocabulary's logits in float32 1.7 times over (trainer/grpo/head.py
                     keeps one float32 (chunk, V) tensor, beside a bfloat16 projection
@@ -63,28 +70,38 @@ class Estimate:
     activations: int
     logits: int
     checkpointing: bool = False  # the activations above are with gradient checkpointing
+    # A vision tower's forward over a micro-batch's images: before the language model's
+    # activations and logits exist, so the larger of the two is the peak.
+    tower_forward: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.lora + self.activations + self.logits
+        return self.weights + self.lora + max(self.activations + self.logits, self.tower_forward)
 
     def parts(self) -> str:
+        tower = (f", the vision tower's forward {self.tower_forward / GIB:.1f} GiB (before the "
+                 "activations, not beside them)" if self.tower_forward else "")  # fmt: skip
         return (f"weights {self.weights / GIB:.1f} GiB, LoRA and optimizer {self.lora / GIB:.2f} "
                 f"GiB, activations {self.activations / GIB:.1f} GiB, logits "
-                f"{self.logits / GIB:.1f} GiB")  # fmt: skip
+                f"{self.logits / GIB:.1f} GiB{tower}")  # fmt: skip
 
 
 def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: int = 1,
              longest: int = 0, checkpointing: bool | None = None,
-             tower: int | None = None) -> Estimate:  # fmt: skip
+             tower: int | None = None, image_share: float = 0.0) -> Estimate:  # fmt: skip
     """The training peak for a transformers config of a decoder (Qwen2, Llama, Mistral);
     with FSDP the weights are split over `shards` devices. A sequence longer than a
     micro-batch (`longest` tokens) is forwarded alone, so the larger of the two counts.
     `checkpointing` overrides what --gradient-checkpointing would choose. A
     vision-language model's language model is its text config's, its tower counted apart
-    (`tower`: its parameters, where already counted)."""
+    (`tower`: its parameters, where already counted); `image_share`: the largest share of
+    a sequence's tokens that are image tokens (a micro-batch has no larger share)."""
+    tower_forward = 0
     if is_vision_config(model_config):
         tower = tower_parameters(model_config) if tower is None else tower
+        tokens = max(config.micro_batch_tokens, longest)
+        tower_forward = int(tokens * image_share * tower_bytes_per_image_token(model_config,
+                                                                              bytes_per_value))  # fmt: skip
         model_config = model_config.get_text_config()
     tower = tower or 0
     h, layers = model_config.hidden_size, model_config.num_hidden_layers
@@ -114,7 +131,36 @@ def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: in
     activations = tokens * (layers * per_token + (16 * h + 2 * inter)) * bytes_per_value
     chunk = min(config.logit_chunk_tokens, tokens)
     logits = chunk * vocab * 4 * LOGIT_COPIES + min(FILTER_ROWS, chunk) * vocab * FILTER_BYTES
-    return Estimate(int(weights), int(lora), int(activations), int(logits), checkpointed)
+    return Estimate(
+        int(weights), int(lora), int(activations), int(logits), checkpointed, tower_forward
+    )
+
+
+def tower_bytes_per_image_token(model_config, bytes_per_value: int) -> float:
+    """A vision tower's forward peak per image token it makes: its patches (the
+    connector merges scale_factor^2 of them into one token; Qwen2-VL's spatial merge
+    likewise), each one layer's residual, normed, q, k, v and output values, its MLP's
+    intermediate twice, and a row of eager attention scores before and after softmax
+    over the patches of its tile (frozen, no grad: one layer alive at a time)."""
+    vision = model_config.vision_config
+    vh = vision.hidden_size
+    vi = getattr(vision, "intermediate_size", 4 * vh)
+    heads = getattr(vision, "num_attention_heads", 1)
+    merge = getattr(model_config, "scale_factor", None) or getattr(vision, "spatial_merge_size", 1)
+    side, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    per_tile = (side // patch) ** 2 if side and patch else 0
+    return merge**2 * (4 * vh + 2 * vi + 2 * heads * per_tile) * bytes_per_value
+
+
+def image_share(model_config, sequences) -> float:
+    """The largest share of image tokens in any of `sequences` (token id lists): a
+    micro-batch packs whole sequences, so none has more. 0 for a text model."""
+    from overnight.trainer.grpo.images import image_token_id
+
+    token = image_token_id(model_config) if is_vision_config(model_config) else None
+    if token is None:
+        return 0.0
+    return max((s.count(token) / len(s) for s in sequences if s), default=0.0)
 
 
 def free_memory(device: str) -> int:
@@ -134,21 +180,23 @@ def free_memory(device: str) -> int:
 
 def check_fits(base_model: str, config: TrainConfig, device: str, bytes_per_value: int,
                say=print, free: int | None = None, shards: int = 1,
-               longest: int = 0) -> Estimate:  # fmt: skip
+               longest: int = 0, sequences=()) -> Estimate:  # fmt: skip
     """Refuse, before loading anything, a night whose peak cannot fit; say the figures.
 
     Under `--gradient-checkpointing auto`, a night that fits only with checkpointing gets
-    it (the returned estimate says so): a third more compute beats a night refused."""
+    it (the returned estimate says so): a third more compute beats a night refused.
+    `sequences`: the night's token ids (a vision model's image tokens among them)."""
     from transformers import AutoConfig
 
     model_config = AutoConfig.from_pretrained(base_model)
     # Counted once (a model built on the meta device), for both estimates below.
     tower = tower_parameters(model_config) if is_vision_config(model_config) else None
-    need = estimate(model_config, config, bytes_per_value, shards, longest, tower=tower)
+    images = {"tower": tower, "image_share": image_share(model_config, sequences)}
+    need = estimate(model_config, config, bytes_per_value, shards, longest, **images)
     free = free_memory(device) if free is None else free
     usable = int(free * (1 - SPARE))
     if config.gradient_checkpointing == "auto":
-        with_it = estimate(model_config, config, bytes_per_value, shards, longest, True, tower)
+        with_it = estimate(model_config, config, bytes_per_value, shards, longest, True, **images)
         if need.total <= usable:
             say(f"memory: the night fits without gradient checkpointing (about "
                 f"{need.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable): it stays off, "
