@@ -427,15 +427,61 @@ def test_image_tokens_without_their_images_are_never_trained(tiny_vision_dir):
     assert trained_logprobs(model, pack([text])).shape == (2,)  # a text sample is fine
 
 
-def test_the_gate_holds_out_no_prompt_with_images():
-    """The gate samples its held-out prompts with transformers' text path, which has no
-    pixels: a prompt that shows images is not one it can sample faithfully."""
+def test_a_text_model_s_gate_holds_out_no_prompt_with_images():
+    """A text model's gate samples through the tokenizer, which has no pixels: a prompt
+    that shows images is not one it can sample. A vision model's gate takes it."""
     from overnight.trainer.night.gate_prompts import prompt_of
 
     shown = json.dumps({"messages": [asks(picture(COLOURS["red"]))], "max_tokens": 8})
     assert prompt_of("g", shown) is None
+    assert prompt_of("g", shown, images=True).max_tokens == 8
     text = json.dumps({"messages": [{"role": "user", "content": "Which colour?"}]})
     assert prompt_of("g", text).messages[0]["content"] == "Which colour?"
+
+
+def test_a_vision_model_s_gate_samples_its_prompts_with_their_pictures(tiny_vision_dir, tmp_path):
+    """The gate's replies to prompts that show images are sampled with the pictures (as
+    the night trained on them): a red and a blue picture get other replies, the same
+    picture the same reply from the same seed; a prompt whose picture is gone is one
+    the scorer could not score, not a reply to no picture."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from overnight.trainer.grpo.images import language_model_targets
+    from overnight.trainer.grpo.policy import load_base
+    from overnight.trainer.night.gate import generate_replies, load_named, run_gate
+    from overnight.trainer.night.gate_prompts import prompt_of
+
+    reader = VisionReader(tiny_vision_dir, tmp_path)
+    colours = [picture(COLOURS["red"]), picture(COLOURS["blue"])] * 4
+    requests = [{"messages": stored(tmp_path, [asks(image)]), "max_tokens": 6,
+                 "temperature": 0} for image in colours]  # fmt: skip
+    prompts = [prompt_of(f"g{i}", json.dumps(r), images=True) for i, r in enumerate(requests)]
+    model, tokenizer, device = load_named(str(tiny_vision_dir), {"base": None}, TrainConfig())
+    replies = generate_replies(model, tokenizer, prompts, 0, device, reader)
+    assert all(isinstance(r, str) and r for r in replies), replies
+    assert replies[0] == replies[2] and replies[1] == replies[3]  # greedy, the same picture
+    assert replies[0] != replies[1], replies  # the picture decides: red and blue apart
+
+    # A candidate (a fresh LoRA: the base model's replies) against the base model, scored
+    # by the share of a-m letters: no worse, so promoted; the pruned picture's prompt failed.
+    base = load_base(tiny_vision_dir, torch.float32)
+    lora = LoraConfig(r=4, target_modules=language_model_targets(base, ["q_proj", "v_proj"]))
+    get_peft_model(base, lora).save_pretrained(tmp_path / "candidate")
+    gone = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "overnight-image:image/png;sha256:" + "ef" * 32}}]}], "max_tokens": 6}  # fmt: skip
+    prompts.append(prompt_of("gone", json.dumps(gone), images=True))
+
+    async def scorer(messages, tools, answers):
+        from overnight.testing.colour_task import first_half_share
+
+        return [first_half_share(a["content"]) for a in answers]
+
+    config = TrainConfig(gate="not-worse", seed=3)
+    verdict = run_gate(config, str(tiny_vision_dir), tmp_path / "candidate", None, prompts,
+                       scorer, vision=reader)  # fmt: skip
+    assert verdict.failed == 1 and verdict.prompts == 8, verdict.reason
+    assert verdict.promote and verdict.diff_mean == 0.0, verdict.reason
 
 
 # -- records without vLLM's ids: Messages turns and --sft nights -----------------------------
@@ -459,7 +505,7 @@ def test_a_messages_turn_is_rebuilt_through_the_processor(reader):
     from overnight.trainer.grpo.logged_turns import Loaded, _retokenise
 
     tokenizer = AutoTokenizer.from_pretrained(reader.processor.tokenizer.name_or_path)
-    blue = picture(COLOURS["blue"])
+    blue = picture((10, 20, 200))  # not the picture another test damages in this store
     shown = [asks(blue)]
     request = json.dumps({"messages": stored(reader.data_dir, shown)})
     response = json.dumps({"choices": [{"message": {"role": "assistant", "content": "blue"},

@@ -269,6 +269,7 @@ class Night:
         prompts, gated = held_out_prompts(
             self.data_dir, plan, self.config.gate_prompts,
             self.resumed is None and not self.config.sft, scope=self.scope,
+            images=self.vision is not None,
         )  # fmt: skip
         given = [g for g in plan.groups if g not in set(gated.groups)]
         self.say(f"gate: {len(prompts)} held-out prompt(s), {len(given)} of them from groups "
@@ -330,7 +331,7 @@ class Night:
                 self.shared = shared_adapter(self.data_dir, self.adapter_dir, config.policy)
                 result.gate = _gate(config, scorer, self.base_model, self.adapter_dir,
                                     self.shared, gate.prompts, result, say, self.data_dir,
-                                    self.served_now())  # fmt: skip
+                                    self.served_now(), self.vision)  # fmt: skip
         if window is not None:
             result.metrics["maintenance"] = window.as_dict()
             kill_point("awake")
@@ -396,6 +397,7 @@ def _gate(
     say,
     data_dir: Path,
     state: dict,
+    vision=None,
 ) -> Verdict:
     """The gate's verdict on the new adapter against the one served now (`state`, read
     after training), then forgetting on the reference set (the tiny model: none); a
@@ -406,7 +408,7 @@ def _gate(
         return Verdict(config.gate, True, "promoted before the run was interrupted")
     served_path = local_adapter(data_dir, served)
     verdict = skipped(config, scorer) or run_gate(
-        config, base_model, adapter_dir, served_path, prompts, scorer, result.held_out
+        config, base_model, adapter_dir, served_path, prompts, scorer, result.held_out, vision
     )
     spec = resolve_references(config.reference, base_model)
     if spec is not None:  # what the nights cost elsewhere (night/forgetting.py)

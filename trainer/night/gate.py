@@ -11,7 +11,10 @@ Sampled here, not through vLLM: the proxy's admin API loads an adapter only to s
 under the alias, and vLLM's LoRA routes are for the proxy alone. The trainer has the base
 model at hand, and sampling both adapters with the same code and seeds means that a
 difference comes from the adapters, not from two samplers. The cost: a few dozen prompts,
-generated 16 at a time, small next to a night's training.
+generated 16 at a time, small next to a night's training. On a vision-language model a
+prompt that shows images is rendered by the processor, its pictures read back from the
+store (trainer/night/images.py), and generated alone; one whose pictures are gone is a
+prompt the scorer could not score.
 
 The watch (trainer/night/watch.py) uses the same bootstrap, unpaired, on live rewards.
 """
@@ -28,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from overnight.config import GATE_MODES, TrainConfig
+from overnight.storage.read.images import shows_images
 
 from .gate_prompts import GatePrompt
 
@@ -150,19 +154,30 @@ class Verdict:
 
 
 def sample_both(
-    base_model: str, candidate: Path, served: str | None, prompts: list[GatePrompt], config
-) -> tuple[list[str], list[str]]:
+    base_model: str,
+    candidate: Path,
+    served: str | None,
+    prompts: list[GatePrompt],
+    config,
+    vision=None,
+) -> tuple[list[str | None], list[str | None]]:
     """Each prompt's reply from the candidate and from the served adapter (None: the base
     model), one base model in memory with both adapters on it."""
-    both = sample_each(base_model, {"candidate": candidate, "served": served}, prompts, config)
+    adapters = {"candidate": candidate, "served": served}
+    both = sample_each(base_model, adapters, prompts, config, vision)
     return both["candidate"], both["served"]
 
 
 def sample_each(
-    base_model: str, adapters: dict[str, Path | str | None], prompts: list[GatePrompt], config
-) -> dict[str, list[str]]:
+    base_model: str,
+    adapters: dict[str, Path | str | None],
+    prompts: list[GatePrompt],
+    config,
+    vision=None,
+) -> dict[str, list[str | None]]:
     """Each prompt's reply from each named adapter (None: the base model), in the order
-    given, one base model in memory with every adapter on it, each from the same seeds."""
+    given, one base model in memory with every adapter on it, each from the same seeds.
+    `vision`: a vision-language model's reader, for the prompts that show images."""
     model, tokenizer, device = load_named(base_model, adapters, config)
     out = {}
     for name, path in adapters.items():
@@ -170,7 +185,7 @@ def sample_each(
             model.set_adapter(name)
         off = path is None and hasattr(model, "disable_adapter")
         with model.disable_adapter() if off else nullcontext():
-            out[name] = generate_replies(model, tokenizer, prompts, config.seed, device)
+            out[name] = generate_replies(model, tokenizer, prompts, config.seed, device, vision)
     return out
 
 
@@ -199,22 +214,25 @@ def load_named(base_model: str, adapters: dict[str, Path | str | None], config):
 
 
 def generate_replies(
-    model, tokenizer, prompts: list[GatePrompt], seed: int, device: str
-) -> list[str]:
+    model, tokenizer, prompts: list[GatePrompt], seed: int, device: str, vision=None
+) -> list[str | None]:
     """One reply per prompt; prompts with the same sampling settings are generated together
     (left-padded, BATCH at a time: one generate call costs about what one prompt did), each
-    batch from a seed of its own, so both adapters see the same random stream."""
+    batch from a seed of its own, so both adapters see the same random stream. A prompt
+    that shows images (`vision` given) is generated alone; None where its pictures
+    cannot be read back."""
     import torch
 
-    out = [""] * len(prompts)
+    out: list[str | None] = [""] * len(prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     alike: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompts):
+        if vision is not None and shows_images(p.messages):
+            out[i] = _reply_to_images(model, tokenizer, p, vision, seed * 100_003 + i, device)
+            continue
         alike.setdefault((p.temperature, p.top_p, p.top_k, p.max_tokens), []).append(i)
-    for (temperature, top_p, top_k, max_tokens), members in alike.items():
-        sampling = {"do_sample": temperature > 0}
-        if temperature > 0:
-            sampling.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    for (_, _, _, max_tokens), members in alike.items():
+        sampling = _sampling(prompts[members[0]])
         for start in range(0, len(members), BATCH):
             batch = members[start : start + BATCH]
             ids = [prompt_ids(tokenizer, prompts[i]) for i in batch]
@@ -230,6 +248,37 @@ def generate_replies(
             for row, i in enumerate(batch):
                 out[i] = tokenizer.decode(generated[row, width:], skip_special_tokens=True)
     return out
+
+
+def _sampling(p: GatePrompt) -> dict:
+    """generate()'s sampling arguments for a prompt, as its logged request asked."""
+    if p.temperature <= 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k}
+
+
+def _reply_to_images(model, tokenizer, p: GatePrompt, vision, seed: int, device: str):
+    """One reply to a prompt that shows images, its pictures through the processor as
+    the night trains on them; None where a picture cannot be read back (pruned, say)."""
+    import torch
+
+    from overnight.trainer.grpo.data import DataError
+    from overnight.trainer.grpo.images import Rendering
+
+    try:
+        ids, images = vision.rendered(Rendering(p.messages, p.tools))
+    except DataError:
+        return None
+    input_ids = torch.tensor([ids], device=device)
+    pixels = {k: v.to(device) for k, v in images.tensors().items()}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **pixels,
+            **_sampling(p), max_new_tokens=p.max_tokens, pad_token_id=pad,
+        )  # fmt: skip
+    return tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)
 
 
 def prompt_ids(tokenizer, p: GatePrompt) -> list[int]:
@@ -249,7 +298,9 @@ async def score_pairs(
     flips = [rng.random() < 0.5 for _ in prompts]
     limit = asyncio.Semaphore(8)
 
-    async def one(p: GatePrompt, c: str, s: str, flip: bool) -> tuple[float, float] | None:
+    async def one(p: GatePrompt, c, s, flip: bool) -> tuple[float, float] | None:
+        if c is None or s is None:
+            return None  # not sampled (its pictures could not be read back)
         replies = [{"role": "assistant", "content": x} for x in ((s, c) if flip else (c, s))]
         try:
             async with limit:
@@ -272,6 +323,7 @@ def run_gate(
     prompts: list[GatePrompt],
     scorer: Scorer,
     held_out_from_plan: list[str] = (),  # type: ignore[assignment]
+    vision=None,
 ) -> Verdict:
     """Sample, score and decide; the verdict says why in one line (`reason`)."""
     mode = config.gate
@@ -283,7 +335,7 @@ def run_gate(
             "the candidate is not worse (--gate off promotes without evidence)"
         )
         return verdict
-    cand, served_replies = sample_both(base_model, candidate, served, prompts, config)
+    cand, served_replies = sample_both(base_model, candidate, served, prompts, config, vision)
     scored = asyncio.run(score_pairs(prompts, cand, served_replies, scorer, config.seed))
     kept = [(i, pair) for i, pair in enumerate(scored) if pair is not None]
     verdict.failed = len(prompts) - len(kept)

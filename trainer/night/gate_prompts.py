@@ -69,15 +69,18 @@ class GatePrompt:
         return conversation_key(self.messages, self.tools)
 
 
-def prompt_of(group_id: str, request_text: str | None) -> GatePrompt | None:
+def prompt_of(group_id: str, request_text: str | None, images: bool = False) -> GatePrompt | None:
+    """The prompt a logged request makes, or None where the gate cannot sample it: not
+    a conversation, or one that shows images where the model cannot see (`images`: a
+    vision-language base model, whose processor samples it: gate.py)."""
     request = json.loads(request_text) if request_text else {}
     if not isinstance(request, dict):
         return None
     messages = request.get("messages")
     if not messages or not isinstance(messages, list):
         return None  # text completions and redacted bodies: nothing to sample from
-    if shows_images(messages):
-        return None  # the gate samples through the tokenizer's text path: no pixels
+    if shows_images(messages) and not images:
+        return None  # a text model's gate samples through the tokenizer: no pixels
     cap = request.get("max_completion_tokens") or request.get("max_tokens") or MAX_NEW_TOKENS
     temperature = request.get("temperature")
     return GatePrompt(
@@ -97,17 +100,19 @@ def held_out_prompts(
     count: int,
     take_from_plan: bool = True,
     scope: PolicyScope | None = None,
+    images: bool = False,
 ) -> tuple[list[GatePrompt], Plan]:
     """Up to `count` distinct recent prompts the candidate does not train on (see the
     module's docstring), and the plan to train on: `plan` less the groups it gave. With
-    `scope`, only the policy's own traffic: another agent's prompts say nothing of it."""
+    `scope`, only the policy's own traffic: another agent's prompts say nothing of it.
+    `images`: prompts that show images may be taken (a vision-language base model)."""
     con = open_db(data_dir)
     try:
         add_turn_views(con)
         # Served groups trained on as a whole or through one of their turns (per-turn
         # groups of their siblings) are not held out: the candidate has seen them.
         done = trained_groups(con) | trained_turn_sources(con)
-        conversations = _plan_conversations(con, plan.groups)
+        conversations = _plan_conversations(con, plan.groups, images)
         recent = _first_turns(con, 50 * count, scope)
         resampled = _resampled(con, [record for record, _, _ in recent])
     finally:
@@ -115,7 +120,7 @@ def held_out_prompts(
     in_plan = {key for keys in conversations.values() for key in keys}
     blind, selected, seen = [], [], set()
     for record, group_id, request in recent:
-        prompt = prompt_of(group_id, request)
+        prompt = prompt_of(group_id, request, images)
         if prompt is None or group_id in done or group_id in conversations or prompt.key in seen:
             continue
         seen.add(prompt.key)
@@ -125,7 +130,7 @@ def held_out_prompts(
     prompts = blind[:count]
     given: list[str] = []
     if len(prompts) < count:
-        costly = _plan_prompts(plan, conversations) if take_from_plan else []
+        costly = _plan_prompts(plan, conversations, images) if take_from_plan else []
         needed = count - len(prompts)
         total = len(costly) + len(selected)
         share = round(needed * len(costly) / total) if total else 0
@@ -192,7 +197,7 @@ def _resampled(con, records: list[str]) -> set[str]:
     return {r for (r,) in rows}
 
 
-def _plan_conversations(con, groups: list[str]) -> dict[str, dict[str, str]]:
+def _plan_conversations(con, groups: list[str], images: bool) -> dict[str, dict[str, str]]:
     """Each plan group's conversations (key -> the logged request): the first turns of a
     served group, the served turn's context of a per-turn group."""
     served = [g for g in groups if not is_turn_group(g)]
@@ -207,13 +212,15 @@ def _plan_conversations(con, groups: list[str]) -> dict[str, dict[str, str]]:
         "AND request IS NOT NULL AND group_id IN (SELECT group_id FROM _gate_turns)"
     ).fetchall()
     for group_id, text in rows:
-        prompt = prompt_of(group_id, text)
+        prompt = prompt_of(group_id, text, images)
         if prompt is not None:
             out[group_id].setdefault(prompt.key, text)
     return out
 
 
-def _plan_prompts(plan: Plan, conversations: dict[str, dict[str, str]]) -> list[GatePrompt]:
+def _plan_prompts(
+    plan: Plan, conversations: dict[str, dict[str, str]], images: bool
+) -> list[GatePrompt]:
     """One prompt per conversation of the plan's groups, in an order drawn afresh each
     night (from its watermark): taking the same ones first every night would keep the
     same conversations out of training for good when an agent's traffic repeats."""
@@ -222,7 +229,7 @@ def _plan_prompts(plan: Plan, conversations: dict[str, dict[str, str]]) -> list[
     random.Random((plan.selection or {}).get("watermark", 0)).shuffle(order)
     for group_id in order:
         for key, text in conversations.get(group_id, {}).items():
-            prompt = prompt_of(group_id, text)
+            prompt = prompt_of(group_id, text, images)
             if prompt is not None and key not in seen:
                 seen.add(key)
                 out.append(prompt)
