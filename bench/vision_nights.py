@@ -52,9 +52,11 @@ async def nights(url: str, data: Path, args, say) -> list:
             if n == args.nights:
                 break
             await asyncio.sleep(1.0)  # the proxy commits its last rows
-            result = await asyncio.to_thread(train, data, config, proxy_url=url, say=lambda _: None)
+            lines: list[str] = []
+            result = await asyncio.to_thread(train, data, config, proxy_url=url, say=lines.append)
+            gap = next((line for line in lines if "logprob gap" in line), "no logprob gap line")
             say(f"night {n + 1}: {len(result.plan.samples)} sequences trained, promoted as "
-                f"{result.promoted_as}")  # fmt: skip
+                f"{result.promoted_as}; {gap.strip()}")  # fmt: skip
     return out
 
 

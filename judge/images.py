@@ -8,8 +8,10 @@ back from the image store and verified. An image given by URL stays a placeholde
 judge's provider is never asked to fetch what the agent pointed vLLM at. An image the
 store no longer has (pruned, damaged) stays a placeholder, and the text says so.
 
-The prompt's token budget (budget.py) counts the text only; each picture adds what the
-judge's provider charges for it.
+The prompt's token budget (budget.py) keeps room for the pictures: each one the fitted
+text names is counted as IMAGE_TOKENS, and where text and pictures together exceed the
+budget the text is fitted again into what the pictures leave (a cut there may name
+fewer pictures; never more).
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ from overnight.config import JudgeConfig
 from overnight.storage.images import ImageDamaged, ImageMissing, ImageStore
 from overnight.storage.read.images import image_of, restore_images
 
-from .ruler import Prompt
+from .budget import Counter
+from .ruler import Prompt, prompt_for
 from .trajectories import Group, image_label
+
+# What one picture is counted as in the judge's budget: about the most the large
+# providers charge for one (Anthropic: width x height / 750 after resizing to at most
+# 1.15 megapixels, about 1,600; OpenAI's high detail: 85 + 170 per 512-pixel tile, 765 for
+# a 1024x1024, 1,105 for a 2048x768). A provider that charges less loses some text room.
+IMAGE_TOKENS = 1_600
 
 
 def sees_images(config: JudgeConfig) -> bool:
@@ -34,6 +43,23 @@ def sees_images(config: JudgeConfig) -> bool:
         return bool(import_litellm().supports_vision(model=config.model))
     except Exception:  # litellm knows nothing of a local model: it sees text
         return False
+
+
+def fitted_with_images(
+    group: Group, config: JudgeConfig, budget: int | None, counter: Counter,
+    data_dir, store: ImageStore | None = None,
+) -> Prompt:  # fmt: skip
+    """RULER's prompt for `group` with the pictures it names, the text fitted into what
+    the pictures leave of `budget` (None: no budget, nothing fitted)."""
+    prompt = prompt_for(group, config, budget, counter)
+    if budget is not None:
+        pictures = len(_named_images(group, prompt.messages[1]["content"])) * IMAGE_TOKENS
+        text = prompt.cut.tokens_after if prompt.cut else counter.count(prompt.messages)
+        if pictures and text + pictures > budget:
+            # At least a quarter of the budget stays the text's: a prompt of pictures alone
+            # judges nothing; past the window the judge's own error says so.
+            prompt = prompt_for(group, config, max(budget - pictures, budget // 4), counter)
+    return with_images(prompt, group, data_dir, store)
 
 
 def with_images(prompt: Prompt, group: Group, data_dir, store: ImageStore | None = None) -> Prompt:

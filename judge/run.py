@@ -39,7 +39,7 @@ from overnight.telemetry import traced
 from .budget import Counter as TokenCounter
 from .budget import budget_for, counter_for
 from .cache import NO_SIGNAL, Memory, remembered
-from .images import sees_images, with_images
+from .images import fitted_with_images, sees_images
 from .rewards import RewardFunction
 from .ruler import (
     DEFAULT_RUBRIC,
@@ -371,9 +371,11 @@ class _Scoring:
         assert self.config is not None
         if group.group_id in self.memory.no_signal:  # scored by the function only
             return None
-        prompt = prompt_for(group, self.config, self.budget, self.counter)
         if self.images is not None:  # the pictures the prompt names, after its text
-            prompt = with_images(prompt, group, *self.images)
+            prompt = fitted_with_images(group, self.config, self.budget, self.counter,
+                                        *self.images)  # fmt: skip
+        else:
+            prompt = prompt_for(group, self.config, self.budget, self.counter)
         if len(prompt.ids) < 2:  # nothing to compare: no call, but a row that says why
             judgment = new_judgment(group, self.config, prompt)
             judgment.error = (

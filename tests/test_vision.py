@@ -348,6 +348,39 @@ def test_the_judge_reads_each_image_as_a_placeholder_that_tells_pictures_apart()
     )
 
 
+def test_the_judge_s_budget_keeps_room_for_the_pictures(tmp_path):
+    """A judge that sees is sent the pictures after the text: the text is fitted into
+    what they leave of the budget (IMAGE_TOKENS each), not into the whole budget."""
+    from overnight.config import JudgeConfig
+    from overnight.judge.budget import Counter, estimate
+    from overnight.judge.images import IMAGE_TOKENS, fitted_with_images
+    from overnight.judge.ruler import prompt_for
+    from overnight.judge.trajectories import Group, Trajectory
+
+    store = ImageStore(tmp_path)
+    ref = "overnight-image:image/png;sha256:" + store.put(picture(COLOURS["red"]), "image/png")
+    shown = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": ref}},
+                                         {"type": "text", "text": "Describe it."}]}  # fmt: skip
+    group = Group("g", [  # a long middle message: what a budget may cut
+        Trajectory(f"g.{i}", [shown, {"role": "assistant", "content": f"{word} " * 3000},
+                              {"role": "user", "content": "Shorter?"},
+                              {"role": "assistant", "content": word}], [])
+        for i, word in enumerate(["red", "crimson"])])  # fmt: skip
+    counter, config = Counter("chars/4", estimate), JudgeConfig(model="openai/j", images="on")
+    text = counter.count(prompt_for(group, config, None, counter).messages)
+    budget = text + IMAGE_TOKENS // 2  # the text fits alone, not with the picture
+    assert prompt_for(group, config, budget, counter).cut is None
+    seen = fitted_with_images(group, config, budget, counter, tmp_path, store)
+    assert seen.cut is not None and seen.cut.budget == budget - IMAGE_TOKENS
+    assert seen.cut.tokens_after + IMAGE_TOKENS <= budget
+    content = seen.messages[1]["content"]
+    assert [p["type"] for p in content].count("image_url") == 1  # still shown, once
+    # Without a budget nothing is fitted; with room for both, nothing is cut.
+    assert fitted_with_images(group, config, None, counter, tmp_path, store).cut is None
+    roomy = fitted_with_images(group, config, text + IMAGE_TOKENS, counter, tmp_path, store)
+    assert roomy.cut is None
+
+
 def write_image_groups(data_dir, store: ImageStore, pictures: dict[str, bytes]) -> None:
     """One group per picture: two rollouts, each shown the (stored) picture, answering."""
     import time
@@ -425,6 +458,37 @@ def test_image_tokens_without_their_images_are_never_trained(tiny_vision_dir):
         trained_logprobs(model, pack([sample]))
     text = Sample("r", "g", [1, 2, 3, 5, 6], [False] * 3 + [True] * 2, [0.0] * 3 + [-1.0] * 2, 1)
     assert trained_logprobs(model, pack([text])).shape == (2,)  # a text sample is fine
+    # A model may sample the image token itself (a random one does): vLLM feeds it back as
+    # text, so it is no placeholder, with or without pictures in the prompt.
+    said = Sample("r", "g", [1, 2, 3, 5, token, 6], [False] * 3 + [True] * 3,
+                  [0.0] * 3 + [-1.0] * 3, 1)  # fmt: skip
+    assert trained_logprobs(model, pack([said])).shape == (3,)
+
+
+def test_an_image_token_the_model_sampled_is_text_not_a_picture(reader):
+    """A reply that contains the image token (the night of 8-letter replies in
+    bench/vision_nights.py met one: "965 image tokens but 964 feature rows") trains: the
+    prompt's placeholders take the picture's features, the sampled one its own embedding,
+    and nothing before it changes."""
+    import torch
+
+    from overnight.trainer.grpo.data import Sample
+    from overnight.trainer.grpo.policy import batch_images, load_base, pack, trained_logprobs
+
+    model = load_base(reader.processor.tokenizer.name_or_path, torch.float32)
+    red = picture(COLOURS["red"])
+    prompt = expected_ids(reader, [asks(red)], [red])
+    vision = reader.turn(json.dumps({"messages": stored(reader.data_dir, [asks(red)])}), prompt)
+
+    def logprobs(reply: list[int]) -> torch.Tensor:
+        sample = Sample("r", "g", prompt + reply, [False] * len(prompt) + [True] * len(reply),
+                        [0.0] * len(prompt) + [-1.0] * len(reply), 1, vision=vision)  # fmt: skip
+        batch = pack([sample])
+        return trained_logprobs(model, batch, images=batch_images([sample], batch))
+
+    plain = logprobs([5, 6])
+    said = logprobs([5, 6, reader.image_token, 7])
+    assert said.shape == (4,) and torch.allclose(said[:2], plain, atol=1e-6)
 
 
 def test_a_text_model_s_gate_holds_out_no_prompt_with_images():

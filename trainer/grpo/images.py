@@ -99,26 +99,38 @@ def tower_parameters(config) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in text)
 
 
-def image_embeddings(decoder, ids: torch.Tensor, images: list[VisionInputs]):
+def image_embeddings(
+    decoder, ids: torch.Tensor, images: list[VisionInputs], sampled: torch.Tensor | None = None
+):
     """`with_image_features`, or None where there is nothing to put in (a text model, or
-    no image token and no image). Image tokens with no images is an error: training on
-    the placeholders' own embeddings would teach the model on pictures it never got."""
+    no image placeholder and no image). Placeholders with no images is an error: training
+    on their own embeddings would teach the model on pictures it never got.
+
+    `sampled`: the flat positions of tokens the model sampled (the batch's trained
+    tokens). A model can sample the image token itself (a random one does); vLLM feeds
+    it back as text, never as a picture, so only the prompt's are placeholders."""
     config = decoder.config
     token = image_token_id(config) if is_vision_config(config) else None
-    if not images and (token is None or not bool((ids == token).any())):
+    places = None if token is None else ids == token
+    if places is not None and sampled is not None and bool(places.any()):
+        places.view(-1)[sampled] = False
+    if not images and (places is None or not bool(places.any())):
         return None
     if not images:
         raise ValueError("image tokens in the batch but no images for them")
-    return with_image_features(decoder, ids, images)
+    return with_image_features(decoder, ids, images, places)
 
 
-def with_image_features(decoder, ids: torch.Tensor, images: list[VisionInputs]):
-    """The input embeddings of `ids` (B, L) with every image token's embedding replaced by
-    the images' features, in order (`images`: those of the samples as laid out in the
-    rows, row by row). A count that differs is a ValueError, never a silent shift."""
+def with_image_features(
+    decoder, ids: torch.Tensor, images: list[VisionInputs], places: torch.Tensor | None = None
+):
+    """The input embeddings of `ids` (B, L) with every image placeholder's embedding
+    (`places`, else every image token) replaced by the images' features, in order
+    (`images`: those of the samples as laid out in the rows, row by row). A count that
+    differs is a ValueError, never a silent shift."""
     embeds = decoder.get_input_embeddings()(ids)
-    token = image_token_id(decoder.config)
-    places = ids == token
+    if places is None:
+        places = ids == image_token_id(decoder.config)
     features = torch.cat([image_features(decoder, v, embeds.device) for v in images])
     if int(places.sum()) != features.shape[0]:
         raise ValueError(

@@ -324,7 +324,7 @@ def _predictor_states(model, decoder, batch: dict[str, torch.Tensor], images) ->
     """The last hidden state at each trained token's predictor (N, H), over the row
     passes attention.py lays out (one, or a long row at a time)."""
     ids, positions = batch["input_ids"], batch["position_ids"]
-    embeds = image_embeddings(decoder, ids, list(images))
+    embeds = image_embeddings(decoder, ids, list(images), batch["trained_index"])
     width = ids.shape[1]
     flex = kernel(model) == "flex_attention"
     mask = batch.get("attention_mask")
