@@ -54,11 +54,13 @@ def fitted_with_images(
     prompt = prompt_for(group, config, budget, counter)
     if budget is not None:
         pictures = len(_named_images(group, prompt.messages[1]["content"])) * IMAGE_TOKENS
-        text = prompt.cut.tokens_after if prompt.cut else counter.count(prompt.messages)
-        if pictures and text + pictures > budget:
-            # At least a quarter of the budget stays the text's: a prompt of pictures alone
-            # judges nothing; past the window the judge's own error says so.
-            prompt = prompt_for(group, config, max(budget - pictures, budget // 4), counter)
+        # Where the pictures would leave the text less than a quarter of the budget the
+        # text keeps the whole of it: cut to nothing it judges nothing; sent, the judge's
+        # provider decides (a prompt over its window is its own error, recorded).
+        if pictures and budget - pictures >= budget // 4:
+            text = prompt.cut.tokens_after if prompt.cut else counter.count(prompt.messages)
+            if text + pictures > budget:
+                prompt = prompt_for(group, config, budget - pictures, counter)
     return with_images(prompt, group, data_dir, store)
 
 

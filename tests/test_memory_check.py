@@ -124,13 +124,14 @@ def test_auto_turns_checkpointing_on_when_only_that_fits(tiny_model_dir):
 
 
 def test_a_vision_tower_s_forward_is_counted_per_image_token_before_the_activations():
-    """SmolVLM-256M's shape: the tower's parameters are weights; its forward over a
-    micro-batch's images is a peak of its own, before the language model's activations
-    (so the larger counts), per image token: measured 1.96-2.24 MiB in float32 with eager
-    attention (bench/vision_tower_memory.py)."""
+    """SmolVLM-256M's shape: the tower's parameters are weights; its forward over one
+    sequence's images (trainer/grpo/images.py runs it a sequence at a time) is a peak of
+    its own, before the language model's activations (so the larger counts), per image
+    token: measured 1.96-2.24 MiB in float32 with eager attention
+    (bench/vision_tower_memory.py)."""
     from transformers import Idefics3Config
 
-    from overnight.trainer.run.memory import image_share
+    from overnight.trainer.run.memory import image_tokens_of
 
     vision = Idefics3Config(
         vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
@@ -147,17 +148,24 @@ def test_a_vision_tower_s_forward_is_counted_per_image_token_before_the_activati
     tower = (text_only.weights - estimate(vision.get_text_config(), config, 4).weights) / 4
     assert tower == pytest.approx(86e6 + 12_288 * 576, rel=0.02)
     token = vision.image_token_id
-    # The largest share of image tokens in one sequence bounds a micro-batch's.
-    assert image_share(vision, [[1, token, token, 2], [token] + [3] * 9]) == 0.5
-    assert image_share(qwen_config(), [[1, 2]]) == 0.0  # a text model has none
-    shown = estimate(vision, config, 4, image_share=0.5)
-    per_token = shown.tower_forward / (4096 * 0.5)
-    assert 1.9 * 2**20 < per_token < 2.3 * 2**20
+    found = image_tokens_of(vision, [[1, token, token, 2], [token, token, token] + [3] * 9])
+    assert found == {"image_tokens": 3, "image_share": 0.5}
+    assert image_tokens_of(qwen_config(), [[1, 2]])["image_tokens"] == 0  # a text model
+    # One screenshot of 13 tiles: 832 image tokens, 16 patches each; per patch one
+    # layer's 4 hidden (768) and 2 MLP (3,072) values and 2 x 12 heads' score rows over a
+    # tile's 1,024 patches, in float32: 1.8 GB, beside 1.5 GB of activations and logits.
+    shown = estimate(vision, config, 4, image_tokens=832)
+    assert shown.tower_forward == 832 * 16 * (4 * 768 + 2 * 3072 + 2 * 12 * 1024) * 4
     assert shown.weights == text_only.weights and shown.activations == text_only.activations
-    # Not beside the activations: the larger of the two.
-    assert shown.total == shown.weights + shown.lora + max(
-        shown.activations + shown.logits, shown.tower_forward
-    )
-    crowded = estimate(vision, config, 4, image_share=1.0)
-    assert crowded.tower_forward > crowded.activations + crowded.logits
-    assert crowded.total > text_only.total and "vision tower's forward" in crowded.parts()
+    assert shown.total == text_only.total  # not beside the activations: below them here
+    # Four such screenshots in one sequence: the tower's forward is the peak.
+    four = estimate(vision, config, 4, image_tokens=4 * 832)
+    assert four.tower_forward > four.activations + four.logits
+    assert four.total == four.weights + four.lora + four.tower_forward
+    assert "vision tower's forward" in four.parts()
+    # --lora-vision-tower: the tower is adapted, so each image of a micro-batch keeps its
+    # 12 layers' values for the backward: a half-image micro-batch of 4,096 tokens.
+    adapted = TrainConfig(micro_batch_tokens=4096, lora_vision_tower=True)
+    trained = estimate(vision, adapted, 4, image_tokens=832, image_share=0.5)
+    per_image_token = 16 * (4 * 768 + 2 * 3072 + 2 * 12 * 1024) * 4
+    assert trained.activations - shown.activations == 2048 * per_image_token * 12

@@ -115,6 +115,26 @@ def test_an_image_that_cannot_be_rebuilt_is_a_reason_not_a_crash(reader, part, r
         reader.turn(json.dumps(body), [1, 2, 3])
 
 
+def test_a_picture_the_text_does_not_match_or_a_bomb_is_a_reason_not_a_crash(reader):
+    """The processor counts "<image>" in the rendered text: a message that writes it (a
+    hosted teacher's, never checked by vLLM) names more pictures than it shows. A picture
+    past PIL's decompression-bomb limit is refused before it is decoded."""
+    import io
+
+    from PIL import Image
+
+    red = {"type": "image_url", "image_url": {"url": data_url(picture(COLOURS["red"]))}}
+    talk = {"messages": [{"role": "user", "content": [red, {"type": "text", "text": "<image>"}]}]}
+    with pytest.raises(DataError, match="processor cannot prepare it"):
+        reader.turn(json.dumps(talk), [1, 2, 3])
+    out = io.BytesIO()
+    Image.new("1", (10_000, 10_000)).save(out, "PNG")  # 100 megapixels in a few kB
+    assert len(out.getvalue()) < 100_000
+    bomb = {"type": "image_url", "image_url": {"url": data_url(out.getvalue())}}
+    with pytest.raises(DataError, match="decompression bomb"):
+        reader.turn(json.dumps({"messages": [{"role": "user", "content": [bomb]}]}), [1])
+
+
 def test_a_damaged_stored_image_is_refused(reader):
     store = ImageStore(reader.data_dir)
     digest = store.put(picture(COLOURS["blue"]), "image/png")
@@ -152,6 +172,16 @@ def test_lora_targets_the_language_model_only(tiny_vision_dir):
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in peft_model.named_parameters() if "lora_A" in n}
     assert adapted and all(".text_model." in n for n in adapted), adapted
     assert any(n.endswith("q_proj") for n in adapted) and any(n.endswith("v_proj") for n in adapted)
+    # --lora-vision-tower: every linear layer of the tower and the connector as well.
+    model = load_base(tiny_vision_dir, torch.float32)
+    targets = language_model_targets(model, ["q_proj", "v_proj"], tower=True)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    both = {n.rsplit(".lora_A", 1)[0] for n, _ in peft_model.named_parameters() if "lora_A" in n}
+    tower = both - adapted
+    assert {n.rsplit(".", 1)[-1] for n in tower} == {
+        "q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "proj"}, tower  # fmt: skip
+    assert any(".vision_model." in n for n in tower) and any(".connector." in n for n in tower)
+    assert not any(".text_model." in n for n in tower)
 
 
 # -- through vLLM -----------------------------------------------------------------------
@@ -217,7 +247,8 @@ async def test_image_turns_train_on_vllm_s_own_ids_and_the_night_serves_the_adap
     _, gaps = behaviour_pass(model, loaded.samples, budget=4096)
     assert max(g.max_gap for g in gaps) < 1e-3, [g.max_gap for g in gaps]
 
-    config = TrainConfig(**TINY_CPU_PRESET, watch=False)
+    # --lora-vision-tower: the tower and connector adapted too (vLLM serves them so).
+    config = TrainConfig(**TINY_CPU_PRESET, watch=False, lora_vision_tower=True)
     said = []
     result = await asyncio.to_thread(train, data, config, proxy_url=url, say=said.append)
     assert version_of(result.promoted_as) == "policy-v1", "\n".join(said)
@@ -227,6 +258,23 @@ async def test_image_turns_train_on_vllm_s_own_ids_and_the_night_serves_the_adap
     await wait_for_rows(data, 19)
     served = rows(data, "SELECT model_served FROM completions WHERE rollout_id = 'after.0'")
     assert version_of(served[0]["model_served"]) == "policy-v1", served
+    # vLLM serves the adapter, tower and all, as the trainer computes it: its logprobs of
+    # what it sampled equal the trainer's under the adapter (far from the base model's).
+    from safetensors.torch import load_file
+
+    weights = load_file(result.adapter_path / "adapter_model.safetensors")
+    tower = [k for k in weights if ".vision_model." in k and "lora_B" in k]
+    assert tower and any(bool(weights[k].abs().max() > 0) for k in tower)
+    con = open_db(data)
+    try:
+        after = load_samples(con, ["after"], vision=reader).samples
+    finally:
+        con.close()
+    adapted = load_policy(vision_server.config.model, result.adapter_path)
+    _, served_gaps = behaviour_pass(adapted, after, budget=4096)
+    _, base_gaps = behaviour_pass(model, after, budget=4096)
+    assert max(g.max_gap for g in served_gaps) < 1e-3, [g.max_gap for g in served_gaps]
+    assert max(g.max_gap for g in base_gaps) > 1e-2  # the adapter changed what it samples
 
 
 @pytest.mark.vllm
@@ -442,6 +490,30 @@ async def test_a_judge_that_sees_gets_each_named_picture_once(aiohttp_server, tm
     assert () in by_picture and by_picture[()][-1].startswith("Not available: [image sha256:")
 
 
+async def test_the_gate_s_judge_sees_the_prompt_s_picture(aiohttp_server, tmp_path):
+    """The gate scores with RULER through real litellm over HTTP: a judge that sees gets
+    the held-out prompt's picture, as the nightly scoring's judge does."""
+    from overnight.config import JudgeConfig
+    from overnight.judge.scoring import pair_scorer
+
+    from .judge_server import SEEN, create_judge_server, good
+
+    red = picture(COLOURS["red"])
+    server = await aiohttp_server(create_judge_server([good()]))
+    config = JudgeConfig(model="openai/judge-model", base_url=str(server.make_url("/v1")),
+                         api_key="sk-judge", max_retries=0, timeout=10, images="on")  # fmt: skip
+    messages = stored(tmp_path, [asks(red)])
+    replies = [{"role": "assistant", "content": "red"}, {"role": "assistant", "content": "blue"}]
+    scores = await pair_scorer(None, config, tmp_path)(messages, [], replies)
+    assert len(scores) == 2
+    (body,) = server.app[SEEN]
+    content = body["messages"][1]["content"]
+    assert [p["image_url"]["url"] for p in content if p["type"] == "image_url"] == [data_url(red)]
+    # Without the data directory (or a judge that does not see): placeholders only.
+    await pair_scorer(None, config)(messages, [], replies)
+    assert isinstance(server.app[SEEN][-1]["messages"][1]["content"], str)
+
+
 def test_image_tokens_without_their_images_are_never_trained(tiny_vision_dir):
     """A sample whose ids show images, loaded without them, fails the forward pass loudly
     rather than training on the placeholders' own embeddings."""
@@ -499,6 +571,10 @@ def test_a_text_model_s_gate_holds_out_no_prompt_with_images():
     shown = json.dumps({"messages": [asks(picture(COLOURS["red"]))], "max_tokens": 8})
     assert prompt_of("g", shown) is None
     assert prompt_of("g", shown, images=True).max_tokens == 8
+    # A picture given by URL was never stored: the gate could not sample it, so not taken.
+    by_url = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    linked = {"messages": [{"role": "user", "content": [by_url]}]}
+    assert prompt_of("g", json.dumps(linked), images=True) is None
     text = json.dumps({"messages": [{"role": "user", "content": "Which colour?"}]})
     assert prompt_of("g", text).messages[0]["content"] == "Which colour?"
 
@@ -513,7 +589,12 @@ def test_a_vision_model_s_gate_samples_its_prompts_with_their_pictures(tiny_visi
 
     from overnight.trainer.grpo.images import language_model_targets
     from overnight.trainer.grpo.policy import load_base
-    from overnight.trainer.night.gate import generate_replies, load_named, run_gate
+    from overnight.trainer.night.gate import (
+        generate_replies,
+        load_named,
+        rendered_images,
+        run_gate,
+    )
     from overnight.trainer.night.gate_prompts import prompt_of
 
     reader = VisionReader(tiny_vision_dir, tmp_path)
@@ -522,7 +603,9 @@ def test_a_vision_model_s_gate_samples_its_prompts_with_their_pictures(tiny_visi
                  "temperature": 0} for image in colours]  # fmt: skip
     prompts = [prompt_of(f"g{i}", json.dumps(r), images=True) for i, r in enumerate(requests)]
     model, tokenizer, device = load_named(str(tiny_vision_dir), {"base": None}, TrainConfig())
-    replies = generate_replies(model, tokenizer, prompts, 0, device, reader)
+    replies = generate_replies(
+        model, tokenizer, prompts, 0, device, rendered_images(prompts, reader)
+    )
     assert all(isinstance(r, str) and r for r in replies), replies
     assert replies[0] == replies[2] and replies[1] == replies[3]  # greedy, the same picture
     assert replies[0] != replies[1], replies  # the picture decides: red and blue apart
@@ -589,6 +672,21 @@ def test_a_messages_turn_is_rebuilt_through_the_processor(reader):
     with pytest.raises(DataError, match="no longer in the store"):
         _retokenise(tokenizer, json.dumps(gone), response, None, None, "messages", Loaded(),
                     reader)  # fmt: skip
+    # vLLM counted other prompt tokens: other tiling or placement, refused like other ids.
+    with pytest.raises(DataError, match="where vLLM counted"):
+        _retokenise(tokenizer, request, response, len(expected) + 4, None, "messages",
+                    Loaded(), reader)  # fmt: skip
+    # Crafted records are reasons, not crashes.
+    for bad_request, bad_response, reason in [
+        ("{not json", response, "not JSON"),
+        (json.dumps({"messages": "hi"}), response, "without its messages"),
+        (json.dumps([1]), response, "without its messages"),
+        (request, json.dumps({"choices": [{"message": {"content": ["x"]}}]}), "not text"),
+        (json.dumps({"messages": [{"role": 7}]}), response, "cannot render"),
+    ]:
+        with pytest.raises(DataError, match=reason):
+            _retokenise(tokenizer, bad_request, bad_response, None, None, "messages",
+                        Loaded(), reader)  # fmt: skip
 
 
 def sha256(data: bytes) -> str:

@@ -33,7 +33,7 @@ def tiny_model_dir() -> Path:
     return build_tiny_model(CACHE / "tiny-model")
 
 
-def _serving(model_dir: Path, name: str, max_model_len: int, log_dir: Path):
+def _serving(model_dir: Path, name: str, max_model_len: int, log_dir: Path, extra=()):
     """A vLLM serving `model_dir` as `name` in float32 with runtime LoRA (rank 8, two at a
     time), started by our own launcher (so the launcher is tested too), stopped after."""
     _require_vllm()
@@ -46,7 +46,7 @@ def _serving(model_dir: Path, name: str, max_model_len: int, log_dir: Path):
             served_model_name=name,
             max_lora_rank=8,
             max_loras=2,
-            extra_args=("--dtype", "float32", "--max-model-len", str(max_model_len)),
+            extra_args=("--dtype", "float32", "--max-model-len", str(max_model_len), *extra),
             log_path=log_dir / "vllm.log",
         )
     )
@@ -72,8 +72,10 @@ def tiny_vision_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def vision_server(tiny_vision_dir, tmp_path_factory):
-    """A third vLLM, serving the tiny vision-language model as `tiny-vision`."""
-    yield from _serving(tiny_vision_dir, "tiny-vision", 2048, tmp_path_factory.mktemp("vllm-vl"))
+    """A third vLLM, serving the tiny vision-language model as `tiny-vision`, with LoRA on
+    its vision tower and connector as well (--lora-vision-tower's adapters)."""
+    yield from _serving(tiny_vision_dir, "tiny-vision", 2048, tmp_path_factory.mktemp("vllm-vl"),
+                        ("--enable-tower-connector-lora",))  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -385,7 +385,7 @@ def _train(ctx: click.Context, data_dir: Path, reward: str | None, values: dict[
                 max_groups=values["max_groups"],
                 say=click.echo,
                 scorer=pair_scorer(night.values["gate_reward"] or own_reward,
-                                   judge_config(night.values, own_max_tokens=False)),
+                                   judge_config(night.values, own_max_tokens=False), data_dir),
                 judge=judged,
                 scope=scope,
             )  # fmt: skip

@@ -77,6 +77,17 @@ class TrainConfig:
             "flag": "--target-module",
         },
     )
+    # A vision-language model's tower sees the pictures; the language model reads what it
+    # saw. Off: vLLM serves language-model LoRA unless started to serve the tower's too.
+    lora_vision_tower: bool = field(
+        default=False,
+        metadata={
+            "help": "A fresh adapter on a vision-language model also adapts its vision tower "
+            "and connector (every linear layer there). vLLM must serve it with "
+            "--enable-tower-connector-lora (overnight serve "
+            "--vllm-arg=--enable-tower-connector-lora)."
+        },
+    )
     # Each step normalises over its own groups.
     groups_per_step: int = field(default=8, metadata={"help": "Groups per optimizer step."})
     micro_batch_tokens: int = field(

@@ -11,7 +11,8 @@ by the next row of the images' features
 packing, prompt sharing and row passes stay the trainer's).
 
 The vision tower and the connector are not trained by default (LoRA targets the
-language model: `language_model_targets`), so their features carry no gradient.
+language model: `language_model_targets`), so their features carry no gradient; with
+--lora-vision-tower they are adapted too, and the features carry it.
 """
 
 from __future__ import annotations
@@ -73,18 +74,34 @@ def image_token_id(config) -> int | None:
     return None
 
 
-def language_model_targets(model, targets: list[str]) -> list[str] | str:
+def language_model_targets(model, targets: list[str], tower: bool = False) -> list[str] | str:
     """LoRA's target modules on a vision-language model: `targets` in the language model
     only, as one regular expression (peft full-matches it against module names), since
     the vision tower has projections of the same names (q_proj, ...) and vLLM serves an
     adapter on the language model unless started with --enable-tower-connector-lora.
-    A text model's targets are returned as they are."""
+    With `tower`, also every linear layer of the vision tower and the connector (what
+    vLLM adapts there when so started). A text model's targets are returned as they are."""
     if not is_vision_config(getattr(model, "config", None)):
         return targets
     decoder = model.get_decoder()
     prefix = next(name for name, module in model.named_modules() if module is decoder)
     names = "|".join(re.escape(t) for t in targets)
-    return rf"{re.escape(prefix)}\..*\b({names})"
+    pattern = rf"{re.escape(prefix)}\..*\b({names})"
+    if tower:
+        pattern += "".join(f"|{re.escape(name)}" for name in tower_linears(model))
+    return pattern
+
+
+def tower_linears(model) -> list[str]:
+    """The names of the linear layers outside the language model and its output layer:
+    the vision tower's and the connector's."""
+    text = {id(m) for m in model.get_decoder().modules()}
+    text |= {id(m) for m in model.get_output_embeddings().modules()}
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and id(module) not in text
+    ]
 
 
 def tower_parameters(config) -> int:

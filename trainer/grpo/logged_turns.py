@@ -92,7 +92,7 @@ def load_samples(
             out.skipped[HOSTED_SKIP] += 1
         elif not prompt or not completion:
             try:
-                turn = _retokenise(tokenizer, *text, out, vision) if tokenizer else None
+                turn = _retokenise(tokenizer, *text, out, vision) if tokenizer is not None else None
             except DataError as e:
                 out.skipped[str(e)] += 1
                 continue
@@ -132,10 +132,17 @@ def _sampling(request: str | None, defaults: dict, out: Loaded | None) -> Sampli
 
 def chat_ids(tokenizer, messages: list[dict], tools, add_generation_prompt: bool) -> list[int]:
     """The token ids the chat template renders `messages` (and `tools`) to (render.py
-    renders whole turns, tool calls included, for --sft nights)."""
-    encoded = tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True
-    )
+    renders whole turns, tool calls included, for --sft nights); a DataError where the
+    template cannot render them."""
+    try:
+        encoded = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+        )  # fmt: skip
+    except Exception as e:  # jinja2's errors, a template's raise_exception, a bad value
+        raise DataError(
+            f"the local chat template cannot render it ({type(e).__name__}: {str(e)[:120]})"
+        ) from None
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
@@ -160,19 +167,34 @@ def _retokenise(
         return None  # a text completion: no conversation to render
     if not request or not response:
         return None  # not logged (X-Rollout-Log: off)
-    request, response = json.loads(request), json.loads(response)
-    message = (response.get("choices") or [{}])[0].get("message") or {}
+    try:
+        request, response = json.loads(request), json.loads(response)
+    except ValueError:
+        raise DataError("a record whose request or response is not JSON") from None
+    messages = request.get("messages") if isinstance(request, dict) else None
+    choices = response.get("choices") if isinstance(response, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(messages, list) or not messages or not isinstance(message, dict):
+        raise DataError("a record without its messages or its reply")
     if message.get("tool_calls") or not message.get("content"):
         return None  # the template's rendering of a call is not the model's own tokens
-    images = None
-    if vision is not None and shows_images(request["messages"]):
-        prompt, images = vision.rendered(Rendering(request["messages"], request.get("tools")))
+    if not isinstance(message["content"], str):
+        raise DataError("a reply whose content is not text")
+    tools = request.get("tools")
+    if vision is not None and shows_images(messages):
+        prompt, images = vision.rendered(Rendering(messages, tools))
+        if prompt_tokens is not None and len(prompt) != prompt_tokens:
+            # The proof the logged ids give elsewhere: the pictures were tiled and placed
+            # as vLLM did (another processor setting would train on other pixels).
+            raise DataError(
+                f"the processor builds {len(prompt)} prompt tokens for the turn's images and "
+                f"text where vLLM counted {prompt_tokens} (another processor or template?)"
+            )
     else:
-        prompt = chat_ids(tokenizer, request["messages"], request.get("tools"), True)
+        prompt, images = chat_ids(tokenizer, messages, tools, True), None
     completion = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
-    if (response.get("choices") or [{}])[0].get(
-        "finish_reason"
-    ) == "stop" and tokenizer.eos_token_id is not None:
+    if choice.get("finish_reason") == "stop" and tokenizer.eos_token_id is not None:
         completion = completion + [tokenizer.eos_token_id]
     if prompt_tokens is not None and completion_tokens is not None:
         out.token_count_gaps.append(

@@ -120,14 +120,9 @@ def render_turn(tokenizer, request: dict, reply: dict, vision=None) -> Turn:
     if vision is not None and shows_images(context):
         prompt, images = vision.rendered(Rendering(context, tools, add_generation_prompt=True))
         whole, _ = vision.rendered(Rendering([*context, answer], tools, False))
-    else:
-        try:
-            prompt = chat_ids(tokenizer, context, tools, add_generation_prompt=True)
-            whole = chat_ids(tokenizer, [*context, answer], tools, add_generation_prompt=False)
-        except Exception as e:  # jinja2's errors, a template's raise_exception, a bad value
-            raise DataError(
-                f"the local chat template cannot render it ({type(e).__name__}: {str(e)[:120]})"
-            ) from None
+    else:  # a DataError where the template cannot render it
+        prompt = chat_ids(tokenizer, context, tools, add_generation_prompt=True)
+        whole = chat_ids(tokenizer, [*context, answer], tools, add_generation_prompt=False)
     if whole[: len(prompt)] != prompt:
         raise DataError(
             "the local chat template renders the context differently once the reply follows"

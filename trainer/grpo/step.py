@@ -34,8 +34,11 @@ def fresh_adapter(model, config: TrainConfig):
         LoraConfig(
             r=config.lora_rank,
             lora_alpha=config.lora_alpha,
-            # A vision-language model's: in its language model only (images.py).
-            target_modules=language_model_targets(model, list(config.target_modules)),
+            # A vision-language model's: in its language model, and with
+            # --lora-vision-tower its tower and connector too (images.py).
+            target_modules=language_model_targets(
+                model, list(config.target_modules), tower=config.lora_vision_tower
+            ),
             lora_dropout=0.0,
             task_type="CAUSAL_LM",
         ),

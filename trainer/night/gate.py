@@ -179,13 +179,33 @@ def sample_each(
     given, one base model in memory with every adapter on it, each from the same seeds.
     `vision`: a vision-language model's reader, for the prompts that show images."""
     model, tokenizer, device = load_named(base_model, adapters, config)
+    shown = rendered_images(prompts, vision)  # once, for every adapter
     out = {}
     for name, path in adapters.items():
         if path is not None:
             model.set_adapter(name)
         off = path is None and hasattr(model, "disable_adapter")
         with model.disable_adapter() if off else nullcontext():
-            out[name] = generate_replies(model, tokenizer, prompts, config.seed, device, vision)
+            out[name] = generate_replies(model, tokenizer, prompts, config.seed, device, shown)
+    return out
+
+
+def rendered_images(prompts: list[GatePrompt], vision) -> dict[int, tuple | None]:
+    """For each prompt that shows images (`vision`: a vision-language model's reader), its
+    token ids, made once, and its pictures, made again for each adapter (held for all the
+    prompts at once, a real model's screenshot tiles would take gigabytes); None where a
+    picture cannot be read back (pruned since, say)."""
+    from overnight.trainer.grpo.data import DataError
+    from overnight.trainer.grpo.images import Rendering
+
+    out: dict[int, tuple | None] = {}
+    for i, p in enumerate(prompts):
+        if vision is None or not shows_images(p.messages):
+            continue
+        try:
+            out[i] = vision.rendered(Rendering(p.messages, p.tools))
+        except DataError:
+            out[i] = None
     return out
 
 
@@ -214,21 +234,25 @@ def load_named(base_model: str, adapters: dict[str, Path | str | None], config):
 
 
 def generate_replies(
-    model, tokenizer, prompts: list[GatePrompt], seed: int, device: str, vision=None
-) -> list[str | None]:
+    model, tokenizer, prompts: list[GatePrompt], seed: int, device: str,
+    shown: dict[int, tuple | None] | None = None,
+) -> list[str | None]:  # fmt: skip
     """One reply per prompt; prompts with the same sampling settings are generated together
     (left-padded, BATCH at a time: one generate call costs about what one prompt did), each
     batch from a seed of its own, so both adapters see the same random stream. A prompt
-    that shows images (`vision` given) is generated alone; None where its pictures
-    cannot be read back."""
+    that shows images (in `shown`: `rendered_images`) is generated alone with them; None
+    where its pictures could not be read back."""
     import torch
 
     out: list[str | None] = [""] * len(prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     alike: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompts):
-        if vision is not None and shows_images(p.messages):
-            out[i] = _reply_to_images(model, tokenizer, p, vision, seed * 100_003 + i, device)
+        if shown and i in shown:
+            rendered = shown[i]
+            out[i] = rendered and _reply_to_images(
+                model, tokenizer, p, *rendered, seed * 100_003 + i, device
+            )
             continue
         alike.setdefault((p.temperature, p.top_p, p.top_k, p.max_tokens), []).append(i)
     for (_, _, _, max_tokens), members in alike.items():
@@ -257,18 +281,11 @@ def _sampling(p: GatePrompt) -> dict:
     return {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k}
 
 
-def _reply_to_images(model, tokenizer, p: GatePrompt, vision, seed: int, device: str):
-    """One reply to a prompt that shows images, its pictures through the processor as
-    the night trains on them; None where a picture cannot be read back (pruned, say)."""
+def _reply_to_images(model, tokenizer, p: GatePrompt, ids: list[int], images, seed: int,
+                     device: str) -> str:  # fmt: skip
+    """One reply to a prompt that shows images: its ids and pictures (`rendered_images`)."""
     import torch
 
-    from overnight.trainer.grpo.data import DataError
-    from overnight.trainer.grpo.images import Rendering
-
-    try:
-        ids, images = vision.rendered(Rendering(p.messages, p.tools))
-    except DataError:
-        return None
     input_ids = torch.tensor([ids], device=device)
     pixels = {k: v.to(device) for k, v in images.tensors().items()}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -31,7 +31,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from overnight.storage import open_db
-from overnight.storage.read.images import shows_images
+from overnight.storage.read.images import image_parts, shows_images
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.storage.read.siblings import add_turn_views
 
@@ -79,8 +79,10 @@ def prompt_of(group_id: str, request_text: str | None, images: bool = False) -> 
     messages = request.get("messages")
     if not messages or not isinstance(messages, list):
         return None  # text completions and redacted bodies: nothing to sample from
-    if shows_images(messages) and not images:
-        return None  # a text model's gate samples through the tokenizer: no pixels
+    if shows_images(messages) and (not images or _by_url(messages)):
+        # A text model's gate samples through the tokenizer: no pixels. A picture given
+        # by URL was never stored, and the gate does not fetch it.
+        return None
     cap = request.get("max_completion_tokens") or request.get("max_tokens") or MAX_NEW_TOKENS
     temperature = request.get("temperature")
     return GatePrompt(
@@ -92,6 +94,10 @@ def prompt_of(group_id: str, request_text: str | None, images: bool = False) -> 
         min(int(cap), MAX_NEW_TOKENS),
         max(int(request.get("top_k") or 0), 0),
     )
+
+
+def _by_url(messages: list) -> bool:
+    return any(p is not None and p.kind == "url" for m in messages for p in image_parts(m))
 
 
 def held_out_prompts(

@@ -94,6 +94,10 @@ class VisionReader:
             raise DataError("an image of the turn is no longer in the store (pruned)") from e
         except ImageDamaged as e:
             raise DataError("an image of the turn is damaged in the store") from e
+        except (OSError, ValueError) as e:  # the store unreadable, a reference malformed
+            raise DataError(f"an image of the turn cannot be read ({type(e).__name__})") from e
+        if not isinstance(messages, list):
+            raise DataError("a record whose messages are not a list")
         pictures, digests, templated = [], [], []
         for message in messages:
             templated.append(_template_message(message, pictures, digests))
@@ -110,9 +114,14 @@ class VisionReader:
                 f"{str(e)[:120]})"
             ) from None
         # vLLM tokenises a rendered chat without adding special tokens: the template has them.
-        encoded = self.processor(
-            text=[text], images=[pictures], return_tensors="pt", add_special_tokens=False
-        )
+        try:
+            encoded = self.processor(
+                text=[text], images=[pictures], return_tensors="pt", add_special_tokens=False
+            )
+        except Exception as e:  # e.g. the text names more pictures than it shows ("<image>")
+            raise DataError(
+                f"the processor cannot prepare it ({type(e).__name__}: {str(e)[:120]})"
+            ) from None
         return encoded, digests
 
 
@@ -153,11 +162,19 @@ def _image_bytes(part: dict) -> bytes:
 
 
 def _decoded(data: bytes):
-    """The picture, as vLLM loads it (RGB). PIL's own limit refuses decompression bombs."""
+    """The picture, as vLLM loads it (RGB). One larger than PIL's decompression-bomb limit
+    (about 89 megapixels; PIL itself only warns below twice that) is refused unread."""
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as picture:
+            if picture.width * picture.height > (Image.MAX_IMAGE_PIXELS or float("inf")):
+                raise DataError(
+                    f"an image of {picture.width}x{picture.height} pixels, more than "
+                    f"{Image.MAX_IMAGE_PIXELS} (a decompression bomb?)"
+                )
             return picture.convert("RGB")
+    except DataError:
+        raise
     except Exception as e:  # PIL raises many kinds for a file that is not a picture
         raise DataError(f"an image that does not decode ({type(e).__name__})") from e

@@ -14,12 +14,14 @@ weights read) the estimate adds:
                     dtype (counted on the meta device); they are frozen, so their
                     forward keeps no activations for the backward. Its forward has a
                     peak of its own, before the language model's (so the larger of the
-                    two counts, not their sum): per image token of a micro-batch, the
-                    scale factor squared patches, each one layer's hidden, MLP and
-                    attention-score values (eager attention's; SDPA's is about half).
-                    Measured on SmolVLM-256M's tower shape in float32 (8 tiles, 512 image
-                    tokens): 1.8 MiB an image token eager, 0.9 with SDPA; this counts
-                    2.1 (bench/vision_tower_memory.py). Only sequences with images count
+                    two counts, not their sum). It runs over one sequence's images at a
+                    time (trainer/grpo/images.py), so the sequence with the most image
+                    tokens sets it: per image token, the scale factor squared patches,
+                    each one layer's hidden, MLP and attention-score values (eager
+                    attention's; SDPA's is about half). Measured on SmolVLM-256M's tower
+                    shape in float32 (8 tiles, 512 image tokens): 2.0-2.2 MiB an image
+                    token eager, 1.0 with SDPA; this counts 2.1
+                    (bench/vision_tower_memory.py)
   logits            per trained token of a chunk (--logit-chunk-tokens): the
                     vocabulary's logits in float32 1.7 times over (trainer/grpo/head.py
                     keeps one float32 (chunk, V) tensor, beside a bfloat16 projection
@@ -88,20 +90,26 @@ class Estimate:
 
 def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: int = 1,
              longest: int = 0, checkpointing: bool | None = None,
-             tower: int | None = None, image_share: float = 0.0) -> Estimate:  # fmt: skip
+             tower: int | None = None, image_tokens: int = 0,
+             image_share: float = 0.0) -> Estimate:  # fmt: skip
     """The training peak for a transformers config of a decoder (Qwen2, Llama, Mistral);
     with FSDP the weights are split over `shards` devices. A sequence longer than a
     micro-batch (`longest` tokens) is forwarded alone, so the larger of the two counts.
     `checkpointing` overrides what --gradient-checkpointing would choose. A
     vision-language model's language model is its text config's, its tower counted apart
-    (`tower`: its parameters, where already counted); `image_share`: the largest share of
-    a sequence's tokens that are image tokens (a micro-batch has no larger share)."""
-    tower_forward = 0
+    (`tower`: its parameters, where already counted); `image_tokens`: the most image
+    tokens of one sequence (the tower's forward takes one sequence's images at a time);
+    `image_share`: the largest share of image tokens in a sequence (with the tower
+    adapted, a micro-batch's every image keeps its tower's values for the backward)."""
+    tower_forward = tower_kept = 0
     if is_vision_config(model_config):
         tower = tower_parameters(model_config) if tower is None else tower
-        tokens = max(config.micro_batch_tokens, longest)
-        tower_forward = int(tokens * image_share * tower_bytes_per_image_token(model_config,
-                                                                              bytes_per_value))  # fmt: skip
+        per_image_token = tower_bytes_per_image_token(model_config, bytes_per_value)
+        tower_forward = int(image_tokens * per_image_token)
+        if config.lora_vision_tower:  # adapted: every layer's values kept for the backward
+            layers = getattr(model_config.vision_config, "num_hidden_layers", 1)
+            in_batch = max(config.micro_batch_tokens, longest) * image_share
+            tower_kept = int(in_batch * per_image_token * layers)
         model_config = model_config.get_text_config()
     tower = tower or 0
     h, layers = model_config.hidden_size, model_config.num_hidden_layers
@@ -129,6 +137,7 @@ def estimate(model_config, config: TrainConfig, bytes_per_value: int, shards: in
     checkpointed = config.gradient_checkpointing == "on" if checkpointing is None else checkpointing
     per_token = h if checkpointed else 16 * h + 2 * inter
     activations = tokens * (layers * per_token + (16 * h + 2 * inter)) * bytes_per_value
+    activations += tower_kept
     chunk = min(config.logit_chunk_tokens, tokens)
     logits = chunk * vocab * 4 * LOGIT_COPIES + min(FILTER_ROWS, chunk) * vocab * FILTER_BYTES
     return Estimate(
@@ -152,15 +161,18 @@ def tower_bytes_per_image_token(model_config, bytes_per_value: int) -> float:
     return merge**2 * (4 * vh + 2 * vi + 2 * heads * per_tile) * bytes_per_value
 
 
-def image_share(model_config, sequences) -> float:
-    """The largest share of image tokens in any of `sequences` (token id lists): a
-    micro-batch packs whole sequences, so none has more. 0 for a text model."""
+def image_tokens_of(model_config, sequences) -> dict:
+    """`estimate`'s image arguments for `sequences` (token id lists): the most image
+    tokens in one, and the largest share of them in one (a micro-batch packs whole
+    sequences, so none has more); none for a text model."""
     from overnight.trainer.grpo.images import image_token_id
 
     token = image_token_id(model_config) if is_vision_config(model_config) else None
-    if token is None:
-        return 0.0
-    return max((s.count(token) / len(s) for s in sequences if s), default=0.0)
+    counts = [(s.count(token), len(s)) for s in sequences if s] if token is not None else []
+    return {
+        "image_tokens": max((n for n, _ in counts), default=0),
+        "image_share": max((n / length for n, length in counts), default=0.0),
+    }
 
 
 def free_memory(device: str) -> int:
@@ -191,7 +203,7 @@ def check_fits(base_model: str, config: TrainConfig, device: str, bytes_per_valu
     model_config = AutoConfig.from_pretrained(base_model)
     # Counted once (a model built on the meta device), for both estimates below.
     tower = tower_parameters(model_config) if is_vision_config(model_config) else None
-    images = {"tower": tower, "image_share": image_share(model_config, sequences)}
+    images = {"tower": tower, **image_tokens_of(model_config, sequences)}
     need = estimate(model_config, config, bytes_per_value, shards, longest, **images)
     free = free_memory(device) if free is None else free
     usable = int(free * (1 - SPARE))
