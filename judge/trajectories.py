@@ -16,11 +16,12 @@ diverges.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 
-from overnight.storage.read.images import image_of
+# A message's content as text, each image named by its label: the judge's, the gate's
+# examples' (storage/read/images.py, where the trainer can read it too).
+from overnight.storage.read.images import content_text, image_label, image_of  # noqa: F401
 
 # Tool outputs longer than this are cut in the middle: a judge needs their start and
 # end to follow the story, rarely all of a 50 KB search result.
@@ -92,32 +93,6 @@ def message_key(message: dict) -> str:
         message.get("tool_call_id"),
     ]
     return json.dumps(key, ensure_ascii=False)
-
-
-def content_text(content) -> str:
-    if isinstance(content, list):  # content parts: keep the text, name the rest
-        return " ".join(_part_text(p) for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
-
-
-def _part_text(part: dict) -> str:
-    """A content part as the judge reads it: its text, or an image's label."""
-    return image_label(part) or part.get("text") or f"<{part.get('type')}>"
-
-
-def image_label(part: dict) -> str | None:
-    """An image part's placeholder, which names it (its stored hash, its URL), so that
-    trajectories showing other pictures stay apart; a judge that sees images gets each
-    picture under its label (judge/images.py). None: not an image."""
-    image = image_of(part)
-    if image is None:
-        return None
-    if image.digest is not None:
-        return f"[image sha256:{image.digest[:16]}]"
-    if image.kind == "inline":  # kept inline (the store refused it): named by its text
-        data = json.dumps(part, sort_keys=True).encode()
-        return f"[image inline:{hashlib.sha256(data).hexdigest()[:16]}]"
-    return f"[image {str(image.url)[:200]}]"
 
 
 def rollout_from_turns(rollout_id: str, turns: list[tuple[dict | None, dict | None]]) -> Trajectory:

@@ -4,12 +4,16 @@
 turned back into its base64 (a data URL, or a Messages part's `data`), the bytes verified
 against their hash on the way (`ImageDamaged` names a damaged file, `ImageMissing` a
 pruned one). For readers that need the pixels (the trainer); listings need only
-`image_parts`: what each image of a message is, without reading it.
+`image_parts`: what each image of a message is, without reading it. `content_text`
+gives a message's content as text with each image named by its label (`image_label`),
+as the judge reads it and the gate's examples show it.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -140,3 +144,29 @@ def _of_url(url: Any) -> ImagePart:
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) or value is None else str(value)
+
+
+def content_text(content) -> str:
+    if isinstance(content, list):  # content parts: keep the text, name the rest
+        return " ".join(_part_text(p) for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def _part_text(part: dict) -> str:
+    """A content part as the judge reads it: its text, or an image's label."""
+    return image_label(part) or part.get("text") or f"<{part.get('type')}>"
+
+
+def image_label(part: dict) -> str | None:
+    """An image part's placeholder, which names it (its stored hash, its URL), so that
+    trajectories showing other pictures stay apart; a judge that sees images gets each
+    picture under its label (judge/images.py). None: not an image."""
+    image = image_of(part)
+    if image is None:
+        return None
+    if image.digest is not None:
+        return f"[image sha256:{image.digest[:16]}]"
+    if image.kind == "inline":  # kept inline (the store refused it): named by its text
+        data = json.dumps(part, sort_keys=True).encode()
+        return f"[image inline:{hashlib.sha256(data).hexdigest()[:16]}]"
+    return f"[image {str(image.url)[:200]}]"

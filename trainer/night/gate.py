@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from overnight.config import GATE_MODES, TrainConfig
-from overnight.storage.read.images import shows_images
+from overnight.storage.read.images import content_text, shows_images
 
 from .gate_prompts import GatePrompt
 
@@ -398,7 +398,7 @@ def _example(p: GatePrompt, candidate: str, served: str, scores: tuple[float, fl
     last = p.messages[-1].get("content") if p.messages else ""
     return {
         "group_id": p.group_id,
-        "prompt": str(last)[:500],
+        "prompt": content_text(last)[:500],  # an image as its label, as the judge reads it
         "candidate": candidate[:500],
         "served": served[:500],
         "candidate_score": scores[0],
