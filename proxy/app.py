@@ -27,6 +27,7 @@ from overnight.view import web as view
 from .alias.policies import Policies
 from .capture.captures import TurnCounter
 from .capture.conversation import CHAINS, ResponseChains
+from .capture.image_urls import IMAGE_FETCHER, ImageFetcher
 from .capture.recorder import RECORDER, RecorderProcess, Recording
 from .capture.recorder_main import record_frame
 from .capture.redact import REDACTOR, Redactor
@@ -118,6 +119,9 @@ def create_app(config: ProxyConfig) -> web.Application:
         workers=config.workers,
     )
     app[SHADOW] = ShadowSampler(config, balancer, app[REDACTOR])
+    if config.fetch_images_from:  # the listed hosts' image URLs (capture/image_urls.py)
+        app[IMAGE_FETCHER] = fetcher = ImageFetcher(config.fetch_images_from)
+        app.on_cleanup.append(lambda _: fetcher.close())
     tracing.install(app, config)  # OpenTelemetry, when OTEL_*/LANGFUSE_* ask for it
     _install_recorder(app, config)
     app.cleanup_ctx.append(_lifecycle)

@@ -478,3 +478,59 @@ async def test_a_responses_chain_rebuilt_from_the_store_records_its_images(make_
     restored = restore_images(request, data)
     assert restored["messages"][0]["content"] == [chat_part(shot)]
     assert len(stored_files(data)) == 1
+
+
+async def test_listed_hosts_image_urls_are_fetched_stored_and_sent_as_data(
+    make_proxy, received, aiohttp_server, tmp_path, monkeypatch
+):
+    """--fetch-images-from: an image URL of a listed host is fetched once, sent to vLLM as
+    the bytes fetched (a data URL), and recorded as a stored image with the URL in the
+    notes; anything else stays the client's URL, with the reason: an unlisted host, a
+    redirect, not an image, too large, a listed name that resolves to no public address."""
+    from aiohttp import web
+
+    from overnight.proxy.capture import image_urls
+
+    monkeypatch.setattr(image_urls, "MAX_FETCH_BYTES", 40_000)
+    shot, big = image(21), image(22, size=60_000)
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if name == "moved":
+            raise web.HTTPFound("/shot.png")
+        if name == "page":
+            return web.Response(text="<html>", content_type="text/html")
+        return web.Response(body=shot if name == "shot.png" else big, content_type="image/png")
+
+    images_app = web.Application()
+    images_app.router.add_get("/{name}", serve)
+    host = await aiohttp_server(images_app)
+    base = f"http://127.0.0.1:{host.port}"
+    # 127.0.0.1 named by number: the operator asked for it (a name would not reach it).
+    proxy = await make_proxy(fetch_images_from=("127.0.0.1", "localhost"))
+    urls = [f"{base}/shot.png", f"{base}/moved", f"{base}/page", f"{base}/big.png",
+            f"http://localhost:{host.port}/shot.png", "https://example.com/a.png"]  # fmt: skip
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        *({"type": "image_url", "image_url": {"url": u}} for u in urls),
+        {"type": "text", "text": "what?"}]}]}  # fmt: skip
+    r = await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "u"})
+    assert r.status == 200, await r.text()
+    sent = received[-1]["body"]["messages"][0]["content"]
+    assert sent[0]["image_url"]["url"] == data_url(shot)  # vLLM sees the bytes fetched
+    assert [p["image_url"]["url"] for p in sent[1:6]] == urls[1:]  # the others as sent
+    (row,) = await wait_for_rows(tmp_path / "data", 1)
+    notes = json.loads(row["notes"])["images_fetched"]
+    assert notes[urls[0]] == "fetched"
+    assert "HTTP 302" in notes[urls[1]] and "text/html" in notes[urls[2]]
+    assert "more than 40000" in notes[urls[3]]
+    assert "no public address" in notes[urls[4]]  # a listed name resolving to loopback
+    assert urls[5] not in notes  # not listed: never asked
+    ref = f"overnight-image:image/png;sha256:{hashlib.sha256(shot).hexdigest()}"
+    assert ref in row["request"] and base64.b64encode(shot).decode() not in row["request"]
+    assert [f.name for f in stored_files(tmp_path / "data")] == [
+        f"{hashlib.sha256(shot).hexdigest()}.png"
+    ]
+    # Without the option nothing is fetched.
+    plain = await make_proxy(data_dir=tmp_path / "plain")
+    await plain.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "p"})
+    assert received[-1]["body"]["messages"][0]["content"][0]["image_url"]["url"] == urls[0]

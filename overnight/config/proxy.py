@@ -187,6 +187,18 @@ class ProxyConfig(ShadowSampling, HostedBeside):  # their fields: shadow.py, han
             "help": "Seconds a client may take to send a request's headers, or stay idle between requests."
         },
     )
+    # An image given by URL is vLLM's to fetch, never the proxy's, unless the operator
+    # names the host (proxy/capture/image_urls.py): then the proxy fetches it once and
+    # the night can train on what the model saw.
+    fetch_images_from: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "Host whose image URLs the proxy fetches, stores and sends vLLM as data "
+            "(repeatable; example.com, *.example.com for its subdomains, or an IP address; "
+            "public addresses only unless named by number). Default: none, never fetched.",
+            "flag": "--fetch-images-from",
+        },
+    )
     # DNS rebinding: a page at evil.example whose name resolves to this machine. An IP
     # literal, `localhost` and this machine's name cannot be rebound; other names must be
     # listed ('*' turns the check off).

@@ -141,7 +141,8 @@ def add_key_note(rows: list[dict], note: dict | None) -> None:
     if note is None:
         return
     for i, row in enumerate(rows):
-        extra = note if i == 0 else {"key": note["key"]}
+        # Every choice's row names the key; the refusals (and fetched images) the first.
+        extra = note if i == 0 else ({"key": note["key"]} if "key" in note else {})
         row["notes"] = {**(row.get("notes") or {}), **extra}
 
 

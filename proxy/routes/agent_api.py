@@ -41,6 +41,7 @@ from overnight.proxy.capture.conversation import (
     messages_request,
     resolve_responses_request,
 )
+from overnight.proxy.capture.image_urls import IMAGE_FETCHER, IMAGES_FETCHED
 from overnight.proxy.capture.recorder import RECORDER
 from overnight.proxy.capture.records import (
     RecordFacts,
@@ -128,6 +129,9 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     capture = open_capture(request, endpoint, body, who, route, started)
     hosted = hosted_of(app, route)  # a hosted API serves it (hosted.py); None: vLLM
     try:
+        if hosted is None and IMAGE_FETCHER in app:  # listed hosts' image URLs: as data
+            body, request[IMAGES_FETCHED] = await app[IMAGE_FETCHER].inline(body)
+            capture.request_body = body  # what vLLM is sent is what the record holds
         upstream_body, added = prepare_upstream_body(request, endpoint, body, capture, hosted)
         # A hosted API is sent the client's own bytes where the body is still theirs.
         raw = None if hosted is None else request_bytes(await request.read(), upstream_body)
@@ -321,6 +325,8 @@ def record_after_the_answer(
     held up by the records of the earlier ones (_record, below)."""
     logged = logging_enabled(request.headers)
     note = record_note(request)  # a scoped key's name and refusals, for its record
+    if request.get(IMAGES_FETCHED):  # image URLs the proxy fetched, or why not
+        note = {**(note or {}), "images_fetched": request[IMAGES_FETCHED]}
     asyncio.get_running_loop().call_soon(_record, request.app, capture, who, started, logged, note)
 
 
