@@ -120,7 +120,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     )
     app[SHADOW] = ShadowSampler(config, balancer, app[REDACTOR])
     if config.fetch_images_from:  # the listed hosts' image URLs (capture/image_urls.py)
-        app[IMAGE_FETCHER] = fetcher = ImageFetcher(config.fetch_images_from)
+        app[IMAGE_FETCHER] = fetcher = ImageFetcher(config.fetch_images_from, config.max_body_bytes)
         app.on_cleanup.append(lambda _: fetcher.close())
     tracing.install(app, config)  # OpenTelemetry, when OTEL_*/LANGFUSE_* ask for it
     _install_recorder(app, config)

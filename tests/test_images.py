@@ -485,8 +485,9 @@ async def test_listed_hosts_image_urls_are_fetched_stored_and_sent_as_data(
 ):
     """--fetch-images-from: an image URL of a listed host is fetched once, sent to vLLM as
     the bytes fetched (a data URL), and recorded as a stored image with the URL in the
-    notes; anything else stays the client's URL, with the reason: an unlisted host, a
-    redirect, not an image, too large, a listed name that resolves to no public address."""
+    notes (no credentials, no query); anything else stays the client's URL, with the
+    reason: an unlisted host or port, a redirect, not an image, too large, a listed name
+    that resolves to no public address. A malformed URL never fails the request."""
     from aiohttp import web
 
     from overnight.proxy.capture import image_urls
@@ -506,31 +507,70 @@ async def test_listed_hosts_image_urls_are_fetched_stored_and_sent_as_data(
     images_app.router.add_get("/{name}", serve)
     host = await aiohttp_server(images_app)
     base = f"http://127.0.0.1:{host.port}"
-    # 127.0.0.1 named by number: the operator asked for it (a name would not reach it).
-    proxy = await make_proxy(fetch_images_from=("127.0.0.1", "localhost"))
-    urls = [f"{base}/shot.png", f"{base}/moved", f"{base}/page", f"{base}/big.png",
-            f"http://localhost:{host.port}/shot.png", "https://example.com/a.png"]  # fmt: skip
+    # 127.0.0.1 listed by number, with its port: the operator asked for it; a name that
+    # resolves there would not reach it, nor would another port.
+    listed = (f"127.0.0.1:{host.port}", f"localhost:{host.port}")
+    proxy = await make_proxy(fetch_images_from=listed)
+    urls = [f"http://user:secret@127.0.0.1:{host.port}/shot.png?sig=abc", f"{base}/moved",
+            f"{base}/page", f"{base}/big.png", f"http://localhost:{host.port}/shot.png",
+            "https://example.com/a.png", f"http://127.0.0.1:{host.port + 1}/shot.png",
+            "http://[evil/a.png"]  # fmt: skip
     body = {"model": "m", "messages": [{"role": "user", "content": [
         *({"type": "image_url", "image_url": {"url": u}} for u in urls),
+        {"type": "image_url", "image_url": {"url": urls[0]}},  # the same picture again
         {"type": "text", "text": "what?"}]}]}  # fmt: skip
     r = await proxy.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "u"})
     assert r.status == 200, await r.text()
     sent = received[-1]["body"]["messages"][0]["content"]
-    assert sent[0]["image_url"]["url"] == data_url(shot)  # vLLM sees the bytes fetched
-    assert [p["image_url"]["url"] for p in sent[1:6]] == urls[1:]  # the others as sent
+    assert sent[0]["image_url"]["url"] == sent[8]["image_url"]["url"] == data_url(shot)
+    assert [p["image_url"]["url"] for p in sent[1:8]] == urls[1:]  # the others as sent
     (row,) = await wait_for_rows(tmp_path / "data", 1)
     notes = json.loads(row["notes"])["images_fetched"]
-    assert notes[urls[0]] == "fetched"
+    assert notes[f"{base}/shot.png"] == "fetched"  # named without its credentials or query
+    assert "secret" not in row["notes"] and "sig=" not in row["notes"]
     assert "HTTP 302" in notes[urls[1]] and "text/html" in notes[urls[2]]
     assert "more than 40000" in notes[urls[3]]
     assert "no public address" in notes[urls[4]]  # a listed name resolving to loopback
-    assert urls[5] not in notes  # not listed: never asked
+    assert len(notes) == 5  # unlisted hosts and ports, and the malformed URL: never asked
     ref = f"overnight-image:image/png;sha256:{hashlib.sha256(shot).hexdigest()}"
     assert ref in row["request"] and base64.b64encode(shot).decode() not in row["request"]
     assert [f.name for f in stored_files(tmp_path / "data")] == [
         f"{hashlib.sha256(shot).hexdigest()}.png"
     ]
-    # Without the option nothing is fetched.
+    # A Responses `input_image` keeps its shape; past the request's budget a repeated
+    # picture stays a URL (a small request must not grow into a huge one).
+    monkeypatch.setattr(proxy.app[image_urls.IMAGE_FETCHER], "budget", 2 * len(data_url(shot)))
+    part = {"type": "input_image", "image_url": f"{base}/shot.png"}
+    responses = {"model": "m", "input": [{"role": "user", "content": [part] * 3}]}
+    r = await proxy.post("/v1/responses", json=responses, headers={"X-Rollout-Id": "r"})
+    assert r.status == 200, await r.text()
+    shown = received[-1]["body"]["input"][0]["content"]
+    assert [p["image_url"] for p in shown] == [data_url(shot)] * 2 + [f"{base}/shot.png"]
+    # Without the option, or for a request not logged, nothing is fetched.
     plain = await make_proxy(data_dir=tmp_path / "plain")
     await plain.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": "p"})
     assert received[-1]["body"]["messages"][0]["content"][0]["image_url"]["url"] == urls[0]
+    quiet = {"X-Rollout-Id": "q", "X-Rollout-Log": "off"}
+    await proxy.post("/v1/chat/completions", json=body, headers=quiet)
+    assert received[-1]["body"]["messages"][0]["content"][0]["image_url"]["url"] == urls[0]
+
+
+def test_a_fetch_reaches_only_public_addresses():
+    """IPv6 addresses that carry an IPv4 one are as public as it is."""
+    import ipaddress
+
+    from overnight.proxy.capture.image_urls import HostList, public
+
+    for address in ("127.0.0.1", "10.0.0.5", "169.254.169.254", "::1", "::ffff:127.0.0.1",
+                    "64:ff9b::a9fe:a9fe", "2002:7f00:1::", "fe80::1"):  # fmt: skip
+        assert not public(ipaddress.ip_address(address)), address
+    for address in ("8.8.8.8", "2001:4860:4860::8888", "64:ff9b::808:808"):
+        assert public(ipaddress.ip_address(address)), address
+    hosts = HostList(("cdn.example.com", "*.pics.example", "10.0.0.5:8080"))
+    assert hosts.allows("cdn.example.com", 443, "https") and hosts.allows(
+        "a.pics.example", 80, "http"
+    )
+    assert not hosts.allows("cdn.example.com", 8443, "https")  # another port: not listed
+    assert not hosts.allows("evilpics.example", 80, "http")  # not a subdomain
+    assert not hosts.allows("attacker.com\x00.pics.example", 80, "http")  # a NUL: never
+    assert hosts.allows("10.0.0.5", 8080, "http") and hosts.named_by_number("10.0.0.5")

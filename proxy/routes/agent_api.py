@@ -129,7 +129,8 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     capture = open_capture(request, endpoint, body, who, route, started)
     hosted = hosted_of(app, route)  # a hosted API serves it (hosted.py); None: vLLM
     try:
-        if hosted is None and IMAGE_FETCHER in app:  # listed hosts' image URLs: as data
+        if hosted is None and IMAGE_FETCHER in app and logging_enabled(request.headers):
+            # The listed hosts' image URLs, sent as data (capture/image_urls.py).
             body, request[IMAGES_FETCHED] = await app[IMAGE_FETCHER].inline(body)
             capture.request_body = body  # what vLLM is sent is what the record holds
         upstream_body, added = prepare_upstream_body(request, endpoint, body, capture, hosted)
