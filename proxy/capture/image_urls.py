@@ -89,7 +89,7 @@ class HostList:
 
     def allows(self, host: str, port: int, scheme: str) -> bool:
         host = host.lower()
-        if not (_NAME.fullmatch(host) or _is_ip(host)):  # a NUL, a space: never
+        if not (_NAME.fullmatch(host) or _ip_of(host)):  # a NUL, a space: never
             return False
         for name, listed_port in self.entries:
             if listed_port is None and port != _DEFAULT_PORTS[scheme]:
@@ -104,12 +104,12 @@ class HostList:
         return any(name == address for name, _ in self.entries)
 
 
-def _is_ip(host: str) -> bool:
+def _ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address a host is, where it is one (not a name); None for a name."""
     try:
-        ipaddress.ip_address(host)
+        return ipaddress.ip_address(host)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 class _CheckedResolver(AbstractResolver):
@@ -202,10 +202,9 @@ class ImageFetcher:
 
     async def _fetch(self, url: str) -> str:
         host = urlsplit(url).hostname or ""
-        if _is_ip(host):  # an IP address is not resolved (nor checked by the resolver)
-            ip = ipaddress.ip_address(host)
-            if not (public(ip) or self.hosts.named_by_number(str(ip))):
-                raise Refused(f"{host} is not a public address (list it by number to allow it)")
+        ip = _ip_of(host)  # an IP address is not resolved (nor checked by the resolver)
+        if ip is not None and not (public(ip) or self.hosts.named_by_number(str(ip))):
+            raise Refused(f"{host} is not a public address (list it by number to allow it)")
         async with self.session().get(url, allow_redirects=False) as response:
             if response.status != 200:
                 raise Refused(f"HTTP {response.status}")

@@ -111,16 +111,17 @@ def language_model_targets(model, targets: list[str], tower: bool = False) -> li
     return pattern
 
 
+def _outside_language_model(model) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of each module that is not the language model's nor its output
+    layer's: the vision tower's and the connector's, and the containers that hold them."""
+    parts = (model.get_decoder(), model.get_output_embeddings())
+    text = {id(m) for part in parts for m in part.modules()}
+    return [(name, m) for name, m in model.named_modules() if id(m) not in text]
+
+
 def tower_linears(model) -> list[str]:
-    """The names of the linear layers outside the language model and its output layer:
-    the vision tower's and the connector's."""
-    text = {id(m) for m in model.get_decoder().modules()}
-    text |= {id(m) for m in model.get_output_embeddings().modules()}
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and id(module) not in text
-    ]
+    """The names of the vision tower's and the connector's linear layers."""
+    return [n for n, m in _outside_language_model(model) if isinstance(m, torch.nn.Linear)]
 
 
 def tower_parameters(config) -> int:
@@ -130,9 +131,9 @@ def tower_parameters(config) -> int:
 
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    text = {id(p) for p in model.get_decoder().parameters()}
-    text |= {id(p) for p in model.get_output_embeddings().parameters()}
-    return sum(p.numel() for p in model.parameters() if id(p) not in text)
+    # Each parameter counted at the module that holds it (a tied one is the text's).
+    outside = _outside_language_model(model)
+    return sum(p.numel() for _, m in outside for p in m.parameters(recurse=False))
 
 
 def image_embeddings(

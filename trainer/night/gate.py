@@ -251,7 +251,7 @@ def generate_replies(
         if shown and i in shown:
             rendered = shown[i]
             out[i] = rendered and _reply_to_images(
-                model, tokenizer, p, *rendered, seed * 100_003 + i, device
+                model, tokenizer, p, *rendered, seed * 100_003 + i, device, pad
             )
             continue
         alike.setdefault((p.temperature, p.top_p, p.top_k, p.max_tokens), []).append(i)
@@ -282,13 +282,12 @@ def _sampling(p: GatePrompt) -> dict:
 
 
 def _reply_to_images(model, tokenizer, p: GatePrompt, ids: list[int], images, seed: int,
-                     device: str) -> str:  # fmt: skip
+                     device: str, pad: int) -> str:  # fmt: skip
     """One reply to a prompt that shows images: its ids and pictures (`rendered_images`)."""
     import torch
 
     input_ids = torch.tensor([ids], device=device)
     pixels = {k: v.to(device) for k, v in images.tensors().items()}
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(seed)
     with torch.no_grad():
         generated = model.generate(

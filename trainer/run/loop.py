@@ -58,9 +58,8 @@ def run_training(
     # Nothing loaded yet: a night that cannot fit stops now, saying what to change.
     shards = parallel.world if parallel.fsdp else 1
     itemsize = torch_dtype(config.dtype).itemsize
-    longest = max((len(s.tokens) for s in plan.samples), default=0)
     need = check_fits(base_model, config, str(parallel.device), itemsize, say, shards=shards,
-                      longest=longest, sequences=[s.tokens for s in plan.samples])  # fmt: skip
+                      sequences=[s.tokens for s in plan.samples])  # fmt: skip
     model, optimizer, state = _start_policy(
         config, base_model, start_adapter, checkpoint, parallel, say, need.checkpointing
     )

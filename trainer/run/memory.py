@@ -197,10 +197,12 @@ def check_fits(base_model: str, config: TrainConfig, device: str, bytes_per_valu
 
     Under `--gradient-checkpointing auto`, a night that fits only with checkpointing gets
     it (the returned estimate says so): a third more compute beats a night refused.
-    `sequences`: the night's token ids (a vision model's image tokens among them)."""
+    `sequences`: the night's token ids (the longest of them, and a vision model's image
+    tokens among them, count); `longest`: a sequence length to count where none are given."""
     from transformers import AutoConfig
 
     model_config = AutoConfig.from_pretrained(base_model)
+    longest = max(longest, max(map(len, sequences), default=0))
     # Counted once (a model built on the meta device), for both estimates below.
     tower = tower_parameters(model_config) if is_vision_config(model_config) else None
     images = {"tower": tower, **image_tokens_of(model_config, sequences)}
