@@ -10,8 +10,8 @@ written before are appended: a signal's id is a hash of what it is about and wha
 so, so a second run over the same traffic writes nothing.
 
 A turn's implicit reward is its signals' values weighted by their confidence
-(`implicit_reward`; `ended`, which says nothing, left out), in [-1, 1]. A turn with no
-signal gets none: silence is not evidence. It goes to the turn's rollout when the
+(`implicit_reward`; `ended` and `moved_on`, which say nothing, left out), in [-1, 1]. A
+turn with no signal gets none: silence is not evidence, nor is a message nobody read. It goes to the turn's rollout when the
 rollout is that one turn (a single call, the usual production request), else to the
 turn's member of its per-turn group (`turn:<record>:served`, storage/read/siblings.py),
 and never where a reward of another source is already there: an agent's posted reward,
@@ -35,7 +35,7 @@ from overnight.storage.schema import SCHEMA_VERSION
 
 from .reactions import SOURCE as CLASSIFIER
 from .reactions import Reaction, Tally, classify
-from .signals import ENDED, MOVED_ON, Signal, Turn, read_signals
+from .signals import MOVED_ON, Signal, Turn, read_signals
 from .trajectories import content_text
 
 # A conversation quiet this long has ended: no next message is coming for its last turn.
@@ -92,9 +92,10 @@ class SignalSummary:
 
 def implicit_reward(signals: list[Signal]) -> float | None:
     """A turn's signals as one reward in [-1, 1]: their values weighted by confidence, so a
-    sure correction outweighs a guess that the user moved on. None without a signal that
-    says something (`ended` says nothing either way)."""
-    said = [s for s in signals if s.kind != ENDED and s.confidence > 0]
+    sure correction outweighs a weaker reading. None without a signal that says something:
+    a value of 0 says nothing either way (`ended`; `moved_on`, a message nobody
+    recognised), and is left out rather than pulling the others towards 0."""
+    said = [s for s in signals if s.value != 0 and s.confidence > 0]
     if not said:
         return None
     return sum(s.value * s.confidence for s in said) / sum(s.confidence for s in said)

@@ -34,7 +34,7 @@ READINGS = {
     "accepted": (ACCEPTED, 1.0),
     "corrected": (CORRECTED, -1.0),
     "asked_again": (RE_ASKED, -1.0),
-    "new_request": (MOVED_ON, 0.3),
+    "new_request": (MOVED_ON, 0.0),
 }
 # Below the rules' sure readings (0.7-0.8: a pattern that fired), above their guess (0.3).
 CONFIDENCE = 0.6

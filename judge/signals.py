@@ -12,7 +12,8 @@ confidence, the rule that said so and the text it read:
 
 - the next user message, read by rules where rules are reliable: an acceptance
   ("thanks, that works"), a correction or complaint ("no, I asked for ..."), a re-ask
-  (much the same words as the question it answered), or else a new request (moved on);
+  (much the same words as the question it answered), or else a new request (moved on:
+  recorded with value 0, for a message nobody recognised says nothing either way);
 - a regenerate or an edit of the last message;
 - after a tool call: a tool result that reads as an error, or the same tool called
   again with other arguments;
@@ -271,7 +272,8 @@ def _reaction(t: Turn, u: Turn, text: str) -> Signal:
         kind, value, confidence, rule = RE_ASKED, -1.0, 0.7, "the next message asks the same again"
         extra = {"similarity": round(alike, 3)}
     else:
-        kind, value, confidence, rule = MOVED_ON, 0.3, 0.3, "the next message asks something new"
+        # Nobody recognised it: a guess that says nothing either way, never approval.
+        kind, value, confidence, rule = MOVED_ON, 0.0, 0.3, "the next message asks something new"
     return Signal(t.record_id, kind, value, confidence, rule, _cut(text), u.record_id, extra)
 
 

@@ -130,7 +130,13 @@ def create_app(config: ProxyConfig) -> web.Application:
         app.cleanup_ctx.append(metrics.lifecycle)  # after _lifecycle: the writer is there
         app.router.add_get("/metrics", metrics.handle)
 
-    r = app.router
+    _add_routes(app.router)
+    _mount_web_view(app, config, policies)
+    return app
+
+
+def _add_routes(r: web.UrlDispatcher) -> None:
+    """What clients call: completions, rewards, finishes, the admin API, the pass-through."""
     r.add_get("/health", health)
     r.add_post("/v1/chat/completions", completions)
     r.add_post("/v1/completions", completions)
@@ -150,13 +156,14 @@ def create_app(config: ProxyConfig) -> web.Application:
     r.add_route("*", "/rollouts/{group}/{rollout}/v1/{tail:.*}", prefixed)
     r.add_route("*", "/v1/{tail:.*}", maintenance.held)
 
-    # The web view reads what it needs through request.config_dict, under its own keys:
-    # it never imports this module (view/ sits below the proxy).
+
+def _mount_web_view(app: web.Application, config: ProxyConfig, policies: Policies) -> None:
+    """The web view at /ui. It reads what it needs through request.config_dict, under its
+    own keys: it never imports this module (view/ sits below the proxy)."""
     app[view.DATA_DIR] = config.data_dir
     app[view.ADAPTER_STATE] = policies.describe
     app[view.UNCAPTURED] = app[UNCAPTURED].snapshot
     app.add_subapp("/ui", view.create_web_view())
-    return app
 
 
 def _install_recorder(app: web.Application, config: ProxyConfig) -> None:

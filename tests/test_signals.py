@@ -355,8 +355,13 @@ def test_a_turns_signals_make_one_reward_and_silence_makes_none():
     from overnight.judge.signals import Signal
 
     sure_no = Signal("t", CORRECTED, -1.0, 0.8, "r")
-    guess_yes = Signal("t", MOVED_ON, 0.3, 0.3, "r")
-    assert implicit_reward([sure_no, guess_yes]) == pytest.approx((-0.8 + 0.09) / 1.1)
+    truncated = Signal("t", TRUNCATED, -0.5, 0.6, "r")
+    assert implicit_reward([sure_no, truncated]) == pytest.approx((-0.8 - 0.3) / 1.4)
+    # A message nobody recognised says nothing: no reward from a guess, never approval,
+    # and it does not pull a reading that says something towards 0.
+    unread = Signal("t", MOVED_ON, 0.0, 0.3, "r")
+    assert implicit_reward([unread]) is None
+    assert implicit_reward([sure_no, unread]) == -1.0
     assert implicit_reward([Signal("t", ENDED, 0.0, 0.1, "r")]) is None  # says nothing
     assert implicit_reward([]) is None
     held = Held(turns={"single": 1, "long": 3}, latest={}, posted={"a": 1.0, "b": 0.0, "c": 1.0})
@@ -471,7 +476,7 @@ async def test_the_messages_rules_only_guess_at_are_read_by_a_classifier_once(
     assert found[0]["rule"] == "classifier openai/reader" and found[0]["confidence"] == 0.6
     rewards = {r["rollout_id"]: r["reward"] for r in rows(
         tmp_path, "SELECT rollout_id, reward FROM rewards WHERE source = 'implicit'")}  # fmt: skip
-    assert rewards == {"c0.0": -1.0, "c1.0": 1.0, "c2.0": 0.3}
+    assert rewards == {"c0.0": -1.0, "c1.0": 1.0}  # c2.0: nobody read it, no reward
     # Read once: a second run asks only what it could not read, and changes no reward.
     again = await asyncio.to_thread(run_signals, tmp_path, rewards=True, classifier=config)
     assert again.classifier.asked == 1 and len(judge.app[SEEN]) == 4

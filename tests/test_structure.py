@@ -31,7 +31,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS_TO_SPLIT = {
     "overnight.trainer.run.loop.run_training": "a night read as its steps",
     "overnight.testing.fake_shapes.stream_response": "one fake stream per API shape",
-    "overnight.proxy.app.create_app": "the app's parts as named steps",
 }
 
 
