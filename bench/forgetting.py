@@ -1,5 +1,5 @@
 """Forgetting on the real model: a normal night promoted, a destructive one refused, and what
-the measure costs (trainer/night/forgetting.py; BENCHMARKS.md, docs/operations.md).
+the measure costs (trainer/gate/forgetting.py; BENCHMARKS.md, docs/operations.md).
 
 On SmolLM2-135M-Instruct, offline (no vLLM, no proxy): the sum agent's traffic
 (examples/sum_agent.py) sampled from the base model with transformers, rewarded by
@@ -50,10 +50,10 @@ def sample_traffic(model_dir: Path, questions: list[str], seed: int):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from overnight.trainer.choose.plan import Plan
+    from overnight.trainer.gate.prompts import GatePrompt
+    from overnight.trainer.gate.verdict import prompt_ids
     from overnight.trainer.grpo.data import Sample, group_advantages
-    from overnight.trainer.night.gate import prompt_ids
-    from overnight.trainer.night.gate_prompts import GatePrompt
-    from overnight.trainer.night.plan import Plan
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -93,7 +93,7 @@ async def score(messages: list[dict], tools: list[dict], replies: list[dict]) ->
 
 
 def gate_prompts() -> list:
-    from overnight.trainer.night.gate_prompts import GatePrompt
+    from overnight.trainer.gate.prompts import GatePrompt
 
     return [GatePrompt(f"held-{i}", messages_of(q), [], TEMPERATURE, 1.0, 16)
             for i, q in enumerate(HELD_OUT)]  # fmt: skip
@@ -101,7 +101,7 @@ def gate_prompts() -> list:
 
 def night(name: str, plan, config: TrainConfig, model: Path, out: Path, served: Path | None):
     """Train a candidate and put it through the night's gate against `served`."""
-    from overnight.trainer.night.plan import Plan
+    from overnight.trainer.choose.plan import Plan
     from overnight.trainer.run.loop import run_training
     from overnight.trainer.run.record import RunResult
     from overnight.trainer.train import _gate
@@ -122,7 +122,7 @@ def night(name: str, plan, config: TrainConfig, model: Path, out: Path, served: 
 def cost(model: Path, out: Path, candidate: Path, served: Path) -> None:
     """What the measure costs a night, on a fresh data directory: the first night (the
     base model's answers generated and its figures computed, then cached) and the next."""
-    from overnight.trainer.night.forgetting import measure
+    from overnight.trainer.gate.forgetting import measure
 
     config = TrainConfig(base_model=str(model))
     data = out / f"cost-{time.time_ns()}"

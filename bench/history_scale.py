@@ -93,14 +93,14 @@ list_groups(open_db(DATA), None, 20)
     # run's watermark (the generated nights recorded one), and with --rescan.
     "plan": """
 from overnight.config import TrainConfig
-from overnight.trainer.night.plan import plan_run
+from overnight.trainer.choose.plan import plan_run
 t = start_clock()
 plan = plan_run(Path(DATA), TrainConfig(), 600)
 info = {"groups": len(plan.groups), "skipped": sum(plan.skipped.values()), **plan.loaded}
 """,
     "plan_rescan": """
 from overnight.config import TrainConfig
-from overnight.trainer.night.plan import plan_run
+from overnight.trainer.choose.plan import plan_run
 t = start_clock()
 plan = plan_run(Path(DATA), TrainConfig(rescan=True), 600)
 info = {"groups": len(plan.groups), "skipped": sum(plan.skipped.values()), **plan.loaded}
@@ -108,7 +108,7 @@ info = {"groups": len(plan.groups), "skipped": sum(plan.skipped.values()), **pla
     "plan_since_yesterday": """
 import datetime as dt
 from overnight.config import TrainConfig
-from overnight.trainer.night.plan import plan_run
+from overnight.trainer.choose.plan import plan_run
 t = start_clock()
 since = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
 plan = plan_run(Path(DATA), TrainConfig(), 600, since=since)
@@ -214,11 +214,11 @@ def night_run(run_id: str, at_us: int, groups: list[str]) -> dict:
 
 
 def stamp_runs(data: Path) -> None:
-    """Give each night's run the selection record its plan left (trainer/night/plan.py's
+    """Give each night's run the selection record its plan left (trainer/choose/plan.py's
     `Plan.selection`, which record_run stores in `metrics`): looked at its start, every
     group finished by then decided, none left pending."""
     from overnight.config import TrainConfig
-    from overnight.trainer.night.selection import SELECTION_KEY, selection_basis
+    from overnight.trainer.choose.selection import SELECTION_KEY, selection_basis
 
     record = {"pending": [], "settle_seconds": 600, "basis": selection_basis(TrainConfig())}
     for path in data.glob("training_runs/date=*/*.parquet"):

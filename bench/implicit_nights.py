@@ -7,7 +7,7 @@ the signals recover?
 
 The trial is overnight/testing/implicit_trial.py (its docstring says each step): the
 day's answers are groups of one, each night trains them as lone turns against its pool
-(trainer/night/lone_turns.py), and the held-out sums are sampled from the base model and
+(trainer/choose/lone_turns.py), and the held-out sums are sampled from the base model and
 both adapters with the same seeds. It prints the agreement of the implicit rewards with
 the true ones (AUC), what each night trained, the held-out means, both gains and the
 implicit night's share of the posted one's. Results: BENCHMARKS.md.

@@ -3,7 +3,7 @@
 `overnight serve --model` runs the tiny model on vLLM behind the proxy. For each K, a
 fresh batch of single-call turns is served through the proxy (distinct prompts, no
 rollout headers, `--concurrency` at a time), then the nightly stage
-(`trainer/night/resample.py`: one /v1/completions call per turn with the logged prompt token
+(`trainer/choose/resample.py`: one /v1/completions call per turn with the logged prompt token
 ids and n=K) asks for K siblings of each. Reported per K: wall seconds per turn served
 and per turn resampled, their ratio, and generated tokens per second of each. A
 sibling call prefills the context once for its K samples and decodes them in one batch,
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from overnight.config import TrainConfig  # noqa: E402
 from overnight.storage import open_db  # noqa: E402
 from overnight.testing.processes import serve_tiny  # noqa: E402
-from overnight.trainer.night.resample import resample_turns  # noqa: E402
+from overnight.trainer.choose.resample import resample_turns  # noqa: E402
 
 SYSTEM = "You fill in numeric form fields. Reply with numbers only."
 

@@ -1,5 +1,5 @@
 """Scoring two replies to one context, for the trainer's promotion gate
-(trainer/night/gate.py's `Scorer`): a reward function when one is given, else RULER. It lives
+(trainer/gate/verdict.py's `Scorer`): a reward function when one is given, else RULER. It lives
 in the judge because the trainer never imports the judge; the CLI hands it over."""
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ async def test_a_trainer_that_shares_no_disk_with_the_proxies_promotes_and_resum
     """`overnight train` on a GPU node: what it trained reaches the proxies through the
     bucket (never by its own path), a resumed run finds it served, and the next night,
     on another node, starts from a checked copy of the served adapter."""
-    from overnight.trainer.night.proxy_client import local_adapter, served_adapter, serving_state
+    from overnight.trainer.serving.proxy_client import local_adapter, served_adapter, serving_state
     from overnight.trainer.train import _promote_once, shared_adapter
 
     a, b = await machines("trainer")

@@ -17,7 +17,7 @@ from overnight.proxy import create_app
 from overnight.proxy.alias.promotions import in_canary
 from overnight.proxy.state import ADAPTERS
 from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.night import canary
+from overnight.trainer.live import canary
 
 from .helpers import adapter_dir, await_until, completion_row, lora_calls, version_of
 

@@ -396,7 +396,7 @@ async def test_responses_and_messages_rows_are_trained_from_their_text(
     from transformers import AutoTokenizer
 
     from overnight.config import TrainConfig
-    from overnight.trainer.night.plan import plan_run
+    from overnight.trainer.choose.plan import plan_run
 
     proxy = await make_proxy()
     json_type = {"Content-Type": "application/json"}

@@ -229,11 +229,11 @@ def test_train_and_judge_build_their_configs(monkeypatch, tmp_path):
 
 @needs_vllm
 def test_a_tool_call_parser_vllm_lacks_stops_the_night_before_any_sampling(monkeypatch, tmp_path):
-    import overnight.trainer.night.resample
+    import overnight.trainer.choose.resample
 
     sampled = []
     monkeypatch.setattr(
-        overnight.trainer.night.resample, "resample_turns", lambda *a, **k: sampled.append(1)
+        overnight.trainer.choose.resample, "resample_turns", lambda *a, **k: sampled.append(1)
     )
     out = run_failing(
         "train", "--data", str(tmp_path), "--resample", "2", "--reward", "examples/rewards.py:weather_reward",

@@ -99,7 +99,7 @@ REFERENCES = 16
 
 def reference_slice(path, n: int):
     """The first `n` of the bundled references, as an operator's --reference file."""
-    from overnight.trainer.night.forgetting import BUNDLED
+    from overnight.trainer.gate.forgetting import BUNDLED
 
     lines = [json.dumps({"messages": r["messages"]}) for r in json.loads(BUNDLED.read_text())]
     path.write_text("\n".join(lines[:n]) + "\n")

@@ -13,8 +13,9 @@ from click.testing import CliRunner
 from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.errors import ConfigError
-from overnight.trainer.night import forgetting
-from overnight.trainer.night.forgetting import (
+from overnight.trainer.choose.plan import Plan
+from overnight.trainer.gate import forgetting
+from overnight.trainer.gate.forgetting import (
     Forgetting,
     Reference,
     ReferenceSetError,
@@ -24,8 +25,7 @@ from overnight.trainer.night.forgetting import (
     loglik,
     measure,
 )
-from overnight.trainer.night.gate import Verdict, load_named
-from overnight.trainer.night.plan import Plan
+from overnight.trainer.gate.verdict import Verdict, load_named
 from overnight.trainer.run.record import RunResult, record_run
 from overnight.view.report import write_report
 
@@ -85,7 +85,7 @@ def test_the_bundled_set_and_the_operators_combine_and_a_bad_line_is_named(tmp_p
 
 
 def test_auto_is_the_bundled_set_except_on_the_tiny_random_model(tiny_model_dir, tmp_path):
-    from overnight.trainer.night.forgetting import resolve
+    from overnight.trainer.gate.forgetting import resolve
 
     assert TrainConfig().reference == "auto"
     # Random weights know nothing: their drift on random answers is noise, not loss.
@@ -173,7 +173,7 @@ def _no_generation(*_args, **_kwargs):
 def test_the_operators_references_are_scored_as_given(tiny_model_dir, fresh_adapter, tmp_path):
     """An answer the base model finds unlikely scores low: the operator's text is what
     is scored, not a fresh generation."""
-    from overnight.trainer.night.forgetting import base_answers
+    from overnight.trainer.gate.forgetting import base_answers
 
     config = TrainConfig(base_model=str(tiny_model_dir))
     model, tokenizer, device = load_named(str(tiny_model_dir), {"candidate": fresh_adapter}, config)
@@ -270,7 +270,7 @@ async def test_the_watch_rolls_back_an_adapter_served_over_the_budget(
     import asyncio
     import shutil
 
-    from overnight.trainer.night.watch import watch
+    from overnight.trainer.live.watch import watch
 
     proxy = await make_proxy()
     url, data = str(proxy.make_url("")), tmp_path / "data"

@@ -15,8 +15,8 @@ from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.judge.scoring import pair_scorer
 from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.night.gate import bootstrap_means, decide, paired_interval
-from overnight.trainer.night.watch import check, watch
+from overnight.trainer.gate.verdict import bootstrap_means, decide, paired_interval
+from overnight.trainer.live.watch import check, watch
 
 from .helpers import chat_response, completion_row, rows, wait_for_rows
 

@@ -10,14 +10,14 @@ from pathlib import Path
 from overnight.config import TrainConfig
 from overnight.storage import new_id, now_us
 from overnight.storage.read.siblings import turn_group_id
-from overnight.trainer.night.gate_prompts import (
+from overnight.trainer.choose.plan import TURN_PENDING_KEY, plan_run
+from overnight.trainer.choose.selection import TURN_HELD_KEY
+from overnight.trainer.choose.turn_groups import HELD_BY_A_GATE, add_turn_groups, conversation_key
+from overnight.trainer.gate.prompts import (
     GIVEN_TO_THE_GATE,
     TURNS_GIVEN_TO_THE_GATE,
     held_out_prompts,
 )
-from overnight.trainer.night.plan import TURN_PENDING_KEY, plan_run
-from overnight.trainer.night.selection import TURN_HELD_KEY
-from overnight.trainer.night.turn_groups import HELD_BY_A_GATE, add_turn_groups, conversation_key
 from overnight.trainer.train import RunResult, record_run
 
 from .helpers import chat_response, completion_row

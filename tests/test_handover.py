@@ -20,7 +20,7 @@ from overnight.proxy.state import POLICIES
 from overnight.storage import open_db
 from overnight.testing.hosted_upstream import RECEIVED, SNAPSHOT, create_hosted_upstream
 from overnight.trainer.grpo.logged_turns import HOSTED_SKIP, load_samples
-from overnight.trainer.night import handover_watch as handover
+from overnight.trainer.live import handover
 
 from .helpers import adapter_dir, rows, wait_for_rows
 from .test_keys import ADMIN, OPS, auth

@@ -240,7 +240,7 @@ async def test_resampling_refuses_a_hosted_proxy_before_asking_its_upstream(
     """Before: the hosted API was asked for its models with OVERNIGHT_UPSTREAM_API_KEY
     as a Bearer (an anthropic upstream refuses that: the night failed on a 401 named vLLM's)."""
     from overnight.config import TrainConfig
-    from overnight.trainer.night.resample import ResampleError, resample_turns
+    from overnight.trainer.choose.resample import ResampleError, resample_turns
 
     monkeypatch.setenv("OVERNIGHT_UPSTREAM_API_KEY", UPSTREAM_KEY)
     proxy, _ = hosted_proxy

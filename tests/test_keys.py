@@ -545,7 +545,7 @@ async def test_with_one_policy_the_base_model_trains_it_as_before(make_proxy, tm
     """With one policy every key limited to policies has it: the base model trains it."""
     from overnight.storage import open_db
     from overnight.storage.read.policy_scope import PolicyScope
-    from overnight.trainer.night.live import policy_of
+    from overnight.trainer.live.rewards import policy_of
 
     table = (
         f'[[key]]\nname = "s"\nsha256 = "{key_digest(SUPPORT)}"\npolicies = ["policy"]\n'

@@ -1,5 +1,5 @@
 """Turns with nothing to compare with, trained against the night's pool
-(trainer/night/lone_turns.py): what a night takes, with which advantages, and what it
+(trainer/choose/lone_turns.py): what a night takes, with which advantages, and what it
 leaves; no model needed."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import statistics
 
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, now_us
-from overnight.trainer.night.lone_turns import LONE_POOL_MIN, add_lone_turns
-from overnight.trainer.night.turn_groups import add_turn_groups
+from overnight.trainer.choose.lone_turns import LONE_POOL_MIN, add_lone_turns
+from overnight.trainer.choose.turn_groups import add_turn_groups
 from overnight.trainer.train import RunResult, plan_run, record_run
 
 from .helpers import completion_row

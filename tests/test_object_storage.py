@@ -26,7 +26,7 @@ from overnight.storage.location import CACHE_DIR, MARKER, segment_store
 from overnight.storage.manifest import segment_files
 from overnight.storage.upkeep import merge as merge_module
 from overnight.storage.write.segments import log_files
-from overnight.trainer.night.plan import plan_run
+from overnight.trainer.choose.plan import plan_run
 
 from .helpers import completion, merge_looking, rows
 

@@ -10,10 +10,10 @@ import pytest
 
 from overnight.config import TrainConfig
 from overnight.errors import ConfigError
+from overnight.trainer.choose.plan import Plan
+from overnight.trainer.choose.staleness import TOO_STALE, staleness_of, weigh_staleness
+from overnight.trainer.gate.verdict import decide, margin_for, passes
 from overnight.trainer.grpo.data import Sample
-from overnight.trainer.night.gate import decide, margin_for, passes
-from overnight.trainer.night.plan import Plan
-from overnight.trainer.night.staleness import TOO_STALE, staleness_of, weigh_staleness
 
 # -- how many promotions old ------------------------------------------------------------
 

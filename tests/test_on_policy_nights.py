@@ -21,7 +21,7 @@ from overnight.judge.run import run_judge
 from overnight.judge.scoring import pair_scorer
 from overnight.storage import now_us
 from overnight.storage.read.siblings import turn_group_id
-from overnight.trainer.night.gate_prompts import TURNS_GIVEN_TO_THE_GATE
+from overnight.trainer.gate.prompts import TURNS_GIVEN_TO_THE_GATE
 
 from .helpers import rows, wait_for_rows
 from .test_resample import NUMBER_AGENT, NUMBERS_ONLY, QUESTIONS, K, day_of_single_calls
@@ -122,7 +122,7 @@ async def test_a_night_with_stale_data_reports_both_gaps_and_blames_neither_on_s
     from click.testing import CliRunner
 
     from overnight.cli.main import main
-    from overnight.trainer.night.staleness import TOO_STALE
+    from overnight.trainer.choose.staleness import TOO_STALE
     from overnight.trainer.train import resample_turns, train
 
     proxy = await make_proxy(upstream=vllm_server.url)

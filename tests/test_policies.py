@@ -17,13 +17,13 @@ from overnight.proxy.alias.promotions import offline_state_path, policy_state_pa
 from overnight.proxy.state import POLICIES
 from overnight.storage import LogWriter, WriterConfig, now_us, open_db
 from overnight.storage.read.policy_scope import PolicyScope
-from overnight.trainer.night.gate_prompts import _first_turns
-from overnight.trainer.night.live import live_rewards, policy_of
-from overnight.trainer.night.plan import plan_run
-from overnight.trainer.night.proxy_client import promote_adapter, proxy_policies, serving_state
-from overnight.trainer.night.selection import last_selection
+from overnight.trainer.choose.plan import plan_run
+from overnight.trainer.choose.selection import last_selection
+from overnight.trainer.gate.prompts import _first_turns
+from overnight.trainer.live.rewards import live_rewards, policy_of
 from overnight.trainer.run.checkpoint import RunDir, unfinished_run
 from overnight.trainer.run.record import RunResult, record_run
+from overnight.trainer.serving.proxy_client import promote_adapter, proxy_policies, serving_state
 from overnight.view.display import adapter_events
 from overnight.view.report import write_report
 

@@ -12,7 +12,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-import overnight.trainer.night.proxy_client
+import overnight.trainer.serving.proxy_client
 import overnight.trainer.train
 from overnight.cli.main import main
 from overnight.judge.rewards import RewardFunction
@@ -79,7 +79,7 @@ def proxy_answers(monkeypatch):
         return {"alias": policy or SERVED[0], "policies": SERVED, "default": SERVED[0],
                 "others_trained": False, "current": None, "adapters": []}  # fmt: skip
 
-    monkeypatch.setattr(overnight.trainer.night.proxy_client, "serving_state", serving_state)
+    monkeypatch.setattr(overnight.trainer.serving.proxy_client, "serving_state", serving_state)
     return asked
 
 

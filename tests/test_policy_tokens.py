@@ -206,7 +206,7 @@ async def test_a_policys_night_runs_on_its_token(proxy, tmp_path):
     """What a night of `research` does through the admin API with research's token: its
     scope, the base model's name, its promotion; what is the operator's is said, not fatal."""
     from overnight.storage.read.policy_scope import PolicyScope
-    from overnight.trainer.night.proxy_client import (
+    from overnight.trainer.serving.proxy_client import (
         base_model_of,
         promote_adapter,
         prune_adapters,

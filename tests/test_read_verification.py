@@ -207,7 +207,7 @@ def test_a_night_over_a_damaged_day_trains_nothing_from_the_damaged_file_and_say
     group's completions segment: the plan trains the other group alone, and its lines
     (what a night and `overnight train --dry-run` print) name the file left out."""
     from overnight.config import TrainConfig
-    from overnight.trainer.night.plan import plan_run
+    from overnight.trainer.choose.plan import plan_run
 
     from .test_train_plan import write
 

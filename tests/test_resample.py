@@ -31,8 +31,8 @@ from overnight.storage.read.siblings import (
     sibling_rows,
     turn_group_id,
 )
-from overnight.trainer.night.plan import Plan, plan_run
-from overnight.trainer.night.turn_groups import add_turn_groups, trained_turn_sources
+from overnight.trainer.choose.plan import Plan, plan_run
+from overnight.trainer.choose.turn_groups import add_turn_groups, trained_turn_sources
 
 from .helpers import (
     chat_response,
@@ -513,7 +513,7 @@ async def test_the_stage_resamples_single_calls_once_within_its_budget(
     make_proxy, fake, fake_settings, tmp_path
 ):
     from overnight.testing.fake_upstream import RECEIVED
-    from overnight.trainer.night.resample import resample_turns
+    from overnight.trainer.choose.resample import resample_turns
 
     fake_settings["max_model_len"] = None  # as an adapter's card in vLLM 0.32 (see below)
     proxy = await make_proxy()
@@ -612,7 +612,7 @@ def test_an_adapter_samples_in_its_base_models_context_and_an_unreached_vllm_is_
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from overnight.trainer.night.resample import _sample, served_models
+    from overnight.trainer.choose.resample import _sample, served_models
 
     cards = [
         {"id": "tiny", "object": "model", "parent": None, "max_model_len": 2048},

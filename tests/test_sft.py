@@ -17,7 +17,7 @@ from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.errors import ConfigError
 from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.night.sft_plan import HELD_OUT, held_out, plan_sft, select_rollouts
+from overnight.trainer.choose.sft_plan import HELD_OUT, held_out, plan_sft, select_rollouts
 
 from .helpers import chat_response, completion_row, rows
 

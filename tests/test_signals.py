@@ -306,7 +306,7 @@ async def test_signals_are_read_from_the_logged_traffic_written_once_and_shown(
     assert "implicit rewards: 0 written; 2 turn(s) unchanged" in again.output, again.output
     # A night that names the source reads the signals first, and the plan weighs the
     # implicit rewards like any other: single calls, groups of one, pooled as lone turns
-    # (trainer/night/lone_turns.py), too few of them tonight to train.
+    # (trainer/choose/lone_turns.py), too few of them tonight to train.
     night = ["train", "--data", str(data), "--proxy", str(proxy.make_url("")), "--settle", "0",
              "--base-model", str(tiny_model_dir), "--reward-source", "agent",
              "--reward-source", "implicit", "--no-promote"]  # fmt: skip

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, now_us
-from overnight.trainer.night.plan import Plan
+from overnight.trainer.choose.plan import Plan
 from overnight.trainer.train import RunResult, plan_run, record_run
 
 from .helpers import chat_response, completion_row

@@ -21,8 +21,14 @@ from overnight.storage.read.siblings import (
     sibling_rows,
     turn_group_id,
 )
-from overnight.trainer.night.plan import TRAINED_AS_TURNS, TURN_PENDING_KEY, Plan, plan_run, without
-from overnight.trainer.night.turn_groups import (
+from overnight.trainer.choose.plan import (
+    TRAINED_AS_TURNS,
+    TURN_PENDING_KEY,
+    Plan,
+    plan_run,
+    without,
+)
+from overnight.trainer.choose.turn_groups import (
     OWN_GROUP_TRAINED,
     OWN_GROUP_WAITS,
     add_turn_groups,

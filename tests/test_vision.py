@@ -18,9 +18,9 @@ import pytest
 
 from overnight.config import TINY_CPU_PRESET, TrainConfig
 from overnight.storage.images import ImageStore
+from overnight.trainer.choose.images import VisionReader
 from overnight.trainer.grpo.data import DataError, Turn, merge_turns
 from overnight.trainer.grpo.images import VisionInputs, language_model_targets
-from overnight.trainer.night.images import VisionReader
 
 from .helpers import rows, version_of, wait_for_rows
 
@@ -141,7 +141,7 @@ def test_a_model_with_3d_rotary_positions_trains_text_and_refuses_pictures(tmp_p
     processor is built: Qwen2-VL's needs torchvision), its text turns are not refused."""
     from transformers import Qwen2VLConfig
 
-    from overnight.trainer.night.images import vision_reader
+    from overnight.trainer.choose.images import vision_reader
 
     Qwen2VLConfig(
         vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 1},
@@ -588,7 +588,7 @@ def test_an_image_token_the_model_sampled_is_text_not_a_picture(reader):
 def test_a_text_model_s_gate_holds_out_no_prompt_with_images():
     """A text model's gate samples through the tokenizer, which has no pixels: a prompt
     that shows images is not one it can sample. A vision model's gate takes it."""
-    from overnight.trainer.night.gate_prompts import prompt_of
+    from overnight.trainer.gate.prompts import prompt_of
 
     shown = json.dumps({"messages": [asks(picture(COLOURS["red"]))], "max_tokens": 8})
     assert prompt_of("g", shown) is None
@@ -609,15 +609,15 @@ def test_a_vision_model_s_gate_samples_its_prompts_with_their_pictures(tiny_visi
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from overnight.trainer.grpo.images import language_model_targets
-    from overnight.trainer.grpo.policy import load_base
-    from overnight.trainer.night.gate import (
+    from overnight.trainer.gate.prompts import prompt_of
+    from overnight.trainer.gate.verdict import (
         generate_replies,
         load_named,
         rendered_images,
         run_gate,
     )
-    from overnight.trainer.night.gate_prompts import prompt_of
+    from overnight.trainer.grpo.images import language_model_targets
+    from overnight.trainer.grpo.policy import load_base
 
     reader = VisionReader(tiny_vision_dir, tmp_path)
     colours = [picture(COLOURS["red"]), picture(COLOURS["blue"])] * 4
@@ -724,7 +724,7 @@ def test_an_sft_night_imitates_answers_about_pictures(tmp_path, tiny_vision_dir)
     words about other pictures are other sequences, and the night lowers the loss."""
     from transformers import AutoTokenizer
 
-    from overnight.trainer.night.sft_plan import plan_sft
+    from overnight.trainer.choose.sft_plan import plan_sft
 
     from .test_sft import Records, _mean_nll, sft
 

@@ -305,7 +305,7 @@ def test_under_torchrun_only_process_0_reports(tmp_path, tiny_model_dir):
 
 
 def test_a_failing_wandb_call_is_warned_once_and_the_night_goes_on(offline, tmp_path, caplog):
-    from overnight.trainer.night.plan import Plan
+    from overnight.trainer.choose.plan import Plan
 
     lines: list[str] = []
     report = Report(TrainConfig(report_to="wandb"), say=lines.append)
@@ -329,9 +329,9 @@ def test_a_failing_wandb_call_is_warned_once_and_the_night_goes_on(offline, tmp_
 
 
 def test_the_gates_forgetting_figures_go_to_the_runs_summary(offline, tmp_path):
-    from overnight.trainer.night.forgetting import Forgetting, judge
-    from overnight.trainer.night.gate import Verdict
-    from overnight.trainer.night.plan import Plan
+    from overnight.trainer.choose.plan import Plan
+    from overnight.trainer.gate.forgetting import Forgetting, judge
+    from overnight.trainer.gate.verdict import Verdict
 
     report = Report(TrainConfig(report_to="wandb"))
     report.begin("night-1", tmp_path, TrainConfig(report_to="wandb"), "tiny", None, Plan())

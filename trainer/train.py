@@ -3,22 +3,22 @@
 A night reads as its steps (`train`, each a method of `Night`):
 
   open      the watch rolls back a promoted adapter that live rewards show worse
-            (night/watch.py); the proxy's state, read once; resume an interrupted run
+            (live/watch.py); the proxy's state, read once; resume an interrupted run
             or begin one (run/checkpoint.py)
-  plan      finished, scored, untrained groups (night/plan.py), per-turn groups joined
-  hold out  the gate's prompts, from outside the plan where it can (night/gate_prompts.py)
+  plan      finished, scored, untrained groups (choose/plan.py), per-turn groups joined
+  hold out  the gate's prompts, from outside the plan where it can (gate/prompts.py)
   weigh     where training starts (the served adapter, or a fresh LoRA), and each
-            record's age against it (night/staleness.py)
+            record's age against it (choose/staleness.py)
   begin     the run's record on disk, its report
   train     GRPO steps, a checkpoint after each (run/loop.py), then the gate on held-out
-  and gate  prompts (night/gate.py); vLLM asleep meanwhile when it shares the GPU
-  promote   through the proxy's admin API (night/proxy_client.py), or a canary first
+  and gate  prompts (gate/verdict.py); vLLM asleep meanwhile when it shares the GPU
+  promote   through the proxy's admin API (serving/proxy_client.py), or a canary first
   record    the run (run/record.py), the report; old adapters pruned
 
 With --report-to wandb the steps, the gate and the promotion also go to the night's W&B
 run (run/wandb_run.py).
 
-With --sft the night imitates instead: the plan is night/sft_plan.py's (the logged
+With --sft the night imitates instead: the plan is choose/sft_plan.py's (the logged
 conversations rendered with the local chat template, chosen by reward, a share held out
 for the gate) and the step's objective the assistant tokens' cross-entropy; resuming,
 the gate, the promotion and the record are the same.
@@ -43,22 +43,31 @@ from overnight.storage.read.policy_scope import PolicyScope
 from overnight.telemetry import traced
 from overnight.view.report import write_report
 
+from .choose.images import VisionReader, vision_reader
+from .choose.lone_turns import add_lone_turns
+from .choose.plan import Plan, plan_run
+from .choose.resample import resample_turns
+from .choose.sft_plan import plan_sft
+from .choose.staleness import staleness_of, weigh_staleness
+from .choose.turn_groups import add_turn_groups, is_turn_group
+from .gate.forgetting import judge as judge_forgetting
+from .gate.forgetting import load_references
+from .gate.forgetting import measure as measure_forgetting
+from .gate.forgetting import resolve as resolve_references
+from .gate.prompts import held_out_prompts
+from .gate.verdict import Scorer, Verdict, run_gate, skipped
 from .grpo.parallel import Parallel
 from .grpo.sampling import server_defaults
 from .grpo.step import fresh_adapter, micro_batch_loss
-from .night.canary import start as start_canary
-from .night.colocation import should_colocate
-from .night.colocation import window as maintenance_window
-from .night.forgetting import judge as judge_forgetting
-from .night.forgetting import load_references
-from .night.forgetting import measure as measure_forgetting
-from .night.forgetting import resolve as resolve_references
-from .night.gate import Scorer, Verdict, run_gate, skipped
-from .night.gate_prompts import held_out_prompts
-from .night.images import VisionReader, vision_reader
-from .night.lone_turns import add_lone_turns
-from .night.plan import Plan, plan_run
-from .night.proxy_client import (
+from .live.canary import start as start_canary
+from .live.watch import watch as watch_served
+from .run.checkpoint import RunDir, kill_point, this_run, unfinished_run
+from .run.loop import TrainError, run_training, step_schedule
+from .run.record import RunResult, record_run
+from .run.wandb_run import Report
+from .serving.colocation import should_colocate
+from .serving.colocation import window as maintenance_window
+from .serving.proxy_client import (
     admin_call,
     base_model_of,
     local_adapter,
@@ -68,15 +77,6 @@ from .night.proxy_client import (
     serving_state,
     shared_adapter,
 )
-from .night.resample import resample_turns
-from .night.sft_plan import plan_sft
-from .night.staleness import staleness_of, weigh_staleness
-from .night.turn_groups import add_turn_groups, is_turn_group
-from .night.watch import watch as watch_served
-from .run.checkpoint import RunDir, kill_point, this_run, unfinished_run
-from .run.loop import TrainError, run_training, step_schedule
-from .run.record import RunResult, record_run
-from .run.wandb_run import Report
 
 # Re-exported: the CLI, the tests and the benchmarks import these from here.
 __all__ = [
@@ -193,7 +193,7 @@ class Night:
     adapter_dir: Path | None = None
     shared: str | None = None  # the adapter as the proxies name it (bucket: its upload)
     colocated: bool = False  # vLLM sleeps while this night trains and gates
-    vision: VisionReader | None = None  # a vision-language model's images (night/images.py)
+    vision: VisionReader | None = None  # a vision-language model's images (choose/images.py)
 
     @classmethod
     def open(cls, data_dir, config, proxy_url, token, promote, dry_run, say, scope) -> Night:
@@ -236,7 +236,7 @@ class Night:
         """What tonight trains on: the finished, scored groups no earlier run took (or the
         interrupted run's); per-turn groups joined; or, --sft, the conversations to imitate."""
         config, only, scope = self.config, self.resumed, self.scope
-        if config.sft:  # the logged conversations to imitate (night/sft_plan.py)
+        if config.sft:  # the logged conversations to imitate (choose/sft_plan.py)
             tokenizer = _sft_tokenizer(self.tokenizer, self.base_model)
             return plan_sft(self.data_dir, config, settle_seconds, since, max_groups, only,
                             tokenizer, scope, vision=self.vision)  # fmt: skip
@@ -260,7 +260,7 @@ class Night:
 
     def hold_out_gate_prompts(self, plan: Plan, scorer: Scorer | None) -> tuple[Plan, HeldOut]:
         """The gate's held-out prompts, taken from outside the plan where the night has
-        enough (gate_prompts.py); the plan without the groups it had to give them."""
+        enough (gate/prompts.py); the plan without the groups it had to give them."""
         if not (self.promote_it and self.proxy_url and not self.dry_run):
             return plan, HeldOut()
         if skipped(self.config, scorer) is not None:
@@ -411,7 +411,7 @@ def _gate(
         config, base_model, adapter_dir, served_path, prompts, scorer, result.held_out, vision
     )
     spec = resolve_references(config.reference, base_model)
-    if spec is not None:  # what the nights cost elsewhere (night/forgetting.py)
+    if spec is not None:  # what the nights cost elsewhere (gate/forgetting.py)
         judge_forgetting(verdict, measure_forgetting(config, data_dir, base_model, adapter_dir,
                                                      served_path, spec))  # fmt: skip
     say(verdict.line())

@@ -128,7 +128,7 @@ def training_charts(con, policy: str | None = None) -> list[str]:
 
 
 def forgetting_series(runs: list[tuple]) -> dict[str, list[tuple[float, float]]]:
-    """Each gated night's forgetting (trainer/night/forgetting.py) by run: the served
+    """Each gated night's forgetting (trainer/gate/forgetting.py) by run: the served
     adapter's (the curve across promotions), the candidate's and the budget; {} when no
     run measured it."""
     series: dict[str, list[tuple[float, float]]] = {"served": [], "candidate": [], "budget": []}

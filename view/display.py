@@ -520,7 +520,7 @@ def list_runs(
     headers += ["reward_mean", "logprob_gap", "stale_gap", "promoted_as", "started_at", "gate"]
     headers += ["asleep_s"]  # a colocated night's window: vLLM asleep, requests held
     # The candidate's drift from the base model on the reference set, nats per token
-    # (trainer/night/forgetting.py): the forgetting curve, night by night.
+    # (trainer/gate/forgetting.py): the forgetting curve, night by night.
     headers += ["forgetting"]
     shown = [
         r[:1] + (r[14],) + r[1:7] + (_gap(r[7]), _number(stale_gap(r[12]))) + r[8:11]
@@ -528,7 +528,7 @@ def list_runs(
         for r in rows
     ]  # fmt: skip
     out = _table(headers, shown) + f"\n({len(rows)} row(s))"
-    # Why the gate refused (trainer/night/gate.py): the candidate stays on disk, unserved.
+    # Why the gate refused (trainer/gate/verdict.py): the candidate stays on disk, unserved.
     out += "".join(f"\n{r[0]}: gate refused: {r[11]}" for r in rows if r[10] == "refused")
     shown_events = [e for e in events if e.get("action") != "promote"][-int(limit) :]
     out += "".join(

@@ -27,7 +27,7 @@ def _gap_cell(gap: float | None) -> str:
 
 
 def _gate_cell(gate: dict | None) -> str:
-    """The promotion gate's verdict (trainer/night/gate.py), its reason on hover."""
+    """The promotion gate's verdict (trainer/gate/verdict.py), its reason on hover."""
     if not gate:
         return "<td>-</td>"
     word = html.escape(gate.get("verdict", "-"))

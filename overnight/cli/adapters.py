@@ -54,7 +54,7 @@ def rollback(
         served = f"{now.path} (was {now.name})" if now else "the base model"
         click.echo(f"the next overnight serve on {data_dir} will serve {served}{said}")
         return
-    from overnight.trainer.night.proxy_client import admin_call
+    from overnight.trainer.serving.proxy_client import admin_call
 
     url = _proxy(data_dir, proxy_url)
     if url is None:
@@ -96,7 +96,7 @@ def promote(
       overnight promote ./my-adapter --policy support --reason "trained by hand"
       overnight promote ./candidate --canary 0.1   # a tenth of the rollouts first
     """
-    from overnight.trainer.night.proxy_client import admin_call
+    from overnight.trainer.serving.proxy_client import admin_call
 
     url = _proxy(data_dir, proxy_url)
     if url is None:

@@ -319,7 +319,7 @@ def _prune_adapters(
                    "proxy may be loading one)")  # fmt: skip
         return
     if proxy_url is not None:
-        from overnight.trainer.night.proxy_client import admin_call
+        from overnight.trainer.serving.proxy_client import admin_call
 
         pruned = admin_call(proxy_url, "/admin/adapters/prune", token,
                             {"keep": keep, "dry_run": not yes})  # fmt: skip

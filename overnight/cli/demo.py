@@ -16,7 +16,7 @@ Two stories, one path (`--model`):
   judged only when `--judge-model` is given); eight held-out questions reworded.
 
 Every step is a subprocess running the same command a user would type. Each night's
-train is gated (trainer/night/gate.py) with the same reward function: the gate samples
+train is gated (trainer/gate/verdict.py) with the same reward function: the gate samples
 the new adapter and the served one on the day's held-out prompts and promotes only when
 the new one is not worse; the verdict is printed for every night.
 """

@@ -422,8 +422,8 @@ def watch(
     url = _proxy(data_dir, proxy_url)
     if url is None:
         raise click.UsageError("--proxy is empty: the watch rolls back through the proxy")
-    from overnight.trainer.night.proxy_client import proxy_policies
-    from overnight.trainer.night.watch import watch as run_watch
+    from overnight.trainer.live.watch import watch as run_watch
+    from overnight.trainer.serving.proxy_client import proxy_policies
 
     config = build(TrainConfig, values)
     # One policy (--policy), else each the proxy serves: each its own canary and watch.

@@ -7,7 +7,7 @@ each step with the policy's own options: the command line's, then the config fil
 `[policies.NAME]` table (options.py), its judge, rubric and reward function included.
 
 Which policies: `--policy`'s, else every policy the proxy serves, asked as the night asks
-it (trainer/night/proxy_client.py). Where no proxy answers and nothing will be promoted
+it (trainer/serving/proxy_client.py). Where no proxy answers and nothing will be promoted
 (a dry run, a judge run), they are read offline instead: the promotion states and the
 runs in the data directory, and what the config file names (serve's `alias` and
 `--policy`, the `[policies.NAME]` tables), the default policy first. Nothing at all:
@@ -38,7 +38,7 @@ class PolicyRun:
         """Its groups (storage/read/policy_scope.py), from the proxy's answer about the policy
         (asked now, as its night asks it) or the offline one; None: every group."""
         from overnight.storage.read.policy_scope import PolicyScope
-        from overnight.trainer.night.proxy_client import serving_state
+        from overnight.trainer.serving.proxy_client import serving_state
 
         if self.policy is None:
             return None
@@ -67,7 +67,7 @@ def policy_runs(
     the policies come from the data directory and the config file (`offline_policies`).
     Otherwise a proxy that cannot be asked gives one run of policy None, every group (the
     night then fails on it, or runs without one, as before policies)."""
-    from overnight.trainer.night.proxy_client import proxy_policies
+    from overnight.trainer.serving.proxy_client import proxy_policies
 
     names = [policy] if policy else proxy_policies(proxy_url, token)
     state = None
@@ -81,7 +81,7 @@ def policy_runs(
 
 
 def _answers(proxy_url: str | None, token: str | None, policy: str) -> bool:
-    from overnight.trainer.night.proxy_client import ProxyError, serving_state
+    from overnight.trainer.serving.proxy_client import ProxyError, serving_state
 
     if not proxy_url:
         return False
@@ -200,9 +200,9 @@ def score_night(
         "tool_parser_tokenizer": values["tool_parser_tokenizer"] or values["base_model"],
     }
     if values["resample"]:
-        # Siblings of single calls first (trainer/night/resample.py): the judge below
+        # Siblings of single calls first (trainer/choose/resample.py): the judge below
         # scores them, and the plan takes the per-turn groups they form.
-        from overnight.trainer.night.resample import resample_turns
+        from overnight.trainer.choose.resample import resample_turns
 
         if not (judge or reward):
             click.echo("warning: --resample without --reward or --judge-model: the siblings "

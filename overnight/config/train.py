@@ -19,13 +19,13 @@ LOGPROB_GAP_WARNING = 0.02
 _DTYPES = ("auto", "float32", "bfloat16")
 _SWITCHES = ("auto", "on", "off")
 _ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
-# The promotion gate (trainer/night/gate.py, docs/grpo.md).
+# The promotion gate (trainer/gate/verdict.py, docs/grpo.md).
 GATE_MODES = ("not-worse", "better", "off")
 COLOCATE_MODES = ("auto", "on", "off")
 REPORT_TO = ("auto", "wandb", "none")  # where a night reports (trainer/run/wandb_run.py)
-# Which logged rollouts an --sft night imitates (trainer/night/sft_plan.py).
+# Which logged rollouts an --sft night imitates (trainer/choose/sft_plan.py).
 SFT_SELECTIONS = ("auto", "best", "min-reward", "all")
-# Turns with nothing to compare with (trainer/night/lone_turns.py): pooled or left out.
+# Turns with nothing to compare with (trainer/choose/lone_turns.py): pooled or left out.
 LONE_TURNS = ("auto", "pool", "skip")
 
 
@@ -209,7 +209,7 @@ class TrainConfig:
     )
     # Production traffic is mostly groups of one, and a reward read from what happened
     # next is the served answer's alone: GRPO has nothing to compare them with. Pooled,
-    # each trains against the night's mean over all of them (trainer/night/lone_turns.py).
+    # each trains against the night's mean over all of them (trainer/choose/lone_turns.py).
     lone_turns: str = field(
         default="auto",
         metadata={
@@ -255,7 +255,7 @@ class TrainConfig:
     gate_prompts: int = field(
         default=32, metadata={"help": "Held-out prompts the gate samples both adapters on."}
     )
-    # Forgetting (trainer/night/forgetting.py, docs/grpo.md): the reference set's answers'
+    # Forgetting (trainer/gate/forgetting.py, docs/grpo.md): the reference set's answers'
     # likelihood under the base, the served adapter and the candidate, every gated night.
     # auto: bundled, except on the tiny random model (--model tiny), which knows nothing.
     reference: str = field(
@@ -293,7 +293,7 @@ class TrainConfig:
         metadata={"help": "Rewarded live rollouts each adapter needs before the watch compares."},
     )
     # 0: promote at once. A share serves the candidate to that many of the alias's
-    # rollouts until `overnight watch` settles it on live rewards (trainer/night/canary.py).
+    # rollouts until `overnight watch` settles it on live rewards (trainer/live/canary.py).
     canary: float = field(
         default=0.0,
         metadata={
@@ -314,7 +314,7 @@ class TrainConfig:
         },
     )
     # auto: sleep vLLM while training when the proxy launched it on this machine (its
-    # GPU) with sleep routes and the trainer uses a GPU (trainer/night/colocation.py).
+    # GPU) with sleep routes and the trainer uses a GPU (trainer/serving/colocation.py).
     colocate: str = field(
         default="auto",
         metadata={
@@ -338,7 +338,7 @@ class TrainConfig:
         },
     )
     # Off by default: a night looks only at groups that changed since the last run's
-    # selection (trainer/night/plan.py); a full look is for recovered logs or restored data.
+    # selection (trainer/choose/plan.py); a full look is for recovered logs or restored data.
     rescan: bool = field(
         default=False,
         metadata={
@@ -391,7 +391,7 @@ class TrainConfig:
     )
     # Off: GRPO. On: distil what the logged upstream answered (a hosted model's traffic,
     # or the best of the agent's own rollouts) into the adapter, through the same steps,
-    # checkpoints, gate and promotion (trainer/night/sft_plan.py, docs/grpo.md).
+    # checkpoints, gate and promotion (trainer/choose/sft_plan.py, docs/grpo.md).
     sft: bool = field(
         default=False,
         metadata={

@@ -10,7 +10,7 @@ on what users did next learn what a night trained on the true reward learns?
    into rewards. `posted`: the true rewards, posted as the agent's (source `agent`), and
    `overnight signals` prints how well the signals agree with them.
 3. **A night on each**, the same options but the reward source: every answer is a group
-   of one, so both train as lone turns against the night's pool (trainer/night/lone_turns.py).
+   of one, so both train as lone turns against the night's pool (trainer/choose/lone_turns.py).
 4. **Held-out sums** (examples/sum_agent.py's, never asked by day), sampled by vLLM from
    the base model and from each night's adapter with the same seeds, scored by the true
    reward: each night's gain over the base, and the implicit night's share of the posted

@@ -11,7 +11,7 @@ upload in the bucket. So such a promotion must name one of its policy's own adap
   by the night before it trains: trainer/run/checkpoint.py) trained this policy; a run
   that names none trained the default policy (runs from before policies);
   with a bucket, an upload of this data directory's (`<bucket>/adapters/<key>`) whose
-  manifest names this policy (the night publishes it so: trainer/night/proxy_client.py;
+  manifest names this policy (the night publishes it so: trainer/serving/proxy_client.py;
   one that names none is the default policy's, as uploads from before policies).
 
 A local path is judged where it leads: absolute, without `..`, symlinks resolved, and

@@ -9,7 +9,7 @@ proxy's additions and vLLM's key; any other goes to the hosted API as the client
 only. Each record says which served it: `model_served`, and `notes.upstream` on the
 hosted one's. The share is each policy's promotion state (`handover`: share, since),
 shared by every proxy like the canary's; `POST /admin/handover?policy=` sets it
-(`overnight watch` moves it on live rewards: trainer/night/handover_watch.py), and
+(`overnight watch` moves it on live rewards: trainer/live/handover.py), and
 /admin/adapters and /ui show it. Before a handover starts the hosted model serves all.
 """
 

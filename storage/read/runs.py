@@ -47,7 +47,7 @@ class Nights:
     counts: dict[str, int] = field(default_factory=dict)  # runs by status
     last: LastRun | None = None  # the newest run that ended
     last_trained_at: float | None = None  # when the newest trained run ended
-    # The newest run's forgetting, where measured (trainer/night/forgetting.py): when it
+    # The newest run's forgetting, where measured (trainer/gate/forgetting.py): when it
     # ended, and its figures (served, candidate, budget; nats per token from the base).
     forgetting: tuple[float, dict] | None = None
 

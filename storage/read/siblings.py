@@ -8,7 +8,7 @@ of `completions`: nothing that reads served traffic sees them. The served choice
 its siblings form the per-turn group `turn:<served record id>`; the served choice is a
 member by reference (`turn:<id>:served`), not copied.
 
-Two writers use these functions: the nightly stage (trainer/night/resample.py) and the
+Two writers use these functions: the nightly stage (trainer/choose/resample.py) and the
 proxy's shadow sampler, which asks right after the served answer. Both build the
 request with `completion_request` and the rows with `sibling_rows`. No request field or
 header makes the proxy write a sibling row.
@@ -361,7 +361,7 @@ TURN_COMPLETIONS = """
 
 # Every served turn alone, as the served member of its per-turn group (siblings or none):
 # what a night trains when a turn has a reward of its own and nothing to compare it with
-# (trainer/night/lone_turns.py).
+# (trainer/choose/lone_turns.py).
 SERVED_TURNS = """
     SELECT 'turn:' || c.record_id AS group_id, 'turn:' || c.record_id || ':served' AS rollout_id,
            c.record_id, c.started_at, 0 AS turn_index, c.model_served, c.request, c.response,

@@ -82,7 +82,7 @@ class Plan:
     # The per-turn groups add_turn_groups looks at: changed since the last selection or
     # left pending by it. None: all of them (no usable record, --rescan, a full look).
     turn_pool: set[str] | None = None
-    # Per-turn groups an earlier night's gate held out: never trained (gate_prompts.py).
+    # Per-turn groups an earlier night's gate held out: never trained (gate/prompts.py).
     turn_held: set[str] = field(default_factory=set)
     # Served groups trainable but perhaps not trained tonight: past --max-groups, or
     # taken (the gate may hold them out). Their turns' per-turn groups wait for them

@@ -48,8 +48,7 @@ from overnight.storage.read.siblings import (
     sibling_rows,
 )
 from overnight.telemetry import traced
-
-from .proxy_client import serving_state
+from overnight.trainer.serving.proxy_client import serving_state
 
 # Calls in flight at once: vLLM batches them; more only queue in its scheduler.
 CONCURRENCY = 8

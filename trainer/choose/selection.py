@@ -28,7 +28,7 @@ SELECTION_KEY = "selection"
 OVERLAP_SECONDS = 3600.0
 # The selection record's list of per-turn groups left undecided (turn_groups.py).
 TURN_PENDING_KEY = "turn_pending"
-# ... and of those the gate held out (gate_prompts.py): decided, never trained. Kept in
+# ... and of those the gate held out (gate/prompts.py): decided, never trained. Kept in
 # the record while a later night still finds them (the look-back overlap re-reads them).
 TURN_HELD_KEY = "turn_held_by_gate"
 

@@ -26,7 +26,7 @@ recorded too: its conversation was trained, and the gate must never take it as u
 The held-out share is chosen by a hash of the group id, not drawn: a group held out once
 is held out every night, so the gate's prompts never leak into a later night's training.
 Held-out groups are never trained or recorded; the gate finds their prompts among the
-recent traffic no run trained on (gate_prompts.py), and takes none from the plan.
+recent traffic no run trained on (gate/prompts.py), and takes none from the plan.
 """
 
 from __future__ import annotations
@@ -43,7 +43,13 @@ from overnight.telemetry import traced
 from overnight.trainer.grpo.data import Sample
 from overnight.trainer.grpo.render import load_conversations
 
-from .plan import Plan, chosen_rewards, damaged_files, looked_at_groups, selection_record
+from .plan import (
+    Plan,
+    chosen_rewards,
+    damaged_files,
+    looked_at_groups,
+    selection_record,
+)
 
 HELD_OUT = "held out for the gate by --sft-held-out (the same groups every night; never trained)"
 PARTLY_SCORED = (

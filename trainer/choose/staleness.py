@@ -9,7 +9,7 @@ compare the starting policy with one a promotion or more away: trained as they a
 (GRPO's clipping bounds them), or left out with `--max-staleness N`.
 
 Per-turn groups take their served turn's adapter (siblings are sampled with it,
-trainer/night/resample.py); a group is as old as its oldest sample.
+trainer/choose/resample.py); a group is as old as its oldest sample.
 """
 
 from __future__ import annotations

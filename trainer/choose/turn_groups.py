@@ -53,7 +53,7 @@ OWN_GROUP_TRAINED = (
     "a turn trains once"
 )
 OWN_GROUP_WAITS = "its turn's own group is trainable, left for a later night (a turn trains once)"
-# Why a per-turn group an earlier night's gate took is not trained now (gate_prompts.py).
+# Why a per-turn group an earlier night's gate took is not trained now (gate/prompts.py).
 HELD_BY_A_GATE = (
     "held out by an earlier night's gate: not trained later (a promotion stale by now; the "
     "agent's next turns are resampled fresh)"
@@ -79,7 +79,7 @@ def add_turn_groups(
     """`plan` plus the per-turn groups no run trained on whose members all have a reward
     from the judge and whose rewards differ; exactly the turn groups in `only` for a
     resumed run. The gate's prompts are chosen afterwards, from outside the whole plan
-    (gate_prompts.py), so tonight's per-turn groups train tonight.
+    (gate/prompts.py), so tonight's per-turn groups train tonight.
 
     Only `plan.turn_pool` is looked at, when set (see the module's docstring), and
     a turn whose own group `plan` trains or leaves pending is not trained here."""

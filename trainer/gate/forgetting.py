@@ -8,7 +8,7 @@
   the candidate (one forward pass each, no sampling) -> forgetting = base - adapter, in nats per token, averaged over
   the set -> the gate refuses a candidate over --forgetting-budget (docs/grpo.md).
 
-The gate (gate.py) compares the candidate with the served adapter on tonight's traffic;
+The gate (verdict.py) compares the candidate with the served adapter on tonight's traffic;
 this compares both with the base model on everything else, so that the drift of nights
 stacked on one another stays in view across promotions.
 """
@@ -29,8 +29,8 @@ from overnight.models.tiny import is_tiny
 from overnight.storage import open_db
 from overnight.storage.files import replace_durably
 
-from .gate import generate_replies, load_named, prompt_ids
-from .gate_prompts import GatePrompt
+from .prompts import GatePrompt
+from .verdict import generate_replies, load_named, prompt_ids
 
 BUNDLED = Path(__file__).with_name("references.json")
 ANSWER_TOKENS = 48  # greedy tokens of a base answer: a sentence or two, as the prompts ask

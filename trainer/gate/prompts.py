@@ -34,10 +34,13 @@ from overnight.storage import open_db
 from overnight.storage.read.images import image_parts, shows_images
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.storage.read.siblings import add_turn_views
-
-from .plan import Plan, trained_groups, without
-from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
-from .turn_groups import conversation_key, is_turn_group, trained_turn_sources
+from overnight.trainer.choose.plan import Plan, trained_groups, without
+from overnight.trainer.choose.selection import TURN_HELD_KEY, TURN_PENDING_KEY
+from overnight.trainer.choose.turn_groups import (
+    conversation_key,
+    is_turn_group,
+    trained_turn_sources,
+)
 
 # Whose first turns may be the gate's prompts (storage/read/sent_by.py): like tomorrow's
 # traffic, or asked to measure it.
@@ -72,7 +75,7 @@ class GatePrompt:
 def prompt_of(group_id: str, request_text: str | None, images: bool = False) -> GatePrompt | None:
     """The prompt a logged request makes, or None where the gate cannot sample it: not
     a conversation, or one that shows images where the model cannot see (`images`: a
-    vision-language base model, whose processor samples it: gate.py)."""
+    vision-language base model, whose processor samples it: verdict.py)."""
     request = json.loads(request_text) if request_text else {}
     if not isinstance(request, dict):
         return None

@@ -1,7 +1,7 @@
 """The promotion gate: a night's adapter is promoted only when it is not worse than the served one.
 
   held-out prompts (recent conversations no run trained on, outside tonight's plan
-  where the night has enough: gate_prompts.py) -> one reply per
+  where the night has enough: prompts.py) -> one reply per
   prompt from each adapter, sampled here with transformers+peft, the same seed for both
   -> scored by the same scorer (the reward function, or RULER seeing both replies
   shuffled and unlabelled) -> a paired bootstrap interval on the mean difference
@@ -13,10 +13,10 @@ model at hand, and sampling both adapters with the same code and seeds means tha
 difference comes from the adapters, not from two samplers. The cost: a few dozen prompts,
 generated 16 at a time, small next to a night's training. On a vision-language model a
 prompt that shows images is rendered by the processor, its pictures read back from the
-store (trainer/night/images.py), and generated alone; one whose pictures are gone is a
+store (trainer/choose/images.py), and generated alone; one whose pictures are gone is a
 prompt the scorer could not score.
 
-The watch (trainer/night/watch.py) uses the same bootstrap, unpaired, on live rewards.
+The watch (trainer/live/watch.py) uses the same bootstrap, unpaired, on live rewards.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 from overnight.config import GATE_MODES, TrainConfig
 from overnight.storage.read.images import content_text, shows_images
 
-from .gate_prompts import GatePrompt
+from .prompts import GatePrompt
 
 CONFIDENCE = 0.95  # two-sided for the gate's interval, one-sided for the watch
 RESAMPLES = 10_000  # bootstrap resamples: the interval's ends move by ~0.005 sd between seeds

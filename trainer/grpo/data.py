@@ -72,7 +72,7 @@ class Sample:
     # Per token, how it was sampled (context tokens: NEUTRAL); empty: all NEUTRAL.
     sampling: tuple[SamplingParams, ...] = ()
     # The model names that sampled its turns, in order, and how many promotions the
-    # oldest is from the adapter a run starts from (trainer/night/staleness.py; None:
+    # oldest is from the adapter a run starts from (trainer/choose/staleness.py; None:
     # not known, as without a proxy).
     served_by: tuple[str, ...] = ()
     staleness: int | None = None

@@ -4,7 +4,7 @@ vLLM logs a prompt's token ids with each image already expanded to its placehold
 tokens (SmolVLM's `<image>` x 64 per tile, say), and feeds the vision tower's features
 at those places. The trainer does the same: a sample that saw images carries its
 images' hashes and how to make the processor's tensors for them (`VisionInputs`, built
-and checked against the logged ids by trainer/night/images.py); the embeddings of a
+and checked against the logged ids by trainer/choose/images.py); the embeddings of a
 packed batch are the token embeddings with each image token's place taken, in order,
 by the next row of the images' features
 (what transformers' own vision-language models do inside `forward`, done here so that
@@ -51,7 +51,7 @@ class VisionInputs:
 
 @dataclass(frozen=True)
 class Rendering:
-    """A conversation for a processor's chat template (trainer/night/images.py): its
+    """A conversation for a processor's chat template (trainer/choose/images.py): its
     messages (images as store references), tools, and whether the generation prompt
     follows."""
 

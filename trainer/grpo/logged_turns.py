@@ -52,7 +52,7 @@ def load_samples(
     Each turn keeps how it was sampled: the request's temperature, top-k, top-p and
     min-p, else `sampling_defaults` (the server's: `sampling.server_defaults`).
 
-    `vision` (a vision-language model's: trainer/night/images.py) gives each turn the
+    `vision` (a vision-language model's: trainer/choose/images.py) gives each turn the
     images its prompt showed, rebuilt through the processor and checked against the
     logged ids; a turn it cannot rebuild is skipped with its reason.
 

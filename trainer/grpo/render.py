@@ -109,7 +109,7 @@ def _call(call) -> dict:
 
 def render_turn(tokenizer, request: dict, reply: dict, vision=None) -> Turn:
     """One turn: the request's conversation as context, the reply as the completion.
-    `vision`: a vision-language model's reader (trainer/night/images.py), whose
+    `vision`: a vision-language model's reader (trainer/choose/images.py), whose
     processor renders a context that shows images, pictures and all."""
     context = chat_messages(request.get("messages"), images=vision is not None)
     answer = (chat_messages([reply]) or [{}])[-1]

@@ -1,13 +1,13 @@
 """The canary: a candidate serves a share of live traffic before it is promoted.
 
-`overnight train --canary 0.1`: a candidate that passed the offline gate (trainer/night/gate.py)
+`overnight train --canary 0.1`: a candidate that passed the offline gate (trainer/gate/verdict.py)
 is not promoted at once; the proxy loads it on every replica and sends it that share of
 the alias's rollouts, sticky per rollout (a hash of the rollout id, the same in every
 proxy; proxy/alias/registry.py). Its records name it (`model_served`), so once agents post
 rewards (or they are judged) each adapter's live reward is known.
 
 The next `overnight watch` (which every `overnight train` runs first) settles it, with
-the watch's statistics (trainer/night/watch.py, an unpaired bootstrap on the rollouts each
+the watch's statistics (trainer/live/watch.py, an unpaired bootstrap on the rollouts each
 adapter served since the canary began):
 
   fewer than `--watch-min-rollouts` rewarded rollouts on either side -> keep it running
@@ -30,10 +30,10 @@ import numpy as np
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
 from overnight.telemetry import traced
+from overnight.trainer.gate.verdict import CONFIDENCE, bootstrap_means, margin_for, passes
+from overnight.trainer.serving.proxy_client import admin_call, serving_state
 
-from .gate import CONFIDENCE, bootstrap_means, margin_for, passes
-from .live import live_rewards, policy_of, rewards_of
-from .proxy_client import admin_call, serving_state
+from .rewards import live_rewards, policy_of, rewards_of
 
 
 @dataclass

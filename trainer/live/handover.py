@@ -15,7 +15,7 @@ canary's statistics (canary.py: an unpaired bootstrap, the gate's bar):
   neither -> keep the share
 
 The local side is the adapter the alias serves (every name its path served under,
-live.py); the hosted side is every rollout all of whose turns the hosted upstream
+rewards.py); the hosted side is every rollout all of whose turns the hosted upstream
 answered (their records' `notes.upstream`). Every decision says why, in the output and
 in the proxy's history.
 """
@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from overnight.config import TrainConfig
+from overnight.trainer.gate.verdict import CONFIDENCE
+from overnight.trainer.serving.proxy_client import admin_call, serving_state
 
 from .canary import compare
-from .gate import CONFIDENCE
-from .live import SERVED_UPSTREAM, live_rewards, policy_of, rewards_of
-from .proxy_client import admin_call, serving_state
+from .rewards import SERVED_UPSTREAM, live_rewards, policy_of, rewards_of
 
 
 @dataclass

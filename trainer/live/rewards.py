@@ -12,8 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from overnight.storage import open_db
-
-from .plan import chosen_rewards
+from overnight.trainer.choose.plan import chosen_rewards
 
 
 def names_of(state: dict, path: str | None) -> set[str]:

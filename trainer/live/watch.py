@@ -7,7 +7,7 @@ or scored by a function), and it counts for an adapter when every turn of the ro
 served by that adapter. A rollback loads the previous adapter again under a new name, so
 adapters are compared by path: every name a path was served under counts for it.
 
-The test: mean(promoted) - mean(predecessor) with the gate's bootstrap (trainer/night/gate.py),
+The test: mean(promoted) - mean(predecessor) with the gate's bootstrap (trainer/gate/verdict.py),
 unpaired (different requests), one-sided: the promoted adapter is worse when the upper end
 of the one-sided 95% interval is below zero, once each side has `watch_min_rollouts`
 rewarded rollouts. A worse adapter is rolled back through the proxy's admin API.
@@ -27,11 +27,11 @@ import numpy as np
 
 from overnight.config import TrainConfig
 from overnight.telemetry import traced
+from overnight.trainer.gate.forgetting import over_budget
+from overnight.trainer.gate.verdict import CONFIDENCE, bootstrap_means
+from overnight.trainer.serving.proxy_client import admin_call, serving_state
 
-from .forgetting import over_budget
-from .gate import CONFIDENCE, bootstrap_means
-from .live import live_rewards, policy_of, rewards_of
-from .proxy_client import admin_call, serving_state
+from .rewards import live_rewards, policy_of, rewards_of
 
 
 @dataclass
@@ -103,10 +103,10 @@ def watch(
     say=print,
     act: bool = True,
 ) -> WatchVerdict:
-    """Settle a canary (trainer/night/canary.py) and move a handover's share (handover_watch.py),
+    """Settle a canary (trainer/live/canary.py) and move a handover's share (handover.py),
     then check the served adapter; roll it back when it is worse (unless `act` is False)."""
     from .canary import settle
-    from .handover_watch import settle as settle_handover
+    from .handover import settle as settle_handover
 
     settle(data_dir, proxy_url, token, config, say, act)
     settle_handover(data_dir, proxy_url, token, config, say, act)

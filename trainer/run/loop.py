@@ -17,9 +17,9 @@ from pathlib import Path
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
 from overnight.telemetry import traced
+from overnight.trainer.choose.plan import Plan
 from overnight.trainer.grpo.parallel import Parallel
 from overnight.trainer.grpo.step import Gap, behaviour_pass, fresh_adapter, optimizer_step
-from overnight.trainer.night.plan import Plan
 
 from .checkpoint import kill_point, load_checkpoint, save_adapter, save_checkpoint
 from .memory import check_fits

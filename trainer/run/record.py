@@ -14,8 +14,8 @@ from pathlib import Path
 
 from overnight.config import TrainConfig
 from overnight.storage import SCHEMA_VERSION, LogWriter, WriterConfig
-from overnight.trainer.night.gate import Verdict
-from overnight.trainer.night.plan import Plan
+from overnight.trainer.choose.plan import Plan
+from overnight.trainer.gate.verdict import Verdict
 
 
 @dataclass

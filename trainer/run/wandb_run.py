@@ -145,7 +145,7 @@ class Report:
             for key in ("mode", "reason", "failed", *GATE_NUMBERS):
                 if getattr(verdict, key) is not None:
                     summary[f"gate/{key}"] = getattr(verdict, key)
-            # Forgetting against the base model (trainer/night/forgetting.py), nats/token.
+            # Forgetting against the base model (trainer/gate/forgetting.py), nats/token.
             for key, value in (verdict.forgetting or {}).items():
                 summary[f"forgetting/{key}"] = value
             self._run.summary.update(summary)
