@@ -11,21 +11,19 @@ the alias switches; if any refuses, it is unloaded from the others and the alias
 A replica that was down or restarted gets the promoted adapter (under the same name: a
 name always means one path) before it is live again (balancer.py).
 
-One truth for every proxy: the state lives in DATA/adapters.json (state_file.py), or in
-the bucket with `--data s3://...` (bucket_state.py: the promoting proxy uploads the
-adapter, the others fetch a checked copy). Each proxy polls it every `follow_interval`
-seconds and follows another's promotion. A watch checks the replicas every
-`check_interval` seconds (at once after a 404 for the alias, `notice_missing`); when none
-serves the adapter any more (vLLM restarted), it is loaded again under a new version,
-as at a proxy's start (`restore`).
+One truth for every proxy: the state lives in DATA/adapters.json (state_file.py), or in the
+bucket with `--data s3://...` (bucket_state.py: the promoting proxy uploads the adapter, the
+others fetch a checked copy). Each proxy polls it every `follow_interval` seconds and
+follows another's promotion. A watch checks the replicas every `check_interval` seconds (at
+once after a 404 for the alias, `notice_missing`); when none serves the adapter any more
+(vLLM restarted), it is loaded again under a new version, as at a proxy's start (`restore`).
 
 A canary (`promote(path, canary=0.1)`) is loaded like a promotion, but the alias sends
 it only that share of its rollouts (sticky: a hash of the rollout id, the same in every
 proxy), recorded under its own name. Promoting the same path later makes it the alias's
-adapter without loading it again; `rollback(canary=True)` drops it.
-
-Every promotion, rollback and canary decision is kept in the shared state's `events`,
-with its reason (the watch's numbers, `overnight rollback --reason`).
+adapter without loading it again; `rollback(canary=True)` drops it. Every promotion,
+rollback and canary decision is kept in the shared state's `events`, with its reason
+(the watch's numbers, `overnight rollback --reason`).
 
 Here: `AdapterRegistry`, read top to bottom: its state (this proxy's copy of the shared
 one) and routing by it (`route`, the hot path); the steps every change takes (loaded
@@ -44,6 +42,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -306,8 +305,9 @@ class AdapterRegistry:
         return adapter
 
     async def _load_missing(self, adapter: Adapter | None) -> None:
-        """Load `adapter` under its name on each healthy replica that lacks it."""
-        await loading.load_missing(self.lora, self.files, self.balancer.replicas, adapter)
+        if adapter is not None:  # under its name, on each healthy replica that lacks it
+            local = partial(self.files.local, adapter.path, adapter.source)
+            await loading.load_missing(self.lora, self.balancer.replicas, adapter.name, local)
 
     def _start_drain(self, old: Adapter) -> None:
         self.flight.replaced(old.name)

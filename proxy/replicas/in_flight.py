@@ -3,8 +3,9 @@
 The registry (registry.py) counts every routed request here. When an adapter is
 replaced, it is unloaded only after this proxy's requests on it finished (or the drain
 timeout) and after no other proxy on the data directory still reports requests on it
-(state_file.DrainMarks): a request another proxy routed to it just before that proxy
-saw the promotion must not lose its adapter mid-answer.
+(`Marks`: alias/state_file.DrainMarks, passed in by the registry, which sits above): a
+request another proxy routed to it just before that proxy saw the promotion must not
+lose its adapter mid-answer.
 """
 
 from __future__ import annotations
@@ -12,14 +13,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-
-from overnight.proxy.alias.state_file import DrainMarks
+from pathlib import Path
+from typing import Protocol
 
 log = logging.getLogger("overnight.proxy")
 
 
+class Marks(Protocol):
+    """Where each proxy says which replaced adapters it still has requests on."""
+
+    path: Path
+
+    def publish(self, names: set[str]) -> None: ...
+
+    def elsewhere(self) -> dict[str, list[str]]: ...
+
+
 class InFlight:
-    def __init__(self, marks: DrainMarks):
+    def __init__(self, marks: Marks):
         self.counts: Counter[str] = Counter()
         self.marks = marks
         self._idle: dict[str, asyncio.Event] = {}

@@ -4,15 +4,16 @@ A new name is loaded on every target or on none (`load_on_all`: a promotion, a r
 a restore); a name a replica lacks, because it was down or restarted, is loaded there
 under that same name (`load_missing`: a name always means one path). Which adapter, and
 when, is the registry's (proxy/alias/registry.py); one replica's calls are lora_client.py's.
+The registry passes what it knows of an adapter in (its name, where its files come from):
+the alias sits above the replicas, so nothing here imports it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
-from overnight.proxy.alias.bucket_state import AdapterFiles
-from overnight.proxy.alias.promotions import Adapter
 from overnight.proxy.forward.balancer import Replica
 
 from .lora_client import AdapterError, LoraClient
@@ -46,27 +47,29 @@ async def load_on_all(
 
 
 async def load_missing(
-    lora: LoraClient, files: AdapterFiles, replicas: list[Replica], adapter: Adapter | None
+    lora: LoraClient,
+    replicas: list[Replica],
+    name: str,
+    local: Callable[[], Awaitable[str]],
 ) -> None:
-    """Load `adapter` under its name on each healthy replica that lacks it."""
-    if adapter is None:
-        return
-    missing = [r for r in replicas if r.healthy and adapter.name not in r.served]
+    """Load the adapter `name` on each healthy replica that lacks it, from the path
+    `local()` gives (asked only when one lacks it: with a bucket, it may fetch)."""
+    missing = [r for r in replicas if r.healthy and name not in r.served]
     if not missing:
         return
     try:
-        path = await files.local(adapter.path, adapter.source)
+        path = await local()
     except AdapterError as e:  # not here, and the bucket cannot give it now
-        log.error("cannot load %s on %d replica(s): %s", adapter.name, len(missing), e)
+        log.error("cannot load %s on %d replica(s): %s", name, len(missing), e)
         return
     results = await asyncio.gather(
-        *(lora.load_on(r, adapter.name, path) for r in missing), return_exceptions=True
+        *(lora.load_on(r, name, path) for r in missing), return_exceptions=True
     )
     for replica, result in zip(missing, results, strict=True):
         if isinstance(result, BaseException):
-            log.error("replica %s could not load %s: %s", replica.url, adapter.name, result)
+            log.error("replica %s could not load %s: %s", replica.url, name, result)
         else:
-            log.warning("replica %s lacked %s (restarted?): loaded", replica.url, adapter.name)
+            log.warning("replica %s lacked %s (restarted?): loaded", replica.url, name)
 
 
 async def unload_on_all(lora: LoraClient, replicas: list[Replica], name: str) -> None:
