@@ -10,10 +10,12 @@ messages differ only in the last user message edits the question.
 What the next exchange says, each a `Signal` with a value (-1 bad .. +1 good), a
 confidence, the rule that said so and the text it read:
 
-- the next user message, read by rules where rules are reliable: an acceptance
-  ("thanks, that works"), a correction or complaint ("no, I asked for ..."), a re-ask
-  (much the same words as the question it answered), or else a new request (moved on:
-  recorded with value 0, for a message nobody recognised says nothing either way);
+- the next user message, read by rules where rules are reliable, and by a complaint
+  lexicon and vader where they are not (reading.py): an acceptance ("thanks, that
+  works"), a correction or complaint ("no, I asked for ...", "thanks, but it still
+  crashes"), a re-ask (much the same words as the question it answered), or else a new
+  request (moved on: recorded with value 0, for a message nobody recognised says nothing
+  either way);
 - a regenerate or an edit of the last message;
 - after a tool call: a tool result that reads as an error, or the same tool called
   again with other arguments;
@@ -35,6 +37,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .reading import read
 from .trajectories import content_text, message_key
 
 # Evidence is cut to this many characters: enough to see why, not a copy of the traffic.
@@ -66,23 +69,6 @@ KINDS = (
     ENDED,
 )
 
-# A reaction at the start of the next user message. Anchored at the start on purpose:
-# "no" inside a sentence ("no more than 3 items") says nothing about the last answer.
-_ACCEPT = re.compile(
-    r"^\W*(thanks?\b|thank you|thx|ty\b|perfect|great|awesome|excellent|nice\b|cool\b|"
-    r"(that|this|it) (works|worked|did it|helps|helped)|works\b|worked\b|correct\b|exactly\b|"
-    r"yes,? (that'?s|this is) (it|right|correct)|got it|looks good|lgtm)",
-    re.IGNORECASE,
-)
-_CORRECT = re.compile(
-    r"^\W*(no\b|nope\b|wrong\b|incorrect\b|not (quite|right|correct|what)\b|"
-    r"(that|this|it)('?s| is| was) (not|wrong|incorrect)\b|"
-    r"(that|this|it) (didn'?t|doesn'?t|does not|did not) work|"
-    r"you (misunderstood|misread|got it wrong|are wrong|'re wrong)|"
-    r"i (said|asked|meant|wanted|told you)\b|try again\b|still (wrong|not|broken)\b|"
-    r"actually,? (i|it|that)\b|that'?s not what)",
-    re.IGNORECASE,
-)
 # A tool result that reports a failure rather than a result.
 _TOOL_ERROR = re.compile(
     r"^\W*(error|exception|traceback|failed|failure|invalid|not found|unknown (tool|function)|"
@@ -257,24 +243,35 @@ def _tool_results(t: Turn, u: Turn, new: list[dict]) -> list[Signal]:
 
 
 def _reaction(t: Turn, u: Turn, text: str) -> Signal:
-    """The user's next message, read by the rules (docs/signals.md: how they fail)."""
+    """The user's next message, read by the rules, the cue lexicons and vader combined
+    (reading.py; docs/signals.md: how they fail). A complaint or the rules' acceptance
+    comes before the re-ask; a weaker approval after it. Nobody sure: `moved_on`, which
+    says nothing (value 0)."""
     question = next(
         (content_text(m.get("content")) for m in reversed(t.messages) if m.get("role") == "user"),
         "",
     )
     alike = similarity(text, question) if question else 0.0
-    extra = {}
-    if _CORRECT.search(text):
-        kind, value, confidence, rule = CORRECTED, -1.0, 0.8, "the next message corrects it"
-    elif _ACCEPT.search(text):
-        kind, value, confidence, rule = ACCEPTED, 1.0, 0.8, "the next message accepts it"
-    elif alike >= RE_ASK_SIMILARITY:
-        kind, value, confidence, rule = RE_ASKED, -1.0, 0.7, "the next message asks the same again"
+    said = read(text)
+    if said is not None and (said.value < 0 or said.reader == "rules"):
+        kind = CORRECTED if said.value < 0 else ACCEPTED
+        return _said(t, u, text, kind, said)
+    if alike >= RE_ASK_SIMILARITY:
+        rule = "the next message asks the same again"
         extra = {"similarity": round(alike, 3)}
-    else:
-        # Nobody recognised it: a guess that says nothing either way, never approval.
-        kind, value, confidence, rule = MOVED_ON, 0.0, 0.3, "the next message asks something new"
-    return Signal(t.record_id, kind, value, confidence, rule, _cut(text), u.record_id, extra)
+        return Signal(t.record_id, RE_ASKED, -1.0, 0.7, rule, _cut(text), u.record_id, extra)
+    if said is not None:
+        return _said(t, u, text, ACCEPTED, said)
+    rule = "the next message asks something new"
+    # Nobody recognised it: it says nothing either way, never approval.
+    return Signal(t.record_id, MOVED_ON, 0.0, 0.3, rule, _cut(text), u.record_id)
+
+
+def _said(t: Turn, u: Turn, text: str, kind: str, said) -> Signal:
+    extra = {"reader": said.reader, **said.detail} if said.reader != "rules" else {}
+    return Signal(
+        t.record_id, kind, said.value, said.confidence, said.rule, _cut(text), u.record_id, extra
+    )
 
 
 def _tool_called_again(t: Turn, u: Turn) -> Signal | None:

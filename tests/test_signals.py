@@ -70,6 +70,16 @@ def after(reaction: str) -> list:
         ("And the largest city in New Zealand?", MOVED_ON),
         # "no" inside the message says nothing of the answer before it
         ("Give me a list with no more than three rivers", MOVED_ON),
+        # What the rules missed or misread (reading.py): politeness, sarcasm, doubt, a
+        # correction carrying the answer, an acknowledgement they did not know.
+        ("Thanks, but that's not it.", CORRECTED),
+        ("Great, wrong again", CORRECTED),
+        ("Are you sure?", CORRECTED),
+        ("Please read my question again.", CORRECTED),
+        ("hmm, Canberra is the capital", CORRECTED),
+        ("Lovely, cheers.", ACCEPTED),
+        ("ok. And the largest city in New Zealand?", ACCEPTED),
+        ("no worries, that's perfect", ACCEPTED),
     ],
 )
 def test_the_next_user_message_says_how_the_answer_went(reaction, kind):
@@ -447,12 +457,12 @@ async def test_the_messages_rules_only_guess_at_are_read_by_a_classifier_once(
 
     def reads(body: dict):  # as a model would: by what the user wrote
         said = body["messages"][1]["content"]
-        word = "corrected" if "not 8" in said else "accepted" if "Lovely" in said else "banana"
+        word = "corrected" if "make 7" in said else "accepted" if "yesss" in said else "banana"
         return answer(json.dumps({"reaction": word}))(body)
 
     judge = await aiohttp_server(create_judge_server([reads]))
-    # Words the rules do not know, each read by them as moving on (+0.3, a guess).
-    _turns_with_reactions(tmp_path, ["Hmm, 3 and 4 make 7, not 8.", "Lovely, cheers.",
+    # Words nobody else reads (reading.py), each `moved_on`: value 0, no reward.
+    _turns_with_reactions(tmp_path, ["3 and 4 make 7.", "yesss finally",
                                      "What is the capital of France?"])  # fmt: skip
     config = JudgeConfig(model="openai/reader", base_url=str(judge.make_url("/v1")), api_key="k")
     summary = await asyncio.to_thread(run_signals, tmp_path, rewards=True, classifier=config)
@@ -465,7 +475,7 @@ async def test_the_messages_rules_only_guess_at_are_read_by_a_classifier_once(
     sent = judge.app[SEEN][0]
     assert sent["response_format"]["json_schema"]["schema"]["properties"]["reaction"]["enum"]
     asked = sorted(body["messages"][1]["content"] for body in judge.app[SEEN])
-    assert "The assistant answered:\nIt is 8.\n\nThe user then wrote:\nHmm" in asked[0]
+    assert "The assistant answered:\nIt is 8.\n\nThe user then wrote:\n3 and 4" in asked[0]
     found = rows(tmp_path, "SELECT record_id, kind, value, confidence, source, rule FROM signals "
                            "WHERE kind != 'ended' ORDER BY record_id")  # fmt: skip
     assert [(r["record_id"], r["kind"], r["source"]) for r in found] == [
@@ -485,3 +495,38 @@ async def test_the_messages_rules_only_guess_at_are_read_by_a_classifier_once(
     plain = await asyncio.to_thread(run_signals, tmp_path, rewards=True)
     assert plain.classifier is None and plain.rewards == 0
     assert plain.found[CORRECTED] == 1 and plain.found[ACCEPTED] == 1
+
+
+# Complaints phrased outside the rules: polite, sarcastic, doubtful, carrying the answer,
+# in another language. The rules alone read none of them as a complaint.
+UNRULED_COMPLAINTS = [
+    "thanks, but it still crashes",
+    "Great, wrong again",
+    "Perfect, exactly the bug I was trying to fix 🙃",
+    "Could you please answer what I actually asked?",
+    "Are you sure about that?",
+    "hmm, 3 and 4 make 7",
+    "I appreciate the effort but this is way off.",
+    "You keep giving me the same answer.",
+    "the answer is 7 since 3 plus 4 is 7, you wrote 8",
+    "c'est faux",
+]
+
+
+def test_a_night_on_implicit_rewards_never_rewards_a_complaint_outside_the_rules(tmp_path):
+    """Through `overnight signals --rewards` on a real store: every answer that drew a
+    complaint the rules do not know gets a negative implicit reward, never approval."""
+    from overnight.judge.implicit import run_signals
+    from overnight.judge.reading import rules
+
+    assert all(rules(text) != -1 for text in UNRULED_COMPLAINTS)  # outside the rules
+    _turns_with_reactions(tmp_path, UNRULED_COMPLAINTS)
+    summary = run_signals(tmp_path, rewards=True)
+    assert summary.rewards == len(UNRULED_COMPLAINTS), summary.lines()
+    rewards = {r["rollout_id"]: r["reward"] for r in rows(
+        tmp_path, "SELECT rollout_id, reward FROM rewards WHERE source = 'implicit'")}  # fmt: skip
+    answered = {f"c{i}.0" for i in range(len(UNRULED_COMPLAINTS))}
+    assert answered <= set(rewards)
+    assert all(rewards[r] < 0 for r in answered), rewards
+    found = rows(tmp_path, "SELECT record_id, kind, extra FROM signals WHERE kind != 'ended'")
+    assert {r["kind"] for r in found if r["record_id"] in answered} == {CORRECTED}
