@@ -16,7 +16,7 @@ from overnight.storage import new_id
 from overnight.storage.read.sent_by import CLIENT
 
 from .apis import ResponsesAdditions, api_accumulator
-from .chat import CHAT, TEXT, Accumulator
+from .chat import COMPLETIONS, Accumulator
 
 
 class Capture:
@@ -104,6 +104,14 @@ class Capture:
     def done(self) -> None:
         self.latency_ms = (time.perf_counter() - self.t0) * 1000
 
+    def fail(self, status: int | None, error: str) -> None:
+        """The request ends here in `error`, its record's status `status` (None: the one
+        the upstream answered with, as a stream cut short keeps its 200)."""
+        if status is not None:
+            self.status = status
+        self.error = error
+        self.done()
+
 
 def accumulator(
     endpoint: str,
@@ -115,7 +123,7 @@ def accumulator(
     """Chat and text completions' accumulator (an echo's; ids read from logprob tokens),
     or the Responses and Messages APIs' (`hidden`: what the proxy asked of Responses);
     `note`: why its record will have no token ids, known before the answer."""
-    if endpoint in (CHAT, TEXT):
+    if endpoint in COMPLETIONS:
         acc: Any = Accumulator(endpoint, echo=echo, as_ids=as_ids)
     else:
         acc = api_accumulator(endpoint, hidden)

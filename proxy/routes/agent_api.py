@@ -33,7 +33,7 @@ from overnight.proxy.capture.apis import (
 )
 from overnight.proxy.capture.attribution import Attribution, attribute, logging_enabled
 from overnight.proxy.capture.captures import Capture
-from overnight.proxy.capture.chat import CHAT, TEXT
+from overnight.proxy.capture.chat import CHAT, COMPLETIONS, TEXT
 from overnight.proxy.capture.conversation import (
     CHAINS,
     MESSAGES,
@@ -74,7 +74,6 @@ ENDPOINTS = {
     "responses": RESPONSES,
     "messages": MESSAGES,
 }
-CHAT_SHAPED = (CHAT, TEXT)  # the others are recorded in the chat shape (docs/wire.md)
 NO_HOLD = contextlib.nullcontext()  # stateless: one for every request that needs none
 
 
@@ -136,7 +135,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         upstream_body, added = prepare_upstream_body(request, endpoint, body, capture, hosted)
         # A hosted API is sent the client's own bytes where the body is still theirs.
         raw = None if hosted is None else request_bytes(await request.read(), upstream_body)
-        if endpoint not in CHAT_SHAPED:  # Responses, Messages: recorded in the chat shape
+        if endpoint not in COMPLETIONS:  # Responses, Messages: recorded in the chat shape
             capture.request_body = await _as_chat(app, endpoint, body)
         affinity = who.rollout_id or who.group_id  # every turn of a rollout on one replica
         hop = hop_of(app, route)  # the hosted API beside vLLM (handover.py), or None
@@ -145,15 +144,13 @@ async def _completion(request: web.Request) -> web.StreamResponse:
                 request, endpoint, upstream_body, added, capture, affinity, raw, hop
             )
     except Unavailable as e:  # the hold ran out: the client is told when to retry
-        capture.status, capture.error = e.status, f"maintenance: {e}"
-        capture.done()
+        capture.fail(e.status, f"maintenance: {e}")
         raise
     except (OvernightError, web.HTTPException):
         raise
     except asyncio.CancelledError:  # aiohttp cancels a handler whose client left
         if capture.error is None:
-            capture.error = CLIENT_LEFT_EARLY
-            capture.done()
+            capture.fail(None, CLIENT_LEFT_EARLY)
         raise
     except Exception as e:
         raise internal_error(capture, e) from e
@@ -251,7 +248,7 @@ def prepare_upstream_body(
             upstream_body = body
         capture.use(note=hosted.note)
         return upstream_body, Additions()
-    if endpoint in CHAT_SHAPED:  # vLLM's token ids, logprobs and usage (additions.py)
+    if endpoint in COMPLETIONS:  # vLLM's token ids, logprobs and usage (additions.py)
         added = add_training_fields(upstream_body, endpoint)
         if added.echo or added.note:  # the prompt's logprobs come first; or no ids
             capture.use(echo=added.echo, as_ids=added.as_ids, note=added.note)
@@ -286,10 +283,8 @@ def internal_error(capture: Capture, e: Exception) -> InternalError:
     gets a 500 JSON error naming the request (auth.make_guard would catch it too, but
     without a record)."""
     log.exception("completion %s failed", capture.request_id)
-    if capture.status < 400:
-        capture.status = 500
-    capture.error = f"internal error: {e!r}"[:4096]
-    capture.done()
+    status = capture.status if capture.status >= 400 else 500
+    capture.fail(status, f"internal error: {e!r}"[:4096])
     return InternalError(capture.request_id)
 
 

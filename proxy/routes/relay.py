@@ -29,7 +29,7 @@ from overnight.proxy.capture.apis import (
     refused_additions,
 )
 from overnight.proxy.capture.captures import Capture
-from overnight.proxy.capture.chat import CHAT, TEXT
+from overnight.proxy.capture.chat import CHAT, COMPLETIONS, TEXT
 from overnight.proxy.capture.conversation import MESSAGES, RESPONSES
 from overnight.proxy.capture.uncaptured import note_passthrough
 from overnight.proxy.forward.jsonio import json_dumps, whole_dumps
@@ -65,8 +65,6 @@ UPSTREAM_PATHS = {
     RESPONSES: "/v1/responses",
     MESSAGES: "/v1/messages",
 }
-
-UPSTREAM_CHAT = (CHAT, TEXT)
 
 Upstream = aiohttp.ClientResponse | UpstreamResponse
 Added = Additions | ResponsesAdditions  # what the proxy asked for, to hide again
@@ -161,8 +159,7 @@ async def forward(
                 else:
                     where = config.upstream if hop is None else hop.url  # the one asked
                     error = UpstreamError(f"upstream {where} unreachable: {e}")
-                capture.status, capture.error = error.status, str(error)
-                capture.done()
+                capture.fail(error.status, str(error))
                 raise error from e
             if upstream.status != 400 or added.plain is None or not added.any:
                 break
@@ -305,12 +302,11 @@ async def _relay_whole(
     try:
         raw = await upstream.read()
     except (aiohttp.ClientError, TimeoutError) as e:
-        capture.error = f"upstream failed while sending its answer: {watch.describe(e)}"
-        capture.done()
+        error = f"upstream failed while sending its answer: {watch.describe(e)}"
+        capture.fail(504 if watch.stalled else None, error)
         if watch.stalled:
-            capture.status = 504
-            raise UpstreamTimeout(capture.error) from e
-        raise UpstreamError(capture.error) from e
+            raise UpstreamTimeout(error) from e
+        raise UpstreamError(error) from e
     capture.done()
     headers = client_headers(upstream)
     if upstream.status != 200:
@@ -375,17 +371,18 @@ async def _relay_stream(
                 sent = True
         if not (relay.parser.done or capture.acc.complete):
             # Responses and Messages streams end with their last event, not [DONE].
-            end = "[DONE]" if capture.endpoint in UPSTREAM_CHAT else "its last event"
+            end = "[DONE]" if capture.endpoint in COMPLETIONS else "its last event"
             raise aiohttp.ClientPayloadError(f"the stream ended without {end}")
     except (aiohttp.ClientError, TimeoutError) as e:
         # Upstream broke mid-stream: the client already has a 200, so tell it in-band
         # the way OpenAI does, and keep what was generated as a partial record.
-        capture.error = f"upstream stream broke: {watch.describe(e)}"
+        capture.fail(None, f"upstream stream broke: {watch.describe(e)}")
         err = UpstreamError(capture.error, code="upstream_disconnected")
         await write_quietly(response, relay.flush() + encode_event(json_dumps(err.body())))
+        await write_quietly(response, b"", eof=True)
+        return response
     except (_ClientLeft, asyncio.CancelledError) as e:
-        capture.error = CLIENT_LEFT if sent else CLIENT_LEFT_EARLY
-        capture.done()
+        capture.fail(None, CLIENT_LEFT if sent else CLIENT_LEFT_EARLY)
         upstream.close()  # drop the connection so vLLM stops generating
         if isinstance(e, asyncio.CancelledError):
             raise
