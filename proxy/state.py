@@ -8,7 +8,6 @@ and the proxy sets them when it mounts the view.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -19,6 +18,7 @@ from overnight.storage import LogWriter
 from .alias.policies import Policies
 from .alias.registry import AdapterRegistry
 from .capture.captures import TurnCounter
+from .capture.events import SeenFingerprint
 from .forward.balancer import Balancer
 from .vllm_sleep import Maintenance
 
@@ -28,19 +28,6 @@ class ProxyStats:
     """Counters of this process, as `/admin/stats` reports them (beside the writer's)."""
 
     requests: int = 0  # completions answered, whatever their outcome
-
-
-@dataclass(slots=True)
-class SeenFingerprint:
-    """vLLM's `system_fingerprint`, constant per server, once a stream has shown it.
-
-    When the proxy asks for usage, vLLM moves the fingerprint from each choice's
-    finishing chunk to the usage chunk the proxy drops; the relay puts it back from
-    here (see `relay.EventRelay`). `seen` tells a fingerprint of None from none yet.
-    """
-
-    seen: bool = False
-    value: Any = None
 
 
 CONFIG = web.AppKey("config", ProxyConfig)

@@ -31,6 +31,7 @@ from overnight.proxy.capture.apis import (
 from overnight.proxy.capture.captures import Capture
 from overnight.proxy.capture.chat import CHAT, COMPLETIONS, TEXT
 from overnight.proxy.capture.conversation import MESSAGES, RESPONSES
+from overnight.proxy.capture.events import EventRelay, ResponsesEventRelay, learn_fingerprint
 from overnight.proxy.capture.uncaptured import note_passthrough
 from overnight.proxy.forward.jsonio import json_dumps, whole_dumps
 from overnight.proxy.forward.paths import check_forwarded
@@ -39,7 +40,6 @@ from overnight.proxy.forward.upstream import UpstreamResponse
 from overnight.proxy.observe.tracing import TRACING, sent_to
 from overnight.proxy.state import CONFIG, FINGERPRINT, SESSION, UPSTREAM
 
-from .events import EventRelay, ResponsesEventRelay, learn_fingerprint
 from .hosted import UPSTREAM_AUTH
 
 # Headers that describe one hop, not the message; never forwarded either way.
@@ -347,9 +347,9 @@ async def _relay_stream(
     response = web.StreamResponse(status=200, headers=client_headers(upstream))
     relay: EventRelay
     if isinstance(added, ResponsesAdditions):
-        relay = ResponsesEventRelay(added, capture, request.app[FINGERPRINT])
+        relay = ResponsesEventRelay(added, capture.add, request.app[FINGERPRINT])
     else:
-        relay = EventRelay(added, capture, request.app[FINGERPRINT])
+        relay = EventRelay(added, capture.add, request.app[FINGERPRINT])
     sent = False  # whether the client got any of the body
     try:
         try:

@@ -8,18 +8,38 @@ vLLM's order, choices of an `n > 1` answer interleaved as they came.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import orjson
 
-from overnight.proxy.capture.additions import Additions, hide_additions, only_added
-from overnight.proxy.capture.apis import ResponsesAdditions, hide_responses_additions
-from overnight.proxy.capture.captures import Capture
 from overnight.proxy.forward.jsonio import json_dumps
 from overnight.proxy.forward.sse import SSEParser, encode_event, with_data
-from overnight.proxy.state import SeenFingerprint
+
+from .additions import Additions, hide_additions, only_added
+from .apis import ResponsesAdditions, hide_responses_additions
+
+# What an event is given to: the request's Capture (`Capture.add`), with its bytes.
+Take = Callable[[bytes, dict], None]
+
+
+@dataclass(slots=True)
+class SeenFingerprint:
+    """vLLM's `system_fingerprint`, constant per server, once a stream has shown it.
+
+    When the proxy asks for usage, vLLM moves the fingerprint from each choice's
+    finishing chunk to the usage chunk the proxy drops; the relay puts it back from
+    here (see `EventRelay`). `seen` tells a fingerprint of None from none yet. One per
+    app (state.FINGERPRINT).
+    """
+
+    seen: bool = False
+    value: Any = None
 
 
 class EventRelay:
-    """Turns upstream SSE bytes into what the client gets, feeding the capture.
+    """Turns upstream SSE bytes into what the client gets, giving each event to `take`.
 
     When we asked for usage, vLLM moves `system_fingerprint` from each choice's
     finishing chunk to the usage chunk we drop. The fingerprint is constant per server,
@@ -27,9 +47,9 @@ class EventRelay:
     waits for the usage chunk, and every event after it waits behind it, in order.
     """
 
-    def __init__(self, added: Additions, capture: Capture, fingerprint: SeenFingerprint):
+    def __init__(self, added: Additions, take: Take, fingerprint: SeenFingerprint):
         self.added = added
-        self.capture = capture
+        self.take = take
         self.fingerprint = fingerprint  # app-wide
         self.parser = SSEParser()
         self.held: list[dict | bytes] = []  # events behind a finishing chunk, in order
@@ -59,7 +79,7 @@ class EventRelay:
                 obj = None
         if not isinstance(obj, dict):
             return self._out(event)
-        self.capture.add(data, obj)
+        self.take(data, obj)
         if not self.added.any:
             return event
         fingerprint = self.fingerprint
@@ -100,8 +120,8 @@ class ResponsesEventRelay(EventRelay):
     """A Responses stream: an event the proxy's additions changed is re-encoded with its
     `event:` line kept; every other event goes out as the exact upstream bytes."""
 
-    def __init__(self, added: ResponsesAdditions, capture: Capture, fingerprint: SeenFingerprint):
-        super().__init__(Additions(), capture, fingerprint)
+    def __init__(self, added: ResponsesAdditions, take: Take, fingerprint: SeenFingerprint):
+        super().__init__(Additions(), take, fingerprint)
         self.responses_added = added
 
     def _event(self, event: bytes) -> bytes:
@@ -112,7 +132,7 @@ class ResponsesEventRelay(EventRelay):
             obj = None
         if not isinstance(obj, dict):
             return event
-        self.capture.add(data, obj)
+        self.take(data, obj)
         added = self.responses_added
         hidden = hide_responses_additions(obj, added) if added.any else None
         return event if hidden is None else with_data(event, json_dumps(hidden))
