@@ -66,6 +66,10 @@ class VisionReader:
         self.data_dir = Path(data_dir)
         self.store = ImageStore(data_dir)
 
+    # What trainer/grpo/ asks of a conversation through its reader: it never imports storage.
+    shows_images = staticmethod(shows_images)
+    image_of = staticmethod(image_of)
+
     @property
     def renders(self) -> bool:
         """Whether turns that show images can be rebuilt for this model at all."""

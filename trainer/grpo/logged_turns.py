@@ -7,8 +7,6 @@ from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
-from overnight.storage.read.images import shows_images
-
 from .data import DataError, Sample, Turn, merge_turns
 from .images import Rendering
 from .sampling import NEUTRAL, SamplingParams, from_request, unreproduced
@@ -157,8 +155,9 @@ def _retokenise(
     vision=None,
 ):
     """A Turn rebuilt from the logged text, or None when that cannot be done faithfully.
-    A prompt that shows images is built by the model's processor (`vision`), as vLLM
-    built it; a DataError says why one cannot be."""
+    A prompt that shows images (`vision.shows_images`: grpo never reads the store) is
+    built by the model's processor (`vision`), as vLLM built it; a DataError says why
+    one cannot be."""
     import json
 
     # Responses and Messages rows hold their conversation in the chat shape too (the
@@ -182,7 +181,7 @@ def _retokenise(
     if not isinstance(message["content"], str):
         raise DataError("a reply whose content is not text")
     tools = request.get("tools")
-    if vision is not None and shows_images(messages):
+    if vision is not None and vision.shows_images(messages):
         prompt, images = vision.rendered(Rendering(messages, tools))
         if prompt_tokens is not None and len(prompt) != prompt_tokens:
             # The proof the logged ids give elsewhere: the pictures were tiled and placed

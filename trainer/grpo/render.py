@@ -28,8 +28,6 @@ from collections import defaultdict
 
 import pyarrow as pa
 
-from overnight.storage.read.images import image_of, shows_images
-
 from .data import DataError, Turn, merge_turns
 from .images import Rendering
 from .logged_turns import Loaded, chat_ids
@@ -42,13 +40,13 @@ CONVERSATION_ENDPOINTS = ("chat.completions", "responses", "messages")
 BARE = {"role", "content", "reasoning_content"}
 
 
-def chat_messages(messages, images: bool = False) -> list[dict]:
+def chat_messages(messages, vision=None) -> list[dict]:
     """`messages` as chat templates take them (transformers' conventions): content text,
     "" where a reply had none; tool call arguments as objects, which a template writes in
     its own format; reasoning under `reasoning_content`, merged into the reply it
-    preceded. With `images` (a vision-language model's processor renders them), content
-    may be text and image parts, kept as they are. Anything else a template cannot render
-    faithfully is a DataError."""
+    preceded. With `vision` (a vision-language model's reader, whose processor renders
+    them), content may be text and image parts (as `vision.image_of` tells them), kept
+    as they are. Anything else a template cannot render faithfully is a DataError."""
     if not isinstance(messages, list) or not messages:
         raise DataError("a record without messages")
     out: list[dict] = []
@@ -65,10 +63,11 @@ def chat_messages(messages, images: bool = False) -> list[dict]:
         ):
             content = "".join(str(p.get("text") or "") for p in content)
         if (
-            images
+            vision is not None
             and isinstance(content, list)
             and all(
-                isinstance(p, dict) and (p.get("type") == "text" or image_of(p)) for p in content
+                isinstance(p, dict) and (p.get("type") == "text" or vision.image_of(p))
+                for p in content
             )
         ):
             pass  # text and pictures, for the processor's template
@@ -110,14 +109,15 @@ def _call(call) -> dict:
 def render_turn(tokenizer, request: dict, reply: dict, vision=None) -> Turn:
     """One turn: the request's conversation as context, the reply as the completion.
     `vision`: a vision-language model's reader (trainer/choose/images.py), whose
-    processor renders a context that shows images, pictures and all."""
-    context = chat_messages(request.get("messages"), images=vision is not None)
+    processor renders a context that shows images (`vision.shows_images`), pictures
+    and all."""
+    context = chat_messages(request.get("messages"), vision)
     answer = (chat_messages([reply]) or [{}])[-1]
     if not (answer.get("content") or answer.get("tool_calls") or answer.get("reasoning_content")):
         raise DataError("an empty reply")
     tools = request.get("tools") or None
     images = None
-    if vision is not None and shows_images(context):
+    if vision is not None and vision.shows_images(context):
         prompt, images = vision.rendered(Rendering(context, tools, add_generation_prompt=True))
         whole, _ = vision.rendered(Rendering([*context, answer], tools, False))
     else:  # a DataError where the template cannot render it
