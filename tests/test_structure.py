@@ -1,10 +1,10 @@
-"""The house stays as docs/architecture.md draws it: no import circles, no long modules
-or functions.
+"""The house stays as docs/architecture.md draws it: imports go downwards only (the
+layer table), no import circles, no crowded folders, no long modules or functions.
 
-Both checks read the product's source as text (the packages pyproject.toml installs,
+The import checks read the product's source as text (the packages pyproject.toml installs,
 `overnight.testing` included); nothing is imported. Every import counts, wherever it
 stands: one inside a function or under `if TYPE_CHECKING:` still ties two modules
-together, and hiding a circle there is exactly what this check is for.
+together, and hiding a circle or an upward import there is exactly what they are for.
 """
 
 from __future__ import annotations
@@ -32,6 +32,108 @@ LONG_FUNCTIONS_TO_SPLIT = {
     "overnight.trainer.run.loop.run_training": "a night read as its steps",
     "overnight.testing.fake_shapes.stream_response": "one fake stream per API shape",
 }
+# A folder a reader takes in at a glance: past 16 modules (its __init__.py counted), it
+# holds more than one subject; a sub-package names the one that grew.
+MAX_FOLDER_MODULES = 16
+
+
+# Which way imports go (docs/architecture.md, "Which way imports go"): each layer, by the
+# name of its package (or of a module with a layer of its own), and the layers it may
+# import besides its own. A module is in the layer its name is listed under, else in its
+# package's; every package must be listed (a new one is placed here, or this fails), and
+# so must every module of the ground.
+def _downwards(levels: list[set[str]], outside: set[str]) -> dict[str, set[str]]:
+    """Levels drawn top first: each may import every level below it and `outside`,
+    never one beside or above it (an arrow may skip levels)."""
+    return {
+        layer: outside.union(*levels[i + 1 :]) for i, level in enumerate(levels) for layer in level
+    }
+
+
+GROUND = {
+    "overnight",
+    "overnight.errors",
+    "overnight.telemetry",
+    "overnight.config",
+    "overnight.progress",
+}
+STORAGE = {
+    "overnight.storage",
+    "overnight.storage.write",
+    "overnight.storage.read",
+    "overnight.storage.upkeep",
+    "overnight.storage.bucket",
+}
+VIEW = {"overnight.view", "overnight.view.web"}
+BELOW_THE_PARTS = GROUND | STORAGE | {"overnight.models"} | VIEW
+PROXY = [
+    {"overnight.proxy"},  # its __init__ (create_app)
+    {"overnight.proxy.app", "overnight.proxy.address"},
+    {"overnight.proxy.routes"},
+    {"overnight.proxy.observe"},
+    {"overnight.proxy.state", "overnight.proxy.shadow"},
+    {"overnight.proxy.capture"},
+    {"overnight.proxy.alias"},
+    {"overnight.proxy.replicas", "overnight.proxy.vllm_sleep"},
+    {"overnight.proxy.forward"},
+]
+TRAINER = [
+    {"overnight.trainer"},  # train.py (and the __init__)
+    {"overnight.trainer.run"},
+    {"overnight.trainer.live"},
+    {"overnight.trainer.gate"},
+    {"overnight.trainer.choose"},
+    {"overnight.trainer.grpo", "overnight.trainer.serving"},
+]
+PARTS = {"overnight.judge", "overnight.proxy.launch", "overnight.examples"}
+PARTS |= set().union(*PROXY, *TRAINER)
+ENTRY_POINTS = {"overnight.cli", "overnight.testing", "overnight.night"}
+LAYERS: dict[str, set[str]] = {
+    **dict.fromkeys(GROUND, GROUND),
+    **dict.fromkeys(STORAGE, STORAGE | {"overnight.errors"}),
+    "overnight.models": GROUND,
+    **dict.fromkeys(VIEW, GROUND | STORAGE | VIEW),
+    **_downwards(PROXY, BELOW_THE_PARTS),
+    "overnight.proxy.launch": BELOW_THE_PARTS,
+    "overnight.judge": BELOW_THE_PARTS,
+    **_downwards(TRAINER, BELOW_THE_PARTS),
+    "overnight.trainer.grpo": GROUND | {"overnight.models"},
+    "overnight.examples": set(),
+    "overnight.cli": BELOW_THE_PARTS | PARTS | {"overnight.testing", "overnight.night"},
+    "overnight.testing": BELOW_THE_PARTS | PARTS,
+    "overnight.night": BELOW_THE_PARTS | PARTS,
+}
+# Each layer's rule in the doc's words, for the failure to name.
+RULES = {
+    **dict.fromkeys(GROUND, "the ground (config, errors, telemetry) imports no part"),
+    **dict.fromkeys(STORAGE, "storage imports nothing of overnight but overnight.errors"),
+    "overnight.models": "overnight.models is a leaf: it stands on the ground alone",
+    **dict.fromkeys(VIEW, "view imports only storage and the ground"),
+    **dict.fromkeys(
+        set().union(*PROXY),
+        "inside the proxy, imports go down: app -> routes -> observe -> state, shadow -> "
+        "capture -> alias -> replicas, vllm_sleep -> forward; proxy, judge and trainer "
+        "never import one another",
+    ),
+    "overnight.proxy.launch": "proxy/launch imports nothing of the proxy's",
+    "overnight.judge": "proxy, judge and trainer never import one another",
+    **dict.fromkeys(
+        set().union(*TRAINER),
+        "inside the trainer, imports go down: train.py -> run -> live -> gate -> choose -> "
+        "grpo, serving; proxy, judge and trainer never import one another",
+    ),
+    "overnight.trainer.grpo": "grpo imports no other part of the trainer and never storage: "
+    "what it trains on arrives as Arrow rows or samples",
+    "overnight.trainer.serving": "trainer/serving imports nothing of the trainer's",
+    "overnight.examples": "the examples are agents on the plain openai SDK: nothing of ours",
+    **dict.fromkeys(
+        ENTRY_POINTS,
+        "nothing below the entry points imports them; of them, only the CLI uses the others",
+    ),
+}
+# Imports that break a layer today, each waiting for its fix; a test checks each still
+# breaks it: mend one, and take it off this list.
+KNOWN_LAYER_BREAKS: dict[tuple[str, str], str] = {}
 
 
 def package_dirs(root: Path = ROOT) -> dict[str, Path]:
@@ -133,6 +235,58 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _package_of(name: str, path: Path) -> str:
+    return name if path.stem == "__init__" else name.rpartition(".")[0]
+
+
+def layer_of(name: str, path: Path, layers: dict[str, set[str]]) -> str | None:
+    """The layer a module is in: its own name where the table lists it, else its
+    package's; None where the table places neither (or a module of the ground's package,
+    which must be named: there is nothing above the ground for it to fall into)."""
+    package = _package_of(name, path)
+    if name in layers:
+        return name
+    top = min(layers, key=len)  # the top package ("overnight"): its modules each named
+    return package if package in layers and package != top else None
+
+
+def unplaced(root: Path = ROOT, layers: dict[str, set[str]] | None = None) -> list[str]:
+    """The packages, and the modules, that the layer table does not place."""
+    layers = LAYERS if layers is None else layers
+    found = modules(root)
+    missing = [p for p in package_dirs(root) if p not in layers]
+    missing += [n for n, path in found.items() if layer_of(n, path, layers) is None]
+    return sorted(set(missing))
+
+
+def layer_breaks(
+    root: Path = ROOT,
+    layers: dict[str, set[str]] | None = None,
+    rules: dict[str, str] | None = None,
+) -> dict[tuple[str, str], str]:
+    """Every import that goes up or sideways: (module, what it imports) -> the rule."""
+    layers = LAYERS if layers is None else layers
+    rules = RULES if rules is None else rules
+    found = modules(root)
+    breaks = {}
+    for name, targets in import_graph(root).items():
+        layer = layer_of(name, found[name], layers)
+        for target in sorted(targets):
+            other = layer_of(target, found[target], layers)
+            if layer is None or other is None or other == layer or other in layers[layer]:
+                continue  # unplaced ones are unplaced()'s to name
+            breaks[name, target] = (
+                f"{layer} may not import {other}: {rules.get(layer, 'imports go downwards')}"
+            )
+    return breaks
+
+
+def crowded_folders(root: Path = ROOT) -> dict[str, int]:
+    """Packages whose folder holds more than MAX_FOLDER_MODULES modules."""
+    counts = {p: len(list(folder.glob("*.py"))) for p, folder in package_dirs(root).items()}
+    return {p: n for p, n in counts.items() if n > MAX_FOLDER_MODULES}
+
+
 def long_modules(root: Path = ROOT) -> dict[str, int]:
     lengths = {name: len(path.read_text().splitlines()) for name, path in modules(root).items()}
     return {name: n for name, n in lengths.items() if n > MAX_LINES}
@@ -172,6 +326,78 @@ def test_no_import_circles():
         "import circles (move the piece both sides need down into a module of its own; "
         "an import inside a function still counts):\n" + "\n".join(ties)
     )
+
+
+def test_imports_go_downwards_only():
+    assert not unplaced(), (
+        "not in the layer table (place each package, and each module of the ground, in "
+        f"LAYERS as docs/architecture.md's 'Which way imports go' draws it): {unplaced()}"
+    )
+    found = layer_breaks()
+    new = {pair: rule for pair, rule in found.items() if pair not in KNOWN_LAYER_BREAKS}
+    assert not new, (
+        "imports that go up or sideways (move what both need down, or pass it in from "
+        "the caller; an import inside a function still counts):\n"
+        + "\n".join(f"{a} imports {b}: {rule}" for (a, b), rule in sorted(new.items()))
+    )
+
+
+def test_each_known_layer_break_is_still_there():
+    mended = sorted(set(KNOWN_LAYER_BREAKS) - set(layer_breaks()))
+    assert not mended, f"no longer breaks its layer: take it off KNOWN_LAYER_BREAKS: {mended}"
+
+
+def test_no_folder_over_the_limit():
+    assert not crowded_folders(), (
+        f"folders over {MAX_FOLDER_MODULES} modules (a sub-package for the subject that "
+        f"grew): {crowded_folders()}"
+    )
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    """The layer check itself, on a small tree: an upward import hidden in a function, a
+    sideways one under TYPE_CHECKING, a package the table does not place, a crowded folder."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackages = ["pkg", "pkg.low", "pkg.high", "pkg.side"]\n'
+        '[tool.setuptools.package-dir]\n"pkg" = "pkg"\n'
+    )
+    for package in ("low", "high", "side"):
+        (tmp_path / "pkg" / package).mkdir(parents=True)
+        (tmp_path / "pkg" / package / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "base.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "high" / "a.py").write_text("from pkg.low.b import y\n")
+    (tmp_path / "pkg" / "low" / "b.py").write_text("from ..base import x\ny = x\n")
+    layers = {
+        "pkg": {"pkg.base"},
+        "pkg.base": set(),
+        "pkg.high": {"pkg.base", "pkg.low"},
+        "pkg.low": {"pkg.base"},
+        "pkg.side": {"pkg.base"},
+    }
+    rules = {"pkg.low": "low stays low"}
+    assert layer_breaks(tmp_path, layers, rules) == {} and unplaced(tmp_path, layers) == []
+    (tmp_path / "pkg" / "low" / "c.py").write_text("def f():\n    from pkg.high.a import y\n")
+    (tmp_path / "pkg" / "side" / "d.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.low import b\n"
+    )
+    assert layer_breaks(tmp_path, layers, rules) == {
+        ("pkg.low.c", "pkg.high.a"): "pkg.low may not import pkg.high: low stays low",
+        ("pkg.side.d", "pkg.low.b"): "pkg.side may not import pkg.low: imports go downwards",
+    }
+    # A new package, and a module beside the top one's named modules, are not placed.
+    (tmp_path / "pkg" / "new").mkdir()
+    (tmp_path / "pkg" / "new" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "loose.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackages = ["pkg", "pkg.low", "pkg.high", "pkg.side", "pkg.new"]\n'
+        '[tool.setuptools.package-dir]\n"pkg" = "pkg"\n'
+    )
+    assert unplaced(tmp_path, layers) == ["pkg.loose", "pkg.new"]
+    assert crowded_folders(tmp_path) == {}
+    for i in range(MAX_FOLDER_MODULES - 2):  # the __init__.py and b.py are there already
+        (tmp_path / "pkg" / "low" / f"m{i}.py").write_text("")
+    assert crowded_folders(tmp_path) == {"pkg.low": MAX_FOLDER_MODULES + 1}
 
 
 def test_no_module_over_the_limit():
