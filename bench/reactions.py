@@ -122,19 +122,21 @@ def readers() -> dict[str, Callable[[str], tuple[int, float]]]:
 
 def model_reader(base_url: str, model: str) -> Callable[[str], tuple[int, float]]:
     """The served model as a reader: one prompt per message, the label tokens' logprobs
-    of a one-token answer (judge/reactions.py), through the OpenAI API at `base_url`."""
+    of a one-token answer (judge/reactions.py), through the OpenAI API at `base_url`.
+    Ranked by the share of "good" less the share of "bad"."""
     import asyncio
 
     from overnight.config import JudgeConfig
-    from overnight.judge.reactions import Tally, read_one
+    from overnight.judge.reactions import ask, prompt
+    from overnight.judge.ruler import CallCounts
 
     config = JudgeConfig(model=f"hosted_vllm/{model}", base_url=base_url, api_key="none")
+    calls = CallCounts()
 
     def read(text: str) -> tuple[int, float]:
-        found = asyncio.run(read_one("", "", text, config, Tally()))
-        if found is None:
-            return 0, 0.0
-        return found
+        label, shares = asyncio.run(ask(prompt("", "", text), config, calls))
+        said = {"good": 1, "bad": -1}.get(label, 0)
+        return said, shares.get("good", 0.0) - shares.get("bad", 0.0) if shares else 0.0
 
     return read
 

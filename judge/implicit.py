@@ -186,8 +186,9 @@ def _classified(con, since_us: int) -> dict[tuple[str, str | None], Signal]:
 
 
 def read_guesses(found: Found, classifier: JudgeConfig | None) -> tuple[list[Signal], Tally | None]:
-    """The signals found, with the rules' guesses (`moved_on`) read by the classifier: as
-    it read them before, or asked now when a classifier is given; kept where neither."""
+    """The signals found, with the messages nobody read (`moved_on`) read by the
+    classifier: as it read them before, or asked now when a classifier is given; kept
+    where neither."""
     out, ask = [], []
     for s in found.signals:
         key = (s.record_id, s.evidence_record)
@@ -252,7 +253,7 @@ def run_signals(
 ) -> SignalSummary:
     """Read the signals of the chat turns of the last `since_seconds` and write the new
     ones; with `rewards`, the implicit rewards they make where no other source has one;
-    with `classifier`, the messages the rules only guessed at read by it (reactions.py)."""
+    with `classifier`, the messages nobody else read (`moved_on`) read by it (reactions.py)."""
     started = time.perf_counter()
     since = now_us() - int(since_seconds * 1e6)
     found = find_signals(data_dir, since, quiet_seconds)

@@ -8,6 +8,8 @@ once, shown by `overnight show` and SQL.
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import random
 from urllib.parse import quote
 
@@ -443,22 +445,73 @@ def _turns_with_reactions(data_dir, reactions: list[str]) -> None:
     writer.close()
 
 
-async def test_the_messages_rules_only_guess_at_are_read_by_a_classifier_once(
+def logprob_answer(probabilities: dict[str, float]):
+    """A one-token chat completion as vLLM's OpenAI API answers one asked for logprobs:
+    the sampled token and the top ones, each with its logprob."""
+
+    def step(body: dict):
+        top = sorted(probabilities.items(), key=lambda kv: -kv[1])
+        tops = [{"token": t, "logprob": math.log(p), "bytes": list(t.encode())} for t, p in top]
+        reply = {
+            "id": "cls-1", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": [{
+                "index": 0, "finish_reason": "length",
+                "message": {"role": "assistant", "content": top[0][0]},
+                "logprobs": {"content": [{**tops[0], "top_logprobs": tops}]},
+            }],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101},
+        }  # fmt: skip
+        return 200, reply, {}
+
+    return step
+
+
+def test_the_classifier_reads_the_label_tokens_logprobs_not_the_text():
+    from overnight.judge.reactions import INSTRUCTIONS, decide, label_shares, prompt
+
+    messages = prompt("What is 3 plus 4?", "It is 8.", "3 and 4 make 7.")
+    assert messages[0] == {"role": "system", "content": INSTRUCTIONS}
+    assert messages[1]["content"] == (
+        "The user asked:\nWhat is 3 plus 4?\n\nThe assistant answered:\nIt is 8.\n\n"
+        "The user then wrote:\n3 and 4 make 7.\n\nOne word: good, bad or neutral."
+    )
+    assert "asked" not in prompt("", "", "ok")[1]["content"]  # no context: the reaction alone
+    assert len(prompt("x" * 5000, "", "ok")[1]["content"]) < 700  # each text cut
+
+    def choice(probabilities: dict[str, float]) -> dict:
+        _, body, _ = logprob_answer(probabilities)({"model": "m"})
+        return body["choices"][0]
+
+    # Every spelling of a label counts for it (" Good", "good", "neut"); others do not.
+    shares, total = label_shares(choice({" Good": 0.5, "good": 0.2, "bad": 0.1, "The": 0.2}))
+    assert shares["good"] == pytest.approx(0.7 / 0.8) and total == pytest.approx(0.8)
+    assert decide(shares, total) == "good"
+    shares, total = label_shares(choice({"neut": 0.7, "Bad": 0.2, "I": 0.1}))
+    assert decide(shares, total) == "neutral"
+    # Torn between two labels, or mostly something else: no reading.
+    assert decide(*label_shares(choice({"good": 0.45, "bad": 0.45, "x": 0.1}))) is None
+    assert decide(*label_shares(choice({"banana": 0.9, "bad": 0.1}))) is None
+    # No logprobs (a server that does not return them): nothing to read, text or not.
+    assert label_shares({"message": {"content": "bad"}, "logprobs": None}) is None
+
+
+async def test_the_messages_nobody_else_reads_are_read_by_a_classifier_once(
     aiohttp_server, tmp_path, monkeypatch
 ):
-    import json
-
     from overnight.config import JudgeConfig
     from overnight.judge.implicit import run_signals
 
-    from .judge_server import SEEN, answer, create_judge_server
+    from .judge_server import SEEN, create_judge_server
 
     monkeypatch.setenv("OVERNIGHT_JUDGE_BACKOFF", "0.01")
 
     def reads(body: dict):  # as a model would: by what the user wrote
         said = body["messages"][1]["content"]
-        word = "corrected" if "make 7" in said else "accepted" if "yesss" in said else "banana"
-        return answer(json.dumps({"reaction": word}))(body)
+        if "make 7" in said:
+            return logprob_answer({"bad": 0.8, " Bad": 0.1, "good": 0.05})(body)
+        if "yesss" in said:
+            return logprob_answer({"good": 0.7, " good": 0.2, "neutral": 0.05})(body)
+        return logprob_answer({"banana": 0.9, "good": 0.05, "bad": 0.04})(body)
 
     judge = await aiohttp_server(create_judge_server([reads]))
     # Words nobody else reads (reading.py), each `moved_on`: value 0, no reward.
@@ -468,22 +521,24 @@ async def test_the_messages_rules_only_guess_at_are_read_by_a_classifier_once(
     summary = await asyncio.to_thread(run_signals, tmp_path, rewards=True, classifier=config)
     tally = summary.classifier
     assert (tally.asked, tally.changed, tally.unreadable, tally.failed) == (3, 2, 1, 0)
-    calls = tally.calls  # the server's usage
-    assert calls.prompt_tokens == 300 and calls.completion_tokens == 60
+    calls = tally.calls  # the server's usage, counted as the judge's
+    assert calls.prompt_tokens == 300 and calls.completion_tokens == 3
     line = "\n".join(summary.lines())
-    assert "classifier openai/reader: 3 message(s) the rules only guessed, 2 read otherwise" in line
-    sent = judge.app[SEEN][0]
-    assert sent["response_format"]["json_schema"]["schema"]["properties"]["reaction"]["enum"]
+    assert "classifier openai/reader: 3 message(s) nobody else read, 2 read as approval" in line
+    sent = judge.app[SEEN][0]  # one token, its top logprobs, no answer format
+    assert (sent["max_tokens"], sent["logprobs"], sent["top_logprobs"]) == (1, True, 10)
+    assert sent["temperature"] == 0.0 and "response_format" not in sent
     asked = sorted(body["messages"][1]["content"] for body in judge.app[SEEN])
     assert "The assistant answered:\nIt is 8.\n\nThe user then wrote:\n3 and 4" in asked[0]
-    found = rows(tmp_path, "SELECT record_id, kind, value, confidence, source, rule FROM signals "
-                           "WHERE kind != 'ended' ORDER BY record_id")  # fmt: skip
+    found = rows(tmp_path, "SELECT record_id, kind, value, confidence, source, rule, extra "
+                           "FROM signals WHERE kind != 'ended' ORDER BY record_id")  # fmt: skip
     assert [(r["record_id"], r["kind"], r["source"]) for r in found] == [
         ("c0.0", CORRECTED, "classifier"),
         ("c1.0", ACCEPTED, "classifier"),
-        ("c2.0", MOVED_ON, "rules"),  # "banana": the guess kept
+        ("c2.0", MOVED_ON, "rules"),  # "banana": no label it is sure of, nothing read
     ]
     assert found[0]["rule"] == "classifier openai/reader" and found[0]["confidence"] == 0.6
+    assert json.loads(found[0]["extra"])["shares"]["bad"] == pytest.approx(0.9 / 0.95, abs=1e-3)
     rewards = {r["rollout_id"]: r["reward"] for r in rows(
         tmp_path, "SELECT rollout_id, reward FROM rewards WHERE source = 'implicit'")}  # fmt: skip
     assert rewards == {"c0.0": -1.0, "c1.0": 1.0}  # c2.0: nobody read it, no reward
