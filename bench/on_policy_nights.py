@@ -87,6 +87,7 @@ def nights(vllm_url: str, count: int, out: Path) -> None:
     from overnight.judge.scoring import pair_scorer
     from overnight.storage import open_db
     from overnight.testing.processes import spawn_serve
+    from overnight.trainer.choose.inputs import Selection
     from overnight.trainer.train import resample_turns, train
 
     reward_spec = f"{ROOT / 'examples' / 'rewards.py'}:numbers_only"
@@ -113,7 +114,8 @@ def nights(vllm_url: str, count: int, out: Path) -> None:
             if night == count:
                 break
             quiet = {"proxy_url": url, "settle_seconds": 0.0, "say": lambda _line: None}
-            resample_turns(data, config, **quiet)
+            resample_turns(Selection(data, settle_seconds=0.0), config, proxy_url=url,
+                           say=quiet["say"])  # fmt: skip
             asyncio.run(run_judge(data, None, RewardFunction(reward_spec), progress=False,
                                   settle_seconds=0))  # fmt: skip
             result = train(data, config, scorer=pair_scorer(reward_spec, None), **quiet)

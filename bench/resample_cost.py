@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from overnight.config import TrainConfig  # noqa: E402
 from overnight.storage import open_db  # noqa: E402
 from overnight.testing.processes import serve_tiny  # noqa: E402
+from overnight.trainer.choose.inputs import Selection  # noqa: E402
 from overnight.trainer.choose.resample import resample_turns  # noqa: E402
 
 SYSTEM = "You fill in numeric form fields. Reply with numbers only."
@@ -95,8 +96,8 @@ def main() -> None:
                 )
                 tokens = served_tokens(data, since)
                 config = TrainConfig(resample=k, resample_max_turns=args.turns)
-                done = resample_turns(data, config, proxy_url=server.url, settle_seconds=0.0,
-                                      since=since, say=lambda _line: None)  # fmt: skip
+                done = resample_turns(Selection(data, settle_seconds=0.0, since=since), config,
+                                      proxy_url=server.url, say=lambda _line: None)  # fmt: skip
                 assert done.turns == args.turns and done.failed == done.unreached == 0, done.lines()
                 per_served, per_resampled = serve_s / args.turns, done.seconds / args.turns
                 print(

@@ -17,6 +17,7 @@ from overnight.proxy.capture.conversation import (
     carried_over,
     resolve_responses_request,
 )
+from overnight.trainer.choose.inputs import Selection
 
 from .helpers import rows, wait_for_rows
 
@@ -410,7 +411,7 @@ async def test_responses_and_messages_rows_are_trained_from_their_text(
         assert r.status == 200, await r.text()
     await wait_for_rows(tmp_path / "data", 2)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    plan = plan_run(tmp_path / "data", TrainConfig(), 600, tokenizer=tokenizer)
+    plan = plan_run(Selection(tmp_path / "data", 600, tokenizer=tokenizer), TrainConfig())
     assert plan.groups == ["g"] and plan.retokenised == 2, plan.lines()
     assert all(not s.exact and s.trained_tokens > 0 for s in plan.samples)
 

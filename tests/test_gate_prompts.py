@@ -10,6 +10,7 @@ from pathlib import Path
 from overnight.config import TrainConfig
 from overnight.storage import new_id, now_us
 from overnight.storage.read.siblings import turn_group_id
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.choose.plan import TURN_PENDING_KEY, plan_run
 from overnight.trainer.choose.selection import TURN_HELD_KEY
 from overnight.trainer.choose.turn_groups import HELD_BY_A_GATE, add_turn_groups, conversation_key
@@ -49,8 +50,8 @@ def a_night_of_single_calls(data: Path, with_signal: int, without: int) -> dict[
 
 
 def plan_night(data: Path, config: TrainConfig):
-    plan = plan_run(data, config, settle_seconds=600)
-    return add_turn_groups(data, plan, config)
+    plan = plan_run(Selection(data, settle_seconds=600), config)
+    return add_turn_groups(Selection(data), plan, config)
 
 
 def test_one_off_calls_are_the_gates_and_every_per_turn_group_trains(tmp_path):

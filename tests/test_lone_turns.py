@@ -8,6 +8,7 @@ import statistics
 
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, now_us
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.choose.lone_turns import LONE_POOL_MIN, add_lone_turns
 from overnight.trainer.choose.turn_groups import add_turn_groups
 from overnight.trainer.train import RunResult, plan_run, record_run
@@ -47,9 +48,9 @@ def night(data_dir, config: TrainConfig, record: bool = True, **options):
     the lone turns; recorded as a trained run when it trains anything."""
     only = options.get("only")
     served = None if only is None else [g for g in only if not g.startswith("turn:")]
-    plan = plan_run(data_dir, config, settle_seconds=600, **{**options, "only": served})
-    plan = add_turn_groups(data_dir, plan, config, **options)
-    plan = add_lone_turns(data_dir, plan, config, **options)
+    plan = plan_run(Selection(data_dir, settle_seconds=600, **{**options, "only": served}), config)
+    plan = add_turn_groups(Selection(data_dir, **options), plan, config)
+    plan = add_lone_turns(Selection(data_dir, **options), plan, config)
     if plan.groups and record:
         record_run(data_dir, RunResult(f"run-{now_us()}", plan), config, "b", None, now_us(), None)
     return plan

@@ -26,6 +26,7 @@ from overnight.storage.location import CACHE_DIR, MARKER, segment_store
 from overnight.storage.manifest import segment_files
 from overnight.storage.upkeep import merge as merge_module
 from overnight.storage.write.segments import log_files
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.choose.plan import plan_run
 
 from .helpers import completion, merge_looking, rows
@@ -156,7 +157,7 @@ async def test_a_proxy_on_a_bucket_uploads_segments_that_every_reader_reads(
               "SELECT count(*) FROM rewards WHERE source = 'function'")  # fmt: skip
     assert out.splitlines()[1:] == ["2"]
     # The trainer's selection reads the same records from the bucket, token ids included.
-    plan = plan_run(local, TrainConfig(), settle_seconds=600)
+    plan = plan_run(Selection(local, settle_seconds=600), TrainConfig())
     assert plan.groups == ["numbers-1"]
     assert sorted(s.rollout_id for s in plan.samples) == ["numbers-1.a", "numbers-1.b"]
     assert all(s.tokens for s in plan.samples)

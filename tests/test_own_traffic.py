@@ -33,6 +33,7 @@ from overnight.proxy.capture.recorder_main import frame_of, replayed
 from overnight.proxy.capture.records import RecordFacts, record_rows
 from overnight.proxy.observe.tracing import start_attributes
 from overnight.storage import LogWriter, WriterConfig, now_us
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.train import RunResult, plan_run, record_run
 
 from .helpers import completion_row, rows, wait_for_rows
@@ -264,7 +265,7 @@ OWN = {"heldout-x": [1.0, 0.0], "gate-y": [0.0, 1.0]}
 
 
 def night(data_dir):
-    plan = plan_run(data_dir, TrainConfig(), settle_seconds=600)
+    plan = plan_run(Selection(data_dir, settle_seconds=600), TrainConfig())
     if plan.groups:
         record_run(data_dir, RunResult(f"run-{now_us()}", plan), TrainConfig(), "base", None,
                    now_us(), None)  # fmt: skip

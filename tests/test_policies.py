@@ -17,6 +17,7 @@ from overnight.proxy.alias.promotions import offline_state_path, policy_state_pa
 from overnight.proxy.state import POLICIES
 from overnight.storage import LogWriter, WriterConfig, now_us, open_db
 from overnight.storage.read.policy_scope import PolicyScope
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.choose.plan import plan_run
 from overnight.trainer.choose.selection import last_selection
 from overnight.trainer.gate.prompts import _first_turns
@@ -319,7 +320,9 @@ def test_a_policys_night_plans_its_own_groups_only(tmp_path):
     config = TrainConfig()
 
     def planned(name: str | None) -> list[str]:
-        return sorted(plan_run(tmp_path, config, settle_seconds=600, scope=scope(name)).groups)
+        return sorted(
+            plan_run(Selection(tmp_path, settle_seconds=600, scope=scope(name)), config).groups
+        )
 
     assert planned("support") == ["s1", "s2"]
     assert planned("research") == ["r1"]
@@ -329,7 +332,9 @@ def test_a_policys_night_plans_its_own_groups_only(tmp_path):
     assert planned(None) == ["b1", "p1", "r1", "s1", "s2"]  # no proxy: every group
     # Without the proxy's list, a named policy is its own alias's groups.
     alone = PolicyScope.of("support", {})
-    assert sorted(plan_run(tmp_path, config, settle_seconds=600, scope=alone).groups) == [
+    assert sorted(
+        plan_run(Selection(tmp_path, settle_seconds=600, scope=alone), config).groups
+    ) == [
         "s1",
         "s2",
     ]
@@ -346,13 +351,15 @@ def test_a_group_mixing_two_policies_trains_neither(tmp_path):
     writer.close()
     config = TrainConfig()
     for name in ("support", "research"):
-        planned = plan_run(tmp_path, config, settle_seconds=600, scope=scope(name)).groups
+        planned = plan_run(
+            Selection(tmp_path, settle_seconds=600, scope=scope(name)), config
+        ).groups
         assert "s1" not in planned, name
     assert sorted(
-        plan_run(tmp_path, config, settle_seconds=600, scope=scope("support")).groups
+        plan_run(Selection(tmp_path, settle_seconds=600, scope=scope("support")), config).groups
     ) == ["s2"]
     one = PolicyScope.of("policy", {"policies": ["policy"], "others_trained": True})
-    assert "b1" in plan_run(tmp_path, config, settle_seconds=600, scope=one).groups
+    assert "b1" in plan_run(Selection(tmp_path, settle_seconds=600, scope=one), config).groups
 
 
 def test_each_policy_reads_its_own_selection_record(tmp_path):
@@ -360,10 +367,12 @@ def test_each_policy_reads_its_own_selection_record(tmp_path):
     a record from before policies is the default policy's."""
     write_groups(tmp_path, {"s1": "support", "r1": "research"}, at=now_us() - 10_000_000)
     support = TrainConfig(policy="support")
-    plan = plan_run(tmp_path, support, settle_seconds=0, scope=scope("support"))
+    plan = plan_run(Selection(tmp_path, settle_seconds=0, scope=scope("support")), support)
     assert plan.groups == ["s1"] and plan.selection["policy"] == "support"
     record_run(tmp_path, RunResult("night-support", plan), support, "b", None, now_us(), None)
-    old = plan_run(tmp_path, TrainConfig(), settle_seconds=0)  # no scope: before policies
+    old = plan_run(
+        Selection(tmp_path, settle_seconds=0), TrainConfig()
+    )  # no scope: before policies
     assert old.selection["policy"] is None
 
     def last(name: str | None) -> dict | None:
@@ -376,8 +385,7 @@ def test_each_policy_reads_its_own_selection_record(tmp_path):
     assert last("support")["watermark"] == plan.selection["watermark"]
     assert last("research") is None  # support's night says nothing of research's groups
     assert last("policy") is None
-    research = plan_run(tmp_path, TrainConfig(policy="research"), settle_seconds=0,
-                        scope=scope("research"))  # fmt: skip
+    research = plan_run(Selection(tmp_path, settle_seconds=0, scope=scope("research")), TrainConfig(policy="research"))  # fmt: skip
     assert research.looked_since is None and research.groups == ["r1"]
     record_run(tmp_path, RunResult("night-old", old), TrainConfig(), "b", None, now_us(), None)
     assert last("policy")["watermark"] == old.selection["watermark"]  # an old record: default's
@@ -416,7 +424,7 @@ def two_nights_recorded(data) -> None:
     write_groups(data, {"s1": "support", "p1": "policy"})
     for name, policy, groups in (("night-old", None, ["p0"]), ("night-support", "support", ["s1"]),
                                  ("night-policy", "policy", ["p1"])):  # fmt: skip
-        plan = plan_run(data, TrainConfig(), settle_seconds=600)
+        plan = plan_run(Selection(data, settle_seconds=600), TrainConfig())
         plan.groups = groups
         config = TrainConfig(policy=policy)
         record_run(data, RunResult(name, plan), config, "b", None, now_us(), None)

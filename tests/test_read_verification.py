@@ -25,6 +25,7 @@ from overnight.storage import manifest as manifest_module
 from overnight.storage.integrity import quarantined
 from overnight.storage.manifest import MANIFEST, MERGED_PREFIX
 from overnight.storage.upkeep import merge
+from overnight.trainer.choose.inputs import Selection
 
 from .helpers import completion
 
@@ -215,10 +216,13 @@ def test_a_night_over_a_damaged_day_trains_nothing_from_the_damaged_file_and_say
     first = set(_files(tmp_path))
     write(tmp_path, {"damaged": [1.0, 0.0]})
     (victim,) = set(_files(tmp_path)) - first
-    assert plan_run(tmp_path, TrainConfig(), settle_seconds=600).groups == ["sound", "damaged"]
+    assert plan_run(Selection(tmp_path, settle_seconds=600), TrainConfig()).groups == [
+        "sound",
+        "damaged",
+    ]
     path = tmp_path / "completions" / victim
     _flip(path, path.stat().st_size // 3)  # a data page: DuckDB would read it back changed
-    plan = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    plan = plan_run(Selection(tmp_path, settle_seconds=600), TrainConfig())
     assert plan.groups == ["sound"] and {s.group_id for s in plan.samples} == {"sound"}
     assert f"completions/{victim}" in plan.damaged
     said = "\n".join(plan.lines())

@@ -31,6 +31,7 @@ from overnight.storage.read.siblings import (
     sibling_rows,
     turn_group_id,
 )
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.choose.plan import Plan, plan_run
 from overnight.trainer.choose.turn_groups import add_turn_groups, trained_turn_sources
 
@@ -251,8 +252,8 @@ def test_the_judge_scores_per_turn_groups_and_the_trainer_plans_them(tmp_path):
     assert sorted(scores.values()) == [0.0, 0.0, 1.0, 1.0]
     # Served traffic alone trains nothing: every group has one rollout.
     config = TrainConfig(**TINY_CPU_PRESET)
-    assert plan_run(data, config, 0.0).groups == []
-    plan = add_turn_groups(data, Plan(), config)
+    assert plan_run(Selection(data, 0.0), config).groups == []
+    plan = add_turn_groups(Selection(data), Plan(), config)
     assert plan.groups == [group]
     assert len(plan.samples) == 4
     for sample in plan.samples:
@@ -293,7 +294,7 @@ async def test_ruler_sees_the_conversation_once_and_each_alternative_as_a_trajec
     assert all(text in prompt for text in ("seven cats", "a cat", "8 9"))
     judged = rows(data, "SELECT rollout_id FROM rewards WHERE source = 'ruler'")
     assert len(judged) == 4 and all(r["rollout_id"].startswith("turn:") for r in judged)
-    plan = add_turn_groups(data, Plan(), TrainConfig(reward_sources=("ruler",)))
+    plan = add_turn_groups(Selection(data), Plan(), TrainConfig(reward_sources=("ruler",)))
     assert plan.groups == [turn_group_id(turn["record_id"])] and len(plan.samples) == 4
 
 
@@ -337,7 +338,7 @@ def test_a_reward_posted_for_a_member_does_not_make_a_group_trainable(tmp_path):
         writer.append("rewards", {"reward_id": new_id(), "schema_version": 2, "rollout_id": member,
                                   "reward": float(i), "source": "agent", "created_at": now_us()})  # fmt: skip
     writer.close()
-    plan = add_turn_groups(data, Plan(), TrainConfig(**TINY_CPU_PRESET))
+    plan = add_turn_groups(Selection(data), Plan(), TrainConfig(**TINY_CPU_PRESET))
     assert plan.groups == []
     assert "per-turn groups: a member has no reward from the judge or the reward function" in (
         plan.skipped
@@ -491,14 +492,18 @@ def test_a_resumed_run_takes_exactly_its_turn_groups_and_trained_turns_are_not_h
     )
     config = TrainConfig(**TINY_CPU_PRESET)
     wanted = turn_group_id(second["record_id"])
-    assert add_turn_groups(data, Plan(), config, only=[wanted, "a-served-group"]).groups == [wanted]
-    assert len(add_turn_groups(data, Plan(), config).groups) == 2
+    assert add_turn_groups(
+        Selection(data, only=[wanted, "a-served-group"]), Plan(), config
+    ).groups == [wanted]
+    assert len(add_turn_groups(Selection(data), Plan(), config).groups) == 2
     writer = LogWriter(WriterConfig(data, compact_in_process=True))
     writer.start()
     writer.append("training_runs", {"run_id": "r1", "schema_version": 2, "status": "trained",
                                     "groups": [wanted], "started_at": now_us()})  # fmt: skip
     writer.close()
-    assert add_turn_groups(data, Plan(), config).groups == [turn_group_id(first["record_id"])]
+    assert add_turn_groups(Selection(data), Plan(), config).groups == [
+        turn_group_id(first["record_id"])
+    ]
     con = open_db(data)
     try:
         assert trained_turn_sources(con) == {second["group_id"]}
@@ -536,7 +541,9 @@ async def test_the_stage_resamples_single_calls_once_within_its_budget(
 
     def stage(**options):
         config = TrainConfig(resample=2, **options)
-        return resample_turns(data, config, proxy_url=url, settle_seconds=0.0, say=lambda _: None)
+        return resample_turns(
+            Selection(data, settle_seconds=0.0), config, proxy_url=url, say=lambda _: None
+        )
 
     done = await asyncio.to_thread(stage, resample_max_turns=2)
     assert (done.turns, done.siblings, done.failed) == (2, 4, 0), done.lines()

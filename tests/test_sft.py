@@ -17,6 +17,7 @@ from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.errors import ConfigError
 from overnight.storage import LogWriter, WriterConfig
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.choose.sft_plan import HELD_OUT, held_out, plan_sft, select_rollouts
 
 from .helpers import chat_response, completion_row, rows
@@ -133,7 +134,7 @@ def test_tool_calls_and_results_render_in_the_templates_format_and_only_replies_
     tmp_path, tokenizer
 ):
     write_tool_rollout(tmp_path)
-    plan = plan_sft(tmp_path, sft(), settle_seconds=600, tokenizer=tokenizer)
+    plan = plan_sft(Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), sft())
     assert plan.groups == ["g"] and plan.skipped == {}
     (sample,) = plan.samples  # the answer's context renders the call as it was: one sequence
     # The call in the template's own format (its arguments re-serialised by the template,
@@ -189,7 +190,7 @@ def test_a_template_that_drops_earlier_reasoning_trains_every_reply_once_in_its_
     records.turn("r", "g", follow, second, turn=1)
     records.finish("r")
     records.close()
-    plan = plan_sft(tmp_path, sft(), settle_seconds=600, tokenizer=thinking)
+    plan = plan_sft(Selection(tmp_path, settle_seconds=600, tokenizer=thinking), sft())
     spans = [trained_spans(thinking, s) for s in plan.samples]
     assert spans == [
         ["<think>A capital.</think>\nParis.<|im_end|>"],
@@ -222,7 +223,7 @@ def test_bad_records_are_skipped_with_their_reason_and_stay_trainable(tmp_path, 
         + tokenizer.chat_template
     )
     config = sft(rescan=True)
-    plan = plan_sft(tmp_path, config, settle_seconds=600, tokenizer=strict)
+    plan = plan_sft(Selection(tmp_path, settle_seconds=600, tokenizer=strict), config)
     assert plan.groups == ["ok"]
     assert plan.skipped["turns skipped: a record without messages"] == 1
     text = "turns skipped: a message's content is not text (an image, or not a string)"
@@ -233,7 +234,7 @@ def test_bad_records_are_skipped_with_their_reason_and_stay_trainable(tmp_path, 
     # Nothing lost: the records are all still there, and a template that renders tools
     # trains the one group that failed only for its template.
     assert len(rows(tmp_path, "SELECT * FROM completions")) == 5
-    again = plan_sft(tmp_path, config, settle_seconds=600, tokenizer=tokenizer)
+    again = plan_sft(Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), config)
     assert "tools" in again.groups
 
 
@@ -247,7 +248,9 @@ def test_token_ids_another_server_logged_are_not_used(tmp_path, tokenizer):
                  completion_logprobs=[-0.1])  # fmt: skip
     records.finish("r")
     records.close()
-    (sample,) = plan_sft(tmp_path, sft(), settle_seconds=600, tokenizer=tokenizer).samples
+    (sample,) = plan_sft(
+        Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), sft()
+    ).samples
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
     assert sample.tokens[: len(prompt["input_ids"])] == prompt["input_ids"]
     assert trained_spans(tokenizer, sample) == ["Hi.<|im_end|>"]
@@ -261,7 +264,7 @@ def test_a_reply_cut_off_at_its_token_limit_is_not_imitated(tmp_path, tokenizer)
     records.writer.append("completions", row)
     records.finish("cut")
     records.close()
-    plan = plan_sft(tmp_path, sft(), settle_seconds=600, tokenizer=tokenizer)
+    plan = plan_sft(Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), sft())
     assert plan.groups == [] and plan.skipped == {
         "turns skipped: the reply was cut off at its token limit (finish_reason length)": 1,
         "nothing of it could be rendered (its turns' reasons above)": 1,
@@ -301,7 +304,7 @@ def test_the_plan_imitates_the_best_dedups_and_holds_out_the_same_groups(tmp_pat
         records.one_turn(f"q{i}", f"q{i}", f"Question {i}?", f"Answer {i}.")
     records.close()
     config = sft(sft_held_out=0.25, rescan=True)
-    plan = plan_sft(tmp_path, config, settle_seconds=600, tokenizer=tokenizer)
+    plan = plan_sft(Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), config)
     expected = sorted(g for g in [f"q{i}" for i in range(40)] if held_out(g, 0.25))
     assert not any(held_out(g, 0.25) for g in ("add", "hi", "hello2"))  # (by their hashes)
     assert sorted(plan.sft["held_out"]) == expected and len(expected) == 13
@@ -318,7 +321,7 @@ def test_the_plan_imitates_the_best_dedups_and_holds_out_the_same_groups(tmp_pat
     for i in range(40, 60):
         records.one_turn(f"q{i}", f"q{i}", f"Question {i}?", f"Answer {i}.")
     records.close()
-    later = plan_sft(tmp_path, config, settle_seconds=600, tokenizer=tokenizer)
+    later = plan_sft(Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), config)
     assert set(expected) <= set(later.sft["held_out"])
     assert set(later.sft["held_out"]) - set(expected) == {
         f"q{i}" for i in range(40, 60) if held_out(f"q{i}", 0.25)
@@ -340,7 +343,9 @@ def test_the_sft_loss_is_the_hand_computed_cross_entropy_of_the_assistant_tokens
     for i in range(3):  # a group sharing its prompt (packed once per row)
         records.one_turn(f"s.{i}", "s", "Say a number.", f"{i} {i + 1} {i + 2}.")
     records.close()
-    plan = plan_sft(tmp_path, sft(sft_selection="all"), settle_seconds=600, tokenizer=tokenizer)
+    plan = plan_sft(
+        Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), sft(sft_selection="all")
+    )
     assert len(plan.samples) == 4
     config = sft(lora_rank=4)
     model = fresh_adapter(load_policy(tiny_model_dir, trainable=True), config)
@@ -406,7 +411,9 @@ def test_an_sft_night_from_the_command_line_lowers_the_loss_and_marks_its_groups
     write_teacher_traffic(tmp_path)
     assert list(tmp_path.glob("completions/date=*/*.parquet")), "real Parquet segments"
     # What the night will train on (planning writes nothing).
-    plan = plan_sft(tmp_path, sft(sft_held_out=0.2), settle_seconds=600, tokenizer=tokenizer)
+    plan = plan_sft(
+        Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), sft(sft_held_out=0.2)
+    )
     args = ["train", "--data", str(tmp_path), "--sft", "--base-model", str(tiny_model_dir),
             "--proxy", "", "--preset", "tiny-cpu", "--learning-rate", "1e-2", "--lora-rank", "4",
             "--epochs", "3",

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig, now_us
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.choose.plan import Plan
 from overnight.trainer.train import RunResult, plan_run, record_run
 
@@ -67,7 +68,7 @@ def test_the_plan_takes_scored_varied_groups_and_says_why_not_others(tmp_path):
         {"good": [1.0, 0.0, 0.5], "flat": [1.0, 1.0], "unscored": [1.0, None], "alone": [1.0]},
     )
     write(tmp_path, {"no-ids": [1.0, 0.0]}, token_ids=False)
-    plan = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    plan = plan_run(Selection(tmp_path, settle_seconds=600), TrainConfig())
     assert plan.groups == ["good"]
     assert [round(s.advantage, 3) for s in plan.samples] == [1.0, -1.0, 0.0]
     assert (
@@ -97,7 +98,7 @@ def post_reward(data_dir, rollout: str, reward: float) -> None:
 def night(data_dir, config: TrainConfig | None = None, **options) -> Plan:
     """One night's selection, recorded as `overnight train` records its run."""
     config = config or TrainConfig()
-    plan = plan_run(data_dir, config, settle_seconds=600, **options)
+    plan = plan_run(Selection(data_dir, settle_seconds=600, **options), config)
     if plan.groups:
         result = RunResult(f"run-{now_us()}", plan)
         record_run(data_dir, result, config, "base", None, now_us(), None)
@@ -128,7 +129,7 @@ def test_a_night_reads_only_groups_changed_since_the_last_selection(tmp_path):
     }
     assert "looked at 1 group(s) changed since the last run's selection" in " ".join(second.lines())
 
-    rescan = plan_run(tmp_path, TrainConfig(rescan=True), settle_seconds=600)
+    rescan = plan_run(Selection(tmp_path, settle_seconds=600), TrainConfig(rescan=True))
     assert rescan.considered == ["flat"] and rescan.loaded_groups == []
     assert rescan.skipped == {"all rewards equal: no signal": 1}
 
@@ -145,24 +146,24 @@ def test_groups_left_pending_are_looked_at_again_and_a_new_basis_looks_at_all(tm
     assert night(tmp_path).considered == []
     # Verdicts made under other reward sources are not trusted: everything is looked at.
     ruler = TrainConfig(reward_sources=("ruler", "agent"))
-    assert plan_run(tmp_path, ruler, settle_seconds=600).considered == ["flat"]
+    assert plan_run(Selection(tmp_path, settle_seconds=600), ruler).considered == ["flat"]
 
 
 def test_a_failed_runs_selection_is_not_used(tmp_path):
     write(tmp_path, {"good": [1.0, 0.0]}, at=now_us() - DAY_US)
-    plan = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    plan = plan_run(Selection(tmp_path, settle_seconds=600), TrainConfig())
     record_run(tmp_path, RunResult("failed", plan), TrainConfig(), "b", None, now_us(), "Boom")
-    again = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    again = plan_run(Selection(tmp_path, settle_seconds=600), TrainConfig())
     assert again.looked_since is None and again.groups == ["good"]
 
 
 def test_reward_sources_in_order_of_preference(tmp_path):
     write(tmp_path, {"g": [1.0, 0.0]}, source="ruler")
     write(tmp_path, {"g": [0.0, 1.0]}, source="agent")
-    agent_first = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    agent_first = plan_run(Selection(tmp_path, settle_seconds=600), TrainConfig())
     assert agent_first.rewards == {"g.0": 0.0, "g.1": 1.0}
     ruler_first = plan_run(
-        tmp_path, TrainConfig(reward_sources=("ruler", "agent")), settle_seconds=600
+        Selection(tmp_path, settle_seconds=600), TrainConfig(reward_sources=("ruler", "agent"))
     )
     assert ruler_first.rewards == {"g.0": 1.0, "g.1": 0.0}
 
@@ -320,7 +321,7 @@ def test_records_without_token_ids_are_retokenised_less_exactly(tmp_path, tiny_m
             },
         )
     writer.close()
-    plan = plan_run(tmp_path, TrainConfig(), settle_seconds=600, tokenizer=tokenizer)
+    plan = plan_run(Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), TrainConfig())
     assert plan.groups == ["g"] and plan.retokenised == 3
     assert all(not s.exact for s in plan.samples)
     assert (
@@ -328,7 +329,7 @@ def test_records_without_token_ids_are_retokenised_less_exactly(tmp_path, tiny_m
     )  # finish_reason stop: the EOS was sampled
     assert plan.token_count_gaps == [-1, 0, 0]  # the first one's upstream counted one token more
     assert "3 turn(s) had no token ids and were re-tokenised" in " ".join(plan.lines())
-    without = plan_run(tmp_path, TrainConfig(), settle_seconds=600)
+    without = plan_run(Selection(tmp_path, settle_seconds=600), TrainConfig())
     assert without.groups == [] and without.skipped["turns skipped: no token ids logged"] == 3
     result = train(
         tmp_path,

@@ -21,6 +21,7 @@ from overnight.storage.read.siblings import (
     sibling_rows,
     turn_group_id,
 )
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.choose.plan import (
     TRAINED_AS_TURNS,
     TURN_PENDING_KEY,
@@ -100,8 +101,8 @@ def score(data: Path, rewards: dict[str, float], source: str = "function", at: i
 def night(data: Path, config: TrainConfig | None = None, **options) -> Plan:
     """One night's plan as `overnight train` makes it, recorded when it trains."""
     config = config or TrainConfig()
-    plan = plan_run(data, config, settle_seconds=600, **options)
-    plan = add_turn_groups(data, plan, config, max_groups=options.get("max_groups"))
+    plan = plan_run(Selection(data, settle_seconds=600, **options), config)
+    plan = add_turn_groups(Selection(data, max_groups=options.get("max_groups")), plan, config)
     if plan.groups:
         record_run(data, RunResult(f"run-{new_id()}", plan), config, "base", None, now_us(), None)
     return plan
@@ -235,7 +236,7 @@ def test_a_selection_recorded_without_per_turn_groups_makes_the_next_night_read_
     (other,) = serve(data, "t", [1.0])
     members = resample(data, other, ["7", "a cat"])
     score(data, dict(zip(members, [0.0, 1.0, 0.0], strict=True)), at=EARLIER)
-    served_only = plan_run(data, TrainConfig(), 600)
+    served_only = plan_run(Selection(data, 600), TrainConfig())
     record_run(data, RunResult("old", served_only), TrainConfig(), "b", None, now_us(), None)
     assert TURN_PENDING_KEY not in served_only.selection
     plan = night(data)
@@ -257,7 +258,8 @@ def test_a_since_run_never_trains_the_turns_of_a_group_the_gate_holds_out(tmp_pa
         score(data, dict(zip(members, [0.0, 1.0, 0.0], strict=True)), at=EARLIER)
     since = dt.datetime.fromtimestamp(EARLIER / 1e6 - 3600, dt.UTC)
     config = TrainConfig()
-    plan = add_turn_groups(data, plan_run(data, config, 600, since=since), config, since=since)
+    plan = plan_run(Selection(data, 600, since=since), config)
+    plan = add_turn_groups(Selection(data, since=since), plan, config)
     plan = without(plan, ["second"])  # as the gate does
     assert plan.selection is None and plan.groups == ["first"], plan.lines()
     assert plan.skipped[f"per-turn groups: {OWN_GROUP_TRAINED}"] == 4

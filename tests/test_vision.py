@@ -19,6 +19,7 @@ import pytest
 from overnight.config import TINY_CPU_PRESET, TrainConfig
 from overnight.storage.images import ImageStore
 from overnight.trainer.choose.images import VisionReader
+from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.grpo.data import DataError, Turn, merge_turns
 from overnight.trainer.grpo.images import VisionInputs, language_model_targets
 
@@ -739,7 +740,9 @@ def test_an_sft_night_imitates_answers_about_pictures(tmp_path, tiny_vision_dir)
     records.close()
     reader = VisionReader(tiny_vision_dir, tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_vision_dir)
-    plan = plan_sft(tmp_path, sft(), settle_seconds=600, tokenizer=tokenizer, vision=reader)
+    plan = plan_sft(
+        Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer, vision=reader), sft()
+    )
     assert len(plan.samples) == 6 and not plan.skipped, dict(plan.skipped)
     assert plan.sft["duplicates"] == 0  # the same words about another picture: kept
     for s in plan.samples:
@@ -749,7 +752,7 @@ def test_an_sft_night_imitates_answers_about_pictures(tmp_path, tiny_vision_dir)
             t for t, on in zip(s.tokens, s.trained, strict=True) if on
         ]
     # Without the processor (a text model's path) such a turn is skipped with its reason.
-    text_plan = plan_sft(tmp_path, sft(), settle_seconds=600, tokenizer=tokenizer)
+    text_plan = plan_sft(Selection(tmp_path, settle_seconds=600, tokenizer=tokenizer), sft())
     assert not text_plan.samples and any("not text" in r for r in text_plan.skipped)
 
     from overnight.trainer.train import train

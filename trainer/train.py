@@ -44,6 +44,7 @@ from overnight.telemetry import traced
 from overnight.view.report import write_report
 
 from .choose.images import VisionReader, vision_reader
+from .choose.inputs import Selection
 from .choose.lone_turns import add_lone_turns
 from .choose.plan import Plan, plan_run
 from .choose.resample import resample_turns
@@ -115,14 +116,17 @@ def train(
     scorer: Scorer | None = None,
     judge=None,
     scope: PolicyScope | None = None,
+    state: dict | None = None,
 ) -> RunResult:
     """One night, read as its steps. A run that was interrupted is resumed first, on the
     same groups. `judge`: the summary of the judge's batch that scored for it (its cost
     goes to W&B). `scope`: its policy's groups as the CLI found them (a dry run's may be
     read offline: overnight/cli/policy_runs.py); None: read from the proxy's state here.
+    `state`: the proxy's answer about the policy as the caller read it moments ago (used
+    unless the watch ran, which may change it); None: read here.
     """
     night = Night.open(Path(data_dir), config, proxy_url, admin_token, promote, dry_run, say,
-                       scope)  # fmt: skip
+                       scope, state)  # fmt: skip
     try:
         return _steps(night, settle_seconds, since, max_groups, scorer, judge)
     finally:
@@ -196,7 +200,7 @@ class Night:
     vision: VisionReader | None = None  # a vision-language model's images (choose/images.py)
 
     @classmethod
-    def open(cls, data_dir, config, proxy_url, token, promote, dry_run, say, scope) -> Night:
+    def open(cls, data_dir, config, proxy_url, token, promote, dry_run, say, scope, state=None):
         """Resume or begin the run; the watch first (it may roll back), then the proxy's
         state, read once, with what follows from it: the policy's scope, the base model."""
         parallel = Parallel() if dry_run else Parallel.start(fsdp=config.fsdp)
@@ -204,11 +208,16 @@ class Night:
             say = _silent
         report = Report(config, parallel.rank, say)  # W&B, or nothing (run/wandb_run.py)
         started = time.time_ns() // 1000
-        if promote and proxy_url and config.watch and parallel.rank == 0:
+        watches = bool(promote and proxy_url and config.watch)
+        if watches and parallel.rank == 0:
             watch_served(data_dir, proxy_url, token, config, say)
         # The night's policy (config.policy; None: the default, and every group as before
         # policies): its adapters, and its own groups, interrupted run and selection record.
-        state = parallel.agree(serving_state(proxy_url, token, config.policy))
+        # Read once, after the watch (which may roll back, settle a canary or move a
+        # handover); the caller's answer stands where no watch ran.
+        if state is None or watches:
+            state = serving_state(proxy_url, token, config.policy)
+        state = parallel.agree(state)
         scope = parallel.agree(scope if scope is not None else PolicyScope.of(config.policy, state))
         run_dir, saved = parallel.agree(this_run(data_dir, dry_run, scope and scope.owns))
         resumed = saved.get("groups")
@@ -235,28 +244,21 @@ class Night:
     def plan(self, settle_seconds: float, since, max_groups: int | None) -> Plan:
         """What tonight trains on: the finished, scored groups no earlier run took (or the
         interrupted run's); per-turn groups joined; or, --sft, the conversations to imitate."""
-        config, only, scope = self.config, self.resumed, self.scope
+        config, only = self.config, self.resumed
+        selection = Selection(
+            self.data_dir, settle_seconds, since, max_groups, only, self.tokenizer,
+            self.defaults, self.scope, self.vision,
+        )  # fmt: skip
         if config.sft:  # the logged conversations to imitate (choose/sft_plan.py)
             tokenizer = _sft_tokenizer(self.tokenizer, self.base_model)
-            return plan_sft(self.data_dir, config, settle_seconds, since, max_groups, only,
-                            tokenizer, scope, vision=self.vision)  # fmt: skip
+            return plan_sft(selection.but(tokenizer=tokenizer), config)
         served_only = None if only is None else [g for g in only if not is_turn_group(g)]
-        plan = plan_run(
-            self.data_dir, config, settle_seconds, since, max_groups, served_only,
-            self.tokenizer, self.defaults, scope=scope, vision=self.vision,
-        )  # fmt: skip
+        plan = plan_run(selection.but(only=served_only), config)
         # Per-turn groups (a served turn and its siblings: turn_groups.py) join the plan
         # before the gate takes its prompts, so that it takes them from outside the plan;
         # then the turns with nothing to compare with, against the night's pool.
-        plan = add_turn_groups(
-            self.data_dir, plan, config, since=since, max_groups=max_groups, only=only,
-            sampling_defaults=self.defaults, scope=scope, vision=self.vision,
-        )  # fmt: skip
-        return add_lone_turns(
-            self.data_dir, plan, config, max_groups=max_groups, only=only,
-            tokenizer=self.tokenizer, sampling_defaults=self.defaults, scope=scope,
-            vision=self.vision,
-        )  # fmt: skip
+        plan = add_turn_groups(selection, plan, config)
+        return add_lone_turns(selection, plan, config)
 
     def hold_out_gate_prompts(self, plan: Plan, scorer: Scorer | None) -> tuple[Plan, HeldOut]:
         """The gate's held-out prompts, taken from outside the plan where the night has
@@ -329,12 +331,36 @@ class Night:
             if parallel.rank == 0 and self.promote_it and self.proxy_url:
                 # bucket: uploaded, and named as every proxy reads it
                 self.shared = shared_adapter(self.data_dir, self.adapter_dir, config.policy)
-                result.gate = _gate(config, scorer, self.base_model, self.adapter_dir,
-                                    self.shared, gate.prompts, result, say, self.data_dir,
-                                    self.served_now(), self.vision)  # fmt: skip
+                result.gate = self.gate(scorer, gate.prompts, result)
         if window is not None:
             result.metrics["maintenance"] = window.as_dict()
             kill_point("awake")
+
+    @traced("gate", lambda v: {"promote": v.promote, "reason": v.reason})
+    def gate(self, scorer: Scorer | None, prompts: list, result: RunResult) -> Verdict:
+        """The gate's verdict on the new adapter against the one served now (the proxy's
+        state read again: `served_now`), then forgetting on the reference set (the tiny
+        model: none); a resumed run whose adapter (`shared`: as the proxies name it) is
+        served already passed it before it was interrupted."""
+        config, say = self.config, self.say
+        served = served_adapter(self.served_now())
+        if served == self.shared:
+            return Verdict(config.gate, True, "promoted before the run was interrupted")
+        served_path = local_adapter(self.data_dir, served)
+        verdict = skipped(config, scorer) or run_gate(
+            config, self.base_model, self.adapter_dir, served_path, prompts, scorer,
+            result.held_out, self.vision,
+        )  # fmt: skip
+        spec = resolve_references(config.reference, self.base_model)
+        if spec is not None:  # what the nights cost elsewhere (gate/forgetting.py)
+            judge_forgetting(verdict, measure_forgetting(
+                config, self.data_dir, self.base_model, self.adapter_dir, served_path, spec
+            ))  # fmt: skip
+        say(verdict.line())
+        if not verdict.promote:
+            say(f"not promoted: the adapter stays in {self.adapter_dir}; the proxy keeps "
+                f"serving {served or 'the base model'}")  # fmt: skip
+        return verdict
 
     def served_now(self) -> dict:
         """The proxy's state again, after training: what the gate compares with and the
@@ -383,42 +409,6 @@ class Night:
                        self.started, error)  # fmt: skip
             self.say(f"report: {_report(self.data_dir, self.config.policy)}")
         self.report.finish(result, error=error)
-
-
-@traced("gate", lambda v: {"promote": v.promote, "reason": v.reason})
-def _gate(
-    config: TrainConfig,
-    scorer: Scorer | None,
-    base_model: str,
-    adapter_dir: Path,
-    shared: str,
-    prompts: list,
-    result: RunResult,
-    say,
-    data_dir: Path,
-    state: dict,
-    vision=None,
-) -> Verdict:
-    """The gate's verdict on the new adapter against the one served now (`state`, read
-    after training), then forgetting on the reference set (the tiny model: none); a
-    resumed run whose adapter (`shared`: as the proxies name it) is served already passed
-    it before it was interrupted."""
-    served = served_adapter(state)
-    if served == shared:
-        return Verdict(config.gate, True, "promoted before the run was interrupted")
-    served_path = local_adapter(data_dir, served)
-    verdict = skipped(config, scorer) or run_gate(
-        config, base_model, adapter_dir, served_path, prompts, scorer, result.held_out, vision
-    )
-    spec = resolve_references(config.reference, base_model)
-    if spec is not None:  # what the nights cost elsewhere (gate/forgetting.py)
-        judge_forgetting(verdict, measure_forgetting(config, data_dir, base_model, adapter_dir,
-                                                     served_path, spec))  # fmt: skip
-    say(verdict.line())
-    if not verdict.promote:
-        say(f"not promoted: the adapter stays in {adapter_dir}; the proxy keeps serving "
-            f"{served or 'the base model'}")  # fmt: skip
-    return verdict
 
 
 @traced("promotion", lambda name: {"promoted_as": name})

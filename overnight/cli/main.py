@@ -253,7 +253,7 @@ def signals(
     window, quiet_for = parse_age(since), parse_age(quiet)  # a ConfigError says what is wrong
     classifier = None
     if classify_model:  # a one-word answer: a short, cool call
-        from .policy_runs import marked_through_proxy
+        from overnight.night.scoring import marked_through_proxy
 
         classifier = JudgeConfig(model=classify_model, base_url=classify_base_url,
                                  api_key=classify_api_key, max_tokens=16, temperature=0.0)  # fmt: skip
@@ -272,8 +272,7 @@ def _judge(
     data_dir: Path, judge_model, reward, combine: bool, values: dict[str, Any], scope=None
 ) -> None:
     from overnight.judge.run import judge_step
-
-    from .policy_runs import marked_through_proxy
+    from overnight.night.scoring import marked_through_proxy
 
     config = build(JudgeConfig, values) if judge_model else None
     judge_step(
@@ -340,66 +339,30 @@ def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
 
 
 def _train(ctx: click.Context, data_dir: Path, reward: str | None, values: dict[str, Any]) -> None:
+    """The night (overnight/night/run.py) for one policy (--policy) or each the proxy
+    serves, each with its own options (cli/policy_runs.py). Without a proxy, every group
+    as before policies; a dry run reads the policies offline."""
     import datetime as dt
 
-    dry_run = values["dry_run"]
-    since = values["since"].replace(tzinfo=dt.UTC) if values["since"] else None
+    from overnight.night.policies import NightOptions
+    from overnight.night.run import run_night
+
+    from .policy_runs import policy_nights
+
     if values["preset"]:
         from overnight.config import PRESETS
 
         for name, value in PRESETS[values["preset"]].items():
             if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
                 values[name] = value
-    from overnight.judge.scoring import pair_scorer
-    from overnight.trainer.train import train as run
-
-    from .policy_runs import judge_config, policy_runs, read_signals_once, score_night
-
-    proxy_url, token = _proxy(data_dir, values["proxy_url"]), values["admin_token"]
-    # One policy (--policy), or each the proxy serves, one after another: each resampled,
-    # scored and trained on its own groups with its own options (cli/policy_runs.py). Without
-    # a proxy, every group as before policies; a dry run reads the policies offline.
-    nights = policy_runs(ctx, data_dir, values, values["policy"], proxy_url, token, dry_run)
-    if not dry_run:
-        read_signals_once(data_dir, nights)
-    failed: list[str] = []
-    for night in nights:
-        if len(nights) > 1:
-            click.echo(f"policy {night.policy}: its own groups, scoring, adapter, gate and "
-                       "promotion")  # fmt: skip
-        try:
-            scope = night.scope(proxy_url, token)  # a dry run's may be read offline
-            judged = None if dry_run else score_night(
-                night, data_dir, reward, scope, proxy_url=proxy_url, token=token, since=since
-            )  # fmt: skip
-            own_reward = night.option("reward", reward)
-            run(
-                data_dir,
-                build(TrainConfig, night.values, policy=night.policy),
-                proxy_url=None if dry_run else proxy_url,
-                admin_token=token,
-                promote=not values["no_promote"],
-                dry_run=dry_run,
-                settle_seconds=values["settle"],
-                since=since,
-                max_groups=values["max_groups"],
-                say=click.echo,
-                scorer=pair_scorer(night.values["gate_reward"] or own_reward,
-                                   judge_config(night.values, own_max_tokens=False), data_dir),
-                judge=judged,
-                scope=scope,
-            )  # fmt: skip
-        except Exception as e:  # one policy's failure does not stop the others' nights
-            if len(nights) <= 1:
-                raise
-            failed.append(str(night.policy))
-            click.echo(f"policy {night.policy}: the night failed: {type(e).__name__}: {e}",
-                       err=True)  # fmt: skip
-    if failed:
-        raise OvernightError(
-            f"the night failed for policy {', '.join(failed)}; the other policies' nights "
-            "ran (see the lines above; a run that failed while training is in `overnight runs`)"
-        )
+    dry_run, since = values["dry_run"], values["since"]
+    night = NightOptions(
+        data_dir, _proxy(data_dir, values["proxy_url"]), values["admin_token"],
+        promote=not values["no_promote"], dry_run=dry_run, settle_seconds=values["settle"],
+        since=since.replace(tzinfo=dt.UTC) if since else None, max_groups=values["max_groups"],
+    )  # fmt: skip
+    policies = policy_nights(ctx, night, values, reward)
+    run_night(night, policies, say=click.echo, warn=lambda line: click.echo(line, err=True))
 
 
 @main.command()

@@ -140,99 +140,29 @@ def judge_config(values: dict[str, Any], *, own_max_tokens: bool = True):
                                if own_max_tokens or k != "max_tokens"})  # fmt: skip
 
 
-def marked_through_proxy(judge, data_dir: Path, token: str | None, kind: str = "judge"):
-    """`judge` (a JudgeConfig or None: the judge, or the signals' classifier with `kind`
-    "signals") marking its calls as overnight's own
-    (`X-Rollout-Origin: judge`, with the admin token where one is given) when its
-    --judge-base-url is the proxy serving `data_dir` (DATA/proxy.json): a local judge
-    served by the same vLLM through the proxy is not an agent's traffic, and its calls
-    are then never listed, trained or read for signals as one (docs/operations.md). Any
-    other server gets no mark, and never the token; a judge given its own
-    `extra_headers` keeps them as they are."""
-    if judge is None or not judge.base_url:
-        return judge
-    if any(arg.partition("=")[0].strip() == "extra_headers" for arg in judge.args):
-        return judge
-    import dataclasses
-
-    from overnight.proxy.address import find_proxy
-    from overnight.proxy.capture.attribution import ORIGIN_HEADER, ORIGIN_TOKEN_HEADER
-
-    found = find_proxy(data_dir)
-    if found is None or _server(found["url"]) != _server(judge.base_url):
-        return judge
-    headers = {ORIGIN_HEADER: kind, **({ORIGIN_TOKEN_HEADER: token} if token else {})}
-    return dataclasses.replace(judge, args=(*judge.args, f"extra_headers={json.dumps(headers)}"))
-
-
-def _server(url: str) -> tuple[str, int | None]:
-    """A URL's host and port, every loopback name as one (the proxy advertises 127.0.0.1)."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
-    return ("loopback" if host in ("localhost", "127.0.0.1", "::1") else host), parts.port
-
-
-def score_night(
-    run: PolicyRun,
-    data_dir: Path,
-    reward: str | None,
-    scope,
-    *,
-    proxy_url: str | None,
-    token: str | None,
-    since,
-    say=click.echo,
-):
-    """A policy's scoring before its night, of its own groups (`scope`): --resample's
-    siblings of its single calls, then its judge and/or reward function. The judge's
-    summary (its cost goes to the night's W&B run), or None when nothing scores."""
+def policy_nights(ctx: click.Context, night, values: dict[str, Any], reward: str | None):
+    """`overnight train`'s policies, typed (overnight/night/policies.py): `--policy`'s, else
+    every policy the proxy serves (offline for a dry run), each with its table's options."""
     from overnight.config import TrainConfig
+    from overnight.night.policies import PolicyNight
 
     from .options import build
 
-    values = run.values
-    judge = marked_through_proxy(judge_config(values, own_max_tokens=False), data_dir, token)
-    reward = run.option("reward", reward)
-    tool_calls = {
-        "tool_call_parser": values["tool_call_parser"],
-        "tool_parser_tokenizer": values["tool_parser_tokenizer"] or values["base_model"],
-    }
-    if values["resample"]:
-        # Siblings of single calls first (trainer/choose/resample.py): the judge below
-        # scores them, and the plan takes the per-turn groups they form.
-        from overnight.trainer.choose.resample import resample_turns
-
-        if not (judge or reward):
-            click.echo("warning: --resample without --reward or --judge-model: the siblings "
-                       "stay unscored until a judge run scores them", err=True)  # fmt: skip
-        else:  # a parser that cannot be built stops the night before any sampling
-            from overnight.judge.tool_calls import sibling_parser
-
-            sibling_parser(*tool_calls.values())
-        config = build(TrainConfig, values, policy=run.policy)
-        resample_turns(data_dir, config, proxy_url=proxy_url, admin_token=token,
-                       settle_seconds=values["settle"], since=since, say=say,
-                       scope=scope)  # fmt: skip
-    if not (judge or reward):
-        return None
-    # Scored first, with the judge's own batch (the trainer never calls the judge).
-    from overnight.judge.run import judge_step
-
-    return judge_step(data_dir, judge, reward, say=say, settle_seconds=values["settle"],
-                      scope=scope, **tool_calls)  # fmt: skip
-
-
-def read_signals_once(data_dir: Path, nights: list[PolicyRun], say=click.echo) -> None:
-    """When a night's reward sources name `implicit`: the signals of what happened next
-    and the rewards they make (judge/implicit.py), once for all of tonight's policies (a
-    turn's signals are its own, whichever policy trains on it)."""
-    if any("implicit" in (night.values.get("reward_sources") or ()) for night in nights):
-        from overnight.judge.implicit import run_signals
-
-        for line in run_signals(data_dir, rewards=True).lines():
-            say(f"signals: {line}")
+    runs = policy_runs(ctx, night.data_dir, values, values["policy"], night.proxy_url,
+                       night.token, night.dry_run)  # fmt: skip
+    return [
+        PolicyNight(
+            run.policy,
+            build(TrainConfig, run.values, policy=run.policy),
+            judge=judge_config(run.values, own_max_tokens=False),
+            reward=run.option("reward", reward),
+            gate_reward=run.values["gate_reward"],
+            tool_call_parser=run.values["tool_call_parser"],
+            tool_parser_tokenizer=run.values["tool_parser_tokenizer"],
+            offline=run.offline,
+        )
+        for run in runs
+    ]
 
 
 def judge_run(ctx: click.Context, data_dir: Path, values: dict[str, Any]):

@@ -24,7 +24,6 @@ an average answer earns): its served groups wait for a later night.
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import pyarrow as pa
 
@@ -35,6 +34,7 @@ from overnight.storage.read.siblings import TURN_PREFIX, add_turn_views, served_
 from overnight.trainer.grpo.data import DataError, GroupAdvantages, Sample, group_advantages
 from overnight.trainer.grpo.logged_turns import load_samples
 
+from .inputs import Selection
 from .plan import (
     Plan,
     chosen_sourced_rewards,
@@ -51,21 +51,13 @@ LONE_POOL_MIN = 8
 SERVED_SUFFIX = ":served"
 
 
-def add_lone_turns(
-    data_dir: Path,
-    plan: Plan,
-    config: TrainConfig,
-    *,
-    max_groups: int | None = None,
-    only: list[str] | None = None,
-    tokenizer=None,
-    sampling_defaults: dict | None = None,
-    scope: PolicyScope | None = None,
-    vision=None,
-) -> Plan:
+def add_lone_turns(selection: Selection, plan: Plan, config: TrainConfig) -> Plan:
     """`plan` plus the lone turns it pools (see the module's docstring); exactly those in
     `only` for a resumed run. Called after the per-turn groups joined the plan: a turn
     with siblings to compare with trains there, not here."""
+    data_dir, max_groups, only = selection.data_dir, selection.max_groups, selection.only
+    scope, vision = selection.scope, selection.vision
+    tokenizer, sampling_defaults = selection.tokenizer, selection.sampling_defaults
     if not pools_lone_turns(config) and only is None:
         return plan
     con = open_db(data_dir)

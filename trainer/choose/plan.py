@@ -51,6 +51,7 @@ from overnight.telemetry import traced
 from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages
 from overnight.trainer.grpo.logged_turns import Loaded, load_samples
 
+from .inputs import Selection
 from .selection import (
     TURN_HELD_KEY,
     TURN_PENDING_KEY,
@@ -261,18 +262,7 @@ def candidate_groups(
     lambda plan: {"groups": len(plan.groups), "samples": len(plan.samples),
                   "considered": len(plan.considered), "skipped": sum(plan.skipped.values())},
 )  # fmt: skip
-def plan_run(
-    data_dir: Path,
-    config: TrainConfig,
-    settle_seconds: float,
-    since: dt.datetime | None = None,
-    max_groups: int | None = None,
-    only: list[str] | None = None,
-    tokenizer=None,
-    sampling_defaults: dict | None = None,
-    scope: PolicyScope | None = None,
-    vision=None,
-) -> Plan:
+def plan_run(selection: Selection, config: TrainConfig) -> Plan:
     """The groups to train on, in order, up to `max_groups`; `plan.skipped` says why not others.
 
     Only groups changed since the last run's selection are looked at (see the module's
@@ -280,6 +270,10 @@ def plan_run(
     signal: most groups a night considers are left out for their rewards alone. With
     `scope`, only the policy's own groups (storage/read/policy_scope.py), from its own
     last record."""
+    data_dir, settle_seconds, since = selection.data_dir, selection.settle_seconds, selection.since
+    max_groups, only, scope = selection.max_groups, selection.only, selection.scope
+    tokenizer, sampling_defaults = selection.tokenizer, selection.sampling_defaults
+    vision = selection.vision
     looked_at = now_us()
     # With `since`, days before it are not even listed (their groups began earlier).
     days_from = since.astimezone(dt.UTC).date() if since is not None else None

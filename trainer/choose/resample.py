@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from overnight.config import SETTLE_SECONDS, TrainConfig
+from overnight.config import TrainConfig
 from overnight.errors import OvernightError
 from overnight.storage import LogWriter, WriterConfig, finished_groups, now_us, open_db
 from overnight.storage.read.policy_scope import PolicyScope
@@ -49,6 +49,8 @@ from overnight.storage.read.siblings import (
 )
 from overnight.telemetry import traced
 from overnight.trainer.serving.proxy_client import serving_state
+
+from .inputs import Selection
 
 # Calls in flight at once: vLLM batches them; more only queue in its scheduler.
 CONCURRENCY = 8
@@ -96,25 +98,26 @@ class ResampleSummary:
 
 @traced("resample", lambda s: {"turns": s.turns, "siblings": s.siblings, "failed": s.failed})
 def resample_turns(
-    data_dir: Path,
+    selection: Selection,
     config: TrainConfig,
     *,
     proxy_url: str | None = None,
     admin_token: str | None = None,
-    settle_seconds: float = SETTLE_SECONDS,
-    since: dt.datetime | None = None,
     say=print,
-    scope: PolicyScope | None = None,
+    state: dict | None = None,
 ) -> ResampleSummary:
     """Ask vLLM for `config.resample` siblings of each eligible turn, newest first, up to
     `config.resample_max_turns`; store them. The stage `overnight train --resample K`
-    runs before scoring, for each policy's night: of `scope`'s groups only, when given."""
+    runs before scoring, for each policy's night: of `scope`'s groups only, when given.
+    `state`: the proxy's answer about the policy, when the night read it already."""
+    data_dir, settle_seconds, since = selection.data_dir, selection.settle_seconds, selection.since
+    scope = selection.scope
     summary = ResampleSummary()
     if config.resample < 1:
         return summary
     started = time.perf_counter()
     url = (
-        config.resample_upstream or _proxy_upstream(proxy_url, admin_token, config.policy)
+        config.resample_upstream or _proxy_upstream(proxy_url, admin_token, config.policy, state)
     ).rstrip("/")
     key = os.environ.get("OVERNIGHT_UPSTREAM_API_KEY") or None
     summary.upstream = url
@@ -160,12 +163,16 @@ def _count(summary: ResampleSummary, rows: list[dict] | None) -> None:
     summary.completion_tokens += sum(r.get("completion_tokens") or 0 for r in rows)
 
 
-def _proxy_upstream(proxy_url: str | None, token: str | None, policy: str | None) -> str:
+def _proxy_upstream(
+    proxy_url: str | None, token: str | None, policy: str | None, state: dict | None
+) -> str:
     """The first healthy vLLM replica the proxy forwards to (a per-policy admin token is
-    not told: then --resample-upstream)."""
+    not told: then --resample-upstream), from the proxy's `state` when the night has read
+    it already."""
     if not proxy_url:
         raise ResampleError("--resample needs the proxy (to find vLLM) or --resample-upstream")
-    state = serving_state(proxy_url, token, policy)
+    if state is None:
+        state = serving_state(proxy_url, token, policy)
     if state.get("upstream"):  # a hosted API (proxy/routes/hosted.py): never asked, with a key
         raise ResampleError(
             f"the proxy fronts a hosted API ({state['upstream']}), which gives no token ids "

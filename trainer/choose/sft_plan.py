@@ -33,16 +33,15 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from pathlib import Path
 
 from overnight.config import TrainConfig
 from overnight.storage import now_us, open_db
-from overnight.storage.read.policy_scope import PolicyScope
 from overnight.storage.read.siblings import TURN_PREFIX
 from overnight.telemetry import traced
 from overnight.trainer.grpo.data import Sample
 from overnight.trainer.grpo.render import load_conversations
 
+from .inputs import Selection
 from .plan import (
     Plan,
     chosen_rewards,
@@ -88,21 +87,14 @@ def select_rollouts(
     "plan",
     lambda plan: {"groups": len(plan.groups), "samples": len(plan.samples), "sft": True},
 )
-def plan_sft(
-    data_dir: Path,
-    config: TrainConfig,
-    settle_seconds: float,
-    since: dt.datetime | None = None,
-    max_groups: int | None = None,
-    only: list[str] | None = None,
-    tokenizer=None,
-    scope: PolicyScope | None = None,
-    vision=None,
-) -> Plan:
+def plan_sft(selection: Selection, config: TrainConfig) -> Plan:
     """The groups an --sft night trains on, their samples, and why other groups wait.
     `only`: a resumed run's groups, selected again exactly (none held out: they were
     not). `tokenizer`: the local base model's, whose chat template renders them; `vision`:
     a vision-language model's reader, whose processor renders turns that show images."""
+    data_dir, settle_seconds, since = selection.data_dir, selection.settle_seconds, selection.since
+    max_groups, only, scope = selection.max_groups, selection.only, selection.scope
+    tokenizer, vision = selection.tokenizer, selection.vision
     if tokenizer is None:
         raise ValueError(
             "an --sft night renders conversations: it needs the base model's tokenizer"

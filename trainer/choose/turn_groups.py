@@ -24,17 +24,16 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import pyarrow as pa
 
 from overnight.config import TrainConfig
 from overnight.storage import open_db
-from overnight.storage.read.policy_scope import PolicyScope
 from overnight.storage.read.siblings import TURN_PREFIX, add_turn_views
 from overnight.trainer.grpo.data import DataError, group_advantages
 from overnight.trainer.grpo.logged_turns import load_samples
 
+from .inputs import Selection
 from .plan import (
     Plan,
     _advantages_or_reason,
@@ -64,18 +63,7 @@ def is_turn_group(group_id: str) -> bool:
     return group_id.startswith(TURN_PREFIX)
 
 
-def add_turn_groups(
-    data_dir: Path,
-    plan: Plan,
-    config: TrainConfig,
-    *,
-    since: dt.datetime | None = None,
-    max_groups: int | None = None,
-    only: list[str] | None = None,
-    sampling_defaults: dict | None = None,
-    scope: PolicyScope | None = None,
-    vision=None,
-) -> Plan:
+def add_turn_groups(selection: Selection, plan: Plan, config: TrainConfig) -> Plan:
     """`plan` plus the per-turn groups no run trained on whose members all have a reward
     from the judge and whose rewards differ; exactly the turn groups in `only` for a
     resumed run. The gate's prompts are chosen afterwards, from outside the whole plan
@@ -83,6 +71,9 @@ def add_turn_groups(
 
     Only `plan.turn_pool` is looked at, when set (see the module's docstring), and
     a turn whose own group `plan` trains or leaves pending is not trained here."""
+    data_dir, since, max_groups = selection.data_dir, selection.since, selection.max_groups
+    only, scope = selection.only, selection.scope
+    sampling_defaults, vision = selection.sampling_defaults, selection.vision
     full = only is not None or since is not None or config.rescan
     con = open_db(data_dir)
     try:
