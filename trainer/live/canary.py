@@ -7,7 +7,7 @@ proxy; proxy/alias/registry.py). Its records name it (`model_served`), so once a
 rewards (or they are judged) each adapter's live reward is known.
 
 The next `overnight watch` (which every `overnight train` runs first) settles it, with
-the watch's statistics (trainer/live/watch.py, an unpaired bootstrap on the rollouts each
+the watch's statistics (trainer/live/compare.py: an unpaired bootstrap on the rollouts each
 adapter served since the canary began):
 
   fewer than `--watch-min-rollouts` rewarded rollouts on either side -> keep it running
@@ -25,14 +25,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
 from overnight.telemetry import traced
-from overnight.trainer.gate.verdict import CONFIDENCE, bootstrap_means, margin_for, passes
 from overnight.trainer.serving.proxy_client import admin_call, serving_state
 
+from .compare import compare_live
 from .rewards import live_rewards, policy_of, rewards_of
 
 
@@ -66,55 +64,23 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> CanaryVerdict:
     by_served = live_rewards(data_dir, config.reward_sources, since, policy_of(state))
     new = by_served.get(canary["name"], [])
     old = rewards_of(state, current["path"] if current else None, by_served)
-    verdict = CanaryVerdict(canary["name"], served, "wait", len(new), len(old))
-    least = config.watch_min_rollouts
-    if min(len(new), len(old)) < least:
-        verdict.reason = (
-            f"too few rewarded rollouts to compare yet ({len(new)} served by the canary, "
-            f"{len(old)} by {served or 'the base model'} since it began; {least} each needed)"
-        )
+    other = served or "the base model"
+    live = compare_live(new, old, config, named=("canary rollouts", f"for {other}"),
+                        counted=("served by the canary", f"by {other} since it began"))  # fmt: skip
+    verdict = CanaryVerdict(canary["name"], served, "wait", live.new_n, live.old_n)
+    if live.too_few:
+        verdict.reason = live.too_few
         return verdict
-    live = compare(new, old, config)
-    low, high, bar = live.low, live.high, live.bar
-    verdict.low, verdict.high = low, high
     verdict.canary_mean, verdict.served_mean = live.new_mean, live.old_mean
-    verdict.diff_mean = verdict.canary_mean - verdict.served_mean
+    verdict.diff_mean, verdict.low, verdict.high = live.diff_mean, live.low, live.high
     if live.clears:
-        verdict.action, outcome = "promote", f"low end clears {bar}: promote"
-    elif high < 0:
+        verdict.action, outcome = "promote", f"low end clears {live.bar}: promote"
+    elif live.high < 0:
         verdict.action, outcome = "drop", "high end below 0: worse, drop"
     else:
-        outcome = f"low end short of {bar} and high end not below 0: keep it running"
-    verdict.reason = (
-        f"live reward {verdict.canary_mean:.3f} on {len(new)} canary rollouts against "
-        f"{verdict.served_mean:.3f} on {len(old)} for {served or 'the base model'}: difference "
-        f"{verdict.diff_mean:+.3f}, {CONFIDENCE:.0%} interval [{low:+.3f}, {high:+.3f}], {outcome}"
-    )
+        outcome = f"low end short of {live.bar} and high end not below 0: keep it running"
+    verdict.reason = f"{live.line}, {outcome}"
     return verdict
-
-
-@dataclass(frozen=True)
-class LiveComparison:
-    """Live rewards of a new side against an old one (the canary's, the handover's)."""
-
-    low: float  # the two-sided interval on mean(new) - mean(old)
-    high: float
-    new_mean: float
-    old_mean: float
-    bar: str  # the gate's bar the low end must clear, said with how it was set
-    clears: bool  # the interval clears it (gate.passes)
-
-
-def compare(new: list[float], old: list[float], config: TrainConfig) -> LiveComparison:
-    """The unpaired bootstrap of `new` against `old`, judged by the gate's bar (a margin
-    set on `old`'s spread unless --gate-margin says otherwise)."""
-    tail = (1 - CONFIDENCE) / 2
-    low, high = np.quantile(bootstrap_means(new, old, seed=config.seed), [tail, 1 - tail])
-    margin, basis = margin_for(config, old)
-    bar = "0" if config.gate == "better" else f"{-margin:+.3g} ({basis})"
-    clears = passes(float(low), float(high), config.gate, margin)
-    return LiveComparison(float(low), float(high), float(np.mean(new)), float(np.mean(old)),
-                          bar, clears)  # fmt: skip
 
 
 def settle(

@@ -4,7 +4,7 @@ A proxy with a hosted model beside vLLM (`overnight serve --hosted-upstream`,
 proxy/routes/handover.py) serves a sticky share of each policy's rollouts locally and the
 rest by the hosted model. `overnight watch` (which every `overnight train` runs first)
 compares the live rewards of the two sides since the share last changed, with the
-canary's statistics (canary.py: an unpaired bootstrap, the gate's bar):
+canary's statistics (compare.py: an unpaired bootstrap, the gate's bar):
 
   fewer than `--watch-min-rollouts` rewarded rollouts on either side -> keep the share
   the local side not worse (the interval clears the gate's bar: -margin for not-worse)
@@ -26,10 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from overnight.config import TrainConfig
-from overnight.trainer.gate.verdict import CONFIDENCE
 from overnight.trainer.serving.proxy_client import admin_call, serving_state
 
-from .canary import compare
+from .compare import compare_live
 from .rewards import SERVED_UPSTREAM, live_rewards, policy_of, rewards_of
 
 
@@ -70,32 +69,25 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> HandoverVerdict:
         data_dir, config.reward_sources, since, policy_of(state), served_by=SERVED_UPSTREAM
     )
     hosted = by_upstream.get(upstream, [])
-    verdict = HandoverVerdict(share, "wait", local_n=len(local), hosted_n=len(hosted))
-    least = config.watch_min_rollouts
-    if min(len(local), len(hosted)) < least:
-        verdict.reason = (
-            f"too few rewarded rollouts to compare yet ({len(local)} served locally by "
-            f"{served}, {len(hosted)} by the hosted model since {since}; {least} each needed)"
-        )
+    live = compare_live(
+        local, hosted, config, named=(f"local rollouts ({served})", "hosted ones"),
+        counted=(f"served locally by {served}", f"by the hosted model since {since}"),
+    )  # fmt: skip
+    verdict = HandoverVerdict(share, "wait", local_n=live.new_n, hosted_n=live.old_n)
+    if live.too_few:
+        verdict.reason = live.too_few
         return verdict
-    live = compare(local, hosted, config)
-    low, high, bar = live.low, live.high, live.bar
-    verdict.low, verdict.high = low, high
     verdict.local_mean, verdict.hosted_mean = live.new_mean, live.old_mean
-    verdict.diff_mean = verdict.local_mean - verdict.hosted_mean
+    verdict.diff_mean, verdict.low, verdict.high = live.diff_mean, live.low, live.high
     if live.clears:
         verdict.action, verdict.new_share = "raise", min(1.0, 2 * share)
-        outcome = f"low end clears {bar}: the local share goes to {verdict.new_share:.0%}"
-    elif high < 0:
+        outcome = f"low end clears {live.bar}: the local share goes to {verdict.new_share:.0%}"
+    elif live.high < 0:
         verdict.action, verdict.new_share = "stop", 0.0
         outcome = "high end below 0: the local model is worse, the hosted model serves all"
     else:
-        outcome = f"low end short of {bar} and high end not below 0: the share stays"
-    verdict.reason = (
-        f"live reward {verdict.local_mean:.3f} on {len(local)} local rollouts ({served}) "
-        f"against {verdict.hosted_mean:.3f} on {len(hosted)} hosted ones: difference "
-        f"{verdict.diff_mean:+.3f}, {CONFIDENCE:.0%} interval [{low:+.3f}, {high:+.3f}], {outcome}"
-    )
+        outcome = f"low end short of {live.bar} and high end not below 0: the share stays"
+    verdict.reason = f"{live.line}, {outcome}"
     return verdict
 
 

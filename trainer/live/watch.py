@@ -7,8 +7,8 @@ or scored by a function), and it counts for an adapter when every turn of the ro
 served by that adapter. A rollback loads the previous adapter again under a new name, so
 adapters are compared by path: every name a path was served under counts for it.
 
-The test: mean(promoted) - mean(predecessor) with the gate's bootstrap (trainer/gate/verdict.py),
-unpaired (different requests), one-sided: the promoted adapter is worse when the upper end
+The test (compare.py): mean(promoted) - mean(predecessor) with the gate's bootstrap
+(trainer/gate/verdict.py), unpaired (different requests), one-sided: the promoted adapter is worse when the upper end
 of the one-sided 95% interval is below zero, once each side has `watch_min_rollouts`
 rewarded rollouts. A worse adapter is rolled back through the proxy's admin API.
 
@@ -23,14 +23,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from overnight.config import TrainConfig
 from overnight.telemetry import traced
 from overnight.trainer.gate.forgetting import over_budget
-from overnight.trainer.gate.verdict import CONFIDENCE, bootstrap_means
 from overnight.trainer.serving.proxy_client import admin_call, serving_state
 
+from .compare import compare_live
 from .rewards import live_rewards, policy_of, rewards_of
 
 
@@ -73,24 +71,18 @@ def check(data_dir: Path, state: dict, config: TrainConfig) -> WatchVerdict:
     by_served = live_rewards(data_dir, config.reward_sources, requested=policy_of(state))
     new = rewards_of(state, current["path"], by_served)
     old = rewards_of(state, before, by_served)
-    verdict.new, verdict.old = len(new), len(old)
-    least = config.watch_min_rollouts
-    if min(len(new), len(old)) < least:
-        verdict.reason = (
-            f"too few rewarded rollouts to compare ({len(new)} served by {current['name']}, "
-            f"{len(old)} by its predecessor; {least} each needed)"
-        )
+    live = compare_live(
+        new, old, config, named=("rollouts", f"for its predecessor ({before or 'the base model'})"),
+        counted=(f"served by {current['name']}", "by its predecessor"), one_sided=True,
+    )  # fmt: skip
+    verdict.new, verdict.old = live.new_n, live.old_n
+    if live.too_few:
+        verdict.reason = live.too_few
         return verdict
-    high = float(np.quantile(bootstrap_means(new, old, seed=config.seed), CONFIDENCE))
-    verdict.new_mean, verdict.old_mean = float(np.mean(new)), float(np.mean(old))
-    verdict.diff_mean, verdict.high = verdict.new_mean - verdict.old_mean, high
-    verdict.worse = high < 0
-    verdict.reason = (
-        f"live reward {verdict.new_mean:.3f} on {len(new)} rollouts against "
-        f"{verdict.old_mean:.3f} on {len(old)} for its predecessor "
-        f"({before or 'the base model'}): difference {verdict.diff_mean:+.3f}, one-sided "
-        f"{CONFIDENCE:.0%} upper end {high:+.3f} " + ("< 0: worse" if verdict.worse else ">= 0")
-    )
+    verdict.new_mean, verdict.old_mean = live.new_mean, live.old_mean
+    verdict.diff_mean, verdict.high = live.diff_mean, live.upper
+    verdict.worse = live.upper < 0
+    verdict.reason = f"{live.line} " + ("< 0: worse" if verdict.worse else ">= 0")
     return verdict
 
 
