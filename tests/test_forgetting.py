@@ -158,6 +158,30 @@ def test_forgetting_is_zero_for_an_unchanged_model_and_positive_for_a_moved_one(
     assert swapped.candidate == pytest.approx(0.0, abs=1e-6)
 
 
+def test_the_forgetting_pass_says_its_progress(tiny_model_dir, fresh_adapter, lora_adapter,
+                                               tmp_path):  # fmt: skip
+    """A line each quarter of the references scored (the base model's pass where it is not
+    cached, then the candidate's and the served adapter's) with the counts, and a last
+    one; the base model's answers generated first say theirs."""
+    prompts = [{"prompt": f"Tell me about {topic}."} for topic in ("cats", "rain", "maps", "tea")]
+    config = TrainConfig(
+        base_model=str(tiny_model_dir), reference=str(operator_set(tmp_path, prompts))
+    )
+    lines: list[str] = []
+    data = tmp_path / "data"
+    measure(config, data, str(tiny_model_dir), lora_adapter, str(fresh_adapter), say=lines.append)
+    assert lines[0].startswith("forgetting: generated 4 base answers in "), lines
+    assert [line.split(",")[0] for line in lines[1:-1]] == [
+        "forgetting: scored 4/12 reference answers",  # the base model's, then the candidate's
+        "forgetting: scored 8/12 reference answers",
+    ]
+    assert all("s left" in line for line in lines[1:-1]), lines
+    assert lines[-1].startswith("forgetting: scored 12 reference answers in "), lines
+    lines.clear()  # the base model's answers and figures cached, the base model served
+    measure(config, data, str(tiny_model_dir), lora_adapter, None, say=lines.append)
+    assert len(lines) == 1 and lines[0].startswith("forgetting: scored 4 reference answers in ")
+
+
 def _adapter_only(model, real, *args):
     flags = (getattr(m, "disable_adapters", None) for m in model.modules())
     disabled = [flag for flag in flags if isinstance(flag, bool)]  # the LoRA layers'

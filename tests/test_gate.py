@@ -14,8 +14,10 @@ from click.testing import CliRunner
 from overnight.cli.main import main
 from overnight.config import TrainConfig
 from overnight.judge.scoring import pair_scorer
+from overnight.progress import Progress
 from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.gate.verdict import bootstrap_means, decide, paired_interval
+from overnight.trainer.gate.prompts import GatePrompt
+from overnight.trainer.gate.verdict import bootstrap_means, decide, paired_interval, run_gate
 from overnight.trainer.live.watch import check, watch
 
 from .helpers import chat_response, completion_row, rows, wait_for_rows
@@ -57,6 +59,64 @@ def test_bad_gate_options_fail_loudly():
         TrainConfig(gate="maybe")
     out = CliRunner().invoke(main, ["train", "--gate", "sometimes", "--dry-run"])
     assert out.exit_code != 0 and "sometimes" in out.output
+
+
+# -- progress on the long steps ------------------------------------------------------------
+
+
+def test_a_long_step_says_how_far_it_has_come_each_quarter_or_ten_seconds():
+    now, lines = [0.0], []
+    slow = Progress(lines.append, "gate: sampled", 100, "replies", clock=lambda: now[0])
+    for _ in range(100):  # a reply a second: a line every 10 s, and at each quarter
+        now[0] += 1.0
+        slow.advance()
+    slow.finish()
+    assert lines[0] == "gate: sampled 10/100 replies, 1 replies/s, about 90 s left"
+    assert "gate: sampled 25/100 replies, 1 replies/s, about 75 s left" in lines
+    assert lines[-1] == "gate: sampled 100 replies in 100 s (1 replies/s)"
+    assert len(lines) == 12, lines  # 10, 20, 25, 35, 45, 50, 60, 70, 75, 85, 95; the last
+    lines.clear()
+    quick = Progress(lines.append, "forgetting: scored", 8, "answers", clock=lambda: 5.0)
+    quick.expect(4)  # found on the way, before any was done
+    for _ in range(6):
+        quick.advance(2)
+    quick.finish()
+    assert [line.split(",")[0] for line in lines] == [
+        "forgetting: scored 4/12 answers",  # a quarter passed (3 of 12)
+        "forgetting: scored 6/12 answers",
+        "forgetting: scored 10/12 answers",
+        "forgetting: scored 12 answers in 0 s (0 answers/s)",
+    ]
+
+
+def test_the_gates_sampling_and_scoring_say_their_progress(tiny_model_dir, lora_adapter):
+    """run_gate on the tiny model with a scorer that needs no model: a line each quarter
+    of the replies sampled (both adapters) and of the pairs scored, with the counts, and a
+    last line each."""
+    pytest.importorskip("peft")
+    prompts = [GatePrompt(f"g{i}", [{"role": "user", "content": f"Question {i}?"}], [], 0.0,
+                          1.0, 3) for i in range(20)]  # fmt: skip
+
+    async def scorer(messages, tools, replies):
+        return [float(len(r["content"])) for r in replies]
+
+    lines: list[str] = []
+    verdict = run_gate(TrainConfig(gate="not-worse"), str(tiny_model_dir), lora_adapter, None,
+                       prompts, scorer, say=lines.append)  # fmt: skip
+    assert verdict.prompts == 20, verdict.reason
+    # 16 prompts generated at a time: 16, 20 (the candidate's), 36, 40 (the base model's).
+    sampled = [line for line in lines if line.startswith("gate: sampled")]
+    assert [line.split(",")[0] for line in sampled[:-1]] == [
+        "gate: sampled 16/40 replies", "gate: sampled 20/40 replies", "gate: sampled 36/40 replies"
+    ]  # fmt: skip
+    assert all("s left" in line for line in sampled[:-1]), sampled
+    assert sampled[-1].startswith("gate: sampled 40 replies in "), sampled
+    scored = [line for line in lines if line.startswith("gate: scored")]
+    assert [line.split(",")[0] for line in scored[:-1]] == [
+        f"gate: scored {n}/20 pairs of replies" for n in (5, 10, 15)
+    ]
+    assert scored[-1].startswith("gate: scored 20 pairs of replies in "), scored
+    assert lines == sampled + scored, "sampling first, then scoring, nothing else"
 
 
 # -- a sabotaged night ------------------------------------------------------------------------

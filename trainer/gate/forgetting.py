@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import numpy as np
 from overnight.config import TrainConfig
 from overnight.errors import ConfigError
 from overnight.models.tiny import is_tiny
+from overnight.progress import Progress, untold
 from overnight.storage import open_db
 from overnight.storage.files import replace_durably
 
@@ -128,25 +130,32 @@ def model_identity(base_model: str) -> str:
     return digest.hexdigest()[:20]
 
 
-def base_answers(data_dir: Path, base_model: str, model, tokenizer, refs, device) -> list[str]:
+def base_answers(
+    data_dir: Path, base_model: str, model, tokenizer, refs, device, say=None
+) -> list[str]:
     """Each reference's answer: the operator's, else the base model's greedy one, read from
-    DATA/references/{model}.json or generated (adapters disabled) and added to it."""
+    DATA/references/{model}.json or generated (adapters disabled) and added to it; `say`:
+    where the generation's progress lines go (None: nowhere)."""
     cache_path = Path(data_dir) / "references" / f"{model_identity(base_model)}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     missing = [r for r in refs if r.answer is None and r.key not in cache]
     if missing:
         prompts = [GatePrompt(r.key, r.messages, [], 0.0, 1.0, ANSWER_TOKENS) for r in missing]
-        with model.disable_adapter():
-            answers = generate_replies(model, tokenizer, prompts, 0, device)  # greedy: no seed used
+        progress = Progress(say, "forgetting: generated", len(missing), "base answers")
+        with model.disable_adapter():  # greedy: no seed used
+            answers = generate_replies(model, tokenizer, prompts, 0, device, None, progress.advance)
+        progress.finish()
         cache.update({r.key: a for r, a in zip(missing, answers, strict=True)})
         _save(cache_path, cache)
     return [r.answer if r.answer is not None else cache[r.key] for r in refs]
 
 
-def base_logliks(data_dir: Path, base_model: str, model, encoded, pad: int, device: str):
+def base_logliks(data_dir: Path, base_model: str, model, encoded, pad: int, device: str,
+                 progress: Progress | None = None):  # fmt: skip
     """The base model's figure per reference (loglik, adapters disabled): the same every
     night for the same model, tokens and dtype, so computed once and cached beside the
-    answers (DATA/references/{model}.loglik.json): a night scores two models, not three."""
+    answers (DATA/references/{model}.loglik.json): a night scores two models, not three.
+    `progress`: told of the references scored here (expected first: none when cached)."""
     path = Path(data_dir) / "references" / f"{model_identity(base_model)}.loglik.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
     dtype = next(model.parameters()).dtype
@@ -156,8 +165,11 @@ def base_logliks(data_dir: Path, base_model: str, model, encoded, pad: int, devi
     ]
     missing = [i for i, key in enumerate(keys) if key not in cache]
     if missing:
+        if progress is not None:
+            progress.expect(len(missing))
+        advance = progress.advance if progress is not None else untold
         with model.disable_adapter():
-            values = loglik(model, [encoded[i] for i in missing], pad, device)
+            values = loglik(model, [encoded[i] for i in missing], pad, device, advance)
         cache.update({keys[i]: float(v) for i, v in zip(missing, values, strict=True)})
         _save(path, cache)
     return np.asarray([cache[key] for key in keys])
@@ -186,9 +198,13 @@ def encode(tokenizer, refs: list[Reference], answers: list[str]) -> list[tuple[l
     return out
 
 
-def loglik(model, encoded: list[tuple[list[int], int]], pad: int, device: str) -> np.ndarray:
+def loglik(
+    model, encoded: list[tuple[list[int], int]], pad: int, device: str,
+    advance: Callable[[int], None] = untold,
+) -> np.ndarray:  # fmt: skip
     """Each reference's mean per-token log-likelihood of its answer, teacher-forced, under
-    whichever adapter `model` has active (right-padded, BATCH at a time)."""
+    whichever adapter `model` has active (right-padded, BATCH at a time); `advance`: told
+    how many each batch scored (overnight/progress.py)."""
     import torch
 
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
@@ -206,6 +222,7 @@ def loglik(model, encoded: list[tuple[list[int], int]], pad: int, device: str) -
             targets = ids[row, begins : len(x)]
             logprobs = torch.log_softmax(logits[row, begins - 1 : len(x) - 1], dim=-1)
             out[members[row]] = logprobs.gather(1, targets[:, None]).mean().item()
+        advance(len(batch))
     return out
 
 
@@ -245,25 +262,31 @@ def measure(
     candidate: Path,
     served: str | None,
     spec: str | None = None,
+    say=print,
 ) -> Forgetting:
     """The reference set (`spec`, resolved; None: config.reference as given) scored under
     the base model, the served adapter (None: the base model itself) and the candidate,
-    one model in memory with both adapters on it."""
+    one model in memory with both adapters on it; `say`: progress lines now and then
+    (overnight/progress.py)."""
     began = time.monotonic()
     refs = load_references(spec or config.reference)
     adapters = {"candidate": candidate, "served": served}
     model, tokenizer, device = load_named(base_model, adapters, config)
-    answers = base_answers(data_dir, base_model, model, tokenizer, refs, device)
+    answers = base_answers(data_dir, base_model, model, tokenizer, refs, device, say)
     encoded = encode(tokenizer, refs, answers)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    base = base_logliks(data_dir, base_model, model, encoded, pad, device)
+    # Each adapter's pass, and the base model's where it is not cached (base_logliks).
+    scoring = Progress(say, "forgetting: scored", len(refs) * (1 + (served is not None)),
+                       "reference answers")  # fmt: skip
+    base = base_logliks(data_dir, base_model, model, encoded, pad, device, scoring)
     model.set_adapter("candidate")
-    drift = {"candidate": base - loglik(model, encoded, pad, device)}
+    drift = {"candidate": base - loglik(model, encoded, pad, device, scoring.advance)}
     if served is not None:
         model.set_adapter("served")
-        drift["served"] = base - loglik(model, encoded, pad, device)
+        drift["served"] = base - loglik(model, encoded, pad, device, scoring.advance)
     else:
         drift["served"] = np.zeros_like(base)
+    scoring.finish()
     result = Forgetting(
         len(refs), config.forgetting_budget, float(base.mean()),
         float(drift["served"].mean()), float(drift["candidate"].mean()),

@@ -16,7 +16,8 @@ prompt that shows images is rendered by the processor, its pictures read back fr
 store (trainer/choose/images.py), and generated alone; one whose pictures are gone is a
 prompt the scorer could not score.
 
-The watch (trainer/live/watch.py) uses the same bootstrap, unpaired, on live rewards.
+The watch, the canary and the handover (trainer/live/compare.py) use the same bootstrap,
+unpaired, on live rewards.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from overnight.config import GATE_MODES, TrainConfig
+from overnight.progress import Progress, untold
 from overnight.storage.read.images import content_text, shows_images
 
 from .prompts import GatePrompt
@@ -160,11 +162,12 @@ def sample_both(
     prompts: list[GatePrompt],
     config,
     vision=None,
+    say=None,
 ) -> tuple[list[str | None], list[str | None]]:
     """Each prompt's reply from the candidate and from the served adapter (None: the base
     model), one base model in memory with both adapters on it."""
     adapters = {"candidate": candidate, "served": served}
-    both = sample_each(base_model, adapters, prompts, config, vision)
+    both = sample_each(base_model, adapters, prompts, config, vision, say)
     return both["candidate"], both["served"]
 
 
@@ -174,19 +177,25 @@ def sample_each(
     prompts: list[GatePrompt],
     config,
     vision=None,
+    say=None,
 ) -> dict[str, list[str | None]]:
     """Each prompt's reply from each named adapter (None: the base model), in the order
     given, one base model in memory with every adapter on it, each from the same seeds.
-    `vision`: a vision-language model's reader, for the prompts that show images."""
+    `vision`: a vision-language model's reader, for the prompts that show images; `say`:
+    where progress lines go (None: nowhere)."""
     model, tokenizer, device = load_named(base_model, adapters, config)
     shown = rendered_images(prompts, vision)  # once, for every adapter
+    progress = Progress(say, "gate: sampled", len(adapters) * len(prompts), "replies")
     out = {}
     for name, path in adapters.items():
         if path is not None:
             model.set_adapter(name)
         off = path is None and hasattr(model, "disable_adapter")
         with model.disable_adapter() if off else nullcontext():
-            out[name] = generate_replies(model, tokenizer, prompts, config.seed, device, shown)
+            out[name] = generate_replies(
+                model, tokenizer, prompts, config.seed, device, shown, progress.advance
+            )
+    progress.finish()
     return out
 
 
@@ -235,13 +244,14 @@ def load_named(base_model: str, adapters: dict[str, Path | str | None], config):
 
 def generate_replies(
     model, tokenizer, prompts: list[GatePrompt], seed: int, device: str,
-    shown: dict[int, tuple | None] | None = None,
+    shown: dict[int, tuple | None] | None = None, advance: Callable[[int], None] = untold,
 ) -> list[str | None]:  # fmt: skip
     """One reply per prompt; prompts with the same sampling settings are generated together
     (left-padded, BATCH at a time: one generate call costs about what one prompt did), each
     batch from a seed of its own, so both adapters see the same random stream. A prompt
     that shows images (in `shown`: `rendered_images`) is generated alone with them; None
-    where its pictures could not be read back."""
+    where its pictures could not be read back. `advance`: told how many replies each
+    generate call made (overnight/progress.py)."""
     import torch
 
     out: list[str | None] = [""] * len(prompts)
@@ -253,6 +263,7 @@ def generate_replies(
             out[i] = rendered and _reply_to_images(
                 model, tokenizer, p, *rendered, seed * 100_003 + i, device, pad
             )
+            advance(1)
             continue
         alike.setdefault((p.temperature, p.top_p, p.top_k, p.max_tokens), []).append(i)
     for (_, _, _, max_tokens), members in alike.items():
@@ -271,6 +282,7 @@ def generate_replies(
                 )  # fmt: skip
             for row, i in enumerate(batch):
                 out[i] = tokenizer.decode(generated[row, width:], skip_special_tokens=True)
+            advance(len(batch))
     return out
 
 
@@ -306,13 +318,20 @@ def prompt_ids(tokenizer, p: GatePrompt) -> list[int]:
 
 
 async def score_pairs(
-    prompts: list[GatePrompt], candidate: list[str], served: list[str], scorer: Scorer, seed: int
-) -> list[tuple[float, float] | None]:
+    prompts: list[GatePrompt], candidate: list[str], served: list[str], scorer: Scorer, seed: int,
+    advance: Callable[[int], None] = untold,
+) -> list[tuple[float, float] | None]:  # fmt: skip
     """(candidate score, served score) per prompt, None where the scorer failed. The two
-    replies go to the scorer in a random order, unlabelled."""
+    replies go to the scorer in a random order, unlabelled. `advance`: told of each prompt
+    scored (or failed)."""
     rng = random.Random(seed)
     flips = [rng.random() < 0.5 for _ in prompts]
     limit = asyncio.Semaphore(8)
+
+    async def counted(p: GatePrompt, c, s, flip: bool) -> tuple[float, float] | None:
+        pair = await one(p, c, s, flip)
+        advance(1)
+        return pair
 
     async def one(p: GatePrompt, c, s, flip: bool) -> tuple[float, float] | None:
         if c is None or s is None:
@@ -325,7 +344,7 @@ async def score_pairs(
             return None
         return (second, first) if flip else (first, second)
 
-    return await asyncio.gather(*map(one, prompts, candidate, served, flips))
+    return await asyncio.gather(*map(counted, prompts, candidate, served, flips))
 
 
 # -- the gate ----------------------------------------------------------------------------
@@ -340,8 +359,10 @@ def run_gate(
     scorer: Scorer,
     held_out_from_plan: list[str] = (),  # type: ignore[assignment]
     vision=None,
+    say=print,
 ) -> Verdict:
-    """Sample, score and decide; the verdict says why in one line (`reason`)."""
+    """Sample, score and decide; the verdict says why in one line (`reason`). `say`: the
+    progress lines of sampling and scoring, now and then (overnight/progress.py)."""
     mode = config.gate
     assert mode in GATE_MODES and mode != "off"
     verdict = Verdict(mode, False, "", held_out_from_plan=list(held_out_from_plan))
@@ -351,8 +372,12 @@ def run_gate(
             "the candidate is not worse (--gate off promotes without evidence)"
         )
         return verdict
-    cand, served_replies = sample_both(base_model, candidate, served, prompts, config, vision)
-    scored = asyncio.run(score_pairs(prompts, cand, served_replies, scorer, config.seed))
+    cand, served_replies = sample_both(base_model, candidate, served, prompts, config, vision, say)
+    scoring = Progress(say, "gate: scored", len(prompts), "pairs of replies")
+    scored = asyncio.run(
+        score_pairs(prompts, cand, served_replies, scorer, config.seed, scoring.advance)
+    )
+    scoring.finish()
     kept = [(i, pair) for i, pair in enumerate(scored) if pair is not None]
     verdict.failed = len(prompts) - len(kept)
     verdict.prompts = len(kept)
