@@ -9,7 +9,7 @@ examples/rewards.py:bare_sum, and trained by the trainer's own loop twice:
   destructive  a learning rate 5x the preset's and 6 epochs on the same narrow data
                (task reward up, references drifting), and 30x (the model wrecked)
 
-Each candidate then goes through the night's own gate (`trainer.train._gate`: the task
+Each candidate then goes through the night's own gate (`trainer.train.Night.gate`'s two steps: the task
 gate on the held-out sums, paired with the served adapter, then forgetting on the bundled
 reference set against the base model), the normal one against the base model served, the
 destructive one against the normal one served (nights stack). Prints both verdicts and the
@@ -101,19 +101,24 @@ def gate_prompts() -> list:
 
 def night(name: str, plan, config: TrainConfig, model: Path, out: Path, served: Path | None):
     """Train a candidate and put it through the night's gate against `served`."""
-    from overnight.trainer.choose.plan import Plan
+    from overnight.trainer.gate.forgetting import judge, measure, resolve
+    from overnight.trainer.gate.verdict import run_gate
     from overnight.trainer.run.loop import run_training
-    from overnight.trainer.run.record import RunResult
-    from overnight.trainer.train import _gate
 
     adapter = out / name
     began = time.monotonic()
     run_training(plan, config, str(model), None, adapter, say=lambda line: None)
     trained = time.monotonic() - began
-    state = {} if served is None else {"current": {"name": "policy-v1", "path": str(served)}}
-    lines: list[str] = []
-    verdict = _gate(config, score, str(model), adapter, str(adapter), gate_prompts(),
-                    RunResult(name, Plan()), lines.append, out / "data", state)  # fmt: skip
+    # As Night.gate does it: the candidate against the served adapter on the held-out
+    # prompts, then forgetting on the reference set.
+    served_path = None if served is None else str(served)
+    quiet = lambda line: None  # noqa: E731
+    verdict = run_gate(config, str(model), adapter, served_path, gate_prompts(), score, [],
+                       say=quiet)  # fmt: skip
+    spec = resolve(config.reference, str(model))
+    if spec is not None:
+        judge(verdict, measure(config, out / "data", str(model), adapter, served_path, spec,
+                               say=quiet))  # fmt: skip
     return {"night": name, "trained_s": round(trained, 1), "promote": verdict.promote,
             "reason": verdict.reason, "candidate_reward": verdict.candidate_mean,
             "served_reward": verdict.served_mean, "forgetting": verdict.forgetting}  # fmt: skip

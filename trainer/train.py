@@ -44,6 +44,7 @@ from overnight.telemetry import traced
 from overnight.view.report import write_report
 
 from .choose.images import VisionReader, vision_reader
+from .choose.hindsight import plan_hindsight, teacher_at
 from .choose.inputs import Selection
 from .choose.lone_turns import add_lone_turns
 from .choose.plan import Plan, plan_run
@@ -249,6 +250,10 @@ class Night:
             self.data_dir, settle_seconds, since, max_groups, only, self.tokenizer,
             self.defaults, self.scope, self.vision,
         )  # fmt: skip
+        if config.hindsight:  # corrected turns, as revised with the hint (choose/hindsight.py)
+            tokenizer = _sft_tokenizer(self.tokenizer, self.base_model)
+            teacher = teacher_at(config, self.proxy_url, self.token, self.state)
+            return plan_hindsight(selection.but(tokenizer=tokenizer), config, teacher, self.say)
         if config.sft:  # the logged conversations to imitate (choose/sft_plan.py)
             tokenizer = _sft_tokenizer(self.tokenizer, self.base_model)
             return plan_sft(selection.but(tokenizer=tokenizer), config)
@@ -349,12 +354,13 @@ class Night:
         served_path = local_adapter(self.data_dir, served)
         verdict = skipped(config, scorer) or run_gate(
             config, self.base_model, self.adapter_dir, served_path, prompts, scorer,
-            result.held_out, self.vision,
+            result.held_out, self.vision, say=say,
         )  # fmt: skip
         spec = resolve_references(config.reference, self.base_model)
         if spec is not None:  # what the nights cost elsewhere (gate/forgetting.py)
             judge_forgetting(verdict, measure_forgetting(
-                config, self.data_dir, self.base_model, self.adapter_dir, served_path, spec
+                config, self.data_dir, self.base_model, self.adapter_dir, served_path, spec,
+                say=say,
             ))  # fmt: skip
         say(verdict.line())
         if not verdict.promote:
