@@ -120,10 +120,10 @@ def readers() -> dict[str, Callable[[str], tuple[int, float]]]:
     return {"rules": rules, "cues": cues, "vader": vader, "combined": combined}
 
 
-def model_reader(base_url: str, model: str) -> Callable[[str], tuple[int, float]]:
+def model_reader(base_url: str, model: str, texts: list[str]) -> Callable[[str], tuple[int, float]]:
     """The served model as a reader: one prompt per message, the label tokens' logprobs
-    of a one-token answer (judge/reactions.py), through the OpenAI API at `base_url`.
-    Ranked by the share of "good" less the share of "bad"."""
+    of a one-token answer (judge/reactions.py), through the OpenAI API at `base_url`, all
+    of `texts` asked at once. Ranked by the share of "good" less the share of "bad"."""
     import asyncio
 
     from overnight.config import JudgeConfig
@@ -133,8 +133,22 @@ def model_reader(base_url: str, model: str) -> Callable[[str], tuple[int, float]
     config = JudgeConfig(model=f"hosted_vllm/{model}", base_url=base_url, api_key="none")
     calls = CallCounts()
 
+    async def all_of_them() -> list:
+        limit = asyncio.Semaphore(8)
+
+        async def one(text: str):
+            async with limit:
+                return await ask(prompt("", "", text), config, calls)
+
+        return await asyncio.gather(*map(one, texts))
+
+    found = dict(zip(texts, asyncio.run(all_of_them()), strict=True))
+    print(
+        f"model {model}: {calls.prompt_tokens} prompt, {calls.completion_tokens} completion tokens"
+    )
+
     def read(text: str) -> tuple[int, float]:
-        label, shares = asyncio.run(ask(prompt("", "", text), config, calls))
+        label, shares = found[text]
         said = {"good": 1, "bad": -1}.get(label, 0)
         return said, shares.get("good", 0.0) - shares.get("bad", 0.0) if shares else 0.0
 
@@ -169,7 +183,7 @@ def main() -> None:
     )
     chosen = readers()
     if args.model_url:
-        chosen["model"] = model_reader(args.model_url, args.model)
+        chosen["model"] = model_reader(args.model_url, args.model, [r["text"] for r in rows])
     for name, reader in chosen.items():
         print("\n".join(measure(name, rows, reader).lines()))
 
