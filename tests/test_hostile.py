@@ -197,12 +197,12 @@ async def test_header_values_outside_latin_1_are_forwarded_as_sent(make_proxy, r
 async def test_an_unexpected_failure_is_a_500_json_error_with_a_record(
     make_proxy, monkeypatch, tmp_path, caplog
 ):
-    from overnight.proxy.routes import agent_api
+    from overnight.proxy.capture import shapes
 
     def broken(body, endpoint):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(agent_api, "add_training_fields", broken)
+    monkeypatch.setattr(shapes, "add_training_fields", broken)
     proxy = await make_proxy()
     r = await proxy.post("/v1/chat/completions", json=CHAT, headers={"X-Rollout-Id": "bug"})
     assert r.status == 500

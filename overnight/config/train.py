@@ -427,6 +427,17 @@ class TrainConfig:
             "groups every night, by a hash of their id), where the gate finds its prompts."
         },
     )
+    # Off: the plan above. On: the turns users corrected, revised by the model shown the
+    # correction, imitated without it (trainer/choose/hindsight.py, docs/grpo.md).
+    hindsight: bool = field(
+        default=False,
+        metadata={
+            "help": "Learn from what users said: each answer whose next user message was a "
+            "correction (a negative signal read from their words) is answered again by the "
+            "served model shown that message as a hint (vLLM, temperature 0), and the "
+            "revision trained without the hint by --sft's cross-entropy (docs/grpo.md)."
+        },
+    )
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.reward_sources if s not in REWARD_SOURCES]
@@ -479,6 +490,8 @@ class TrainConfig:
             )
         if self.sft_selection == "min-reward" and self.sft_min_reward is None:
             raise ConfigError("--sft-selection min-reward needs --sft-min-reward")
+        if self.hindsight:  # a --hindsight night imitates its teacher's revisions
+            object.__setattr__(self, "sft", True)
         if self.sft and self.kl_coef > 0:
             raise ConfigError("--kl-coef is GRPO's: an --sft night's loss is the cross-entropy")
         if self.report_to not in REPORT_TO:

@@ -306,10 +306,6 @@ class MessagesAccumulator(_ApiAccumulator):
         return state
 
 
-def api_accumulator(endpoint: str, added: ResponsesAdditions | None = None) -> _ApiAccumulator:
-    return ResponsesAccumulator(added) if endpoint == RESPONSES else MessagesAccumulator()
-
-
 # -- token ids on the Responses API, asked for by the proxy ---------------------------------
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 

@@ -15,8 +15,8 @@ from overnight.proxy.alias.promotions import Route
 from overnight.storage import new_id
 from overnight.storage.read.sent_by import CLIENT
 
-from .apis import ResponsesAdditions, api_accumulator
-from .chat import COMPLETIONS, Accumulator
+from .apis import ResponsesAdditions
+from .shapes import SHAPES
 
 
 class Capture:
@@ -26,6 +26,7 @@ class Capture:
     __slots__ = (
         "request_id",
         "endpoint",
+        "shape",
         "stream",
         "request_body",
         "route",
@@ -48,6 +49,7 @@ class Capture:
     def __init__(self, endpoint: str, stream: bool, request_body: dict, route: Route):
         self.request_id = new_id()
         self.endpoint = endpoint
+        self.shape = SHAPES[endpoint]  # its API family (shapes.py): what differs by API
         self.stream = stream
         self.request_body = request_body
         self.route = route
@@ -78,10 +80,10 @@ class Capture:
         hidden: ResponsesAdditions | None = None,
         note: str | None = None,
     ) -> None:
-        """This request's accumulator (chat.py, apis.py), made from arguments a recorder
-        process can make it again from: `recipe`."""
+        """This request's accumulator (its shape's: chat.py, apis.py), made from
+        arguments a recorder process can make it again from: `recipe`."""
         self.recipe = (echo, as_ids, hidden, note)
-        self.acc = accumulator(self.endpoint, *self.recipe)
+        self.acc = self.shape.accumulator(*self.recipe)
 
     def add(self, data: bytes, obj: dict) -> None:
         """An object of the answer (a whole answer, or a stream's event), parsed from `data`."""
@@ -111,24 +113,6 @@ class Capture:
             self.status = status
         self.error = error
         self.done()
-
-
-def accumulator(
-    endpoint: str,
-    echo: bool = False,
-    as_ids: bool = False,
-    hidden: ResponsesAdditions | None = None,
-    note: str | None = None,
-) -> Accumulator | Any:
-    """Chat and text completions' accumulator (an echo's; ids read from logprob tokens),
-    or the Responses and Messages APIs' (`hidden`: what the proxy asked of Responses);
-    `note`: why its record will have no token ids, known before the answer."""
-    if endpoint in COMPLETIONS:
-        acc: Any = Accumulator(endpoint, echo=echo, as_ids=as_ids)
-    else:
-        acc = api_accumulator(endpoint, hidden)
-    acc.note = note
-    return acc
 
 
 class TurnCounter:

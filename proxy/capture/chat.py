@@ -23,8 +23,6 @@ from typing import Any
 
 CHAT = "chat.completions"
 TEXT = "completions"
-# vLLM's own shape, recorded as it comes; Responses and Messages are recorded in it.
-COMPLETIONS = (CHAT, TEXT)
 
 
 @dataclass

@@ -10,7 +10,9 @@ A completion passes these stages, in this order (`_completion` reads as them):
   Messages as sent) -> hold during maintenance -> forward, teeing the answer to the
   client (what was added hidden again) and into the Capture -> release and count ->
   record after the answer (one record per choice).
-Responses and Messages are recorded in the chat shape (capture/apis.py). The record is
+What differs by API (its upstream path, what is asked and hidden, its accumulator, its
+stream's relay, its request in the chat shape) is its shape's (capture/shapes.py), found
+once from the path; Responses and Messages are recorded in the chat shape. The record is
 built on the loop's next turn, once the client has its answer, so logging adds no
 latency. Rewards and finishes are durable before they are answered.
 """
@@ -25,22 +27,10 @@ from aiohttp import web
 
 from overnight.errors import OvernightError
 from overnight.proxy.alias.promotions import Route
-from overnight.proxy.capture.additions import Additions, add_training_fields, lax_bool, unreadable
-from overnight.proxy.capture.apis import (
-    ResponsesAdditions,
-    add_responses_fields,
-    refused_additions,
-)
+from overnight.proxy.capture.additions import lax_bool
 from overnight.proxy.capture.attribution import Attribution, attribute, logging_enabled
 from overnight.proxy.capture.captures import Capture
-from overnight.proxy.capture.chat import CHAT, COMPLETIONS, TEXT
-from overnight.proxy.capture.conversation import (
-    CHAINS,
-    MESSAGES,
-    RESPONSES,
-    messages_request,
-    resolve_responses_request,
-)
+from overnight.proxy.capture.conversation import CHAINS
 from overnight.proxy.capture.image_urls import IMAGE_FETCHER, IMAGES_FETCHED
 from overnight.proxy.capture.recorder import RECORDER
 from overnight.proxy.capture.records import (
@@ -51,6 +41,7 @@ from overnight.proxy.capture.records import (
     reward_row,
 )
 from overnight.proxy.capture.redact import REDACTOR
+from overnight.proxy.capture.shapes import SHAPES, Added, Shape
 from overnight.proxy.forward.jsonio import read_json_object
 from overnight.proxy.observe.metrics import METRICS
 from overnight.proxy.observe.tracing import TRACING
@@ -64,16 +55,12 @@ from .auth import SENT_BY
 from .handover import HostedBeside, hop_of, hosted_of
 from .hosted import HostedUpstream, request_bytes
 from .keys import check_chain, check_completion, check_rollout, record_note, remember
-from .relay import CLIENT_LEFT_EARLY, Added, forward, passthrough
+from .relay import CLIENT_LEFT_EARLY, forward, passthrough
 
 log = logging.getLogger("overnight.proxy")
 
-ENDPOINTS = {
-    "chat/completions": CHAT,
-    "completions": TEXT,
-    "responses": RESPONSES,
-    "messages": MESSAGES,
-}
+# Each API family's shape (capture/shapes.py) by the path it is called at, under /v1/.
+ENDPOINTS = {shape.path.removeprefix("/v1/"): shape for shape in SHAPES.values()}
 NO_HOLD = contextlib.nullcontext()  # stateless: one for every request that needs none
 
 
@@ -113,36 +100,34 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     """A completion through its stages, in the order it passes them (each a function
     below, in the same order). The awaits stay here, so a stage adds no await: only
     Responses, Messages and hosted requests wait for more than the body and the answer."""
-    app, endpoint, started = request.app, endpoint_of(request), now_us()
+    app, shape, started = request.app, shape_of(request), now_us()
     try:  # read and check, attribute, authorize: a refusal, nothing forwarded, is counted
         body = await read_json_object(request)  # size-capped
         check_fields(body)
         who = attribute_to_rollout(request, body)
         authorize(request, body, who)
-        if endpoint == RESPONSES:  # nor another policy's Responses chain
+        if shape.continues(body):  # nor another policy's Responses chain
             await check_chain(request, body, app[CHAINS])
     except OvernightError as e:
-        count_refusal(app, endpoint, e, request.get(SENT_BY, CLIENT))
+        count_refusal(app, shape.endpoint, e, request.get(SENT_BY, CLIENT))
         raise
     route = choose_route(app, body, who)  # in flight on it until `release_and_count`
-    capture = open_capture(request, endpoint, body, who, route, started)
+    capture = open_capture(request, shape.endpoint, body, who, route, started)
     hosted = hosted_of(app, route)  # a hosted API serves it (hosted.py); None: vLLM
     try:
         if hosted is None and IMAGE_FETCHER in app and logging_enabled(request.headers):
             # The listed hosts' image URLs, sent as data (capture/image_urls.py).
             body, request[IMAGES_FETCHED] = await app[IMAGE_FETCHER].inline(body)
             capture.request_body = body  # what vLLM is sent is what the record holds
-        upstream_body, added = prepare_upstream_body(request, endpoint, body, capture, hosted)
+        upstream_body, added = prepare_upstream_body(request, body, capture, hosted)
         # A hosted API is sent the client's own bytes where the body is still theirs.
         raw = None if hosted is None else request_bytes(await request.read(), upstream_body)
-        if endpoint not in COMPLETIONS:  # Responses, Messages: recorded in the chat shape
-            capture.request_body = await _as_chat(app, endpoint, body)
+        # Responses, Messages: recorded in the chat shape (a Responses chain looked up).
+        capture.request_body = await shape.recorded_request(app, body)
         affinity = who.rollout_id or who.group_id  # every turn of a rollout on one replica
         hop = hop_of(app, route)  # the hosted API beside vLLM (handover.py), or None
         async with hold_during_maintenance(app, hop):
-            return await forward(
-                request, endpoint, upstream_body, added, capture, affinity, raw, hop
-            )
+            return await forward(request, upstream_body, added, capture, affinity, raw, hop)
     except Unavailable as e:  # the hold ran out: the client is told when to retry
         capture.fail(e.status, f"maintenance: {e}")
         raise
@@ -162,7 +147,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
 # -- the stages, in the order a completion passes them ---------------------------------
 
 
-def endpoint_of(request: web.Request) -> str:
+def shape_of(request: web.Request) -> Shape:
     """Which API was called: chat or text completions, Responses, Messages."""
     return ENDPOINTS[request.match_info.get("tail", request.path.removeprefix("/v1/"))]
 
@@ -230,14 +215,13 @@ def open_capture(
 
 def prepare_upstream_body(
     request: web.Request,
-    endpoint: str,
     body: dict,
     capture: Capture,
     hosted: HostedUpstream | None,
 ) -> tuple[dict, Added]:
     """What goes upstream (the alias named as the model served) with what recording
     needs added, and what was added (hidden again from the answer); the Capture's
-    accumulator made to match. Three kinds, by upstream and API."""
+    accumulator made to match. Nothing for a hosted API; else its shape's."""
     route = capture.route
     upstream_body = dict(body, model=route.served)
     if hosted is not None:
@@ -247,27 +231,10 @@ def prepare_upstream_body(
         if route.policy is None:
             upstream_body = body
         capture.use(note=hosted.note)
-        return upstream_body, Additions()
-    if endpoint in COMPLETIONS:  # vLLM's token ids, logprobs and usage (additions.py)
-        added = add_training_fields(upstream_body, endpoint)
-        if added.echo or added.note:  # the prompt's logprobs come first; or no ids
-            capture.use(echo=added.echo, as_ids=added.as_ids, note=added.note)
-        return upstream_body, added
-    # Responses: vLLM's token ids and logprobs, asked for and hidden again (apis.py);
-    # Messages: nothing to ask for, relayed verbatim.
-    log_it = endpoint == RESPONSES and logging_enabled(request.headers)
-    log_it = log_it and route.served not in refused_additions(request.app)
-    log_it = log_it and not unreadable(body)
-    added = add_responses_fields(upstream_body) if log_it else Additions()
-    capture.use(hidden=added if isinstance(added, ResponsesAdditions) else None)
-    return upstream_body, added
-
-
-async def _as_chat(app: web.Application, endpoint: str, body: dict) -> dict:
-    """A Responses or Messages request in the chat shape, as its record keeps it."""
-    if endpoint == RESPONSES:  # a chain unknown here is looked up in the store
-        return await resolve_responses_request(body, app[CHAINS])
-    return messages_request(body)
+        return upstream_body, capture.shape.nothing_added()
+    # Chat and text: vLLM's token ids, logprobs and usage (additions.py); Responses: its
+    # token ids and logprobs (apis.py); Messages: nothing to ask for, relayed verbatim.
+    return upstream_body, capture.shape.ask_for_ids(request, body, upstream_body, capture)
 
 
 def hold_during_maintenance(
@@ -296,20 +263,7 @@ def release_and_count(app: web.Application, capture: Capture) -> None:
     if capture.status == 404 and not route.hosted:  # vLLM restarted, lost the adapter?
         adapters.notice_missing(route.served)
     app[STATS].requests += 1
-    if capture.endpoint == RESPONSES:
-        _remember_chain(app, capture)
-
-
-def _remember_chain(app: web.Application, capture: Capture) -> None:
-    """What a later `previous_response_id` continues: this conversation and its reply."""
-    response_id = capture.acc.meta.get("id")
-    state = capture.acc.choices.get(0)
-    if response_id is None or state is None or capture.error is not None:
-        return
-    reply = capture.acc.response(0)["choices"][0]["message"]
-    missing = capture.request_body.get("history_missing")
-    model = capture.request_body.get("model")
-    app[CHAINS].remember(response_id, [*capture.request_body["messages"], reply], missing, model)
+    capture.shape.answered(app, capture)  # a Responses reply: the chain it may continue
 
 
 def record_after_the_answer(

@@ -3,8 +3,10 @@
 Completions go through the proxy's own client (upstream.py) and are teed into the
 request's Capture: a whole answer is read, recorded and passed on as vLLM's bytes (what
 the proxy added nulled in place, capture/additions.py); a stream is relayed event by
-event (events.py), the events the proxy need not change as the exact upstream bytes. A
-request vLLM refuses with the proxy's additions is sent again as the client sent it.
+event (capture/events.py), the events the proxy need not change as the exact upstream
+bytes. Where a request goes, what is hidden and which relay: the Capture's shape
+(capture/shapes.py), one per API family. A request vLLM refuses with the proxy's
+additions is sent again as the client sent it.
 Everything else under /v1 passes through aiohttp's client untouched. A `StallWatch`
 cuts off an upstream that goes silent; every failure becomes an OpenAI-shaped error,
 or, once a stream has started, an error event in the stream.
@@ -22,18 +24,11 @@ import orjson
 from aiohttp import web
 
 from overnight.errors import OvernightError
-from overnight.proxy.capture.additions import Additions, hidden_answer
-from overnight.proxy.capture.apis import (
-    ResponsesAdditions,
-    hide_responses_additions,
-    refused_additions,
-)
 from overnight.proxy.capture.captures import Capture
-from overnight.proxy.capture.chat import CHAT, COMPLETIONS, TEXT
-from overnight.proxy.capture.conversation import MESSAGES, RESPONSES
-from overnight.proxy.capture.events import EventRelay, ResponsesEventRelay, learn_fingerprint
+from overnight.proxy.capture.events import learn_fingerprint
+from overnight.proxy.capture.shapes import Added
 from overnight.proxy.capture.uncaptured import note_passthrough
-from overnight.proxy.forward.jsonio import json_dumps, whole_dumps
+from overnight.proxy.forward.jsonio import json_dumps
 from overnight.proxy.forward.paths import check_forwarded
 from overnight.proxy.forward.sse import encode_event
 from overnight.proxy.forward.upstream import UpstreamResponse
@@ -59,15 +54,7 @@ HOP_BY_HOP = {
     "accept-encoding",
     "content-encoding",
 }
-UPSTREAM_PATHS = {
-    CHAT: "/v1/chat/completions",
-    TEXT: "/v1/completions",
-    RESPONSES: "/v1/responses",
-    MESSAGES: "/v1/messages",
-}
-
 Upstream = aiohttp.ClientResponse | UpstreamResponse
-Added = Additions | ResponsesAdditions  # what the proxy asked for, to hide again
 
 
 class UpstreamError(OvernightError):
@@ -125,7 +112,6 @@ def client_headers(upstream: Upstream) -> dict[str, str]:
 
 async def forward(
     request: web.Request,
-    endpoint: str,
     body: dict,
     added: Added,
     capture: Capture,
@@ -135,8 +121,9 @@ async def forward(
 ) -> web.StreamResponse:
     """POST `body` upstream and relay the answer, whole or streamed, into `capture`.
     Requests with the same `affinity` (a rollout's id) go to the same replica. `raw`:
-    `body`'s own bytes, sent as they are (a hosted upstream, or `hop`: handover.py)."""
-    app = request.app
+    `body`'s own bytes, sent as they are (a hosted upstream, or `hop`: handover.py).
+    Where it goes, what is hidden and how its stream is relayed: the capture's shape."""
+    app, shape = request.app, capture.shape
     config = app[CONFIG]
     headers = upstream_headers(request, hop)
     headers["Content-Type"] = "application/json"
@@ -150,7 +137,7 @@ async def forward(
             try:
                 data = raw if raw is not None and sent is body else json_dumps(sent)
                 upstream = await watch.head(
-                    (hop or app[UPSTREAM]).post(UPSTREAM_PATHS[endpoint], data, headers, affinity)
+                    (hop or app[UPSTREAM]).post(shape.path, data, headers, affinity)
                 )
             except (aiohttp.ClientError, TimeoutError) as e:
                 # The record says what the client was told.
@@ -170,9 +157,9 @@ async def forward(
                 refusal = await upstream.read()
             capture.sent_plain(f"no token ids: {_refused(refusal)}")
             sent = added.plain
-            added = ResponsesAdditions() if isinstance(added, ResponsesAdditions) else Additions()
-        if sent is not body and upstream.status != 400 and endpoint == RESPONSES:
-            refused_additions(app).add(str(body.get("model")))  # asked plainly from now on
+            added = shape.nothing_added()
+        if sent is not body and upstream.status != 400:
+            shape.additions_refused(app, body)  # Responses: asked plainly from now on
         async with upstream:
             capture.first_byte()
             sent_to(capture, upstream)
@@ -321,20 +308,12 @@ async def _relay_whole(
         return web.Response(body=raw, status=upstream.status, headers=headers)
     capture.add(raw, obj)
     learn_fingerprint(request.app[FINGERPRINT], obj)
-    if added.any:
-        raw = _hidden(obj, raw, added)
+    if added.any:  # without what the proxy added
+        raw = capture.shape.hidden(obj, raw, added)
     transport = request.transport
     if transport is None or transport.is_closing():  # aiohttp would drop the answer quietly
         capture.error = CLIENT_LEFT_EARLY
     return web.Response(body=raw, status=200, headers=headers)
-
-
-def _hidden(obj: dict, raw: bytes, added: Added) -> bytes:
-    """A whole answer as the client gets it: without what the proxy added."""
-    if not isinstance(added, ResponsesAdditions):
-        return hidden_answer(raw, obj, added)
-    hidden = hide_responses_additions(obj, added)
-    return raw if hidden is None else whole_dumps(hidden)
 
 
 async def _relay_stream(
@@ -345,11 +324,7 @@ async def _relay_stream(
     watch: StallWatch,
 ) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers=client_headers(upstream))
-    relay: EventRelay
-    if isinstance(added, ResponsesAdditions):
-        relay = ResponsesEventRelay(added, capture.add, request.app[FINGERPRINT])
-    else:
-        relay = EventRelay(added, capture.add, request.app[FINGERPRINT])
+    relay = capture.shape.relay(added, capture.add, request.app[FINGERPRINT])
     sent = False  # whether the client got any of the body
     try:
         try:
@@ -371,8 +346,7 @@ async def _relay_stream(
                 sent = True
         if not (relay.parser.done or capture.acc.complete):
             # Responses and Messages streams end with their last event, not [DONE].
-            end = "[DONE]" if capture.endpoint in COMPLETIONS else "its last event"
-            raise aiohttp.ClientPayloadError(f"the stream ended without {end}")
+            raise aiohttp.ClientPayloadError(f"the stream ended without {capture.shape.stream_end}")
     except (aiohttp.ClientError, TimeoutError) as e:
         # Upstream broke mid-stream: the client already has a 200, so tell it in-band
         # the way OpenAI does, and keep what was generated as a partial record.

@@ -1,0 +1,193 @@
+"""`overnight train --hindsight`: the turns users corrected, answered again by a teacher
+shown the correction, trained without it (trainer/choose/hindsight.py).
+
+Conversations are written to a real store as the proxy logs them; `overnight signals`'
+reader finds what the users said next; a scripted teacher stands for vLLM and records
+what it was asked. The tiny model's chat template renders the student's samples.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from overnight.config import TrainConfig
+from overnight.storage import LogWriter, WriterConfig
+from overnight.trainer.choose.hindsight import (
+    HINT,
+    NOT_SERVED,
+    UNCHANGED,
+    Teacher,
+    hindsight_id,
+    plan_hindsight,
+    teacher_messages,
+)
+from overnight.trainer.choose.inputs import Selection
+
+from .helpers import chat_response, completion_row
+
+SYSTEM = {"role": "system", "content": "Reply with the number only."}
+
+
+def ask(q: str) -> dict:
+    return {"role": "user", "content": q}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class Store:
+    """Chat turns written as the proxy logs them, a conversation's turns resending it."""
+
+    def __init__(self, data_dir) -> None:
+        self.data_dir = data_dir
+        self.writer = LogWriter(WriterConfig(data_dir, compact_in_process=True))
+        self.writer.start()
+        self.now = time.time_ns() // 1000 - 3_600_000_000  # an hour ago: all quiet since
+        self.ticks = 0
+
+    def turn(self, record: str, messages: list[dict], reply: str, model="policy-a") -> None:
+        self.ticks += 1_000_000
+        request = {"model": "policy", "max_tokens": 24, "messages": messages}
+        self.writer.append("completions", completion_row(
+            record, record, record_id=record, started_at=self.now + self.ticks,
+            ended_at=self.now + self.ticks, request=request, response=chat_response(reply),
+            model_served=model,
+        ))  # fmt: skip
+
+    def trained(self, groups: list[str]) -> None:
+        self.writer.append("training_runs", {
+            "run_id": "earlier", "schema_version": 2, "status": "trained", "groups": groups,
+            "started_at": self.now, "ended_at": self.now,
+        })  # fmt: skip
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class ScriptedTeacher(Teacher):
+    """vLLM's answers: the sum the hint names, or what a script says; what it was asked."""
+
+    def __init__(self, answers: dict[str, str], served=("policy-a",)) -> None:
+        super().__init__("http://vllm.test")
+        self.answers, self.asked, self.served = answers, [], set(served)
+        self.post = self._post
+
+    def _post(self, url: str, body: dict | None) -> dict:
+        if url.endswith("/v1/models"):
+            return {"data": [{"id": m} for m in self.served]}
+        self.asked.append(body)
+        question = body["messages"][-1]["content"]
+        text = next((a for q, a in self.answers.items() if q in question), "")
+        return {**chat_response(text), "usage": {"prompt_tokens": 30, "completion_tokens": 2}}
+
+
+def day(data_dir) -> None:
+    """Four conversations: a correction carrying the answer, a thanks, a regenerate, and a
+    correction the teacher cannot improve on; then their signals."""
+    from overnight.judge.implicit import run_signals
+
+    store = Store(data_dir)
+    q1, q2, q3, q4 = (ask(f"What is {a} plus {b}?") for a, b in ((3, 4), (2, 2), (5, 1), (6, 3)))
+    store.turn("a0", [SYSTEM, q1], "The sum is 5")
+    store.turn("a1", [SYSTEM, q1, {"role": "assistant", "content": "The sum is 5"},
+                      ask("No, it's 7.")], "7")  # fmt: skip
+    store.turn("b0", [SYSTEM, q2], "4")
+    store.turn("b1", [SYSTEM, q2, {"role": "assistant", "content": "4"},
+                      ask("Thanks! What is 8 plus 1?")], "9")  # fmt: skip
+    store.turn("c0", [SYSTEM, q3], "It is 7")
+    store.turn("c1", [SYSTEM, q3], "6")  # the same messages again: a regenerate
+    store.turn("d0", [SYSTEM, q4], "12")
+    store.turn("d1", [SYSTEM, q4, {"role": "assistant", "content": "12"},
+                      ask("Wrong, try again: What is 6 plus 3?")], "9")  # fmt: skip
+    store.close()
+    run_signals(data_dir, quiet_seconds=0)
+
+
+def test_the_teachers_prompt_carries_the_users_next_message_after_the_question():
+    messages = [SYSTEM, ask("What is 3 plus 4?")]
+    shown = teacher_messages(messages, "No,   it's 7.\n")
+    assert shown[:-1] == [SYSTEM] and messages[-1]["content"] == "What is 3 plus 4?"  # unchanged
+    assert shown[-1] == ask('What is 3 plus 4?\n\n(The user replied to an earlier answer to '
+                            'this: "No, it\'s 7." Answer the question above.)')  # fmt: skip
+    # A conversation that does not end with the user's text: the hint is a message of its own.
+    tool = [SYSTEM, ask("weather?"), {"role": "tool", "content": "sunny", "tool_call_id": "1"}]
+    assert teacher_messages(tool, "wrong city")[-1] == {
+        "role": "user", "content": HINT.format(hint="wrong city").strip()}  # fmt: skip
+
+
+def test_a_hindsight_plan_trains_corrected_turns_on_the_teachers_revision_without_the_hint(
+    tmp_path, tokenizer
+):
+    day(tmp_path)
+    config = TrainConfig(hindsight=True, sft_held_out=0.0)
+    assert config.sft  # the --sft objective, checkpoints and record
+    teacher = ScriptedTeacher({"3 plus 4": "7", "6 plus 3": "12"})
+    said = []
+    plan = plan_hindsight(Selection(tmp_path, tokenizer=tokenizer), config, teacher, said.append)
+    # a0 corrected with the answer; d0 corrected too, but the teacher says 12 again. b0 was
+    # thanked, c0 regenerated (a signal without the user's words): neither is asked.
+    assert plan.groups == [hindsight_id("a0")]
+    assert plan.skipped == {UNCHANGED: 1}
+    asked = {b["messages"][-1]["content"] for b in teacher.asked}
+    assert len(teacher.asked) == 2 and all(b["temperature"] == 0.0 for b in teacher.asked)
+    assert 'What is 3 plus 4?\n\n(The user replied to an earlier answer to this: "No, it\'s 7."' \
+        in "".join(asked)  # fmt: skip
+    assert {b["model"] for b in teacher.asked} == {"policy-a"}  # the adapter that served it
+    assert teacher.asked[0]["max_tokens"] == 24  # the turn's own limit
+    assert said == ["hindsight teacher at http://vllm.test: 2 call(s), 0 failed, 60 prompt "
+                    "and 4 completion tokens in " + said[0].split(" tokens in ")[1]]  # fmt: skip
+    # The student's sample: the turn's messages WITHOUT the hint, then the revision.
+    (sample,) = plan.samples
+    assert sample.group_id == hindsight_id("a0") and sample.rollout_id == "a0"
+    text = tokenizer.decode(sample.tokens)
+    assert "What is 3 plus 4?" in text and "replied" not in text and "No, it" not in text
+    trained = tokenizer.decode([t for t, on in zip(sample.tokens, sample.trained, strict=True)
+                                if on])  # fmt: skip
+    assert trained.startswith("7") and "The sum is 5" not in text
+    assert plan.sft["hindsight"]["teacher_calls"] == 2
+
+
+def test_nothing_is_trained_twice_and_the_teacher_must_still_be_served(tmp_path, tokenizer):
+    day(tmp_path)
+    config = TrainConfig(hindsight=True, sft_held_out=0.0)
+    store = Store(tmp_path)
+    store.trained([hindsight_id("a0")])  # an earlier night trained it
+    store.close()
+    teacher = ScriptedTeacher({"3 plus 4": "7", "6 plus 3": "9"})
+    plan = plan_hindsight(Selection(tmp_path, tokenizer=tokenizer), config, teacher, print)
+    assert plan.groups == [hindsight_id("d0")]
+    assert [b["messages"][-1]["content"].split("\n")[0] for b in teacher.asked] == [
+        "What is 6 plus 3?"
+    ]
+    # The adapter that served the turns is gone: no teacher to ask, nothing trained.
+    gone = ScriptedTeacher({"6 plus 3": "9"}, served=("policy-b",))
+    plan = plan_hindsight(Selection(tmp_path, tokenizer=tokenizer), config, gone, print)
+    assert plan.groups == [] and plan.skipped == {NOT_SERVED: 1} and gone.asked == []
+    # A resumed run's turns, exactly: even one trained since, as it was chosen then.
+    again = ScriptedTeacher({"3 plus 4": "7"})
+    only = [hindsight_id("a0")]
+    plan = plan_hindsight(Selection(tmp_path, tokenizer=tokenizer, only=only), config, again)
+    assert plan.groups == only
+
+
+def test_turns_held_out_for_the_gate_stay_out_and_max_groups_leaves_the_rest(tmp_path, tokenizer):
+    from overnight.trainer.choose.sft_plan import HELD_OUT, held_out
+
+    day(tmp_path)
+    answers = {"3 plus 4": "7", "6 plus 3": "9"}
+    config = TrainConfig(hindsight=True, sft_held_out=0.5)  # by the group's hash, as --sft
+    kept = [r for r in ("a0", "d0") if not held_out(r, 0.5)]
+    plan = plan_hindsight(Selection(tmp_path, tokenizer=tokenizer), config,
+                          ScriptedTeacher(answers), print)  # fmt: skip
+    assert plan.groups == [hindsight_id(r) for r in kept]
+    assert plan.skipped.get(HELD_OUT, 0) == 2 - len(kept)
+    one = TrainConfig(hindsight=True, sft_held_out=0.0)
+    teacher = ScriptedTeacher(answers)
+    plan = plan_hindsight(Selection(tmp_path, tokenizer=tokenizer, max_groups=1), one, teacher)
+    assert plan.groups == [hindsight_id("a0")] and len(teacher.asked) == 1  # d0: a later night
