@@ -45,7 +45,6 @@ from overnight.view.report import write_report
 
 from .choose.hindsight import plan_hindsight, teacher_at
 from .choose.images import VisionReader, vision_reader
-from .choose.hindsight import plan_hindsight, teacher_at
 from .choose.inputs import Selection
 from .choose.lone_turns import add_lone_turns
 from .choose.plan import Plan, plan_run
@@ -251,10 +250,6 @@ class Night:
             self.data_dir, settle_seconds, since, max_groups, only, self.tokenizer,
             self.defaults, self.scope, self.vision,
         )  # fmt: skip
-        if config.hindsight:  # corrected turns, as revised with the hint (choose/hindsight.py)
-            tokenizer = _sft_tokenizer(self.tokenizer, self.base_model)
-            teacher = teacher_at(config, self.proxy_url, self.token, self.state)
-            return plan_hindsight(selection.but(tokenizer=tokenizer), config, teacher, self.say)
         if config.hindsight:  # corrected turns, as revised with the hint (choose/hindsight.py)
             tokenizer = _sft_tokenizer(self.tokenizer, self.base_model)
             teacher = teacher_at(config, self.proxy_url, self.token, self.state)
