@@ -81,7 +81,10 @@ class Game:
             new = observation.removeprefix(self.shown) if self.shown else observation
             self.shown = observation
             return new.strip()
-        return "\n".join(message for sender, message, _ in observation if sender != player).strip()
+        # Not the player's own move echoed back (a few games, Countdown among them, echo it
+        # with the arguments swapped: a number where the text should be).
+        said = [m for sender, m, _ in observation if sender != player and isinstance(m, str)]
+        return "\n".join(said).strip()
 
     def step(self, move: str) -> bool:
         with self.own_random():

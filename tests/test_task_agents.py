@@ -252,3 +252,19 @@ async def test_recorded_games_are_planned_for_a_night(
     # Both boards' groups, each game one sequence: its turns merged, as each turn's prompt
     # extends the one before.
     assert "2 group(s), 4 sequence(s)" in out.output, out.output
+
+
+OFFLINE_GAMES = ["GuessTheNumber-v0", "FrozenLake-v0", "TowerOfHanoi-v0", "Blackjack-v0",
+                 "Mastermind-v0", "Sudoku-v0", "Countdown-v0", "Cryptarithm-v0"]  # fmt: skip
+
+
+async def test_offline_games_play_to_their_end(aiohttp_server, monkeypatch):
+    """Games the docstring says run offline (no nltk corpus, no model of TextArena's own)
+    run to an outcome against the plain fake's filler replies: invalid moves, a game lost.
+    Countdown and Cryptarithm echo the player's move with a number for its text (0.7.4)."""
+    fake = await aiohttp_server(create_fake_upstream())
+    monkeypatch.setenv("OPENAI_BASE_URL", str(fake.make_url("/v1")))
+    for env in OFFLINE_GAMES:
+        args = ["--env", env, "--games", "1", "--group-size", "1", "--no-rewards"]
+        (result,) = await game_agent.run(game_agent.parse_args(args))
+        assert result["finished"] and result["turns"] >= 1, (env, result)
