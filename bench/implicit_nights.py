@@ -11,6 +11,14 @@ day's answers are groups of one, each night trains them as lone turns against it
 both adapters with the same seeds. It prints the agreement of the implicit rewards with
 the true ones (AUC), what each night trained, the held-out means, both gains and the
 implicit night's share of the posted one's. Results: BENCHMARKS.md.
+
+    python bench/implicit_nights.py --hindsight          # issue 48: learn from what they said
+
+--hindsight runs the hindsight trial instead (implicit_trial.run_hindsight_trial): users
+who correct a wrong answer with the right sum ("No, it's 7."), a night on the implicit
+rewards beside an `overnight train --hindsight` night on the same day, the held-out share
+answered right of the base model and both adapters, and each adapter's forgetting.
+Run it under `flock /tmp/overnight-heavy.lock` where other heavy jobs share the machine.
 """
 
 from __future__ import annotations
@@ -28,11 +36,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--samples", type=int, default=8, help="per held-out sum, per model")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--hindsight", action="store_true", help="the hindsight trial")
     args = parser.parse_args()
 
     from overnight.models.smollm2 import prepare_smollm2
     from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess
-    from overnight.testing.implicit_trial import TrialSize, run_trial
+    from overnight.testing.implicit_trial import TrialSize, run_hindsight_trial, run_trial
 
     started = time.monotonic()
 
@@ -55,7 +64,8 @@ def main() -> None:
         vllm.start()
         try:
             vllm.wait_healthy()
-            run_trial(vllm.url, model, Path(work), size, say=say)
+            trial = run_hindsight_trial if args.hindsight else run_trial
+            trial(vllm.url, model, Path(work), size, say=say)
         finally:
             vllm.stop()
 

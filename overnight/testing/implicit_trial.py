@@ -18,6 +18,14 @@ on what users did next learn what a night trained on the true reward learns?
 
 The benchmark bench/implicit_nights.py runs it on SmolLM2 at full size; the test
 tests/test_implicit_nights.py at a smaller one on the session's vLLM.
+
+**Hindsight** (`run_hindsight_trial`, bench/implicit_nights.py --hindsight; issue 48):
+the users correct a wrong answer with the right sum ("No, it's 7."); one copy of the day
+trains on the implicit rewards as above, another with `overnight train --hindsight` (the
+corrected answers revised by the base model shown the correction, imitated without it:
+trainer/choose/hindsight.py); the held-out sums compare base, implicit and hindsight with
+the same seeds, and each adapter's forgetting on the bundled reference set is measured
+as a gated night measures it (trainer/gate/forgetting.py).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ class TrialSize:
     # Every answer is a group of one: 16 a step is as many sequences as the demo's four
     # groups of four (the smollm2-cpu preset's steps).
     train: tuple[str, ...] = ("--preset", "smollm2-cpu", "--groups-per-step", "16")
+    corrects: bool = False  # the users correct with the right sum (the hindsight trial)
 
 
 @dataclass
@@ -97,7 +106,7 @@ async def log_day(upstream: str, data: Path, size: TrialSize) -> Conversation:
             return await r.json()
 
         return await converse_all(chat, "c", ASKED, size.conversations, size.seed,
-                                  turns=size.turns)  # fmt: skip
+                                  turns=size.turns, corrects=size.corrects)  # fmt: skip
 
 
 def run_trial(
@@ -227,3 +236,105 @@ def _adapter(data: Path) -> Path:
     if not out:
         raise RuntimeError(f"no night trained in {data}")
     return data / "adapters" / out[0]["run_id"]
+
+
+@dataclass
+class HindsightResult:
+    answers: int = 0  # answers the users gave a true reward to
+    corrected: int = 0  # of them, wrong and reacted to (corrected with the sum, or regenerated)
+    trained: dict[str, list[str]] = field(default_factory=dict)  # arm -> the plan's lines
+    held_out: dict[str, float] = field(default_factory=dict)  # base/implicit/hindsight
+    forgetting: dict[str, float] = field(default_factory=dict)  # arm -> nats/token
+    budget: float = 0.1
+    seconds: dict[str, float] = field(default_factory=dict)  # step -> wall seconds
+
+    def lines(self) -> list[str]:
+        h = self.held_out
+        gain = {arm: h[arm] - h["base"] for arm in ("implicit", "hindsight")}
+        return [
+            f"day: {self.answers} answers, {self.corrected} wrong ones reacted to (corrected "
+            "with the sum, or regenerated)",
+            *(f"night on {arm}: {line}" for arm, lines in self.trained.items() for line in lines),
+            f"held-out share answered right: base {h['base']:.3f}, implicit "
+            f"{h['implicit']:.3f} ({gain['implicit']:+.3f}), hindsight {h['hindsight']:.3f} "
+            f"({gain['hindsight']:+.3f})",
+            "forgetting (nats/token vs the base model, budget "
+            f"{self.budget:g}): "
+            + ", ".join(f"{arm} {v:+.3f}" for arm, v in self.forgetting.items()),
+            "seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in self.seconds.items()),
+        ]
+
+
+# What a night's output says of its plan, kept for the result.
+_PLAN_LINES = ("lone turns", "hindsight teacher", "sft (hindsight)", "skipped", "sequence(s)")
+
+
+def run_hindsight_trial(
+    upstream: str, model_dir: Path, work: Path, size: TrialSize, say=print
+) -> HindsightResult:
+    """A day of users who correct with the right sum; a night on its implicit rewards and
+    a --hindsight night on the same day; the held-out share answered right of the base
+    model and both adapters, and their forgetting (see the module's docstring)."""
+    import time
+    from dataclasses import replace
+
+    result = HindsightResult()
+    size = replace(size, corrects=True)
+    day = work / "day"
+    began = time.monotonic()
+    say(f"day: {size.conversations} scripted conversations through the proxy (users correct)")
+    conversation = asyncio.run(log_day(upstream, day, size))
+    result.answers = len(conversation.truth)
+    result.corrected = sum(1 for r in conversation.reacted if conversation.truth[r] == 0.0)
+    result.seconds["day"] = time.monotonic() - began
+    arms = {arm: work / arm for arm in ("implicit", "hindsight")}
+    adapters = {}
+    for arm, path in arms.items():
+        shutil.copytree(day, path, ignore=shutil.ignore_patterns("logs"))
+        run_overnight("signals", "--data", str(path), "--rewards", "--quiet", "0h")
+        options = (
+            ["--lone-turns", "pool", "--reward-source", "implicit"]
+            if arm == "implicit"
+            else ["--hindsight", "--resample-upstream", upstream, "--sft-held-out", "0"]
+        )
+        say(f"night on {arm}: overnight train {' '.join(options)} {' '.join(size.train)}")
+        began = time.monotonic()
+        out = run_overnight(
+            "train", "--data", str(path), "--base-model", str(model_dir), "--proxy", "",
+            "--settle", "0", "--no-watch", *options, *size.train,
+        )  # fmt: skip
+        result.seconds[f"{arm} night"] = time.monotonic() - began
+        result.trained[arm] = [
+            x.strip() for x in out.splitlines() if any(k in x for k in _PLAN_LINES)
+        ][:6]
+        for line in result.trained[arm]:
+            say(f"  {line}")
+        adapters[arm] = _adapter(path)
+    say("held out: sampling the base model and both nights' adapters")
+    began = time.monotonic()
+    result.held_out = held_out_means(upstream, adapters, size)
+    result.seconds["held-out sampling"] = time.monotonic() - began
+    began = time.monotonic()
+    result.forgetting, result.budget = forgetting(model_dir, adapters, work / "references", say)
+    result.seconds["forgetting"] = time.monotonic() - began
+    for line in result.lines():
+        say(line)
+    return result
+
+
+def forgetting(
+    model_dir: Path, adapters: dict[str, Path], cache: Path, say=print
+) -> tuple[dict[str, float], float]:
+    """Each adapter's forgetting on the bundled reference set against the base model, as
+    a gated night measures it (the base model's answers generated once, in `cache`); the
+    budget a night's gate holds it to."""
+    from overnight.config import TrainConfig
+    from overnight.trainer.gate.forgetting import measure
+
+    config = TrainConfig(dtype="float32")
+    out = {}
+    for arm, path in adapters.items():
+        measured = measure(config, cache, str(model_dir), path, None, "bundled", say=say)
+        say(f"{arm}: {measured.line()}")
+        out[arm] = measured.candidate
+    return out, config.forgetting_budget

@@ -8,8 +8,10 @@ it). Then it reacts in its next message, as the signals' rules expect people to 
 sometimes not (judge/signals.py, docs/signals.md): right, it thanks or moves on to the
 next sum; wrong, it corrects, complains, asks again, or doubts in words the rules do not
 know ("Are you sure?"); now and then it regenerates instead (the same messages again) or
-leaves without a word. A conversation is at most `turns` answers; the reaction to the
-last one is sent too, as a request of its own whose answer nobody reads.
+leaves without a word. A user who `corrects` (the hindsight trial's) says the right sum
+instead when displeased ("No, it's 7."): words a scalar reward throws away. A
+conversation is at most `turns` answers; the reaction to the last one is sent too, as a
+request of its own whose answer nobody reads.
 
 Each answer is its own rollout (`X-Rollout-Id`, no group: a group of one, as production
 traffic is), so the true reward can be posted for it where a trial wants the posted side.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +34,10 @@ PLEASED = ["Thanks! {next}", "great, thank you. {next}", "Perfect. {next}", "{ne
            "ok. Next: {next}", "that works. {next}"]  # fmt: skip
 DISPLEASED = ["No, that's wrong. {q}", "That is not what I asked. {q}", "{q}",
               "Wrong, try again: {q}", "Are you sure? {q}", "hm, {q}"]  # fmt: skip
+# A user who corrects with the answer (issue 48: learn from what they said); {sum} is the
+# right sum. Each opens as the rules read a correction.
+CORRECTING = ["No, it's {sum}.", "Wrong, the answer is {sum}.", "No, {sum}.",
+              "That's not right, it's {sum}.", "no. it is {sum}"]  # fmt: skip
 LEAVES = 0.1  # after any answer, the user may leave without a word
 REGENERATES = 0.15  # displeased, the user may ask again for the same messages
 
@@ -52,6 +59,12 @@ def true_reward(question: str, reply: str) -> float:
     return 1.0 if bare_sum({"messages": messages}) > 0 else 0.0
 
 
+def right_sum(question: str) -> int:
+    """The sum a question asks for ("What is 3 plus 4?" -> 7)."""
+    a, b = (int(n) for n in re.findall(r"\d+", question)[:2])
+    return a + b
+
+
 async def converse(
     chat: Chat,
     conversation_id: str,
@@ -61,9 +74,11 @@ async def converse(
     turns: int = 3,
     max_tokens: int = 24,
     temperature: float = 0.8,
+    corrects: bool = False,
 ) -> Conversation:
     """One conversation over `questions` (asked in order, each until the user is pleased
-    or the turns run out)."""
+    or the turns run out). `corrects`: displeased, the user says the right sum
+    (CORRECTING) instead of the usual reactions."""
     rng = random.Random(f"{seed}:{conversation_id}")
     out = Conversation()
     pending = list(questions)
@@ -88,8 +103,8 @@ async def converse(
         if not pleased and style < LEAVES + REGENERATES:
             continue  # the same messages again: a regenerate
         next_question = pending.pop(0) if pleased else question
-        words = rng.choice(PLEASED if pleased else DISPLEASED)
-        reaction = words.format(next=next_question, q=question)
+        words = rng.choice(PLEASED if pleased else CORRECTING if corrects else DISPLEASED)
+        reaction = words.format(next=next_question, q=question, sum=right_sum(question))
         messages = [
             *messages,
             {"role": "assistant", "content": reply},
