@@ -53,6 +53,7 @@ class Shape:
     endpoint = ""  # the record's `endpoint`
     path = ""  # where vLLM serves it
     stream_end = "its last event"  # what a whole stream ends with
+    operation = "chat"  # its GenAI operation, as a span names it (observe/tracing.py)
 
     def accumulator(
         self,
@@ -104,9 +105,10 @@ class Completions(Shape):
 
     stream_end = "[DONE]"
 
-    def __init__(self, endpoint: str, path: str):
+    def __init__(self, endpoint: str, path: str, operation: str):
         self.endpoint = endpoint
         self.path = path
+        self.operation = operation
 
     def accumulator(
         self,
@@ -221,8 +223,8 @@ class Messages(Shape):
 SHAPES: dict[str, Shape] = {
     shape.endpoint: shape
     for shape in (
-        Completions(CHAT, "/v1/chat/completions"),
-        Completions(TEXT, "/v1/completions"),
+        Completions(CHAT, "/v1/chat/completions", "chat"),
+        Completions(TEXT, "/v1/completions", "text_completion"),
         Responses(),
         Messages(),
     )

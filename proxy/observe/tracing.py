@@ -38,7 +38,6 @@ from overnight.config import ProxyConfig
 from overnight.config.upstream_kind import HOSTED_KINDS
 from overnight.proxy.capture.attribution import Attribution
 from overnight.proxy.capture.captures import Capture
-from overnight.proxy.capture.chat import TEXT
 from overnight.proxy.observe.trace_context import Sampler, Span, parent, sampler_from
 from overnight.telemetry import check_environment, wall_ns
 
@@ -76,7 +75,7 @@ class ProxyTracing:
     def start(self, request: web.Request, capture: Capture, who: Attribution, started: int):
         """The span of `capture`, begun at `started` (µs, when the request was accepted)."""
         body = request_fields(capture.request_body)
-        operation = "text_completion" if capture.endpoint == TEXT else "chat"
+        operation = capture.shape.operation  # the GenAI operation: chat, text_completion
         try:
             name = f"{operation} {body.get('model') or ''}".rstrip()
             span = Span(parent(request.headers), self.sampler, name, started * 1000)
