@@ -56,6 +56,7 @@ from .gate.forgetting import judge as judge_forgetting
 from .gate.forgetting import load_references
 from .gate.forgetting import measure as measure_forgetting
 from .gate.forgetting import resolve as resolve_references
+from .gate.gaming import live as live_answers
 from .gate.prompts import held_out_prompts
 from .gate.verdict import Scorer, Verdict, run_gate, skipped
 from .grpo.parallel import Parallel
@@ -397,6 +398,9 @@ class Night:
         """The run's row, then the run marked finished, the report, old adapters pruned.
         Recorded before it is marked finished: a run killed in between is found recorded
         by the next night (and only marked finished), never trained again."""
+        # The served answers' shape, the day before the night against the day before that
+        # (gate/gaming.py): watched in the report and /ui, not gated.
+        result.metrics["answers"] = live_answers(self.data_dir, self.started, self.config.policy)
         record_run(self.data_dir, result, self.config, self.base_model, self.start_adapter,
                    self.started, None)  # fmt: skip
         kill_point("recorded")

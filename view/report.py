@@ -13,6 +13,9 @@ from pathlib import Path
 
 from overnight.config import LOGPROB_GAP_WARNING
 from overnight.storage import open_db
+from overnight.view.answers import COLUMNS as ANSWER_COLUMNS
+from overnight.view.answers import HEADERS as ANSWER_HEADERS
+from overnight.view.answers import answer_rows
 from overnight.view.charts import training_charts
 from overnight.view.display import RUN_POLICY, stale_gap
 
@@ -54,6 +57,22 @@ def _gate_section(runs: list[tuple]) -> str:
     )
 
 
+def _answers_section(rows: list[list[str]]) -> str:
+    """The answers' shapes per run (gaming: docs/signals.md), newest first."""
+    if not rows:
+        return ""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ANSWER_HEADERS)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows
+    )
+    return (
+        '<h2 id="answers">Answers: watching for gaming</h2><p>The gate\'s held-out replies of '
+        "the candidate, the served adapter and the base model; the served answers of the day "
+        "before the night against the day before that.</p>"
+        f"<table><tr>{head}</tr>{body}</table>"
+    )
+
+
 def write_report(data_dir: Path, policy: str | None = None) -> Path:
     """reports/training.html: every run, each with its policy; with `policy`, that
     policy's own page, reports/training-POLICY.html: its runs, its traffic's charts."""
@@ -71,6 +90,13 @@ def write_report(data_dir: Path, policy: str | None = None) -> Path:
         # (..., gap, stale gap, gate): the stale gap from the run's gaps by age.
         runs = [(*r[:-2], stale_gap(r[-2]), json.loads(r[-1]) if r[-1] else None) for r in runs]
         charts = training_charts(con, policy)
+        answers = answer_rows(
+            con.execute(
+                f"SELECT run_id, {ANSWER_COLUMNS} FROM training_runs {where} "
+                "ORDER BY started_at DESC",
+                args,
+            ).fetchall()
+        )
     finally:
         con.close()
     rows = "".join(
@@ -108,7 +134,7 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ddd;padding:4px 8px;te
 <body><h1>overnight: training runs{title}</h1>{"".join(charts)}
 <h2>Runs</h2><table><tr><th>run</th><th>policy</th><th>started</th><th>status</th><th>groups</th><th>rollouts</th>
 <th>steps</th><th>reward mean</th><th>promoted as</th><th>logprob gap</th><th>stale gap</th><th>gate</th></tr>{rows}</table>
-{warning}{_gate_section(runs)}
+{warning}{_gate_section(runs)}{_answers_section(answers)}
 </body></html>"""
     name = "training.html" if policy is None else f"training-{policy}.html"
     out = Path(data_dir) / "reports" / name

@@ -280,6 +280,28 @@ class TrainConfig:
             "task reward (unless it forgets less than the served adapter)."
         },
     )
+    # Gaming (trainer/gate/gaming.py, docs/signals.md "Gaming"): the shares of the gate's
+    # replies that end in a question or flatter, against the served adapter's and the base
+    # model's. Sampling alone moves them; the limit sits above that (bench/gaming.py).
+    gaming_limit: str = field(
+        default="0.25",
+        metadata={
+            "help": "The gate refuses a candidate whose share of held-out answers that end in "
+            "a question, or that flatter, is more than this (0 to 1) above the served "
+            "adapter's or the base model's on the same prompts, whatever its reward (unless "
+            "it moved less than the served adapter); off: measured and recorded only."
+        },
+    )
+    # Off by default: a shorter answer is often the task itself (the sum agent's nights
+    # shorten them by design); an operator whose answers should not shrink sets it.
+    gaming_length_limit: str = field(
+        default="off",
+        metadata={
+            "help": "The gate refuses a candidate whose held-out answers are shorter by more "
+            "than this share (0 to 1) of the served adapter's or the base model's mean "
+            "length; off (the default): measured and recorded only."
+        },
+    )
     watch: bool = field(
         default=True,
         metadata={
@@ -471,6 +493,7 @@ class TrainConfig:
             )
         if self.forgetting_budget < 0 or not self.reference.strip():
             raise ConfigError("forgetting_budget must be at least 0 and reference not empty")
+        _ = self.gaming_limits  # each a share from 0 to 1, or off (else a ConfigError)
         if self.colocate not in COLOCATE_MODES:
             raise ConfigError(f"colocate must be auto, on or off, got {self.colocate!r}")
         if self.maintenance_lease < 5 or self.keep_adapters < 0:
@@ -507,6 +530,26 @@ class TrainConfig:
             raise ConfigError(
                 f"dual_clip must be at least 1 + clip_high = {1 + self.clip_high:g}, or 0 (off)"
             )
+
+    @property
+    def gaming_limits(self) -> tuple[float | None, float | None]:
+        """(--gaming-limit, --gaming-length-limit) as shares, None where off."""
+        return _share_or_off(self.gaming_limit, "gaming_limit"), _share_or_off(
+            self.gaming_length_limit, "gaming_length_limit"
+        )
+
+
+def _share_or_off(value: str, name: str) -> float | None:
+    """A limit given as a share from 0 to 1, or `off` (None)."""
+    if str(value).strip().lower() == "off":
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"{name} must be a share from 0 to 1, or off (got {value!r})")
+    return share
 
 
 # The tiny local model (tests, the demo) on a CPU: its random weights need far bigger

@@ -35,6 +35,8 @@ from overnight.config import GATE_MODES, TrainConfig
 from overnight.progress import Progress, untold
 from overnight.storage.read.images import content_text, shows_images
 
+from .gaming import judge as judge_gaming
+from .gaming import measure as measure_gaming
 from .prompts import GatePrompt
 
 CONFIDENCE = 0.95  # two-sided for the gate's interval, one-sided for the watch
@@ -140,6 +142,7 @@ class Verdict:
     held_out_from_plan: list[str] = field(default_factory=list)
     examples: list[dict] = field(default_factory=list)
     forgetting: dict | None = None  # forgetting.py's figures, when measured
+    gaming: dict | None = None  # gaming.py's shapes of the replies, when sampled
 
     @property
     def word(self) -> str:
@@ -163,12 +166,15 @@ def sample_both(
     config,
     vision=None,
     say=None,
-) -> tuple[list[str | None], list[str | None]]:
+    anchor: bool = False,
+) -> dict[str, list[str | None]]:
     """Each prompt's reply from the candidate and from the served adapter (None: the base
-    model), one base model in memory with both adapters on it."""
-    adapters = {"candidate": candidate, "served": served}
-    both = sample_each(base_model, adapters, prompts, config, vision, say)
-    return both["candidate"], both["served"]
+    model), one base model in memory with both adapters on it; with `anchor`, the base
+    model's too (`base`) where an adapter is served: gaming's anchor across promotions."""
+    adapters: dict[str, Path | str | None] = {"candidate": candidate, "served": served}
+    if anchor and served is not None:
+        adapters["base"] = None
+    return sample_each(base_model, adapters, prompts, config, vision, say)
 
 
 def sample_each(
@@ -372,7 +378,11 @@ def run_gate(
             "the candidate is not worse (--gate off promotes without evidence)"
         )
         return verdict
-    cand, served_replies = sample_both(base_model, candidate, served, prompts, config, vision, say)
+    limits = config.gaming_limits  # the answers' shapes, gaming.py (None: not checked)
+    sides = sample_both(base_model, candidate, served, prompts, config, vision, say,
+                        anchor=limits != (None, None))  # fmt: skip
+    cand, served_replies = sides["candidate"], sides["served"]
+    gaming = measure_gaming(sides, *limits)
     scoring = Progress(say, "gate: scored", len(prompts), "pairs of replies")
     scored = asyncio.run(
         score_pairs(prompts, cand, served_replies, scorer, config.seed, scoring.advance)
@@ -383,6 +393,7 @@ def run_gate(
     verdict.prompts = len(kept)
     if len(kept) < MIN_PROMPTS:
         verdict.reason = f"the scorer failed on {verdict.failed} of {len(prompts)} prompts"
+        judge_gaming(verdict, gaming)
         return verdict
     diffs = [c - s for _, (c, s) in kept]
     verdict.margin, verdict.margin_basis = margin_for(config, [s for _, (_, s) in kept])
@@ -404,6 +415,7 @@ def run_gate(
     verdict.examples = [
         _example(prompts[i], cand[i], served_replies[i], pair) for i, pair in worst_first
     ]
+    judge_gaming(verdict, gaming)  # refused, whatever the reward, if it moved as gaming does
     return verdict
 
 

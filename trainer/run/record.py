@@ -74,6 +74,8 @@ def record_run(
                     "maintenance": metrics.get("maintenance"),  # vLLM asleep: how long
                     "seconds": metrics.get("seconds"),
                     "gate": result.gate.as_dict() if result.gate else None,
+                    # The served answers' shape, day against day (gate/gaming.py's `live`).
+                    "answers": metrics.get("answers"),
                     "selection": plan.selection,  # where the next night's selection starts
                     "policy": config.policy,  # the night's policy (None: before policies)
                     # What it optimised; an --sft night's selection (sft_plan.py).

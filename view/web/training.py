@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from overnight.view.answers import COLUMNS as ANSWER_COLUMNS
+from overnight.view.answers import HEADERS as ANSWER_HEADERS
+from overnight.view.answers import answer_rows
 from overnight.view.charts import training_charts
 from overnight.view.display import RUN_POLICY
 
@@ -119,9 +122,13 @@ async def runs_page(request: web.Request) -> web.Response:
             f"FROM training_runs {where}ORDER BY started_at DESC",
             args,
         ).fetchall()
-        return runs, training_charts(con, policy)
+        answers = con.execute(
+            f"SELECT run_id, {ANSWER_COLUMNS} FROM training_runs {where}ORDER BY started_at DESC",
+            args,
+        ).fetchall()
+        return runs, training_charts(con, policy), answer_rows(answers)
 
-    runs, charts = await query(request, render)
+    runs, charts, answers = await query(request, render)
     table = html_table(
         [
             "run",
@@ -158,5 +165,12 @@ async def runs_page(request: web.Request) -> web.Response:
         ],
         numeric={4, 5, 6, 7, 8, 10, 13, 14},
     )
+    # The answers' shapes per run: watching for gaming (view/answers.py, docs/signals.md).
+    shapes = (
+        '<h2 id="answers">Answers: watching for gaming</h2>'
+        + html_table(ANSWER_HEADERS, [[esc(c) for c in row] for row in answers])
+        if answers
+        else ""
+    )
     links = policy_links("runs", chosen.names, policy, every=True)
-    return html_page(request, "Training runs", links + "".join(charts) + table, policy)
+    return html_page(request, "Training runs", links + "".join(charts) + table + shapes, policy)
