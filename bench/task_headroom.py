@@ -5,8 +5,8 @@
 
 SmolLM2-135M-Instruct (prepared from its pip package) is served by `overnight serve` on
 vLLM's CPU backend, and each candidate reasoning-gym task at an easy difficulty is asked
-through the proxy, the way examples/reasoning_gym_agent.py asks it: a short system prompt
-asking for the final answer only, `--samples` answers sampled at the traffic's temperature
+through the proxy, the way examples/reasoning_gym_agent.py asks it (its own system prompt,
+asking for the final answer only, and its 64 tokens), `--samples` answers sampled at the traffic's temperature
 (`--temperature`, seeded) and one greedy answer per question, each scored by the task's
 own verifier (`score_answer`, strict: most verifiers give 0.01 for a wrong answer of the
 right kind, 1.0 only for the exact answer). A task teaches GRPO something only where
@@ -32,7 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEM = "Answer the question. Give only the final answer, nothing else."
+sys.path.insert(0, str(ROOT))
+# The agent's own system prompt, so that what is measured here is what its traffic sees.
+from examples.reasoning_gym_agent import SYSTEM  # noqa: E402
 
 # Candidate tasks at easy settings (reasoning-gym 0.1.25's own config fields): sums and
 # counts a 135M model might get right sometimes, yes/no questions, short string tasks.
@@ -172,7 +174,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=64)  # the agent's
     parser.add_argument("--seed", type=int, default=1, help="the development seed")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--low", type=float, default=0.05)
@@ -186,7 +188,6 @@ def main() -> None:
         parser.error(f"no candidate difficulty for {unknown}: add them to CANDIDATES")
     from openai import OpenAI
 
-    sys.path.insert(0, str(ROOT))
     server = None
     # A SIGTERM stops the server it started too (the `finally` below), not only this process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
