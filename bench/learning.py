@@ -255,8 +255,8 @@ def run_task(task: str, model_dir: str, out: Path, args, progress: Progress) -> 
     print(f"{task}: starting vLLM (CPU) and the proxy on {out / 'data'}", flush=True)
     server = serve_local_model(out / "data", model_dir, "smollm2", "--max-lora-rank", "8",
                                f"--vllm-arg=--max-model-len={args.max_model_len}")  # fmt: skip
-    env = dict(os.environ, OPENAI_BASE_URL=f"{server.url}/v1", OPENAI_API_KEY="unused",
-               REASONING_GYM_INDEX=str(index), PYTHONPATH=str(ROOT))  # fmt: skip
+    os.environ["REASONING_GYM_INDEX"] = str(index)  # the gate's, in `overnight train`
+    env = dict(os.environ, OPENAI_BASE_URL=f"{server.url}/v1", OPENAI_API_KEY="unused")
     rows: list[Row] = []
     try:
         t0 = time.monotonic()
