@@ -4,7 +4,8 @@
 checkpoint of an interrupted run), fills in the behaviour logprobs where the records lack
 them, takes the steps `step_schedule` lays out (shuffled per epoch from the seed, so a
 resumed run replays the same steps), saves a checkpoint after every step and the adapter
-at the end. The numerics are grpo/'s; what a run keeps on disk is checkpoint.py's.
+at the end; each step's record and line (tokens per second, the time left) are
+`StepRecorder`'s. The numerics are grpo/'s; what a run keeps on disk is checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def run_training(
     say=print,
     checkpoint: Path | None = None,
     on_step=None,
+    parallel: Parallel | None = None,
 ) -> dict:
     """Train on the plan's samples; saves the adapter to `out_dir`; returns metrics.
 
@@ -46,90 +48,124 @@ def run_training(
     a checkpoint found there is resumed: the steps it covers are skipped (the shuffles
     replay from the seed, so the remaining steps see the data they would have seen).
     `on_step(record)` is called after each step's checkpoint (the night's W&B report).
+    `parallel`: the night's processes (trainer/train.py started them); None: joined here.
     """
     import torch
 
     from overnight.trainer.grpo.checkpointing import memory_settings
     from overnight.trainer.grpo.loss import LossConfig
-    from overnight.trainer.grpo.policy import torch_dtype
 
     torch.manual_seed(config.seed)  # before the fresh adapter's initialisation
-    parallel = Parallel.start(fsdp=config.fsdp)
-    # Nothing loaded yet: a night that cannot fit stops now, saying what to change.
-    shards = parallel.world if parallel.fsdp else 1
-    itemsize = torch_dtype(config.dtype).itemsize
-    need = check_fits(base_model, config, str(parallel.device), itemsize, say, shards=shards,
-                      sequences=[s.tokens for s in plan.samples])  # fmt: skip
+    parallel = parallel if parallel is not None else Parallel.start(fsdp=config.fsdp)
+    need = _check_fits(plan, config, base_model, parallel, say)
     model, optimizer, state = _start_policy(
         config, base_model, start_adapter, checkpoint, parallel, say, need.checkpointing
     )
+    samples, gaps = _before_any_update(model, plan, config, state)
+    # Groups with something to train (an --sft night's duplicates are recorded, not trained).
+    with_samples = {s.group_id for s in samples}
+    schedule = step_schedule([g for g in plan.groups if g in with_samples], config)
     loss_config = LossConfig.from_train_config(config)
-    # Before any update: what the first step's ratios are, by the records' age (an --sft
-    # night has no ratios, nor logged logprobs to compare with).
+    recorder = StepRecorder(plan, config, list(state["steps"]) if state else [], len(schedule), say)
+    for epoch, step_groups in schedule[recorder.resumed :]:  # past the steps done before
+        step_samples = [s for s in samples if s.group_id in step_groups]
+        step_started = time.perf_counter()
+        out = optimizer_step(model, optimizer, parallel, step_samples, loss_config, config)
+        lr = optimizer.param_groups[0]["lr"]
+        record = recorder.record(out, epoch, step_groups, step_samples, lr, step_started)
+        kill_point(f"step-{len(recorder.steps)}")  # computed, not yet checkpointed
+        if checkpoint is not None:
+            save_checkpoint(checkpoint, parallel, model, optimizer, recorder.steps, gaps)
+        if on_step is not None:  # right after the checkpoint: a resumed run starts after it
+            on_step(record)
+        recorder.tell(record)
+    save_adapter(out_dir, parallel, model)
+    return {
+        "steps": recorder.steps,
+        "memory_settings": memory_settings(model, config),  # checkpointing, chunks, attention
+        "max_logprob_gap": on_policy_gap(gaps),
+        "logprob_gaps": gaps,
+        "seconds": time.perf_counter() - recorder.started,
+    }
+
+
+def _check_fits(plan: Plan, config: TrainConfig, base_model: str, parallel: Parallel, say):
+    """Nothing loaded yet: a night that cannot fit stops now, saying what to change
+    (memory.py); what it found (whether it fits only with gradient checkpointing)."""
+    from overnight.trainer.grpo.policy import torch_dtype
+
+    shards = parallel.world if parallel.fsdp else 1
+    itemsize = torch_dtype(config.dtype).itemsize
+    return check_fits(base_model, config, str(parallel.device), itemsize, say, shards=shards,
+                      sequences=[s.tokens for s in plan.samples])  # fmt: skip
+
+
+def _before_any_update(model, plan: Plan, config: TrainConfig, state: dict | None):
+    """(the plan's samples with the behaviour logprobs the records lack, what the first
+    step's ratios are by the records' age): a resumed run's gaps as its checkpoint kept
+    them. An --sft night has no ratios, nor logged logprobs to compare with."""
     samples, first = plan.samples, [None] * len(plan.samples)
     if not config.sft:
         samples, first = behaviour_pass(
             model, plan.samples, config.micro_batch_tokens, config.logit_chunk_tokens
         )
-    gaps = state.get("gaps", {}) if state else gaps_by_age(samples, first)
-    steps: list[dict] = list(state["steps"]) if state else []
-    done_steps = len(steps)
-    # Groups with something to train (an --sft night's duplicates are recorded, not trained).
-    with_samples = {s.group_id for s in samples}
-    schedule = step_schedule([g for g in plan.groups if g in with_samples], config)
-    started = time.perf_counter()
-    for number, (epoch, step_groups) in enumerate(schedule, start=1):
-        if number <= done_steps:
-            continue  # done before the interruption
-        step_samples = [s for s in samples if s.group_id in step_groups]
-        step_started = time.perf_counter()
-        out = optimizer_step(model, optimizer, parallel, step_samples, loss_config, config)
+    return samples, state.get("gaps", {}) if state else gaps_by_age(samples, first)
+
+
+class StepRecorder:
+    """A run's steps as they are taken: each one's metrics record (the run's `steps`, a
+    resumed run's earlier ones first) and its line through `say`: the loss, the ratios
+    (an --sft night's cross-entropy), tokens per second and the time left at the pace
+    so far."""
+
+    def __init__(self, plan: Plan, config: TrainConfig, steps: list[dict], total: int, say):
+        self.plan, self.config, self.say = plan, config, say
+        self.steps = steps
+        self.resumed = len(steps)  # done before an interruption: they took no time here
+        self.total = total  # the run's steps, a resumed run's earlier ones included
+        self.started = time.perf_counter()
+
+    def record(self, out, epoch: int, groups: set[str], samples: list, lr: float, since: float):
+        """The step's record, added to the run's: `out` is the optimizer step's outcome,
+        `since` when the step began."""
         # Each rollout's reward once, however many sequences it was cut into.
-        rollouts = {s.rollout_id: 0 for s in step_samples}
-        rewards = [plan.rewards[r] for r in rollouts if r in plan.rewards]
+        rollouts = {s.rollout_id: 0 for s in samples}
+        rewards = [self.plan.rewards[r] for r in rollouts if r in self.plan.rewards]
         record = {
             **out.stats,
-            "step": len(steps) + 1,
+            "step": len(self.steps) + 1,
             "epoch": epoch,
             "loss": out.loss,
             "grad_norm": out.grad_norm,
-            "groups": len(step_groups),
-            "sequences": len(step_samples),
+            "groups": len(groups),
+            "sequences": len(samples),
             "reward_mean": statistics.fmean(rewards) if rewards else None,
             "reward_std": statistics.pstdev(rewards) if rewards else None,
             "logprob_gap": out.logprob_gap,  # this step's tokens, before its update
-            "learning_rate": optimizer.param_groups[0]["lr"],
-            "seconds": time.perf_counter() - step_started,
+            "learning_rate": lr,
+            "seconds": time.perf_counter() - since,
         }
-        steps.append(record)
-        kill_point(f"step-{len(steps)}")  # computed, not yet checkpointed
-        if checkpoint is not None:
-            save_checkpoint(checkpoint, parallel, model, optimizer, steps, gaps)
-        if on_step is not None:  # right after the checkpoint: a resumed run starts after it
-            on_step(record)
+        self.steps.append(record)
+        return record
+
+    def tell(self, record: dict) -> None:
+        """The step's line: `step 3/10: loss ..., N tokens/s, about N s left`."""
+        elapsed = time.perf_counter() - self.started
         # Tokens this process trained (a resumed run's earlier steps took no time here).
-        rate = sum(s["tokens"] for s in steps[done_steps:]) / (time.perf_counter() - started)
+        rate = sum(s["tokens"] for s in self.steps[self.resumed :]) / elapsed
         what = (
             " (the assistant tokens' mean cross-entropy),"  # before the step's update
-            if config.sft
+            if self.config.sft
             else f", clipped {record.get('clipped_fraction', 0):.3f}, ratio max "
             f"{record.get('ratio_max', 1):.3f},"
         )
         # The steps left at this run's pace so far (a CPU night runs for minutes).
-        elapsed = time.perf_counter() - started
-        eta = elapsed / (len(steps) - done_steps) * (len(schedule) - len(steps))
-        say(
-            f"step {len(steps)}/{len(schedule)}: loss {out.loss:+.4f}{what} "
-            f"grad norm {out.grad_norm:.3f}, {rate:.0f} tokens/s, about {eta:.0f} s left"
+        taken = len(self.steps) - self.resumed
+        eta = elapsed / taken * (self.total - len(self.steps))
+        self.say(
+            f"step {len(self.steps)}/{self.total}: loss {record['loss']:+.4f}{what} "
+            f"grad norm {record['grad_norm']:.3f}, {rate:.0f} tokens/s, about {eta:.0f} s left"
         )
-    save_adapter(out_dir, parallel, model)
-    return {
-        "steps": steps,
-        "memory_settings": memory_settings(model, config),  # checkpointing, chunks, attention
-        "max_logprob_gap": on_policy_gap(gaps),
-        "logprob_gaps": gaps,
-        "seconds": time.perf_counter() - started,
-    }
 
 
 def gaps_by_age(samples: list, gaps: list[Gap | None]) -> dict[str, dict]:
