@@ -328,7 +328,7 @@ class Night:
                 kill_point("asleep")
             result.metrics = run_training(
                 result.plan, config, self.base_model, self.start_adapter, self.adapter_dir, say,
-                self.run_dir.checkpoint, on_step=self.report.step,
+                self.run_dir.checkpoint, on_step=self.report.step, parallel=parallel,
             )  # fmt: skip
             for line in gap_lines(result.metrics.get("logprob_gaps", {})):
                 if line.startswith("warning"):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from overnight.config import TrainConfig
 from overnight.errors import OvernightError
+from overnight.progress import time_left
 from overnight.telemetry import traced
 from overnight.trainer.choose.plan import Plan
 from overnight.trainer.grpo.parallel import Parallel
@@ -160,11 +161,10 @@ class StepRecorder:
             f"{record.get('ratio_max', 1):.3f},"
         )
         # The steps left at this run's pace so far (a CPU night runs for minutes).
-        taken = len(self.steps) - self.resumed
-        eta = elapsed / taken * (self.total - len(self.steps))
+        left = time_left(elapsed, len(self.steps) - self.resumed, self.total - len(self.steps))
         self.say(
             f"step {len(self.steps)}/{self.total}: loss {record['loss']:+.4f}{what} "
-            f"grad norm {record['grad_norm']:.3f}, {rate:.0f} tokens/s, about {eta:.0f} s left"
+            f"grad norm {record['grad_norm']:.3f}, {rate:.0f} tokens/s, {left}"
         )
 
 
