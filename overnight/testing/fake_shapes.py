@@ -100,12 +100,22 @@ def whole_response(
 
 
 async def stream_response(request, body, chat, prompt, choices, behaviour) -> web.StreamResponse:
-    # One piece on purpose: it writes vLLM's chunk sequence in the order vLLM does, and
-    # the order is what the proxy's tests rely on.
+    """vLLM's chunk sequence, in the order vLLM writes it (the proxy's tests rely on the
+    order), then sent as `behaviour` says (a reset, a stall, slow chunks, no [DONE])."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
+    events = _stream_events(body, chat, prompt, choices, behaviour)
+    if await _send_events(request, response, events, behaviour):
+        if behaviour != "no-done":
+            await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    return response
+
+
+def _stream_events(body, chat, prompt, choices, behaviour) -> list[dict]:
+    """The stream's chunks: each chat choice's role, then the tokens round-robin over
+    the choices, then the usage where asked."""
     ids = bool(body.get("return_token_ids"))
-    want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
     usage = (body.get("stream_options") or {}).get("include_usage")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
     head = {
@@ -114,81 +124,71 @@ async def stream_response(request, body, chat, prompt, choices, behaviour) -> we
         "created": int(time.time()),
         "model": body.get("model"),
     }
-    reset_after = int(behaviour.split("-")[2]) if behaviour.startswith("reset-after-") else None
-    stall_after = int(behaviour.split("-")[2]) if behaviour.startswith("stall-after-") else None
-    gap = float(behaviour.split("-")[2]) if behaviour.startswith("slow-chunks-") else 0.0
     events = []
     if chat:
         for i in range(len(choices)):
-            events.append(
-                {
-                    **head,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                    "prompt_token_ids": prompt if ids else None,
-                    "prompt_text": None,
-                }
-            )
+            delta = {"role": "assistant", "content": ""}
+            first = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+            events.append({**head, "choices": [first], "prompt_token_ids": prompt if ids else None,
+                           "prompt_text": None})  # fmt: skip
     longest = max(len(c) for c in choices)
     for step in range(longest):
         for i, tokens in enumerate(choices):
             if step >= len(tokens):
                 continue
-            token_id, text, lp = tokens[step]
             last = step == len(tokens) - 1
-            choice = {"index": i}
-            if chat and behaviour == "tool-call":
-                call = {"index": 0, "function": {"arguments": text}}
-                if step == 0:
-                    call = {
-                        "id": f"chatcmpl-tool-{i}",
-                        "type": "function",
-                        "index": 0,
-                        "function": {"name": "lookup"},
-                    }
-                choice["delta"] = {"tool_calls": [call]}
-            elif chat:
-                choice["delta"] = {"content": text}
-            else:
-                choice["text"] = text
-            choice["logprobs"] = _logprobs(chat, [tokens[step]]) if want_logprobs else None
-            choice["finish_reason"] = (
-                ("tool_calls" if behaviour == "tool-call" else "length") if last else None
-            )
-            if last or not chat:
-                choice["stop_reason"] = None
-            if not chat:
-                choice["prompt_token_ids"] = prompt if ids and step == 0 else None
-            choice["token_ids"] = [token_id] if ids else None
+            choice = _token_choice(body, chat, prompt, i, tokens, step, behaviour)
             event = {**head, "choices": [choice]}
             if last and not usage:
                 event["system_fingerprint"] = FINGERPRINT
             events.append(event)
     if usage:
-        events.append(
-            {
-                **head,
-                "choices": [],
-                "usage": _usage(prompt, sum(len(c) for c in choices)),
-                "system_fingerprint": FINGERPRINT,
-            }
-        )
+        events.append({**head, "choices": [], "usage": _usage(prompt, sum(map(len, choices))),
+                       "system_fingerprint": FINGERPRINT})  # fmt: skip
+    return events
+
+
+def _token_choice(body, chat, prompt, i: int, tokens, step: int, behaviour: str) -> dict:
+    """Choice `i`'s chunk for its token at `step` (a tool call's arguments, content or text)."""
+    ids = bool(body.get("return_token_ids"))
+    want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+    token_id, text, _ = tokens[step]
+    last = step == len(tokens) - 1
+    choice: dict = {"index": i}
+    if chat and behaviour == "tool-call":
+        call = {"index": 0, "function": {"arguments": text}}
+        if step == 0:
+            call = {"id": f"chatcmpl-tool-{i}", "type": "function", "index": 0,
+                    "function": {"name": "lookup"}}  # fmt: skip
+        choice["delta"] = {"tool_calls": [call]}
+    elif chat:
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+    choice["logprobs"] = _logprobs(chat, [tokens[step]]) if want_logprobs else None
+    choice["finish_reason"] = (
+        ("tool_calls" if behaviour == "tool-call" else "length") if last else None
+    )
+    if last or not chat:
+        choice["stop_reason"] = None
+    if not chat:
+        choice["prompt_token_ids"] = prompt if ids and step == 0 else None
+    choice["token_ids"] = [token_id] if ids else None
+    return choice
+
+
+async def _send_events(request, response, events: list[dict], behaviour: str) -> bool:
+    """Write the events as `behaviour` says; False when the connection was dropped."""
+    reset_after = int(behaviour.split("-")[2]) if behaviour.startswith("reset-after-") else None
+    stall_after = int(behaviour.split("-")[2]) if behaviour.startswith("stall-after-") else None
+    gap = float(behaviour.split("-")[2]) if behaviour.startswith("slow-chunks-") else 0.0
     for sent, event in enumerate(events):
         if reset_after is not None and sent >= reset_after:
             request.transport.close()  # the connection drops mid-stream
-            return response
+            return False
         if stall_after is not None and sent >= stall_after:
             await asyncio.sleep(3600)  # the connection stays open, silent
         if gap:
             await asyncio.sleep(gap)
         await response.write(b"data: " + dumps(event) + b"\n\n")
-    if behaviour != "no-done":
-        await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    return True
