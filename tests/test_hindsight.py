@@ -191,3 +191,30 @@ def test_turns_held_out_for_the_gate_stay_out_and_max_groups_leaves_the_rest(tmp
     teacher = ScriptedTeacher(answers)
     plan = plan_hindsight(Selection(tmp_path, tokenizer=tokenizer, max_groups=1), one, teacher)
     assert plan.groups == [hindsight_id("a0")] and len(teacher.asked) == 1  # d0: a later night
+
+
+def test_the_trials_users_correct_a_wrong_sum_with_the_right_one():
+    """overnight/testing/scripted_user.py's `corrects`: what the hindsight trial's users
+    say after a wrong answer carries the sum, and the rules read it as a correction; the
+    old users (the implicit trial's) still react as before."""
+    import asyncio
+
+    from overnight.judge.reading import read
+    from overnight.testing.scripted_user import CORRECTING, DISPLEASED, converse, right_sum
+
+    sent: list[list[dict]] = []
+
+    async def chat(body: dict, headers: dict) -> dict:
+        sent.append(body["messages"])
+        return chat_response("The answer is 100")  # always wrong
+
+    questions = ["What is 3 plus 4?", "What is 2 plus 5?"]
+    for corrects, words in ((True, CORRECTING), (False, DISPLEASED)):
+        sent.clear()
+        asyncio.run(converse(chat, "u", questions, seed=3, turns=6, corrects=corrects))
+        said = [m[-1]["content"] for m in sent if m[-1]["role"] == "user" and len(m) > 2]
+        assert said, "the user reacted"
+        forms = {w.format(sum=7, q=questions[0], next=questions[1]) for w in words}
+        assert set(said) <= forms
+    assert right_sum("What is 3 plus 4?") == 7
+    assert all(read(w.format(sum=7)).value < 0 for w in CORRECTING)
