@@ -15,6 +15,7 @@ import pytest
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig
 from overnight.trainer.choose.hindsight import (
+    ECHOED,
     HINT,
     NOT_SERVED,
     UNCHANGED,
@@ -128,6 +129,10 @@ def test_a_hindsight_plan_trains_corrected_turns_on_the_teachers_revision_withou
     config = TrainConfig(hindsight=True, sft_held_out=0.0)
     assert config.sft  # the --sft objective, checkpoints and record
     teacher = ScriptedTeacher({"3 plus 4": "7", "6 plus 3": "12"})
+    echo = ScriptedTeacher({"3 plus 4": 'The user replied to an earlier answer: "No, it\'s 7."',
+                            "6 plus 3": "Wrong, try again: What is 6 plus 3? It is 9"})  # fmt: skip
+    plan = plan_hindsight(Selection(tmp_path, tokenizer=tokenizer), config, echo, print)
+    assert plan.groups == [] and plan.skipped == {ECHOED: 2}  # it must not quote the hint
     said = []
     plan = plan_hindsight(Selection(tmp_path, tokenizer=tokenizer), config, teacher, said.append)
     # a0 corrected with the answer; d0 corrected too, but the teacher says 12 again. b0 was

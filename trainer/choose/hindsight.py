@@ -19,8 +19,8 @@ reacts to (hindsight). This plan distils that teacher into the policy without th
      rendered with the local chat template as an --sft night renders a reply
      (grpo/render.py), trained with the --sft objective (cross-entropy).
 
-A revision identical to the served answer (the hint changed nothing), empty, or cut at
-its token limit is not trained (counted, and left to a later night, which may revise it
+A revision identical to the served answer (the hint changed nothing), empty, cut at its
+token limit, or speaking of the hint (quoting it, or its framing) is not trained (counted, and left to a later night, which may revise it
 again from a better adapter). Turns held out for the gate by --sft-held-out (the same
 hash of the group id an --sft night uses) are never taken. docs/grpo.md ("Hindsight")
 argues revise-first against per-token distillation.
@@ -66,6 +66,7 @@ CONCURRENCY = 4
 CALL_TIMEOUT = 600.0
 
 UNCHANGED = "the teacher's revision is the served answer (the hint changed nothing)"
+ECHOED = "the teacher's revision speaks of the hint (the student never sees it)"
 EMPTY = "the teacher's revision is empty"
 CUT = "the teacher's revision was cut off at its token limit"
 NOT_CHAT = "not a chat completion (the teacher is asked in the chat shape)"
@@ -336,8 +337,18 @@ def _revise(teacher: Teacher, t: Corrected) -> None:
         t.why = EMPTY
     elif text == t.served.strip():
         t.why = UNCHANGED
+    elif _echoes(text, t.hint):
+        t.why = ECHOED
     else:
         t.revised = text
+
+
+def _echoes(text: str, hint: str) -> bool:
+    """Whether a revision quotes the hint or its framing ("The user replied to an earlier
+    answer, ..."): imitated, it would teach the student to answer a message it never saw."""
+    said = " ".join(text.lower().split())
+    hint = " ".join(hint.lower().split())
+    return "replied to an earlier answer" in said or (len(hint) >= 8 and hint in said)
 
 
 def _json(text) -> dict:
