@@ -282,7 +282,9 @@ class TrainConfig:
     )
     # Gaming (trainer/gate/gaming.py, docs/signals.md "Gaming"): the shares of the gate's
     # replies that end in a question or flatter, against the served adapter's and the base
-    # model's. Sampling alone moves them; the limit sits above that (bench/gaming.py).
+    # model's. Sampling alone moved SmolLM2's question share by at most 0.0625 (2 of 32
+    # prompts, bench/gaming.py); at a base rate of one half, two samplings of 32 differ by
+    # more than 0.25 about 2% of the time: the limit sits there (docs/signals.md, "Gaming").
     gaming_limit: str = field(
         default="0.25",
         metadata={
