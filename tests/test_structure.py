@@ -84,7 +84,7 @@ TRAINER = [
 ]
 PARTS = {"overnight.judge", "overnight.proxy.launch", "overnight.examples"}
 PARTS |= set().union(*PROXY, *TRAINER)
-ENTRY_POINTS = {"overnight.cli", "overnight.testing", "overnight.night"}
+ENTRY_POINTS = {"overnight.cli", "overnight.testing", "overnight.night", "overnight.imports"}
 LAYERS: dict[str, set[str]] = {
     **dict.fromkeys(GROUND, GROUND),
     **dict.fromkeys(STORAGE, STORAGE | {"overnight.errors"}),
@@ -96,9 +96,12 @@ LAYERS: dict[str, set[str]] = {
     **_downwards(TRAINER, BELOW_THE_PARTS),
     "overnight.trainer.grpo": GROUND | {"overnight.models"},
     "overnight.examples": set(),
-    "overnight.cli": BELOW_THE_PARTS | PARTS | {"overnight.testing", "overnight.night"},
+    "overnight.cli": BELOW_THE_PARTS
+    | PARTS
+    | {"overnight.testing", "overnight.night", "overnight.imports"},
     "overnight.testing": BELOW_THE_PARTS | PARTS,
     "overnight.night": BELOW_THE_PARTS | PARTS,
+    "overnight.imports": BELOW_THE_PARTS | PARTS,
 }
 # Each layer's rule in the doc's words, for the failure to name.
 RULES = {

@@ -24,6 +24,7 @@ from overnight.errors import OvernightError
 from .adapters import ADAPTER_COMMANDS
 from .data import COMMANDS, admin_token_option, data_option, proxy_option, require_data_dir
 from .data import proxy_of as _proxy
+from .importing import import_command
 from .options import build, config_options, load_config_file
 from .serve import ServeConfig
 
@@ -525,7 +526,7 @@ def prepare_model(name: str, out_dir: Path | None) -> None:
     click.echo(prepare_smollm2(out, say=lambda m: click.echo(m, err=True)))
 
 
-for _command in [*COMMANDS, *ADAPTER_COMMANDS]:
+for _command in [*COMMANDS, *ADAPTER_COMMANDS, import_command]:
     main.add_command(_command)
 
 
