@@ -174,6 +174,26 @@ def test_the_gate_refuses_a_candidate_that_asks_back_far_more(monkeypatch):
     assert not first.promote
 
 
+def test_the_anchor_is_the_base_models_own_replies(tiny_model_dir, lora_adapter):
+    """Sampled for real (the tiny model with peft): with an adapter served, the gate's third
+    side is the base model's replies, the same as when the base model is served."""
+    pytest.importorskip("peft")
+    prompts = PROMPTS[:8]
+
+    async def scorer(messages, tools, replies):
+        return [float(len(r["content"])) for r in replies]
+
+    quiet = lambda _: None  # noqa: E731
+    served = run_gate(TrainConfig(), str(tiny_model_dir), lora_adapter, str(lora_adapter),
+                      prompts, scorer, say=quiet)  # fmt: skip
+    first = run_gate(TrainConfig(), str(tiny_model_dir), lora_adapter, None, prompts, scorer,
+                     say=quiet)  # fmt: skip
+    assert served.gaming["base"] == first.gaming["served"], "the base model, same seeds"
+    assert served.gaming["served"] == served.gaming["candidate"], "the same adapter twice"
+    assert served.gaming["base"]["chars"] != served.gaming["candidate"]["chars"], "not the adapter"
+    assert served.gaming["base"]["answers"] == 8 and first.gaming["base"] is None
+
+
 # -- the proof: a scripted agent that asks back more each day ----------------------------------
 
 DAYS = 8
