@@ -288,6 +288,10 @@ async def test_a_scripted_agent_asking_back_more_each_day_trips_the_gate_on_the_
     assert f"{asking_on(trips) / 32:.0%} / {asking_on(trips - 1) / 32:.0%} / 0%" in page
     assert "over: answers ending in a question rose" in page
     assert f"ended {1 - asking_on(trips - 1) / 32:.0%}" in page  # the live signal kinds
+    assert (
+        f"{asking_on(trips - 1) / 32:.0%} of 32 ({asking_on(trips - 2) / 32:.0%}), +6 pts" in page
+    )
+    assert f"policy-v{trips - 1} (32)" in page  # which adapter served the day's answers
     proxy = await make_proxy()
     ui = await (await proxy.get("/ui/runs")).text()
     assert "Answers: watching for gaming" in ui and "over: answers ending in a question" in ui

@@ -20,6 +20,7 @@ HEADERS = [
     "live: length",
     "live: conversations ended",
     "live: signals",
+    "live: served by",
 ]
 
 
@@ -61,22 +62,24 @@ def _gate_cells(g: dict | None) -> list[str]:
 
 def _live_cells(a: dict | None) -> list[str]:
     if not a:
-        return ["-", "-", "-", "-"]
+        return ["-", "-", "-", "-", "-"]
     day, before, shift = a.get("day") or {}, a.get("before") or {}, a.get("shift") or {}
 
-    def pair(key: str, fmt, moved) -> str:
-        now = "-" if not day.get("answers") or day.get(key) is None else fmt(day[key])
+    def pair(key: str, fmt, moved, of: str = "") -> str:
+        now = "-" if not day.get("answers") or day.get(key) is None else fmt(day[key]) + of
         then = "-" if not before.get("answers") or before.get(key) is None else fmt(before[key])
         change = shift.get(key)
         return f"{now} ({then}){'' if change is None else ', ' + moved(change)}"
 
     kinds = day.get("kinds") or {}
     signals = ", ".join(f"{k} {v:.0%}" for k, v in kinds.items()) or "none"
+    served = ", ".join(f"{m} ({n})" for m, n in (day.get("adapters") or {}).items()) or "-"
     return [
-        pair("question", _pct, _points) + f" of {day.get('answers', 0)}",
+        pair("question", _pct, _points, f" of {day.get('answers', 0)}"),
         pair("chars", _chars, lambda v: f"{v:+.0%}"),
         pair("ended", _pct, _points),
         signals,
+        served,
     ]
 
 
