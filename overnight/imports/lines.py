@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 
 from .calls import BadLine, Call
-from .sources import Item, items
+from .sources import Item, documents, items
 
 # What a reader yields: each line (or document) with its calls, or why it has none.
 Read = tuple[Item, list[Call] | BadLine]
@@ -25,8 +25,9 @@ def parse(item: Item) -> object:
 def per_line(
     source: Path, read: Callable[[object, Item], list[Call]], whole: bool = False
 ) -> Iterator[Read]:
-    """`read` on each line's JSON (each file's, `whole`): its calls, or its BadLine."""
-    for item in items(source, whole=whole):
+    """`read` on each line's JSON (each document's, `whole`: sources.documents): its
+    calls, or its BadLine."""
+    for item in documents(source) if whole else items(source):
         try:
             yield item, read(parse(item), item)
         except BadLine as e:

@@ -66,3 +66,24 @@ def items(source: Path, whole: bool = False) -> Iterator[Item]:
 def size_of(source: Path) -> int:
     """The bytes the source's files hold on disk (compressed where they are)."""
     return sum(p.stat().st_size for p in files_of(source))
+
+
+def documents(source: Path) -> Iterator[Item]:
+    """Each file's lines where its first line is a whole JSON value (JSON lines, as the
+    OpenTelemetry Collector's file exporter and most exports write them), else the file
+    whole (one pretty-printed document: read into memory, it is one document)."""
+    import orjson
+
+    for path in files_of(source):
+        with open_binary(path) as f:
+            first = b""
+            for line in f:
+                if line.strip():
+                    first = line
+                    break
+        try:
+            orjson.loads(first)
+            per_line = True
+        except orjson.JSONDecodeError:
+            per_line = False
+        yield from items(path, whole=not per_line)
