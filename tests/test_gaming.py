@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -32,7 +33,7 @@ from overnight.trainer.gate.verdict import run_gate
 from overnight.trainer.run.record import RunResult, record_run
 from overnight.view.report import write_report
 
-from .helpers import chat_response, completion_row
+from .helpers import chat_response, completion_row, rows
 
 # -- the measures, by hand ---------------------------------------------------------------------
 
@@ -192,6 +193,68 @@ def test_the_anchor_is_the_base_models_own_replies(tiny_model_dir, lora_adapter)
     assert served.gaming["served"] == served.gaming["candidate"], "the same adapter twice"
     assert served.gaming["base"]["chars"] != served.gaming["candidate"]["chars"], "not the adapter"
     assert served.gaming["base"]["answers"] == 8 and first.gaming["base"] is None
+
+
+def write_implicit_night(data_dir, tasks: int, held_out: int) -> None:
+    """`tasks` groups of two one-turn rollouts rewarded by `implicit` (what the user did
+    next), and `held_out` single calls on other prompts: the gate's prompts."""
+    writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
+    writer.start()
+    now = time.time_ns() // 1000
+
+    def turn(rollout: str, prompt: str, reply: str) -> None:
+        request = {"model": "policy", "max_tokens": 8,
+                   "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+        writer.append("completions", completion_row(rollout, rollout.split(".")[0],
+                      request=request, response=chat_response(reply)))  # fmt: skip
+        writer.append("finishes", {"rollout_id": rollout, "schema_version": 1, "finished_at": now})
+
+    for t in range(tasks):
+        for i, reward in enumerate((1.0, 0.0)):
+            turn(f"task{t}.{i}", f"Task {t}: answer.", " 4 7 1")
+            writer.append("rewards", {
+                "reward_id": f"task{t}.{i}", "schema_version": 1, "rollout_id": f"task{t}.{i}",
+                "reward": reward, "source": "implicit", "created_at": now,
+            })  # fmt: skip
+    for h in range(held_out):
+        turn(f"single{h}", f"Question {h}?", " 4 7 1")
+    writer.close()
+
+
+async def test_a_night_on_implicit_rewards_without_a_scorer_is_still_checked(
+    make_proxy, tmp_path, tiny_model_dir, lora_adapter, monkeypatch
+):
+    """No --reward, no judge: the task gate cannot score, but a night on `implicit` still
+    samples its held-out prompts (from outside the plan only) for the answers' shapes,
+    and a candidate asking back in every answer is refused; the old adapter keeps serving."""
+    pytest.importorskip("peft")
+    from overnight.trainer.train import train
+
+    proxy = await make_proxy()
+    url, data = str(proxy.make_url("")), tmp_path / "data"
+    old = await (
+        await proxy.post("/admin/adapters/promote", json={"path": str(lora_adapter)})
+    ).json()
+    write_implicit_night(data, tasks=8, held_out=12)
+    answers = {"candidate": replies(32, 32), "served": replies(32, 2), "base": replies(32, 2)}
+    sampled: list[list[str]] = []
+    scripted_sampling(monkeypatch, answers, sampled)
+    config = TrainConfig(base_model=str(tiny_model_dir), reward_sources=("implicit",),
+                         lora_rank=4, groups_per_step=8, gate_prompts=12)  # fmt: skip
+    lines: list[str] = []
+    result = await asyncio.to_thread(train, data, config, proxy_url=url, say=lines.append)
+    assert sampled == [["candidate", "served", "base"]], lines
+    assert len(result.plan.groups) == 8 and result.held_out == [], "the plan gave no prompts"
+    verdict = result.gate
+    assert not verdict.promote and verdict.reason.startswith(
+        "its answers moved as gamed ones do: answers ending in a question rose from 17% (the "
+        "served adapter) to 100% (the candidate)"
+    ), verdict.reason
+    assert "the task gate passed: not gated: no scorer" in verdict.reason
+    served = await (await proxy.get("/admin/adapters")).json()
+    assert served["current"]["name"] == old["promoted"] and result.promoted_as is None
+    (run,) = rows(data, "SELECT metrics FROM training_runs")
+    assert json.loads(run["metrics"])["gate"]["gaming"]["candidate"]["question"] == 1.0
 
 
 # -- the proof: a scripted agent that asks back more each day ----------------------------------

@@ -56,9 +56,10 @@ from .gate.forgetting import judge as judge_forgetting
 from .gate.forgetting import load_references
 from .gate.forgetting import measure as measure_forgetting
 from .gate.forgetting import resolve as resolve_references
+from .gate.gaming import judge as judge_gaming
 from .gate.gaming import live as live_answers
 from .gate.prompts import held_out_prompts
-from .gate.verdict import Scorer, Verdict, run_gate, skipped
+from .gate.verdict import Scorer, Verdict, gaming_alone, run_gate, shapes_alone, skipped
 from .grpo.parallel import Parallel
 from .grpo.sampling import server_defaults
 from .grpo.step import fresh_adapter, micro_batch_loss
@@ -271,12 +272,14 @@ class Night:
         enough (gate/prompts.py); the plan without the groups it had to give them."""
         if not (self.promote_it and self.proxy_url and not self.dry_run):
             return plan, HeldOut()
-        if skipped(self.config, scorer) is not None:
+        alone = gaming_alone(self.config, scorer)  # no scorer: the answers' shapes only
+        if skipped(self.config, scorer) is not None and not alone:
             return plan, HeldOut()
-        # An --sft night's held-out share is its gate's: none taken from the plan.
+        # An --sft night's held-out share is its gate's: none taken from the plan; nor
+        # for the gaming check alone (the plan stays as it would without it).
         prompts, gated = held_out_prompts(
             self.data_dir, plan, self.config.gate_prompts,
-            self.resumed is None and not self.config.sft, scope=self.scope,
+            self.resumed is None and not self.config.sft and not alone, scope=self.scope,
             images=self.vision is not None and self.vision.renders,
         )  # fmt: skip
         given = [g for g in plan.groups if g not in set(gated.groups)]
@@ -357,6 +360,11 @@ class Night:
             config, self.base_model, self.adapter_dir, served_path, prompts, scorer,
             result.held_out, self.vision, say=say,
         )  # fmt: skip
+        if gaming_alone(config, scorer):  # no scorer: the answers' shapes still decide
+            gaming = shapes_alone(config, self.base_model, self.adapter_dir, served_path,
+                                  prompts, self.vision, say)  # fmt: skip
+            if gaming is not None:
+                judge_gaming(verdict, gaming)
         spec = resolve_references(config.reference, self.base_model)
         if spec is not None:  # what the nights cost elsewhere (gate/forgetting.py)
             judge_forgetting(verdict, measure_forgetting(

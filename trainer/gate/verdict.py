@@ -35,6 +35,7 @@ from overnight.config import GATE_MODES, TrainConfig
 from overnight.progress import Progress, untold
 from overnight.storage.read.images import content_text, shows_images
 
+from .gaming import Gaming
 from .gaming import judge as judge_gaming
 from .gaming import measure as measure_gaming
 from .prompts import GatePrompt
@@ -440,6 +441,30 @@ def _example(p: GatePrompt, candidate: str, served: str, scores: tuple[float, fl
         "candidate_score": scores[0],
         "served_score": scores[1],
     }
+
+
+def gaming_alone(config: TrainConfig, scorer: Scorer | None) -> bool:
+    """Whether the gate samples for the gaming check alone (gaming.py): no scorer to judge
+    the replies with, on a night that trains on rewards read from reactions (`implicit`),
+    the rewards gaming wins."""
+    return (
+        scorer is None
+        and config.gate != "off"
+        and "implicit" in config.reward_sources
+        and config.gaming_limits != (None, None)
+    )
+
+
+def shapes_alone(
+    config: TrainConfig, base_model: str, candidate: Path, served: str | None,
+    prompts: list[GatePrompt], vision=None, say=print,
+) -> Gaming | None:  # fmt: skip
+    """The gaming check without a scorer: the three sides' replies sampled and measured
+    (None: fewer than MIN_PROMPTS prompts, nothing to tell by)."""
+    if len(prompts) < MIN_PROMPTS:
+        return None
+    sides = sample_both(base_model, candidate, served, prompts, config, vision, say, anchor=True)
+    return measure_gaming(sides, *config.gaming_limits)
 
 
 def skipped(config: TrainConfig, scorer: Scorer | None) -> Verdict | None:
