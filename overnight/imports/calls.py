@@ -53,8 +53,10 @@ class Call:
     error: str | None = None
     http_status: int | None = None
     stream: bool | None = None
-    group: str | None = None  # the source's grouping: a session, a trace
-    rollout: str | None = None  # the source's conversation or trace, where it has one
+    # A session or conversation the source names: the row's group, and the row counts as
+    # attributed (`attribution` "import"), as a client that names its rollout does.
+    group: str | None = None
+    rollout: str | None = None  # the source's trace: the rollout (its group without a session)
     usage: dict | None = None  # when the answer does not carry it
     latency_ms: float | None = None
     ttft_ms: float | None = None

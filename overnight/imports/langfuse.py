@@ -4,7 +4,7 @@ observations nested) or an export of them, one a line or one page a file.
 
 Only GENERATION observations are calls; spans and events are passed over.
 
-    id -> the source id; traceId -> the rollout; sessionId (else the trace's) -> the group
+    id -> the source id; traceId -> the rollout (and its group); sessionId -> the group
     input: a list of messages, or {"messages": [...], "tools": [...]}, or text -> request
     output: an assistant message, a chat.completion, or text -> the answer
     model, modelParameters -> the request's model and sampling parameters
@@ -107,7 +107,7 @@ def _observation(o: dict) -> list[Call]:
             ended_us=ended,
             error=error,
             http_status=None if error else 200,
-            group=o.get("sessionId") or trace,
+            group=o.get("sessionId"),
             rollout=trace,
             usage=usage,
             latency_ms=(ended - started) / 1000 if started and ended else None,

@@ -1,7 +1,7 @@
 """LiteLLM's logs: one `StandardLoggingPayload` a line (litellm/types/utils.py), as a
 custom callback or the proxy's logging integrations write it (docs/import.md).
 
-    id -> the source id; trace_id -> the rollout, session_id (else trace_id) -> the group
+    id -> the source id; trace_id -> the rollout (and its group); session_id -> the group
     messages, model_parameters (tools, temperature, response_format, ...) -> the request
     response (a ModelResponse dumped: a chat.completion) -> the answer
     startTime, endTime, completionStartTime (seconds) -> started_at, ended_at, ttft_ms
@@ -74,7 +74,7 @@ def _payload(obj: object, _item) -> list[Call]:
             error=error,
             http_status=int(code) if code.isdigit() else (None if failed else 200),
             stream=obj.get("stream"),
-            group=obj.get("session_id") or trace,
+            group=obj.get("session_id"),
             rollout=trace,
             usage={"prompt_tokens": obj.get("prompt_tokens"),
                    "completion_tokens": obj.get("completion_tokens")},

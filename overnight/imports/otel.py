@@ -9,7 +9,7 @@ chat or text_completion (or any gen_ai.* messages); other spans are passed over.
     gen_ai.output.messages (older: gen_ai.choice events; gen_ai.completion.N.*) -> the answer
     gen_ai.tool.definitions, gen_ai.request.* (temperature, max_tokens, top_p, ...) -> request
     gen_ai.response.id -> the source id (else the span id); model, finish_reasons, usage
-    traceId -> the rollout; gen_ai.conversation.id or session.id (else traceId) -> the group
+    traceId -> the rollout (and its group); gen_ai.conversation.id or session.id -> the group
     startTimeUnixNano, endTimeUnixNano -> started_at, ended_at; status code 2 -> error
 """
 
@@ -114,7 +114,7 @@ def _span(span: dict) -> Call | None:
     if failed:
         error = status.get("message") or attrs.get("error.type") or "the span's status is error"
     trace = span.get("traceId")
-    group = attrs.get("gen_ai.conversation.id") or attrs.get("session.id") or trace
+    group = attrs.get("gen_ai.conversation.id") or attrs.get("session.id")
     started, ended = _nanos(span.get("startTimeUnixNano")), _nanos(span.get("endTimeUnixNano"))
     return Call(
         source_id=str(attrs.get("gen_ai.response.id") or f"span:{trace}:{span.get('spanId')}"),

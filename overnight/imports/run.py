@@ -180,7 +180,7 @@ def import_source(
                 summary.failed_calls += call.error is not None
                 for row in rows_of(call, fmt, where, now):
                     summary.rows += 1
-                    summary.grouped += row["attribution"] == "import"
+                    summary.grouped += call.group is not None or call.rollout is not None
                     number = _number(row["record_id"])
                     if number in seen:
                         summary.already += 1

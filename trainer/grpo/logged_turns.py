@@ -32,6 +32,9 @@ VIEWS = ("completions", "turn_completions", "served_turns")
 # A turn a hosted model answered (its record's notes name the upstream: a hosted proxy,
 # or a handover's hosted side) is a reference, never a sample of the policy's.
 HOSTED_SKIP = "served by a hosted model (a reference, not sampled from the policy)"
+# A turn `overnight import` brought in from another tool's logs (its notes' upstream is
+# `imported:<format>`, overnight/imports/calls.py): no token ids, never the policy's sample.
+IMPORTED_SKIP = "imported: no token ids (off-policy)"
 
 
 def load_samples(
@@ -87,7 +90,7 @@ def load_samples(
         if error is not None:
             out.skipped["the turn failed or was cut off"] += 1
         elif upstream is not None:  # not sampled from the policy: off-policy (docs/grpo.md)
-            out.skipped[HOSTED_SKIP] += 1
+            out.skipped[IMPORTED_SKIP if upstream.startswith("imported:") else HOSTED_SKIP] += 1
         elif not prompt or not completion:
             try:
                 turn = _retokenise(tokenizer, *text, out, vision) if tokenizer is not None else None
