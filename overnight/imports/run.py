@@ -29,6 +29,7 @@ FORMATS = ("openai-jsonl", "openai-batch", "litellm", "langfuse", "otel")
 BATCH_ROWS = 2000  # rows handed to the writer before waiting for them to be on disk
 BAD_NAMED = 20  # bad lines named one by one; the rest counted by reason
 PROGRESS_SECONDS = 5.0
+ROLL_BYTES = 16 * 1024 * 1024  # each log compacted once this large (the proxy's: 64 MiB)
 
 
 def reader(fmt: str) -> Callable[[Path], Iterator[Read]]:
@@ -112,8 +113,9 @@ def feeds(summary: ImportSummary) -> list[str]:
         "(a trace, a session); the rest are groups of one, nothing to compare",
         "  `overnight train --sft`: imported answers the signals or a judge rate well are "
         "imitated (the text, re-tokenised)",
-        "  GRPO: never trained on as if sampled: imported: no token ids (off-policy); their "
-        "prompts may seed --resample's fresh on-policy siblings",
+        "  GRPO: never trained on as if sampled: imported: no token ids (off-policy); "
+        "--resample cannot sample siblings for them yet (it asks vLLM by token ids)",
+        "  the gate: imported first turns in its window may be held-out prompts",
     ]
 
 
@@ -162,11 +164,13 @@ def import_source(
     seen = stored_ids(data_dir)
     writer = None
     if not dry_run:
-        writer = LogWriter(WriterConfig(data_dir, compact_in_process=True))
+        # Compacted here, a log at a time: ROLL_BYTES bounds what compaction holds.
+        writer = LogWriter(WriterConfig(data_dir, compact_in_process=True, roll_bytes=ROLL_BYTES))
         writer.start()
     start = time.monotonic()
     last_say = start
     pending: list[dict] = []
+    last_path, name = None, ""
     try:
         for item, calls in read(source):
             summary.lines += 1
@@ -174,7 +178,9 @@ def import_source(
                 _bad(summary, item, calls, source)
                 continue
             now = now_us()
-            where = {"file": _name(item.path, source), "line": item.line or None}
+            if item.path != last_path:
+                last_path, name = item.path, _name(item.path, source)
+            where = {"file": name, "line": item.line or None}
             for call in calls:
                 summary.calls += 1
                 summary.failed_calls += call.error is not None
