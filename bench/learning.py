@@ -40,6 +40,7 @@ import html
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,11 @@ AGENT = ROOT / "examples" / "reasoning_gym_agent.py"
 REWARD = f"{ROOT / 'examples' / 'reasoning_gym_rewards.py'}:score_answer"
 # Chosen with bench/task_headroom.py (BENCHMARKS.md): untrained sampled scores in range.
 DEFAULT_TASKS = ["syllogism"]
+# The forgetting measure's base-model figures (DATA/references/<model>.json and .loglik.json:
+# the base model's greedy answers to the bundled references and their likelihoods), the same
+# for every data folder on this model: generated once (minutes on two cores), then copied
+# into each task's fresh data folder, as a later night on one folder reads its own.
+REFERENCES = ROOT / ".cache" / "bench" / "learning" / "references"
 PEERS = ("trl",)  # --peer: the same nights by another trainer (a later item of issue 49)
 
 
@@ -245,6 +251,20 @@ def night(env: dict, task: str, out: Path, url: str, d: int, args, say) -> tuple
     return day["mean_score"], gate
 
 
+def share_references(source: Path, target: Path) -> None:
+    """The forgetting measure's cached base-model figures from `source` to `target`, each
+    file where it holds more than the target's copy (the caches only grow)."""
+    if not source.is_dir():
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source.glob("*.json"):
+        there = target / path.name
+        if not there.exists() or len(json.loads(path.read_text())) > len(
+            json.loads(there.read_text())
+        ):
+            shutil.copyfile(path, there)
+
+
 def run_task(task: str, model_dir: str, out: Path, args, progress: Progress) -> list[Row]:
     """One task's nights on a fresh proxy and data folder: its rows."""
     from overnight.testing.processes import serve_local_model
@@ -252,6 +272,7 @@ def run_task(task: str, model_dir: str, out: Path, args, progress: Progress) -> 
     out.mkdir(parents=True, exist_ok=True)
     index = out / "index.json"
     index.write_text(json.dumps(index_specs(task, args), indent=1))
+    share_references(REFERENCES, out / "data" / "references")
     print(f"{task}: starting vLLM (CPU) and the proxy on {out / 'data'}", flush=True)
     server = serve_local_model(out / "data", model_dir, "smollm2", "--max-lora-rank", "8",
                                f"--vllm-arg=--max-model-len={args.max_model_len}")  # fmt: skip
@@ -277,6 +298,7 @@ def run_task(task: str, model_dir: str, out: Path, args, progress: Progress) -> 
                           f", greedy {row.greedy:.3f}, served by {row.served}")  # fmt: skip
     finally:
         server.stop()
+        share_references(out / "data" / "references", REFERENCES)
     return rows
 
 

@@ -93,3 +93,22 @@ def test_the_reward_function_finds_the_question_and_scores_it_as_the_agent_does(
         mp.delenv(rewards.INDEX_ENV)
         with pytest.raises(LookupError):
             rewards.score_answer(rollout("Yes"))
+
+
+def test_the_base_models_reference_figures_are_shared_where_they_hold_more(tmp_path):
+    from bench.learning import share_references
+
+    shared, data = tmp_path / "shared", tmp_path / "data" / "references"
+    share_references(shared, data)  # nothing shared yet: nothing done
+    assert not data.exists()
+    shared.mkdir()
+    (shared / "m.json").write_text(json.dumps({"a": "1", "b": "2"}))
+    share_references(shared, data)
+    assert json.loads((data / "m.json").read_text()) == {"a": "1", "b": "2"}
+    (data / "m.json").write_text(json.dumps({"a": "1", "b": "2", "c": "3"}))
+    (data / "m.loglik.json").write_text(json.dumps({"k": 0.5}))
+    share_references(shared, data)  # the fuller copy stays
+    assert len(json.loads((data / "m.json").read_text())) == 3
+    share_references(data, shared)
+    assert len(json.loads((shared / "m.json").read_text())) == 3
+    assert (shared / "m.loglik.json").exists()
