@@ -276,3 +276,19 @@ def test_an_empty_or_missing_source_is_said(tmp_path: Path, fmt: str) -> None:
         main, ["import", "--data", str(tmp_path / "d"), str(tmp_path / "nope"), "--format", fmt]
     )
     assert result.exit_code != 0 and "nope" in result.output
+
+
+def test_a_call_with_n_choices_is_a_row_each_its_request_stored_once(tmp_path: Path) -> None:
+    second = {"index": 1, "message": {"role": "assistant", "content": "five"},
+              "logprobs": None, "finish_reason": "stop"}  # fmt: skip
+    response = {**COMPLETION, "choices": [*COMPLETION["choices"], second]}
+    source = tmp_path / "calls.jsonl"
+    source.write_text(json.dumps({"request": {**REQUEST, "n": 2}, "response": response}) + "\n")
+    data = tmp_path / "data"
+    assert import_source(data, source, "openai-jsonl", say=lambda _: None).written == 2
+    rows = sorted(_rows(data), key=lambda r: r["choice_index"])
+    assert [json.loads(r["response"])["choices"][0]["message"]["content"] for r in rows] == [
+        "5", "five"]  # fmt: skip
+    assert rows[0]["rollout_id"].endswith(".0") and rows[1]["rollout_id"].endswith(".1")
+    assert rows[0]["group_id"] == rows[1]["group_id"] and all(r["request_shared"] for r in rows)
+    assert json.loads(rows[1]["request"])["n"] == 2  # the view gives the request back

@@ -77,7 +77,7 @@ class ImportSummary:
     seconds: float = 0.0
     dry_run: bool = False
 
-    def progress(self, read_bytes: int | None = None) -> str:
+    def progress(self) -> str:
         rate = self.rows / self.seconds if self.seconds else 0.0
         return (
             f"{self.fmt}: {self.lines} line(s), {self.calls} call(s), {self.rows} row(s) read "
