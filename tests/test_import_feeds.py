@@ -247,3 +247,31 @@ def test_an_sft_night_imitates_imported_answers_the_signals_rate_well(
     assert plan.groups == ["trace-c1t0"], (plan.groups, dict(plan.skipped))
     (sample,) = plan.samples
     assert "3 plus 4 is 7." in tokenizer.decode(sample.tokens)
+
+
+def test_ruler_reads_a_langfuse_session_as_a_group_of_its_traces(tmp_path):
+    """Two traces of one Langfuse session answer the same question: one group of two
+    rollouts, each with its whole conversation, as the judge loads finished groups."""
+    from overnight.judge.run import load_groups
+    from overnight.storage import finished_groups
+
+    ask = [SYSTEM, Q1]
+    lines = []
+    for n, (trace, answer) in enumerate([("t-a", "Sydney."), ("t-b", "Canberra.")]):
+        start = _iso(DAY + n * 10_000_000)
+        lines.append({"id": f"gen-{trace}", "traceId": trace, "sessionId": "sess-1",
+                      "type": "GENERATION", "startTime": start, "endTime": start,
+                      "model": "gpt-4o-mini", "input": ask, "output": bot(answer)})  # fmt: skip
+    source = tmp_path / "observations.jsonl"
+    source.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = tmp_path / "data"
+    summary = import_source(data, source, "langfuse", say=lambda _: None)
+    assert summary.grouped == 2
+    con = open_db(data)
+    try:
+        assert finished_groups(con, 600, None) == ["sess-1"]
+        (group,) = load_groups(con, ["sess-1"])
+    finally:
+        con.close()
+    assert sorted(r.rollout_id for r in group.trajectories) == ["t-a", "t-b"]
+    assert {r.messages[-1]["content"] for r in group.trajectories} == {"Sydney.", "Canberra."}
