@@ -292,3 +292,22 @@ def test_a_call_with_n_choices_is_a_row_each_its_request_stored_once(tmp_path: P
     assert rows[0]["rollout_id"].endswith(".0") and rows[1]["rollout_id"].endswith(".1")
     assert rows[0]["group_id"] == rows[1]["group_id"] and all(r["request_shared"] for r in rows)
     assert json.loads(rows[1]["request"])["n"] == 2  # the view gives the request back
+
+
+def test_a_gzip_cut_short_is_a_bad_line_and_the_next_file_is_read(tmp_path: Path) -> None:
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    lines = "".join(
+        json.dumps({"id": f"x{i}", "request": REQUEST, "response": COMPLETION}) + "\n"
+        for i in range(200)
+    )
+    whole = gzip.compress(lines.encode())
+    (folder / "a.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    (folder / "b.jsonl").write_text(json.dumps({"id": "y", "request": REQUEST,
+                                                "response": COMPLETION}) + "\n")  # fmt: skip
+    data = tmp_path / "data"
+    summary = import_source(data, folder, "openai-jsonl", say=lambda _: None)
+    assert summary.bad.total() == 1 and "cannot be read on" in summary.bad_named[0]
+    assert summary.bad_named[0].startswith("a.jsonl.gz:")
+    assert 0 < summary.written < 201 and "y" in {
+        json.loads(r["notes"])["imported"]["id"] for r in _rows(data)}  # fmt: skip

@@ -16,6 +16,8 @@ Read = tuple[Item, list[Call] | BadLine]
 
 
 def parse(item: Item) -> object:
+    if item.broken is not None:
+        raise BadLine(item.broken)
     try:
         return orjson.loads(item.data)
     except orjson.JSONDecodeError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ class Item:
     path: Path
     line: int  # 1-based; 0 for a whole file
     data: bytes
+    broken: str | None = None  # the file could not be read on from here (a cut gzip)
 
 
 class SourceError(Exception):
@@ -52,15 +54,21 @@ def open_binary(path: Path) -> io.BufferedIOBase:
 
 
 def items(source: Path, whole: bool = False) -> Iterator[Item]:
-    """Each non-blank line of each file (or each file whole), in order."""
+    """Each non-blank line of each file (or each file whole), in order. A file that
+    cannot be read to its end (a gzip cut short, a bad gzip) ends in one broken Item
+    saying why: counted as a bad line, and the next file is read."""
     for path in files_of(source):
-        with open_binary(path) as f:
-            if whole:
-                yield Item(path, 0, f.read())
-                continue
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    yield Item(path, number, line)
+        number = 0
+        try:
+            with open_binary(path) as f:
+                if whole:
+                    yield Item(path, 0, f.read())
+                    continue
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        yield Item(path, number, line)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            yield Item(path, number + 1, b"", broken=f"the file cannot be read on ({e})")
 
 
 def size_of(source: Path) -> int:
