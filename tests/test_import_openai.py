@@ -311,3 +311,15 @@ def test_a_gzip_cut_short_is_a_bad_line_and_the_next_file_is_read(tmp_path: Path
     assert summary.bad_named[0].startswith("a.jsonl.gz:")
     assert 0 < summary.written < 201 and "y" in {
         json.loads(r["notes"])["imported"]["id"] for r in _rows(data)}  # fmt: skip
+
+
+def test_as_policy_counts_the_calls_as_asked_of_an_alias(tmp_path: Path) -> None:
+    source = tmp_path / "calls.jsonl"
+    source.write_text(json.dumps({"request": REQUEST, "response": COMPLETION}) + "\n")
+    data = tmp_path / "data"
+    args = ["import", "--data", str(data), str(source), "--format", "openai-jsonl"]
+    result = CliRunner().invoke(main, [*args, "--as-policy", "support"])
+    assert result.exit_code == 0, result.output
+    (row,) = _rows(data)
+    assert row["model_requested"] == "support"
+    assert json.loads(row["request"])["model"] == "gpt-4o-mini"

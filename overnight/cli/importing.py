@@ -26,9 +26,20 @@ FORMATS = ("openai-jsonl", "openai-batch", "litellm", "langfuse", "otel")
     "--redact", metavar="MODULE:FUNCTION",
     help="The hook `overnight serve --redact` takes, applied to each imported row.",
 )  # fmt: skip
+@click.option(
+    "--as-policy", metavar="ALIAS",
+    help="Count the imported calls as asked for this policy's alias (their model_requested), "
+    "so that a night of that policy reads them where the proxy serves several; each "
+    "request keeps the model it named [default: that model].",
+)  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Read and count; write nothing.")
 def import_command(
-    data_dir: Path, source: Path, fmt: str, redact: str | None, dry_run: bool
+    data_dir: Path,
+    source: Path,
+    fmt: str,
+    redact: str | None,
+    as_policy: str | None,
+    dry_run: bool,
 ) -> None:
     """Import another tool's logged calls as `completions` rows, marked as imported.
 
@@ -48,7 +59,7 @@ def import_command(
     data_dir.mkdir(parents=True, exist_ok=True)
     try:
         summary = import_source(
-            data_dir, source, fmt, redact=redact, dry_run=dry_run,
+            data_dir, source, fmt, redact=redact, dry_run=dry_run, as_policy=as_policy,
             say=lambda line: click.echo(line, err=True),
         )  # fmt: skip
     except (SourceError, ConfigError, OSError) as e:

@@ -73,8 +73,12 @@ def _hashed(*parts: object) -> str:
     return PREFIX + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:28]
 
 
-def rows_of(call: Call, fmt: str, where: dict, now: int) -> list[dict]:
-    """The call's rows: one per choice of its answer (one with none: a failed call)."""
+def rows_of(
+    call: Call, fmt: str, where: dict, now: int, as_policy: str | None = None
+) -> list[dict]:
+    """The call's rows: one per choice of its answer (one with none: a failed call).
+    `as_policy`: the alias they count as asked for (a policy's night reads them: storage/
+    read/policy_scope.py); the request keeps the model it named."""
     acc = Accumulator(CHAT)
     for answer in call.answers:
         if isinstance(answer, dict):
@@ -114,7 +118,9 @@ def rows_of(call: Call, fmt: str, where: dict, now: int) -> list[dict]:
                 "turn_index": turns,
                 "choice_index": index,
                 "endpoint": CHAT,
-                "model_requested": request.get("model") if isinstance(request, dict) else None,
+                "model_requested": as_policy or (
+                    request.get("model") if isinstance(request, dict) else None
+                ),
                 "model_served": acc.meta.get("model"),
                 "adapter_version": None,
                 "request": request if not rows else None,

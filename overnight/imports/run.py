@@ -150,10 +150,12 @@ def import_source(
     *,
     redact: str | None = None,
     dry_run: bool = False,
+    as_policy: str | None = None,
     say: Callable[[str], None] = print,
     batch_rows: int = BATCH_ROWS,
 ) -> ImportSummary:
-    """Import `source` (a file or a directory, gzip or not) into `data_dir`."""
+    """Import `source` (a file or a directory, gzip or not) into `data_dir`. `as_policy`:
+    the alias the rows count as asked for (`model_requested`; the request keeps its own)."""
     read = reader(fmt)
     summary = ImportSummary(fmt, bytes_total=size_of(source), dry_run=dry_run)
     redactor = None
@@ -184,7 +186,7 @@ def import_source(
             for call in calls:
                 summary.calls += 1
                 summary.failed_calls += call.error is not None
-                for row in rows_of(call, fmt, where, now):
+                for row in rows_of(call, fmt, where, now, as_policy):
                     summary.rows += 1
                     summary.grouped += call.group is not None or call.rollout is not None
                     number = _number(row["record_id"])
