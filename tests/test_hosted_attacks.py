@@ -240,6 +240,7 @@ async def test_resampling_refuses_a_hosted_proxy_before_asking_its_upstream(
     """Before: the hosted API was asked for its models with OVERNIGHT_UPSTREAM_API_KEY
     as a Bearer (an anthropic upstream refuses that: the night failed on a 401 named vLLM's)."""
     from overnight.config import TrainConfig
+    from overnight.trainer.choose.inputs import Selection
     from overnight.trainer.choose.resample import ResampleError, resample_turns
 
     monkeypatch.setenv("OVERNIGHT_UPSTREAM_API_KEY", UPSTREAM_KEY)
@@ -247,5 +248,5 @@ async def test_resampling_refuses_a_hosted_proxy_before_asking_its_upstream(
     url = str(proxy.make_url(""))
     with pytest.raises(ResampleError, match="fronts a hosted API .* no token ids"):
         await asyncio.to_thread(
-            resample_turns, tmp_path / "data", TrainConfig(resample=2), proxy_url=url
+            resample_turns, Selection(tmp_path / "data"), TrainConfig(resample=2), proxy_url=url
         )

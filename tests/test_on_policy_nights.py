@@ -70,6 +70,7 @@ async def test_single_calls_train_on_policy_the_night_they_are_made(
     config = TrainConfig(**TINY_CPU_PRESET, watch=False, resample=K)
     lines: list[str] = []
     quiet = {"proxy_url": url, "settle_seconds": 0.0, "say": lines.append}
+    from overnight.trainer.choose.inputs import Selection
     from overnight.trainer.train import resample_turns, train
 
     means, nights = [], []
@@ -77,7 +78,8 @@ async def test_single_calls_train_on_policy_the_night_they_are_made(
         since = now_us()
         means.append(await a_day(proxy))
         await wait_for_rows(data, len(DAY) * (night + 1))
-        done = await asyncio.to_thread(resample_turns, data, config, **quiet)
+        done = await asyncio.to_thread(resample_turns, Selection(data, 0.0), config,
+                                       proxy_url=url, say=quiet["say"])  # fmt: skip
         assert done.turns == len(DAY), done.lines()
         await run_judge(data, None, reward, progress=False, settle_seconds=0)
         result = await asyncio.to_thread(
@@ -122,6 +124,7 @@ async def test_a_night_with_stale_data_reports_both_gaps_and_blames_neither_on_s
     from click.testing import CliRunner
 
     from overnight.cli.main import main
+    from overnight.trainer.choose.inputs import Selection
     from overnight.trainer.choose.staleness import TOO_STALE
     from overnight.trainer.train import resample_turns, train
 
@@ -136,7 +139,8 @@ async def test_a_night_with_stale_data_reports_both_gaps_and_blames_neither_on_s
             assert promoted.status == 200, await promoted.text()
         await day_of_single_calls(proxy)
         await wait_for_rows(data, len(QUESTIONS) * (day + 1))
-        await asyncio.to_thread(resample_turns, data, config, say=lambda _: None, **quiet)
+        await asyncio.to_thread(resample_turns, Selection(data, 0.0), config, proxy_url=url,
+                                say=lambda _: None)  # fmt: skip
         await run_judge(data, None, reward, progress=False, settle_seconds=0)
     # --max-staleness 0: the base model's day is left out, and the plan says why.
     strict = TrainConfig(**{**config.__dict__, "max_staleness": 0})

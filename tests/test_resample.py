@@ -459,7 +459,8 @@ async def test_resampling_single_calls_lifts_the_served_reward(vllm_server, make
     for night in range(NIGHTS):
         # The proxy commits its log asynchronously: the night starts once the day is on disk.
         await wait_for_rows(data, len(QUESTIONS) * (night + 1))
-        done = await asyncio.to_thread(resample_turns, data, config, **quiet)
+        done = await asyncio.to_thread(resample_turns, Selection(data, 0.0), config,
+                                       proxy_url=url, say=quiet["say"])  # fmt: skip
         assert done.turns == len(QUESTIONS) and done.siblings == K * len(QUESTIONS), done.lines()
         await run_judge(data, None, reward, progress=False, settle_seconds=0)
         result = await asyncio.to_thread(train, data, config, **quiet)
