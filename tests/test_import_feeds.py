@@ -275,3 +275,34 @@ def test_ruler_reads_a_langfuse_session_as_a_group_of_its_traces(tmp_path):
         con.close()
     assert sorted(r.rollout_id for r in group.trajectories) == ["t-a", "t-b"]
     assert {r.messages[-1]["content"] for r in group.trajectories} == {"Sydney.", "Canberra."}
+
+
+def test_a_grpo_plan_says_why_it_leaves_imported_groups_out(tmp_path):
+    """A session of two imported traces, rewarded apart: a GRPO night would train such a
+    group, but its turns were never sampled from the policy: the plan says so."""
+    from overnight.config import TrainConfig
+    from overnight.trainer.choose.inputs import Selection
+    from overnight.trainer.choose.plan import plan_run
+    from overnight.trainer.grpo.logged_turns import IMPORTED_SKIP
+
+    lines = []
+    for n, (trace, answer) in enumerate([("t-a", "Sydney."), ("t-b", "Canberra.")]):
+        start = _iso(DAY + n * 10_000_000)
+        lines.append({"id": f"gen-{trace}", "traceId": trace, "sessionId": "sess-1",
+                      "type": "GENERATION", "startTime": start, "endTime": start,
+                      "model": "policy", "input": [SYSTEM, Q1], "output": bot(answer)})  # fmt: skip
+    source = tmp_path / "observations.jsonl"
+    source.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = tmp_path / "data"
+    import_source(data, source, "langfuse", say=lambda _: None)
+    writer = LogWriter(WriterConfig(data, compact_in_process=True))
+    writer.start()
+    for rollout, reward in (("t-a", 0.0), ("t-b", 1.0)):
+        writer.append("rewards", {"reward_id": f"r-{rollout}", "schema_version": 2,
+                                  "rollout_id": rollout, "reward": reward, "source": "agent",
+                                  "created_at": now_us()})  # fmt: skip
+    writer.close()
+    plan = plan_run(Selection(data, settle_seconds=600, tokenizer=object()), TrainConfig())
+    assert plan.groups == [] and plan.samples == []
+    assert plan.skipped[f"turns skipped: {IMPORTED_SKIP}"] == 2, dict(plan.skipped)
+    assert any(IMPORTED_SKIP in line for line in plan.lines()), plan.lines()
