@@ -53,8 +53,8 @@ class Call:
     error: str | None = None
     http_status: int | None = None
     stream: bool | None = None
-    # A session or conversation the source names: the row's group, and the row counts as
-    # attributed (`attribution` "import"), as a client that names its rollout does.
+    # The source's session or conversation: the row's group. With `rollout`, the row
+    # counts as attributed (`attribution` "import"), as a client naming its rollout does.
     group: str | None = None
     rollout: str | None = None  # the source's trace: the rollout (its group without a session)
     usage: dict | None = None  # when the answer does not carry it
