@@ -121,7 +121,7 @@ def feeds(summary: ImportSummary) -> list[str]:
 
 def stored_ids(data_dir: Path) -> set[int]:
     """The imported rows already in the store, as the numbers their ids end in."""
-    if not (data_dir / "completions").exists() and not (data_dir / "wal").exists():
+    if not data_dir.is_dir():  # (a bucket's segments are read through its local directory)
         return set()
     import duckdb
 
