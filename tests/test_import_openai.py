@@ -323,3 +323,24 @@ def test_as_policy_counts_the_calls_as_asked_of_an_alias(tmp_path: Path) -> None
     (row,) = _rows(data)
     assert row["model_requested"] == "support"
     assert json.loads(row["request"])["model"] == "gpt-4o-mini"
+
+
+def test_progress_lines_come_as_it_goes(tmp_path: Path, monkeypatch) -> None:
+    import overnight.imports.run as run
+
+    monkeypatch.setattr(run, "PROGRESS_SECONDS", 0.0)
+    source = tmp_path / "calls.jsonl"
+    source.write_text("".join(
+        json.dumps({"id": f"p{i}", "request": REQUEST, "response": COMPLETION}) + "\n"
+        for i in range(3)))  # fmt: skip
+    said: list[str] = []
+    import_source(tmp_path / "data", source, "openai-jsonl", say=said.append)
+    assert said[-1].startswith("openai-jsonl: 3 line(s), 3 call(s), 3 row(s) read")
+    assert "already stored, 0 bad line(s)" in said[-1]
+
+
+def test_the_doc_shows_each_format() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "import.md").read_text()
+    for fmt in ("openai-jsonl", "openai-batch", "litellm", "otel", "langfuse"):
+        section = doc.split(f"### {fmt}\n", 1)[1].split("\n### ", 1)[0]
+        assert "```json" in section and "Lost" in section, fmt
