@@ -64,8 +64,10 @@ def main() -> None:
         vllm.start()
         try:
             vllm.wait_healthy()
-            trial = run_hindsight_trial if args.hindsight else run_trial
-            trial(vllm.url, model, Path(work), size, say=say)
+            if args.hindsight:  # the base model's reference answers cached beside it
+                run_hindsight_trial(vllm.url, model, Path(work), size, say, cache.parent)
+            else:
+                run_trial(vllm.url, model, Path(work), size, say=say)
         finally:
             vllm.stop()
 

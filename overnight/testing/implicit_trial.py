@@ -270,11 +270,18 @@ _PLAN_LINES = ("lone turns", "hindsight teacher", "sft (hindsight)", "skipped", 
 
 
 def run_hindsight_trial(
-    upstream: str, model_dir: Path, work: Path, size: TrialSize, say=print
+    upstream: str,
+    model_dir: Path,
+    work: Path,
+    size: TrialSize,
+    say=print,
+    references: Path | None = None,
 ) -> HindsightResult:
     """A day of users who correct with the right sum; a night on its implicit rewards and
     a --hindsight night on the same day; the held-out share answered right of the base
-    model and both adapters, and their forgetting (see the module's docstring)."""
+    model and both adapters, and their forgetting (see the module's docstring).
+    `references`: where the base model's reference answers are cached (default: in
+    `work`, generated every run)."""
     import time
     from dataclasses import replace
 
@@ -315,7 +322,7 @@ def run_hindsight_trial(
     result.held_out = held_out_means(upstream, adapters, size)
     result.seconds["held-out sampling"] = time.monotonic() - began
     began = time.monotonic()
-    result.forgetting, result.budget = forgetting(model_dir, adapters, work / "references", say)
+    result.forgetting, result.budget = forgetting(model_dir, adapters, references or work, say)
     result.seconds["forgetting"] = time.monotonic() - began
     for line in result.lines():
         say(line)
