@@ -174,8 +174,13 @@ class Teacher:
 def teacher_at(config: TrainConfig, proxy_url, token, state) -> Teacher:
     """The teacher: vLLM at --resample-upstream, else the proxy's first healthy replica
     (as --resample finds it)."""
-    from .resample import _proxy_upstream
+    from .resample import ResampleError, _proxy_upstream
 
+    if not (config.resample_upstream or proxy_url):
+        raise ResampleError(
+            "--hindsight asks vLLM for the teacher's revisions: give --proxy (to find vLLM) "
+            "or --resample-upstream"
+        )
     url = config.resample_upstream or _proxy_upstream(proxy_url, token, config.policy, state)
     return Teacher(url.rstrip("/"), os.environ.get("OVERNIGHT_UPSTREAM_API_KEY") or None)
 
