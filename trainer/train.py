@@ -315,7 +315,7 @@ class Night:
         self.adapter_dir = self.data_dir / "adapters" / self.run_dir.run_id
         spec = resolve_references(config.reference, self.base_model)
         if self.promote_it and self.proxy_url and spec is not None:
-            load_references(spec)  # a bad --reference fails before training
+            load_references(spec, self.data_dir)  # a bad --reference fails before training
         self.colocated = bool(self.proxy_url) and should_colocate(
             config.colocate, self.state, _on_gpu(), self.say
         )

@@ -264,8 +264,10 @@ class TrainConfig:
             "help": "The reference set forgetting is measured on every gated night: bundled (a "
             "hundred-odd general prompts shipped with overnight, the base model's own greedy "
             "answers as references), a JSONL file of {messages, reference} lines (the "
-            "operator's; a line without reference gets the base model's), both as "
-            "bundled,PATH, off, or auto (bundled; off on overnight's tiny random model)."
+            "operator's; a line without reference gets the base model's), imported:all or "
+            "imported:FORMAT[:N] (up to N, default 200, imported turns with the answers "
+            "they were given: docs/import.md), several comma-separated (bundled,PATH), off, "
+            "or auto (bundled; off on overnight's tiny random model)."
         },
     )
     # Argued from measurements on SmolLM2 (docs/operations.md, BENCHMARKS.md): a normal

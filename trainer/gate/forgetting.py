@@ -30,6 +30,7 @@ from overnight.models.tiny import is_tiny
 from overnight.progress import Progress, untold
 from overnight.storage import open_db
 from overnight.storage.files import replace_durably
+from overnight.storage.read.images import shows_images
 
 from .prompts import GatePrompt
 from .verdict import generate_replies, load_named, prompt_ids
@@ -39,6 +40,12 @@ ANSWER_TOKENS = 48  # greedy tokens of a base answer: a sentence or two, as the 
 BATCH = 16  # references scored together (sorted by length: little padding)
 MAX_ANSWER_TOKENS = 128  # an operator's long reference is scored on its beginning
 LOST = 0.5  # nats per token: a reference whose likelihood fell this far counts as lost
+# `--reference imported:...`: imported history (docs/import.md). The formats are
+# overnight/imports/run.py's FORMATS (the trainer does not import the importer; a test
+# holds the two lists equal); IMPORTED_COUNT: the most turns one part gives by default.
+IMPORTED_PREFIX = "imported:"
+IMPORT_FORMATS = ("openai-jsonl", "openai-batch", "litellm", "langfuse", "otel")
+IMPORTED_COUNT = 200
 # Below this, two figures are the same adapter's (float sums in another order): a
 # candidate over the budget is "further than the served one" only beyond it.
 SAME = 1e-3
@@ -52,7 +59,7 @@ class ReferenceSetError(ConfigError):
 class Reference:
     messages: list[dict]
     answer: str | None  # None: the base model's own greedy answer (base_answers)
-    source: str  # "bundled" or the operator's file
+    source: str  # "bundled", the operator's file, or "imported:FORMAT" (imported history)
 
     @property
     def key(self) -> str:
@@ -62,24 +69,130 @@ class Reference:
 def resolve(spec: str, base_model: str | None) -> str | None:
     """The reference set `--reference` means for this base model; None: none measured
     (off, and auto on overnight's tiny random model: nothing learnt, nothing to lose;
-    its drift on random answers would refuse nights for noise). auto elsewhere: bundled."""
+    its drift on random answers would refuse nights for noise). auto elsewhere: bundled.
+    A spec that cannot be read as one fails here (ReferenceSetError), whatever the model."""
     if spec == "off" or (spec == "auto" and is_tiny(base_model)):
         return None
+    if spec != "auto":
+        parts(spec)
     return "bundled" if spec == "auto" else spec
 
 
-def load_references(spec: str) -> list[Reference]:
-    """The reference set `--reference` names: `bundled`, a JSONL file, both (`bundled,PATH`)."""
-    refs: list[Reference] = []
+def parts(spec: str) -> list[str | Imported]:
+    """The parts of a `--reference` spec, each `bundled`, a file's path, or an imported
+    part (`imported:all` or `imported:FORMAT`, with `:N` the most references it gives);
+    a malformed imported part is a ReferenceSetError naming what it accepts."""
+    out: list[str | Imported] = []
     for part in (p.strip() for p in spec.split(",")):
+        if part in ("off", "auto") and spec.strip() != part:
+            raise ReferenceSetError(f"--reference {spec!r}: {part} is a spec alone, not a part")
+        if part.startswith(IMPORTED_PREFIX):
+            out.append(Imported.parse(part))
+        elif part:
+            out.append(part)
+    return out
+
+
+@dataclass(frozen=True)
+class Imported:
+    """`imported:FORMAT[:N]`: up to N imported turns' prompts with the answers the team's
+    served model gave them (what an adapter must not lose), drawn stably by record id."""
+
+    fmt: str  # one of IMPORT_FORMATS, or "all"
+    count: int = IMPORTED_COUNT
+
+    @classmethod
+    def parse(cls, part: str) -> Imported:
+        fields = part[len(IMPORTED_PREFIX) :].split(":")
+        fmt, count = fields[0], fields[1] if len(fields) > 1 else str(IMPORTED_COUNT)
+        if len(fields) > 2 or fmt not in ("all", *IMPORT_FORMATS) or not count.isdigit() \
+                or int(count) < 1:  # fmt: skip
+            raise ReferenceSetError(
+                f"--reference {part!r}: want imported:all or imported:FORMAT, FORMAT one of "
+                f"{', '.join(IMPORT_FORMATS)}, optionally :N (how many turns at most, "
+                f"default {IMPORTED_COUNT}), e.g. imported:litellm:500"
+            )
+        return cls(fmt, int(count))
+
+    @property
+    def source(self) -> str:
+        return f"{IMPORTED_PREFIX}{self.fmt}"
+
+
+def load_references(spec: str, data_dir: Path | None = None) -> list[Reference]:
+    """The reference set `--reference` names: `bundled`, a JSONL file, imported history
+    read from `data_dir` (`imported:all`, `imported:FORMAT[:N]`), several (`bundled,PATH`)."""
+    refs: list[Reference] = []
+    for part in parts(spec):
         if part == "bundled":
             rows = json.loads(BUNDLED.read_text(encoding="utf-8"))
             refs += [Reference(r["messages"], None, "bundled") for r in rows]
-        elif part:
+        elif isinstance(part, Imported):
+            if data_dir is None:
+                raise ReferenceSetError(f"--reference {part.source}: no data directory to read")
+            found = imported_references(Path(data_dir), part)
+            if not found:
+                raise ReferenceSetError(
+                    f"--reference {part.source}: no imported turn in {data_dir} with a prompt "
+                    "and a text answer (overnight import, docs/import.md)"
+                )
+            refs += found
+        else:
             refs += read_jsonl(Path(part))
     if not refs:
         raise ReferenceSetError(f"--reference {spec!r} names no reference prompts")
     return refs
+
+
+# What a reference can be made of among imported rows: a successful call whose request is
+# a conversation without pictures (the measure goes through the tokenizer) and whose first
+# choice answered in text (a tool call has no text to keep the likelihood of).
+_IMPORTED = """
+    SELECT request, answer, upstream FROM (
+        SELECT record_id, request,
+               json_extract_string(response, '$.choices[0].message.content') AS answer,
+               json_extract_string(notes, '$.upstream') AS upstream
+        FROM completions
+        WHERE starts_with(record_id, 'imp-') AND error IS NULL AND request IS NOT NULL
+    )
+    WHERE {which} AND answer IS NOT NULL AND trim(answer) <> ''
+    ORDER BY md5(record_id), record_id
+"""
+
+
+def imported_references(data_dir: Path, part: Imported) -> list[Reference]:
+    """Up to `part.count` imported turns of `part.fmt` (notes' `upstream`, docs/import.md)
+    as references: the request's messages and the imported answer, each prompt once,
+    drawn in the order of their record ids' md5 (the same set every night while the
+    history stays the same; a new import adds a few, it does not reshuffle the rest)."""
+    if part.fmt == "all":
+        which, params = "starts_with(upstream, ?)", [IMPORTED_PREFIX]
+    else:
+        which, params = "upstream = ?", [part.source]
+    con = open_db(data_dir)
+    try:
+        cursor = con.execute(_IMPORTED.format(which=which), params)
+        refs, seen = [], set()
+        while len(refs) < part.count and (rows := cursor.fetchmany(256)):
+            for request_text, answer, upstream in rows:
+                ref = _imported_reference(request_text, answer, upstream)
+                if ref is not None and ref.key not in seen and len(refs) < part.count:
+                    seen.add(ref.key)
+                    refs.append(ref)
+    finally:
+        con.close()
+    return refs
+
+
+def _imported_reference(request_text: str, answer: str, source: str) -> Reference | None:
+    try:
+        request = json.loads(request_text)
+    except ValueError:
+        return None
+    messages = request.get("messages") if isinstance(request, dict) else None
+    if not messages or not isinstance(messages, list) or shows_images(messages):
+        return None
+    return Reference(messages, answer, source)
 
 
 def read_jsonl(path: Path) -> list[Reference]:
@@ -269,7 +382,7 @@ def measure(
     one model in memory with both adapters on it; `say`: progress lines now and then
     (overnight/progress.py)."""
     began = time.monotonic()
-    refs = load_references(spec or config.reference)
+    refs = load_references(spec or config.reference, data_dir)
     adapters = {"candidate": candidate, "served": served}
     model, tokenizer, device = load_named(base_model, adapters, config)
     answers = base_answers(data_dir, base_model, model, tokenizer, refs, device, say)
