@@ -32,6 +32,7 @@ import datetime as dt
 import http.client
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -111,6 +112,8 @@ class Teacher:
     seconds: float = 0.0
     # (url, body) -> the JSON answer; replaced in tests.
     post: Callable[[str, dict], dict] | None = None
+    # The counts above are added to from CONCURRENCY threads.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def models(self) -> set[str] | None:
         """The models and adapters vLLM serves now; None where it does not say."""
@@ -129,19 +132,19 @@ class Teacher:
         for key in ("tools", "tool_choice"):
             if request.get(key):
                 body[key] = request[key]
-        self.calls += 1
         started = time.perf_counter()
+        answer = None
         try:
             answer = self._call(self.url.rstrip("/") + "/v1/chat/completions", body)
-        except (OSError, ValueError, http.client.HTTPException):
-            self.failed += 1
-            raise
+            return answer
         finally:
-            self.seconds += time.perf_counter() - started
-        usage = answer.get("usage") or {}
-        self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-        self.completion_tokens += int(usage.get("completion_tokens") or 0)
-        return answer
+            usage = (answer or {}).get("usage") or {}
+            with self.lock:
+                self.calls += 1
+                self.failed += answer is None
+                self.seconds += time.perf_counter() - started
+                self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                self.completion_tokens += int(usage.get("completion_tokens") or 0)
 
     def line(self) -> str:
         return (
@@ -310,7 +313,7 @@ def plan_hindsight(selection: Selection, config: TrainConfig, teacher: Teacher, 
         "min_reward": None,
         "rollouts": len(chosen),
         "selected_rollouts": len(samples),
-        "held_out": [],
+        "held_out": sorted({t.group_id for t in turns if t.why == HELD_OUT}),
         "duplicates": 0,
         "hindsight": {
             "corrected_turns": len(turns),
@@ -318,7 +321,7 @@ def plan_hindsight(selection: Selection, config: TrainConfig, teacher: Teacher, 
             "teacher_failed": teacher.failed,
             "teacher_prompt_tokens": teacher.prompt_tokens,
             "teacher_completion_tokens": teacher.completion_tokens,
-        },  # fmt: skip
+        },
     }
     plan.waiting = list(plan.groups)
     plan.damaged = damaged_files(selection.data_dir)
