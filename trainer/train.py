@@ -23,6 +23,10 @@ conversations rendered with the local chat template, chosen by reward, a share h
 for the gate) and the step's objective the assistant tokens' cross-entropy; resuming,
 the gate, the promotion and the record are the same.
 
+With --hindsight the plan is choose/hindsight.py's: the answers users corrected, each
+asked again of vLLM with the user's next message as a hint, the revision trained without
+it by the same cross-entropy (an --sft night in every other step).
+
 Under torchrun every process runs this; process 0 decides what to train on and does
 everything with side effects (files, the run record, the promotion). Progress goes to
 `say` (a line per stage and per step, with rates).
