@@ -283,3 +283,14 @@ def test_overnight_train_hindsight_plans_through_a_teacher_over_http(tmp_path, t
         and "--hindsight" in lost.output
         and "--resample-upstream" in (lost.output)
     )
+
+
+def test_the_teacher_is_the_proxys_first_healthy_replica_without_resample_upstream():
+    from overnight.trainer.choose.hindsight import teacher_at
+
+    state = {"replicas": [{"url": "http://a:1", "healthy": False},
+                          {"url": "http://b:2/", "healthy": True}]}  # fmt: skip
+    config = TrainConfig(hindsight=True)
+    assert teacher_at(config, "http://proxy", None, state).url == "http://b:2"
+    given = TrainConfig(hindsight=True, resample_upstream="http://vllm:8000/")
+    assert teacher_at(given, "http://proxy", None, state).url == "http://vllm:8000"

@@ -184,7 +184,10 @@ def teacher_at(config: TrainConfig, proxy_url, token, state) -> Teacher:
             "--hindsight asks vLLM for the teacher's revisions: give --proxy (to find vLLM) "
             "or --resample-upstream"
         )
-    url = config.resample_upstream or _proxy_upstream(proxy_url, token, config.policy, state)
+    url = config.resample_upstream
+    if not url:
+        found = _proxy_upstream(proxy_url, token, config.policy, state)
+        url = found[0] if isinstance(found, tuple) else found  # (url, state) in a later form
     return Teacher(url.rstrip("/"), os.environ.get("OVERNIGHT_UPSTREAM_API_KEY") or None)
 
 
