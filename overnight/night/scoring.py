@@ -21,10 +21,11 @@ Say = Callable[[str], None]
 
 
 def read_signals_once(data_dir: Path, policies: list[PolicyNight], say: Say) -> None:
-    """When a night's reward sources name `implicit`: the signals of what happened next
-    and the rewards they make (judge/implicit.py), once for all of tonight's policies (a
-    turn's signals are its own, whichever policy trains on it)."""
-    if any("implicit" in p.train.reward_sources for p in policies):
+    """When a night's reward sources name `implicit`, or it learns from the corrections
+    themselves (--hindsight): the signals of what happened next and the rewards they make
+    (judge/implicit.py), once for all of tonight's policies (a turn's signals are its own,
+    whichever policy trains on it)."""
+    if any("implicit" in p.train.reward_sources or p.train.hindsight for p in policies):
         from overnight.judge.implicit import run_signals
 
         for line in run_signals(data_dir, rewards=True).lines():
@@ -63,7 +64,8 @@ def _resample(night, policy, scope, state, tool_calls: dict, say: Say, warn: Say
     """Siblings of single calls first (trainer/choose/resample.py): the judge scores them
     next, and the plan takes the per-turn groups they form."""
     from overnight.trainer.choose.inputs import Selection
-    from overnight.trainer.choose.resample import resample_turns
+    from overnight.trainer.choose.resample import imported_tokenizer, resample_turns
+    from overnight.trainer.serving.proxy_client import base_model_of
 
     if not policy.scores:
         warn("warning: --resample without --reward or --judge-model: the siblings stay "
@@ -72,7 +74,12 @@ def _resample(night, policy, scope, state, tool_calls: dict, say: Say, warn: Say
         from overnight.judge.tool_calls import sibling_parser
 
         sibling_parser(*tool_calls.values())
-    selection = Selection(night.data_dir, night.settle_seconds, night.since, scope=scope)
+    # Imported turns have no token ids: their messages are rendered with the base model's
+    # chat template (loaded only where the store holds some).
+    base = None if (state or {}).get("upstream") else (
+        policy.train.base_model or base_model_of(state or {}))  # fmt: skip
+    selection = Selection(night.data_dir, night.settle_seconds, night.since, scope=scope,
+                          tokenizer=imported_tokenizer(night.data_dir, base))  # fmt: skip
     resample_turns(selection, policy.train, proxy_url=night.proxy_url, admin_token=night.token,
                    say=say, state=state)  # fmt: skip
 
