@@ -17,6 +17,12 @@ trainable but left for a later night (held out for the gate, past --max-groups) 
 (pending). The own group comes first: its reward is the task's outcome, credited to
 every turn, which a per-turn group cannot see. The reverse order (a per-turn group
 trained first, its own group trainable only later) is plan.py's `TRAINED_AS_TURNS`.
+
+A per-turn group of an imported turn (docs/import.md; resample.py renders its prompt)
+trains its siblings only: each is the prompt rendered for it (kept in its notes) and
+what vLLM sampled, with its logprobs. The imported answer is scored with them (the judge
+compares the group) but never trained: no logprobs, not the policy's sample (the plan's
+`turns skipped: imported: no token ids (off-policy)`); the advantages are the siblings'.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import pyarrow as pa
 from overnight.config import TrainConfig
 from overnight.storage import open_db
 from overnight.storage.read.siblings import TURN_PREFIX, add_turn_views
-from overnight.trainer.grpo.data import DataError, group_advantages
-from overnight.trainer.grpo.logged_turns import load_samples
+from overnight.trainer.grpo.data import DataError, Turn, group_advantages, merge_turns
+from overnight.trainer.grpo.logged_turns import IMPORTED_SKIP, Loaded, load_samples
+from overnight.trainer.grpo.sampling import from_request
 
 from .inputs import Selection
 from .plan import (
@@ -104,9 +111,13 @@ def add_turn_groups(selection: Selection, plan: Plan, config: TrainConfig) -> Pl
         pending += wanted[room:] if room is not None else []
         wanted = wanted[:room] if room is not None else wanted
         plan.loaded_groups += wanted
+        imported = _imported_turns(con, wanted)
         loaded = load_samples(
-            con, wanted, None, sampling_defaults, view="turn_completions", vision=vision
-        )
+            con, [g for g in wanted if g not in imported], None, sampling_defaults,
+            view="turn_completions", vision=vision,
+        )  # fmt: skip
+        if imported:
+            _add(loaded, _imported_samples(con, sorted(imported), sampling_defaults))
     finally:
         con.close()
     _take(plan, wanted, loaded, rewards, config)
@@ -152,6 +163,64 @@ def _take(plan: Plan, wanted: list[str], loaded, rewards: dict[str, float], conf
         else:
             plan.take(group_id, samples, {s.rollout_id: rewards[s.rollout_id] for s in samples},
                       verdict)  # fmt: skip
+
+
+# The notes key resample.py keeps an imported turn's rendered prompt under (a sibling's).
+IMPORTED_PROMPT = "imported_prompt_token_ids"
+
+
+def _imported_turns(con, groups: list[str]) -> set[str]:
+    """Of `groups`, the per-turn groups of imported turns (their notes' upstream)."""
+    if not groups:
+        return set()
+    con.register("_turn_imported", pa.table({"group_id": pa.array(groups, pa.string())}))
+    rows = con.execute(
+        "SELECT 'turn:' || record_id FROM completions WHERE 'turn:' || record_id IN "
+        "(SELECT group_id FROM _turn_imported) AND "
+        "starts_with(json_extract_string(notes, '$.upstream'), 'imported:')"
+    ).fetchall()
+    return {g for (g,) in rows}
+
+
+def _imported_samples(con, groups: list[str], sampling_defaults: dict | None) -> Loaded:
+    """The trainable members of imported turns' per-turn groups: the siblings, each its
+    rendered prompt (notes) and what vLLM sampled, as the body sent asked it sampled.
+    The imported answer is counted as skipped, never a sample."""
+    out = Loaded()
+    con.register("_turn_imported", pa.table({"group_id": pa.array(groups, pa.string())}))
+    served = con.execute(
+        "SELECT count(*) FROM turn_completions WHERE origin = 'served' "
+        "AND group_id IN (SELECT group_id FROM _turn_imported)"
+    ).fetchone()[0]
+    if served:
+        out.skipped[IMPORTED_SKIP] += served
+    rows = con.execute(
+        f"""
+        SELECT group_id, rollout_id, model_served, request, completion_token_ids,
+               completion_logprobs, json_extract(notes, '$.{IMPORTED_PROMPT}')
+        FROM siblings WHERE error IS NULL AND group_id IN (SELECT group_id FROM _turn_imported)
+        ORDER BY group_id, rollout_id
+        """
+    ).fetchall()
+    for group_id, rollout_id, model, sent, completion, logprobs, prompt in rows:
+        prompt = json.loads(prompt) if isinstance(prompt, str) else prompt
+        if not prompt or not completion or not logprobs:
+            out.skipped["imported: a sibling without its rendered prompt or its logprobs"] += 1
+            continue
+        try:
+            sampling = from_request(json.loads(sent) if sent else {}, sampling_defaults or {})
+            turn = Turn(list(prompt), list(completion), list(logprobs), sampling, model)
+        except DataError as e:
+            out.skipped[str(e)] += 1
+            continue
+        out.samples += merge_turns(rollout_id, group_id, [turn])
+    return out
+
+
+def _add(loaded: Loaded, more: Loaded) -> None:
+    loaded.samples += more.samples
+    for reason, n in more.skipped.items():
+        loaded.skipped[reason] += n
 
 
 def trained_turn_sources(con) -> set[str]:
