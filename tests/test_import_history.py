@@ -160,3 +160,27 @@ def test_recent_imported_first_turns_are_the_gates_held_out_prompts(imported):
     assert [p.messages for p in prompts] == distinct[:4]
     assert all(p.group_id.startswith("imp-") for p in prompts)
     assert plan.groups == [] and not plan.skipped
+
+
+def test_forgetting_is_measured_on_the_imported_answers(imported, tiny_model_dir, tmp_path):
+    """The measure itself, on the tiny model: the imported answers are the references (the
+    base model answers none of them: nothing generated, no answer cache written)."""
+    pytest.importorskip("peft")
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    fresh_adapter = tmp_path / "fresh"  # B is zero: exactly the base model
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        fresh_adapter
+    )
+    from overnight.config import TrainConfig
+    from overnight.trainer.gate.forgetting import measure
+
+    config = TrainConfig(reference="imported:all:4")
+    result = measure(config, imported, str(tiny_model_dir), fresh_adapter, None, say=lambda _: None)
+    assert result.references == 4
+    assert result.candidate == pytest.approx(0.0, abs=1e-4)  # a fresh LoRA is the base model
+    answers = list((imported / "references").glob("*.json"))
+    assert [p.name for p in answers if not p.name.endswith(".loglik.json")] == []

@@ -40,7 +40,7 @@ def import_one(data: Path) -> str:
                          "message": bot("2, 3 and 5.")}]}}  # fmt: skip
     source.write_text(json.dumps(line) + "\n")
     assert import_source(data, source, "openai-jsonl", say=lambda _: None).written == 1
-    (record,) = rows(data, "SELECT record_id FROM completions")
+    (record,) = rows(data, "SELECT record_id FROM completions WHERE starts_with(record_id, 'imp-')")
     return record["record_id"]
 
 
@@ -123,3 +123,15 @@ async def test_an_imported_turn_gets_siblings_asked_by_its_rendered_ids_and_trai
         assert sample.behaviour_logprobs[len(rendered) :] == pytest.approx(logprobs)
     assert abs(sum(s.advantage for s in plan.samples)) < 1e-6  # the siblings' own baseline
     assert any(IMPORTED_SKIP in line for line in plan.lines()), plan.lines()
+
+
+def test_the_night_loads_the_tokenizer_only_where_imported_turns_wait(tmp_path, tiny_model_dir):
+    from overnight.trainer.choose.resample import imported_tokenizer
+
+    data = tmp_path / "data"
+    append(data, "completions", [served()])
+    assert imported_tokenizer(data, str(tiny_model_dir)) is None  # captured traffic only
+    import_one(data)
+    assert imported_tokenizer(data, None) is None  # no base model known
+    assert imported_tokenizer(data, str(tmp_path / "no-such-model")) is None
+    assert imported_tokenizer(data, str(tiny_model_dir)).chat_template
