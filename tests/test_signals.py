@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 from urllib.parse import quote
 
 import pytest
@@ -585,3 +586,57 @@ def test_a_night_on_implicit_rewards_never_rewards_a_complaint_outside_the_rules
     assert all(rewards[r] < 0 for r in answered), rewards
     found = rows(tmp_path, "SELECT record_id, kind, extra FROM signals WHERE kind != 'ended'")
     assert {r["kind"] for r in found if r["record_id"] in answered} == {CORRECTED}
+
+
+def test_the_pool_never_trains_towards_an_answer_that_drew_a_complaint(tmp_path):
+    """The advantages' sign, not only the rewards': against a baseline of a pool that is
+    mostly complaints, a milder complaint sits above the mean and would earn a positive
+    advantage. The implicit rewards `overnight signals --rewards` wrote for complaints
+    outside the rules, beside two approvals and one turn whose signals partly disagree (a
+    correction read surely, an acceptance less so: implicit_reward's weighted mean, still a
+    complaint), pooled as a night pools lone turns: no complained-about answer is trained
+    towards, no approved one away from (trainer/grpo/data.py's keep_signs)."""
+    from overnight.config import TrainConfig
+    from overnight.judge.implicit import implicit_reward, run_signals
+    from overnight.judge.signals import Signal
+    from overnight.trainer.choose.lone_turns import _pool
+    from overnight.trainer.choose.plan import Plan
+    from overnight.trainer.grpo.data import Sample
+
+    praise = ["Thanks, that's right!", "perfect, thank you"]
+    _turns_with_reactions(tmp_path, [*UNRULED_COMPLAINTS, *praise])
+    run_signals(tmp_path, rewards=True)
+    rewards = {r["rollout_id"]: r["reward"] for r in rows(
+        tmp_path, "SELECT rollout_id, reward FROM rewards WHERE source = 'implicit'")}  # fmt: skip
+    complained = {f"c{i}.0" for i in range(len(UNRULED_COMPLAINTS))}
+    approved = {f"c{len(UNRULED_COMPLAINTS) + i}.0" for i in range(len(praise))}
+    assert all(rewards[r] < 0 for r in complained) and all(rewards[r] > 0 for r in approved)
+    mild = implicit_reward([Signal("m", CORRECTED, -1.0, 0.6, "r"),
+                            Signal("m", "accepted", 1.0, 0.4, "r")])  # fmt: skip
+    assert mild is not None and -1 < mild < 0
+    rewards["mild"] = mild
+    complained.add("mild")
+    pooled = sorted(complained | approved)
+    mean = statistics.fmean(rewards[r] for r in pooled)
+    assert rewards["mild"] > mean  # the case: a complaint above the pool's baseline
+    samples = [Sample(r, r, [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], 1) for r in pooled]
+    plan = Plan()
+    _pool(plan, samples, {r: ("implicit", rewards[r]) for r in pooled}, TrainConfig())
+    advantages = {s.rollout_id: s.advantage for s in plan.samples}
+    assert set(advantages) == set(pooled), plan.lines()
+    assert all(advantages[r] <= 0 for r in complained), advantages
+    assert all(advantages[r] > 0 for r in approved), advantages
+    assert advantages["mild"] == 0.0  # cut: it would have been trained towards
+
+
+def test_keep_signs_cuts_only_the_signed_rollouts_that_would_go_the_wrong_way():
+    from overnight.trainer.grpo.data import group_advantages, keep_signs
+
+    rewards = {"a": -0.9, "b": -0.9, "c": -0.2, "d": 0.5, "e": 0.1}
+    adv = group_advantages(rewards)  # mean -0.28: c, a complaint, sits above it
+    cut = keep_signs(adv, rewards, {"a", "b", "c", "d"})
+    assert adv.advantages["c"] > 0 and cut.advantages["c"] == 0.0
+    assert cut.advantages["a"] == adv.advantages["a"] < 0
+    assert cut.advantages["d"] == adv.advantages["d"] > 0
+    assert cut.advantages["e"] == adv.advantages["e"]  # not signed: as computed
+    assert (cut.mean, cut.std) == (adv.mean, adv.std)

@@ -31,11 +31,18 @@ from overnight.config import TrainConfig
 from overnight.storage import open_db
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.storage.read.siblings import TURN_PREFIX, add_turn_views, served_member_id
-from overnight.trainer.grpo.data import DataError, GroupAdvantages, Sample, group_advantages
+from overnight.trainer.grpo.data import (
+    DataError,
+    GroupAdvantages,
+    Sample,
+    group_advantages,
+    keep_signs,
+)
 from overnight.trainer.grpo.logged_turns import load_samples
 
 from .inputs import Selection
 from .plan import (
+    IMPLICIT,
     Plan,
     chosen_sourced_rewards,
     pools_lone_turns,
@@ -103,6 +110,9 @@ def _pool(plan: Plan, samples: list[Sample], sourced: dict, config: TrainConfig)
     else:
         try:
             adv = group_advantages(rewards, config.scale_by_std)
+            # An answer that drew a complaint is never trained towards (data.keep_signs).
+            implicit = {r for r in rewards if sourced[r][0] == IMPLICIT}
+            adv = adv and keep_signs(adv, rewards, implicit)
         except DataError as e:
             adv, why = None, str(e)
         why = why or (None if adv is not None else "all rewards equal: no signal")

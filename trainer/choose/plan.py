@@ -48,7 +48,7 @@ from overnight.storage.read.sent_by import without_own
 from overnight.storage.read.siblings import TURN_PREFIX
 from overnight.storage.verified import left_out
 from overnight.telemetry import traced
-from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages
+from overnight.trainer.grpo.data import GroupAdvantages, Sample, group_advantages, keep_signs
 from overnight.trainer.grpo.logged_turns import Loaded, load_samples
 
 from .inputs import Selection
@@ -60,6 +60,8 @@ from .selection import (
     selection_basis,
 )
 
+# The reward source read from what users did next: its sign means something (keep_signs).
+IMPLICIT = "implicit"
 # Why a served group is left out when a turn of it already trained in its per-turn group.
 TRAINED_AS_TURNS = "a turn of it was trained in its per-turn group (a turn trains once)"
 
@@ -282,9 +284,11 @@ def plan_run(selection: Selection, config: TrainConfig) -> Plan:
         last, candidates, rollouts, turn_pool, done = looked_at_groups(
             data_dir, con, config, settle_seconds, since, only, scope
         )
-        rewards = chosen_rewards(
+        sourced = chosen_sourced_rewards(
             con, config.reward_sources, [r for rs in rollouts.values() for r in rs]
         )
+        rewards = {r: v for r, (_, v) in sourced.items()}
+        signed = {r for r, (source, _) in sourced.items() if source == IMPLICIT}
         verdicts = _reward_verdicts(rollouts, rewards, config)
         if only is None:  # a resumed run trains exactly what it began with
             undecided = [g for g in candidates if g not in verdicts]
@@ -313,7 +317,7 @@ def plan_run(selection: Selection, config: TrainConfig) -> Plan:
         if max_groups is not None and len(plan.groups) >= max_groups:
             pending += [group_id] if verdicts.get(group_id) is None else []
             continue
-        verdict = verdicts.get(group_id) or _advantages_or_reason(samples, rewards, config)
+        verdict = verdicts.get(group_id) or _advantages_or_reason(samples, rewards, config, signed)
         if isinstance(verdict, str):
             plan.skipped[verdict] += 1
             continue
@@ -507,9 +511,10 @@ def _plan_from(loaded: Loaded) -> Plan:
 
 
 def _advantages_or_reason(
-    samples: list[Sample], rewards: dict[str, float], config: TrainConfig
+    samples: list[Sample], rewards: dict[str, float], config: TrainConfig, signed=frozenset()
 ) -> GroupAdvantages | str:
-    """The group's advantages, or why it is not trained on."""
+    """The group's advantages, or why it is not trained on. `signed`: rollouts whose
+    reward's sign means something (implicit): never trained the other way (keep_signs)."""
     rollouts = {s.rollout_id for s in samples}
     if len(rollouts) < config.min_group_size:
         return f"fewer than {config.min_group_size} trainable rollouts"
@@ -518,4 +523,4 @@ def _advantages_or_reason(
     adv = group_advantages({r: rewards[r] for r in rollouts}, config.scale_by_std)
     if adv is None:
         return "all rewards equal: no signal"
-    return adv
+    return keep_signs(adv, rewards, signed & rollouts) if signed else adv

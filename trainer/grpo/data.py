@@ -145,6 +145,23 @@ class GroupAdvantages:
     std: float
 
 
+def keep_signs(
+    adv: GroupAdvantages, rewards: dict[str, float], signed: set[str]
+) -> GroupAdvantages:
+    """`adv` with the advantage of each rollout in `signed` cut to 0 where it has the
+    opposite sign of its reward. For rewards whose sign says something of itself: an
+    implicit reward below 0 is a complaint, above 0 approval (judge/implicit.py). Against
+    a baseline of a pool that is mostly complaints, a milder complaint would otherwise
+    earn a positive advantage, and the night would train towards the answer a user
+    complained about."""
+    cut = {}
+    for r, a in adv.advantages.items():
+        value = rewards[r]
+        wrong_way = r in signed and ((value < 0 < a) or (a < 0 < value))
+        cut[r] = 0.0 if wrong_way else a
+    return GroupAdvantages(cut, adv.mean, adv.std)
+
+
 def group_advantages(
     rewards: dict[str, float], scale_by_std: bool = True, eps: float = 1e-6
 ) -> GroupAdvantages | None:
