@@ -294,3 +294,21 @@ def test_the_teacher_is_the_proxys_first_healthy_replica_without_resample_upstre
     assert teacher_at(config, "http://proxy", None, state).url == "http://b:2"
     given = TrainConfig(hindsight=True, resample_upstream="http://vllm:8000/")
     assert teacher_at(given, "http://proxy", None, state).url == "http://vllm:8000"
+
+
+def test_the_gate_never_holds_out_a_prompt_a_hindsight_night_trained(tmp_path):
+    """A turn trained as `hindsight:<record>` trained its prompt (with the teacher's
+    answer): its conversation is no unseen prompt for a later gate."""
+    from overnight.storage import open_db
+    from overnight.trainer.choose.turn_groups import trained_turn_sources
+
+    day(tmp_path)
+    store = Store(tmp_path)
+    store.trained([hindsight_id("d0")])
+    store.close()
+    con = open_db(tmp_path)
+    try:
+        (group,) = con.execute("SELECT group_id FROM completions WHERE record_id = 'd0'").fetchone()
+        assert trained_turn_sources(con) == {group}
+    finally:
+        con.close()

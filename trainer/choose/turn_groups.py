@@ -40,6 +40,7 @@ from overnight.trainer.grpo.data import DataError, Turn, group_advantages, merge
 from overnight.trainer.grpo.logged_turns import IMPORTED_SKIP, Loaded, load_samples
 from overnight.trainer.grpo.sampling import from_request
 
+from .hindsight import PREFIX as HINDSIGHT_PREFIX
 from .inputs import Selection
 from .plan import (
     Plan,
@@ -224,14 +225,19 @@ def _add(loaded: Loaded, more: Loaded) -> None:
 
 
 def trained_turn_sources(con) -> set[str]:
-    """Served groups one of whose turns a run trained on as a per-turn group: their
-    prompts are not held out (the gate's prompts must be ones nothing trained on)."""
+    """Served groups one of whose turns a run trained on as a per-turn group, or as a
+    --hindsight revision (`hindsight:<record>`, the turn's prompt trained with the
+    teacher's answer): their prompts are not held out (the gate's prompts must be ones
+    nothing trained on)."""
     rows = con.execute(
         """
+        WITH trained AS (
+            SELECT unnest(groups) AS id FROM training_runs WHERE status = 'trained')
         SELECT DISTINCT group_id FROM completions
-        WHERE 'turn:' || record_id IN (
-            SELECT unnest(groups) FROM training_runs WHERE status = 'trained')
-        """
+        WHERE 'turn:' || record_id IN (SELECT id FROM trained)
+           OR ? || record_id IN (SELECT id FROM trained)
+        """,
+        [HINDSIGHT_PREFIX],
     ).fetchall()
     return {g for (g,) in rows}
 
