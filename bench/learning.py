@@ -338,6 +338,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out = args.out or ROOT / ".cache" / "bench" / "learning" / stamp
+    # Some tasks' questions depend on Python's string hashing (ransom_note and
+    # isomorphic_strings iterate over sets of letters): without a fixed hash seed each agent
+    # run asks other questions than the index says, and than the run before it. Every
+    # process this bench starts (the agent, overnight train and its gate) gets the same one.
+    os.environ["PYTHONHASHSEED"] = "0"
     # A SIGTERM stops the servers it started too (the `finally`s), not only this process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from overnight.models.smollm2 import prepare_smollm2

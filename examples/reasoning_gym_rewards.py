@@ -13,7 +13,8 @@ the datasets asked (`[{"task", "difficulty", "seed", "size"}]`, the agent's --ta
 writes it), and the reply (stripped, as the agent strips it) is scored by that dataset's
 `score_answer`. A question in none of them is an error, not a zero: a wrong index would
 otherwise pass for a model that never answers right. A verifier that raises on a malformed
-reply scores it 0.0.
+reply scores it 0.0. Some tasks' questions depend on Python's string hashing (ransom_note,
+isomorphic_strings): run the agent and `overnight train` with the same PYTHONHASHSEED.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def lookup(messages: list[dict], path: str | None = None) -> tuple[object, dict]
         question = "".join(p.get("text", "") for p in question if isinstance(p, dict))
     found = index(path).get((question or "").strip())
     if found is None:
-        raise LookupError(f"no dataset in the index asks {str(question)[:80]!r}")
+        raise LookupError(
+            f"no dataset in the index asks {str(question)[:80]!r} (the agent and this "
+            "process need the same PYTHONHASHSEED where a task's questions depend on it)"
+        )
     return found
 
 

@@ -4,6 +4,7 @@ function its gate scores with (examples/reasoning_gym_rewards.py): no server, no
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -112,3 +113,34 @@ def test_the_base_models_reference_figures_are_shared_where_they_hold_more(tmp_p
     share_references(data, shared)
     assert len(json.loads((shared / "m.json").read_text())) == 3
     assert (shared / "m.loglik.json").exists()
+
+
+def test_questions_that_depend_on_string_hashing_are_found_under_the_bench_s_hash_seed(tmp_path):
+    """ransom_note's questions change with PYTHONHASHSEED: the agent's process and the
+    gate's find the same ones only under the same seed, which bench/learning.py fixes."""
+    pytest.importorskip("reasoning_gym")
+    import subprocess
+
+    spec = {"task": "ransom_note", "difficulty": {}, "seed": 3, "size": 4}
+    (tmp_path / "index.json").write_text(json.dumps([spec]))
+    ask = ("import json, reasoning_gym; ds = reasoning_gym.create_dataset('ransom_note', "
+           "size=4, seed=3); print(json.dumps([ds[i]['question'] for i in range(4)]))")  # fmt: skip
+    find = ("import json, sys; from examples.reasoning_gym_rewards import lookup; "
+            "qs = json.loads(sys.stdin.read()); found = 0\n"
+            "for q in qs:\n"
+            "    try: lookup([{'role': 'user', 'content': q}]); found += 1\n"
+            "    except LookupError: pass\n"
+            "print(found)")  # fmt: skip
+
+    def found(asker_seed: str) -> int:
+        env = dict(os.environ, PYTHONHASHSEED=asker_seed, PYTHONPATH=str(ROOT))
+        env["REASONING_GYM_INDEX"] = str(tmp_path / "index.json")
+        asked = subprocess.run([sys.executable, "-c", ask], env=env, capture_output=True,
+                               text=True, check=True).stdout.splitlines()[-1]  # fmt: skip
+        env["PYTHONHASHSEED"] = "0"
+        out = subprocess.run([sys.executable, "-c", find], env=env, input=asked,
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return int(out.split()[-1])
+
+    assert found("0") == 4
+    assert found("1") < 4  # another hash seed: other questions
