@@ -50,9 +50,10 @@ from overnight.trainer.grpo.render import render_turn
 
 from .inputs import Selection
 from .plan import Plan, damaged_files, trained_groups
+from .selection import HINDSIGHT_PREFIX
 from .sft_plan import HELD_OUT, held_out
 
-PREFIX = "hindsight:"
+PREFIX = HINDSIGHT_PREFIX
 # Signals read from the user's own next message: its words are the hint. (A regenerate,
 # an edit, a tool's error or a cut answer say something went wrong, not what.)
 HINT_KINDS = ("corrected", "re_asked")

@@ -19,6 +19,9 @@ from overnight.config import TrainConfig
 from overnight.storage import open_db
 from overnight.storage.read.siblings import TURN_PREFIX
 
+# How a --hindsight night names a turn it trained in training_runs.groups (hindsight.py;
+# turn_groups.py reads it: such a turn's prompt is no unseen prompt for the gate).
+HINDSIGHT_PREFIX = "hindsight:"
 # The key of the selection record in a run's `metrics` JSON.
 SELECTION_KEY = "selection"
 # How much earlier than the last watermark a night looks again. Rows reach a reader

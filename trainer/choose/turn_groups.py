@@ -40,7 +40,6 @@ from overnight.trainer.grpo.data import DataError, Turn, group_advantages, merge
 from overnight.trainer.grpo.logged_turns import IMPORTED_SKIP, Loaded, load_samples
 from overnight.trainer.grpo.sampling import from_request
 
-from .hindsight import PREFIX as HINDSIGHT_PREFIX
 from .inputs import Selection
 from .plan import (
     Plan,
@@ -48,7 +47,7 @@ from .plan import (
     chosen_rewards,
     trained_before,
 )
-from .selection import TURN_HELD_KEY, TURN_PENDING_KEY
+from .selection import HINDSIGHT_PREFIX, TURN_HELD_KEY, TURN_PENDING_KEY
 
 # Rewards a per-turn group trains on: only those the judge writes. A reward an agent
 # posts names a rollout of its own; one posted for a member id would be a client
