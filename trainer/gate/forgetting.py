@@ -419,12 +419,7 @@ def judge(verdict, forgetting: Forgetting) -> None:
     verdict.forgetting = forgetting.as_dict()
     clause = forgetting.line()
     if forgetting.over and verdict.mode != "off":
-        was = "passed" if verdict.promote else "refused"
-        verdict.promote = False
-        verdict.reason = (
-            f"forgets more than the budget: {clause} (--forgetting-budget); the task gate "
-            f"{was}: {verdict.reason}"
-        )
+        verdict.refuse(f"forgets more than the budget: {clause} (--forgetting-budget)")
     else:
         verdict.reason += f"; {clause}"
 

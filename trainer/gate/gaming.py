@@ -190,12 +190,7 @@ def judge(verdict, gaming: Gaming) -> None:
     limit is refused whatever its reward; --gate off, or no limit, only records them."""
     verdict.gaming = gaming.as_dict()
     if gaming.over and verdict.mode != "off":
-        was = "passed" if verdict.promote else "refused"
-        verdict.promote = False
-        verdict.reason = (
-            f"its answers moved as gamed ones do: {'; '.join(gaming.over)}; the task gate "
-            f"{was}: {verdict.reason}"
-        )
+        verdict.refuse(f"its answers moved as gamed ones do: {'; '.join(gaming.over)}")
     else:
         verdict.reason += f"; {gaming.line()}"
 

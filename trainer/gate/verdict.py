@@ -145,6 +145,13 @@ class Verdict:
     forgetting: dict | None = None  # forgetting.py's figures, when measured
     gaming: dict | None = None  # gaming.py's shapes of the replies, when sampled
 
+    def refuse(self, why: str) -> None:
+        """Refused for `why` whatever the task gate decided (the reason keeps what it said):
+        forgetting over its budget, answers that moved as gamed ones do."""
+        was = "passed" if self.promote else "refused"
+        self.promote = False
+        self.reason = f"{why}; the task gate {was}: {self.reason}"
+
     @property
     def word(self) -> str:
         return "promoted" if self.promote else "refused"
