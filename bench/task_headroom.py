@@ -5,8 +5,8 @@
 
 SmolLM2-135M-Instruct (prepared from its pip package) is served by `overnight serve` on
 vLLM's CPU backend, and each candidate reasoning-gym task at an easy difficulty is asked
-through the proxy, the way examples/reasoning_gym_agent.py asks it (its own system prompt,
-asking for the final answer only, and its 64 tokens), `--samples` answers sampled at the traffic's temperature
+through the proxy, the way examples/reasoning_gym_agent.py asks it (its own messages: its
+instruction, `--shots` worked examples of the task, the question; and its 64 tokens), `--samples` answers sampled at the traffic's temperature
 (`--temperature`, seeded) and one greedy answer per question, each scored by the task's
 own verifier (`score_answer`, strict: most verifiers give 0.01 for a wrong answer of the
 right kind, 1.0 only for the exact answer). A task teaches GRPO something only where
@@ -14,7 +14,9 @@ sampled answers are sometimes right and sometimes not: the table marks a task `h
 when its sampled score lies in [--low, --high] and at least a quarter of its questions got
 an exactly right and a wrong sampled answer (groups with a spread). `holds` is the share of
 sampled answers that contain the expected answer somewhere (right, but not in the form the
-verifier wants: what a night could teach as format). The questions come from a development seed
+verifier wants: what a night could teach as format). `constant` is the best score one fixed
+answer gets over the questions (the commonest expected answer, say "False"): a night that
+learns that answer looks like learning, so a task's rise is read against it. The questions come from a development seed
 (--seed); the learning benchmark measures held-out scores on other seeds.
 
 Progress lines with a rate and ETA; the table at the end, and --json FILE for the rows.
@@ -34,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # The agent's own system prompt, so that what is measured here is what its traffic sees.
-from examples.reasoning_gym_agent import SYSTEM  # noqa: E402
+from examples.reasoning_gym_agent import task_messages, worked_examples  # noqa: E402
 
 # Candidate tasks at easy settings (reasoning-gym 0.1.25's own config fields): sums and
 # counts a 135M model might get right sometimes, yes/no questions, short string tasks.
@@ -111,11 +113,10 @@ def questions(task: str, count: int, seed: int) -> list[tuple[dict, object]]:
     return [(ds[i], ds) for i in range(count)]
 
 
-def ask(client, model: str, entry: dict, samples: int, temperature: float, seed: int,
-        max_tokens: int) -> tuple[list[str], str]:  # fmt: skip
+def ask(client, model: str, entry: dict, examples: list[dict], samples: int,
+        temperature: float, seed: int, max_tokens: int) -> tuple[list[str], str]:  # fmt: skip
     """`samples` sampled answers and one greedy answer to one question."""
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": entry["question"]}]  # fmt: skip
+    messages = task_messages(entry["question"], examples)
     sampled = client.chat.completions.create(
         model=model, messages=messages, n=samples, temperature=temperature, seed=seed,
         max_tokens=max_tokens,
@@ -134,12 +135,20 @@ def score(ds, entry: dict, text: str) -> float:
         return 0.0
 
 
+def constant_score(asked: list[tuple[dict, object]]) -> float:
+    """The best mean score of one fixed answer over the questions, among their expected
+    answers: what a model that learned the commonest answer, and nothing else, gets."""
+    answers = {str(entry["answer"]) for entry, _ in asked}
+    return max(sum(score(ds, entry, a) for entry, ds in asked) / len(asked) for a in answers)
+
+
 def measure(client, model: str, task: str, args) -> dict:
     asked = questions(task, args.questions, args.seed)
+    examples = worked_examples(task, CANDIDATES[task], args.shots)
 
     def one(item):
         i, (entry, ds) = item
-        texts, greedy = ask(client, model, entry, args.samples, args.temperature,
+        texts, greedy = ask(client, model, entry, examples, args.samples, args.temperature,
                             args.seed * 1000 + i, args.max_tokens)  # fmt: skip
         holds = [str(entry["answer"]).strip().lower() in t.lower() for t in texts]
         return [score(ds, entry, t) for t in texts], score(ds, entry, greedy), greedy, holds
@@ -156,6 +165,7 @@ def measure(client, model: str, task: str, args) -> dict:
         "greedy": sum(g for _, g, _, _ in results) / len(results),
         "spread": spread / len(results),
         "holds": sum(holds) / len(holds),
+        "constant": constant_score(asked),
         "example": {
             "question": asked[0][0]["question"][:200],
             "answer": asked[0][0]["answer"],
@@ -165,7 +175,9 @@ def measure(client, model: str, task: str, args) -> dict:
 
 
 def headroom(row: dict, low: float, high: float) -> bool:
-    return low <= row["sampled"] <= high and row["spread"] >= 0.25
+    """In range, with spread, and room above what one fixed answer scores."""
+    room = row["constant"] + 0.15 <= 1.0  # a rise of 0.15 not reachable by a constant
+    return low <= row["sampled"] <= high and row["spread"] >= 0.25 and room
 
 
 def main() -> None:
@@ -174,6 +186,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--shots", type=int, default=2, help="worked examples (the agent's)")
     parser.add_argument("--max-tokens", type=int, default=64)  # the agent's
     parser.add_argument("--seed", type=int, default=1, help="the development seed")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -209,16 +222,18 @@ def main() -> None:
             eta = spent / done * (len(args.tasks) - done)
             print(f"[{done}/{len(args.tasks)}] {task}: sampled {row['sampled']:.3f} greedy "
                   f"{row['greedy']:.3f} spread {row['spread']:.2f} holds {row['holds']:.2f} "
+                  f"constant {row['constant']:.2f} "
                   f"({spent / done:.0f} s a task, "
                   f"ETA {eta:.0f} s)", flush=True)  # fmt: skip
     finally:
         if server is not None:
             server.stop()
-    print(f"\n{'task':24} {'sampled':>8} {'greedy':>7} {'spread':>7} {'holds':>6}  verdict")
+    print(f"\n{'task':24} {'sampled':>8} {'greedy':>7} {'spread':>7} {'holds':>6} "
+          f"{'constant':>8}  verdict")  # fmt: skip
     for row in sorted(rows, key=lambda r: -r["sampled"]):
         verdict = "headroom" if headroom(row, args.low, args.high) else ""
         print(f"{row['task']:24} {row['sampled']:8.3f} {row['greedy']:7.3f} "
-              f"{row['spread']:7.2f} {row['holds']:6.2f}  {verdict}")  # fmt: skip
+              f"{row['spread']:7.2f} {row['holds']:6.2f} {row['constant']:8.2f}  {verdict}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str))
 

@@ -2,7 +2,9 @@
 
 Each of `--size` questions of a reasoning-gym task (`reasoning_gym.create_dataset(--task,
 size, seed, **difficulty)`) is asked `--group-size` times: one GRPO group per question, one
-rollout per attempt. The reply (its text, stripped of surrounding whitespace) is scored by
+rollout per attempt, each question after `--shots` worked examples of the task (questions
+of a fixed other seed with their answers, as earlier turns: they show the answer's form).
+The reply (its text, stripped of surrounding whitespace) is scored by
 the dataset's own `score_answer`, and that score is posted as the attempt's reward (metrics:
 the task, the answer given, the answer expected); then the rollout is finished. Written with
 the plain `openai` SDK: it runs unchanged against OpenAI or a plain vLLM, where the rollout
@@ -33,8 +35,13 @@ import uuid
 import httpx
 import openai
 
-SYSTEM = "Solve the problem. Reply with the final answer only: no working, no explanation."
+# A small model answers in sentences, and often with its instructions' own words ("No
+# working, no explanation." was SmolLM2's greedy answer to three tasks): worked examples
+# of the task's own (`--shots`, another seed's questions with their answers) show the form
+# the verifier wants, where an instruction alone does not.
+SYSTEM = "Reply with the final answer only."
 HELD_OUT_SEED = 1_000_003  # added to --seed in --held-out mode: other questions
+EXAMPLES_SEED = 2_000_003  # the worked examples' questions: the same for every --seed
 
 
 def difficulty(values: list[str]) -> dict:
@@ -80,6 +87,27 @@ class Rewards:
             r.raise_for_status()
 
 
+def worked_examples(task: str, options: dict, shots: int) -> list[dict]:
+    """`shots` questions of the task with their answers, as earlier turns of the
+    conversation: the same for every --seed, and never one of the asked questions."""
+    if shots <= 0:
+        return []
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset(task, size=shots, seed=EXAMPLES_SEED, **options)
+    turns = []
+    for i in range(shots):
+        turns += [{"role": "user", "content": ds[i]["question"]},
+                  {"role": "assistant", "content": str(ds[i]["answer"])}]  # fmt: skip
+    return turns
+
+
+def task_messages(question: str, examples: list[dict]) -> list[dict]:
+    """What the agent sends: its instruction, the worked examples, the question."""
+    return [{"role": "system", "content": SYSTEM}, *examples,
+            {"role": "user", "content": question}]  # fmt: skip
+
+
 async def attempt(
     client: openai.AsyncOpenAI,
     rewards: Rewards,
@@ -88,14 +116,12 @@ async def attempt(
     score,
     group: str,
     marked: dict[str, str],
+    examples: list[dict],
 ) -> dict:
     rollout = f"{group}.{uuid.uuid4().hex[:8]}"
     reply = await client.chat.completions.create(
         model=args.model,
-        messages=[
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": task["question"]},
-        ],
+        messages=task_messages(task["question"], examples),
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         extra_headers={"X-Rollout-Group": group, "X-Rollout-Id": rollout, **marked},
@@ -115,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=8, help="questions (groups)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--group-size", type=int, default=4, help="attempts per question")
+    parser.add_argument("--shots", type=int, default=2,
+                        help="worked examples of the task before each question (0: none)")  # fmt: skip
     parser.add_argument("--model", default=os.environ.get("OVERNIGHT_MODEL", "policy"))
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -135,6 +163,7 @@ async def run(args: argparse.Namespace) -> dict:
 
     seed = args.seed + (HELD_OUT_SEED if args.held_out else 0)
     dataset = reasoning_gym.create_dataset(args.task, size=args.size, seed=seed, **args.options)
+    examples = worked_examples(args.task, args.options, args.shots)
     base_url = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
     api_key = os.environ.get("OPENAI_API_KEY", "unused")
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=300)
@@ -151,8 +180,9 @@ async def run(args: argparse.Namespace) -> dict:
             group = f"{prefix}-{args.task}-{args.run}-{i}" + (f"-{k}" if args.held_out else "")
             async with limit:
                 result = await attempt(
-                    client, rewards, args, dataset[i], dataset.score_answer, group, marked
-                )
+                    client, rewards, args, dataset[i], dataset.score_answer, group, marked,
+                    examples,
+                )  # fmt: skip
             return {**result, "question": i}
 
         jobs = [one(i, k) for i in range(len(dataset)) for k in range(args.group_size)]

@@ -57,8 +57,10 @@ def index(path: str | None = None) -> dict[str, tuple[object, dict]]:
 
 
 def lookup(messages: list[dict], path: str | None = None) -> tuple[object, dict]:
-    """The dataset and entry of the conversation's question (its first user message)."""
-    question = next((m.get("content") for m in messages if m.get("role") == "user"), None)
+    """The dataset and entry of the conversation's question: its last user message (the
+    ones before it are the agent's worked examples)."""
+    users = [m.get("content") for m in messages if m.get("role") == "user"]
+    question = users[-1] if users else None
     if isinstance(question, list):  # content parts: the text ones
         question = "".join(p.get("text", "") for p in question if isinstance(p, dict))
     found = index(path).get((question or "").strip())

@@ -78,7 +78,11 @@ def test_the_reward_function_finds_the_question_and_scores_it_as_the_agent_does(
     entry = ds[2]
 
     def rollout(reply: str) -> dict:
+        """The agent's conversation: a worked example (another question, its answer) first,
+        so only the last user message is the question scored."""
         return {"messages": [{"role": "system", "content": "Reply with the answer only."},
+                             {"role": "user", "content": ds[0]["question"]},
+                             {"role": "assistant", "content": str(ds[0]["answer"])},
                              {"role": "user", "content": entry["question"]},
                              {"role": "assistant", "content": reply}]}  # fmt: skip
 

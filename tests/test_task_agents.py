@@ -132,12 +132,18 @@ async def test_reasoning_gym_groups_are_scored_by_the_datasets_own_score(
         "FROM completions c JOIN rewards r USING (rollout_id)",
     )
     assert len(turns) == 9
+    expected_questions = {dataset[i]["question"] for i in range(3)}
     by_group = defaultdict(list)
     for t in turns:
         i = int(t["group_id"].rsplit("-", 1)[1])
         given = json.loads(t["response"])["choices"][0]["message"]["content"]
-        question = json.loads(t["request"])["messages"][-1]["content"]
-        assert question == dataset[i]["question"]
+        sent = json.loads(t["request"])["messages"]
+        assert sent[-1]["content"] == dataset[i]["question"]
+        # Two worked examples (the default --shots) of another seed, answered, before it.
+        assert [m["role"] for m in sent] == ["system", "user", "assistant", "user", "assistant",
+                                             "user"]  # fmt: skip
+        assert sent[1:5] == reasoning_gym_agent.worked_examples("basic_arithmetic", {}, 2)
+        assert {sent[1]["content"], sent[3]["content"]}.isdisjoint(expected_questions)
         assert t["reward"] == dataset.score_answer(given, dataset[i])
         metrics = json.loads(t["metrics"]) if isinstance(t["metrics"], str) else t["metrics"]
         assert metrics == {"task": "basic_arithmetic", "answer": given,
