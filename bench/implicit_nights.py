@@ -24,9 +24,7 @@ Run it under `flock /tmp/overnight-heavy.lock` where other heavy jobs share the 
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -39,37 +37,21 @@ def main() -> None:
     parser.add_argument("--hindsight", action="store_true", help="the hindsight trial")
     args = parser.parse_args()
 
-    from overnight.models.smollm2 import prepare_smollm2
-    from overnight.proxy.launch.launcher import VLLMConfig, VLLMProcess
+    from smollm2_vllm import CACHE, clock, prepared_model, smollm2_vllm
+
     from overnight.testing.implicit_trial import TrialSize, run_hindsight_trial, run_trial
 
-    started = time.monotonic()
-
-    def say(line: str) -> None:
-        print(f"[{time.monotonic() - started:6.0f} s] {line}", flush=True)
-
-    cache = Path(__file__).resolve().parent.parent / ".cache" / "smollm2-135m-instruct"
-    model = prepare_smollm2(cache, say=say)
+    say = clock()
+    model = prepared_model(say)
     size = TrialSize(args.conversations, args.turns, args.samples, args.seed)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    with tempfile.TemporaryDirectory(prefix="implicit-nights-") as work:
-        vllm = VLLMProcess(
-            VLLMConfig(
-                model=str(model), served_model_name="smollm2", max_lora_rank=8,
-                extra_args=("--dtype", "float32", "--max-model-len", "1024"),
-                log_path=Path(work) / "vllm.log",
-            )
-        )  # fmt: skip
-        say("starting vLLM (CPU) with SmolLM2-135M-Instruct")
-        vllm.start()
-        try:
-            vllm.wait_healthy()
-            if args.hindsight:  # the base model's reference answers cached beside it
-                run_hindsight_trial(vllm.url, model, Path(work), size, say, cache.parent)
-            else:
-                run_trial(vllm.url, model, Path(work), size, say=say)
-        finally:
-            vllm.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="implicit-nights-") as work,
+        smollm2_vllm(model, Path(work), say) as url,
+    ):
+        if args.hindsight:  # the base model's reference answers cached in .cache/
+            run_hindsight_trial(url, model, Path(work), size, say, CACHE)
+        else:
+            run_trial(url, model, Path(work), size, say=say)
 
 
 if __name__ == "__main__":

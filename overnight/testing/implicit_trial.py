@@ -138,7 +138,7 @@ def run_trial(
             *size.train,
         )  # fmt: skip
         result.trained[arm] = next((x.strip() for x in out.splitlines() if "lone turns" in x), "-")
-        adapters[arm] = _adapter(path)
+        adapters[arm] = trained_adapter(path)
     say("held out: sampling the base model and both nights' adapters")
     result.held_out = held_out_means(upstream, adapters, size)
     for line in result.lines():
@@ -151,14 +151,31 @@ def held_out_means(upstream: str, adapters: dict[str, Path], size: TrialSize) ->
     sampled by the vLLM at `upstream` (the adapters loaded under names of their own for
     the while): each sum `size.samples` times in one request, from the same seed for
     every model, so that the models differ by what they learnt, not by their draws."""
-    return asyncio.run(_held_out_means(upstream, adapters, size))
+    replies = held_out_replies(upstream, adapters, size)
+    return {
+        model: statistics.fmean(true_reward(q, reply) for q, reply in pairs)
+        for model, pairs in replies.items()
+    }
 
 
-async def _held_out_means(upstream: str, adapters: dict[str, Path], size: TrialSize):
+def held_out_replies(
+    upstream: str, adapters: dict[str, Path], size: TrialSize, temperature: float = 0.8, say=None
+) -> dict[str, list[tuple[str, str]]]:
+    """Each model's (held-out sum, reply) pairs, sampled as `held_out_means` samples them
+    (`base` first, then each adapter), at `temperature` (0: greedy); `say` is told the
+    progress, with the time left."""
+    return asyncio.run(_held_out_replies(upstream, adapters, size, temperature, say))
+
+
+async def _held_out_replies(upstream, adapters, size, temperature, say):
     import aiohttp
+
+    from overnight.progress import Progress
 
     tag = uuid.uuid4().hex[:6]
     names = {arm: f"trial-{tag}-{arm}" for arm in adapters}
+    progress = Progress(say, f"held out (temperature {temperature:g}): sampled",
+                        len(HELD_OUT) * (1 + len(adapters)), "sums")  # fmt: skip
     async with aiohttp.ClientSession(upstream) as http:
 
         async def post(path: str, body: dict) -> str:
@@ -173,20 +190,24 @@ async def _held_out_means(upstream: str, adapters: dict[str, Path], size: TrialS
             await post("/v1/load_lora_adapter", {"lora_name": names[arm], "lora_path": str(path)})
         try:
 
-            async def mean(model: str) -> float:
-                async def one(i: int, question: str) -> list[float]:
+            async def replies(model: str) -> list[tuple[str, str]]:
+                async def one(i: int, question: str) -> list[tuple[str, str]]:
                     body = {"model": model, "n": size.samples, "seed": size.seed * 1000 + i,
-                            "temperature": 0.8, "top_p": 1.0, "max_tokens": 24,
+                            "temperature": temperature, "top_p": 1.0, "max_tokens": 24,
                             "messages": [{"role": "system", "content": SYSTEM},
                                          {"role": "user", "content": question}]}  # fmt: skip
                     answer = json.loads(await post("/v1/chat/completions", body))
-                    replies = [c["message"]["content"] or "" for c in answer["choices"]]
-                    return [true_reward(question, reply) for reply in replies]
+                    progress.advance()
+                    return [(question, c["message"]["content"] or "") for c in answer["choices"]]
 
-                scores = await asyncio.gather(*(one(i, q) for i, q in enumerate(HELD_OUT)))
-                return statistics.fmean(s for each in scores for s in each)
+                each = await asyncio.gather(*(one(i, q) for i, q in enumerate(HELD_OUT)))
+                return [pair for pairs in each for pair in pairs]
 
-            return {"base": await mean(base), **{arm: await mean(names[arm]) for arm in adapters}}
+            out = {"base": await replies(base)}
+            for arm in adapters:
+                out[arm] = await replies(names[arm])
+            progress.finish()
+            return out
         finally:
             for name in names.values():  # whatever the answer: the names are never reused
                 with contextlib.suppress(aiohttp.ClientError):
@@ -230,7 +251,8 @@ def _post(data: Path, truth: dict[str, float]) -> None:
         writer.close()
 
 
-def _adapter(data: Path) -> Path:
+def trained_adapter(data: Path) -> Path:
+    """The adapter of the newest night that trained in `data`."""
     query = "SELECT run_id FROM training_runs WHERE status = 'trained' ORDER BY started_at DESC"
     out = sql_rows(data, query)
     if not out:
@@ -316,7 +338,7 @@ def run_hindsight_trial(
         ][:6]
         for line in result.trained[arm]:
             say(f"  {line}")
-        adapters[arm] = _adapter(path)
+        adapters[arm] = trained_adapter(path)
     say("held out: sampling the base model and both nights' adapters")
     began = time.monotonic()
     result.held_out = held_out_means(upstream, adapters, size)
