@@ -124,16 +124,19 @@ def train(
     judge=None,
     scope: PolicyScope | None = None,
     state: dict | None = None,
+    cycle: dict | None = None,
 ) -> RunResult:
     """One night, read as its steps. A run that was interrupted is resumed first, on the
     same groups. `judge`: the summary of the judge's batch that scored for it (its cost
     goes to W&B). `scope`: its policy's groups as the CLI found them (a dry run's may be
     read offline: overnight/cli/policy_runs.py); None: read from the proxy's state here.
     `state`: the proxy's answer about the policy as the caller read it moments ago (used
-    unless the watch ran, which may change it); None: read here.
+    unless the watch ran, which may change it); None: read here. `cycle`: who ran it and
+    why (`overnight train`, or `overnight learn` and its trigger), kept in its record.
     """
     night = Night.open(Path(data_dir), config, proxy_url, admin_token, promote, dry_run, say,
                        scope, state)  # fmt: skip
+    night.cycle = cycle
     try:
         return _steps(night, settle_seconds, since, max_groups, scorer, judge)
     finally:
@@ -205,6 +208,7 @@ class Night:
     shared: str | None = None  # the adapter as the proxies name it (bucket: its upload)
     colocated: bool = False  # vLLM sleeps while this night trains and gates
     vision: VisionReader | None = None  # a vision-language model's images (choose/images.py)
+    cycle: dict | None = None  # who ran it and why (overnight/night/cycles.py), recorded
 
     @classmethod
     def open(cls, data_dir, config, proxy_url, token, promote, dry_run, say, scope, state=None):
@@ -414,7 +418,7 @@ class Night:
         # (gate/gaming.py): watched in the report and /ui, not gated.
         result.metrics["answers"] = live_answers(self.data_dir, self.started, self.config.policy)
         record_run(self.data_dir, result, self.config, self.base_model, self.start_adapter,
-                   self.started, None)  # fmt: skip
+                   self.started, None, self.cycle)  # fmt: skip
         kill_point("recorded")
         self.run_dir.finish()
         self.report.finish(result)
@@ -428,7 +432,7 @@ class Night:
         error = f"{type(e).__name__}: {e}"
         if self.parallel.rank == 0:
             record_run(self.data_dir, result, self.config, self.base_model, self.start_adapter,
-                       self.started, error)  # fmt: skip
+                       self.started, error, self.cycle)  # fmt: skip
             self.say(f"report: {_report(self.data_dir, self.config.policy)}")
         self.report.finish(result, error=error)
 

@@ -512,7 +512,8 @@ def list_runs(
         "json_extract_string(metrics, '$.gate.reason'), "
         "json_extract_string(metrics, '$.logprob_gaps'), "
         f"CAST(json_extract(metrics, '$.maintenance.seconds') AS DOUBLE), {RUN_POLICY}, "
-        "CAST(json_extract(metrics, '$.gate.forgetting.candidate') AS DOUBLE) "
+        "CAST(json_extract(metrics, '$.gate.forgetting.candidate') AS DOUBLE), "
+        "json_extract_string(metrics, '$.cycle.by'), json_extract_string(metrics, '$.cycle.trigger') "
         f"FROM training_runs {where} ORDER BY started_at DESC LIMIT {int(limit)}",
         args,
     ).fetchall()
@@ -522,12 +523,14 @@ def list_runs(
     # The candidate's drift from the base model on the reference set, nats per token
     # (trainer/gate/forgetting.py): the forgetting curve, night by night.
     headers += ["forgetting"]
+    headers += ["by"]  # `train` (by hand, cron) or `learn` (its trigger below): night/cycles.py
     shown = [
         r[:1] + (r[14],) + r[1:7] + (_gap(r[7]), _number(stale_gap(r[12]))) + r[8:11]
-        + (_number(r[13]), _number(r[15]))
+        + (_number(r[13]), _number(r[15]), (r[16] or "-").removeprefix("overnight "))
         for r in rows
     ]  # fmt: skip
     out = _table(headers, shown) + f"\n({len(rows)} row(s))"
+    out += "".join(f"\n{r[0]}: a cycle of {r[16]}: {r[17]}" for r in rows if r[17])
     # Why the gate refused (trainer/gate/verdict.py): the candidate stays on disk, unserved.
     out += "".join(f"\n{r[0]}: gate refused: {r[11]}" for r in rows if r[10] == "refused")
     shown_events = [e for e in events if e.get("action") != "promote"][-int(limit) :]

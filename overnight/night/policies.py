@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overnight.config import SETTLE_SECONDS, JudgeConfig, TrainConfig
+from overnight.storage.lease import LEASE_SECONDS
 from overnight.storage.read.policy_scope import PolicyScope
 
 
@@ -27,6 +28,12 @@ class NightOptions:
     settle_seconds: float = SETTLE_SECONDS  # idle this long, an unfinished rollout is done
     since: dt.datetime | None = None  # only groups started at or after it (UTC)
     max_groups: int | None = None  # at most this many groups a policy
+    # Who runs it, for the cycle's lease (cycles.py) and its run's record: a refused night
+    # names its holder. `trigger`: why this cycle runs (`overnight learn`'s; None: by hand
+    # or cron). `lease_seconds`: how long a holder that stopped renewing blocks the next.
+    holder: str = "overnight train"
+    trigger: str | None = None
+    lease_seconds: float = LEASE_SECONDS
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@
     train   trainer/train.py's night: the watch, the plan, GRPO (or SFT), the gate
             with forgetting, the promotion and the record
 
-One policy's failure does not stop the others' nights; the night fails at the end,
-naming them. The proxy's state is read once per phase: here for scoring, by the
+Each policy's night holds the policy's cycle lease while it runs (cycles.py): never two
+cycles of one policy at once, whether from cron or an `overnight learn` supervisor, on
+this machine or another sharing the bucket. One policy's failure (a refused lease too)
+does not stop the others' nights; the night fails at the end, naming them. The proxy's state is read once per phase: here for scoring, by the
 trainer after its watch (which may roll back) and again after training, for the gate.
 """
 
@@ -19,6 +21,7 @@ from collections.abc import Callable
 
 from overnight.errors import OvernightError
 
+from .cycles import one_cycle, outcome
 from .policies import NightOptions, PolicyNight
 from .scoring import read_signals_once, score
 
@@ -53,12 +56,22 @@ def run_night(
 
 
 def policy_night(night: NightOptions, policy: PolicyNight, say: Say, warn: Say):
-    """One policy's night: its state read, its groups scored, then trained, gated,
-    promoted and recorded (trainer/train.py); its RunResult."""
+    """One policy's night, under its cycle lease (LeaseHeld, naming the holder, when
+    another cycle of the policy runs); its RunResult."""
+    with one_cycle(night, policy, warn) as cycle:
+        result = trained_night(night, policy, say, warn, cycle)
+        if cycle and result is not None:  # a dry run holds no lease, leaves no record
+            cycle.update(run_id=result.run_id, outcome=outcome(result))
+    return result
+
+
+def trained_night(night: NightOptions, policy: PolicyNight, say: Say, warn: Say, cycle: dict):
+    """Its state read, its groups scored, then trained, gated, promoted and recorded
+    (trainer/train.py), the run's record saying who ran it and why (`cycle`)."""
     from overnight.judge.scoring import pair_scorer
     from overnight.trainer.train import train
 
-    state = _serving_state(night, policy)
+    state = policy_state(night, policy)
     scope = policy.scope(state or {})  # a dry run's may be read offline
     judged = None if night.dry_run else score(night, policy, scope, state, say, warn)
     gate_reward = policy.gate_reward or policy.reward
@@ -77,10 +90,11 @@ def policy_night(night: NightOptions, policy: PolicyNight, say: Say, warn: Say):
         judge=judged,
         scope=scope,
         state=None if night.dry_run else state,
+        cycle={"by": night.holder, "trigger": night.trigger} if cycle else None,
     )
 
 
-def _serving_state(night: NightOptions, policy: PolicyNight) -> dict | None:
+def policy_state(night: NightOptions, policy: PolicyNight) -> dict | None:
     """The proxy's answer about the policy, read once for the scoring phase; None where
     it is not read: no proxy, or a policy read offline (a dry run without one), or the
     night before policies (its scope is every group; the trainer reads the state itself)."""

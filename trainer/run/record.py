@@ -37,8 +37,10 @@ def record_run(
     start_adapter: str | None,
     started: int,
     error: str | None,
+    cycle: dict | None = None,
 ) -> None:
-    """The run's row in `training_runs` (failed ones too: the report shows them)."""
+    """The run's row in `training_runs` (failed ones too: the report shows them).
+    `cycle`: who ran it and why ({"by", "trigger"}: overnight/night/cycles.py)."""
     writer = LogWriter(WriterConfig(data_dir, compact_in_process=True))
     writer.start()
     plan, metrics = result.plan, result.metrics
@@ -81,6 +83,7 @@ def record_run(
                     # What it optimised; an --sft night's selection (sft_plan.py).
                     "objective": "sft" if config.sft else "grpo",
                     "sft": plan.sft,
+                    "cycle": cycle,  # `overnight train` or `overnight learn`, and its trigger
                 }
             ),
         },
