@@ -1,5 +1,8 @@
-"""`overnight learn` (issue 51), its first part: the cycle lease (storage/lease.py,
-overnight/night/cycles.py) that every night and cycle of a policy holds. No vLLM, no model."""
+"""`overnight learn` (issue 51): the cycle lease (storage/lease.py, overnight/night/cycles.py),
+the triggers (overnight/night/triggers.py), the supervisor and its commands
+(overnight/night/supervisor.py, control.py). No vLLM, no model: the night under the lease is
+stood in for where a test says so (its own tests run it); the lease, the triggers, the
+commands and the path from the supervisor to the lease are the real ones."""
 
 from __future__ import annotations
 
@@ -9,16 +12,29 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
 from overnight.cli.main import main
-from overnight.errors import OvernightError
+from overnight.config import TrainConfig
+from overnight.errors import ConfigError, OvernightError
+from overnight.night import run as night_run
+from overnight.night.control import Control
+from overnight.night.cycles import cycle_lease, last_cycle
+from overnight.night.policies import NightOptions, PolicyNight
+from overnight.night.supervisor import Supervisor
+from overnight.night.triggers import Triggers, due
 from overnight.storage.lease import Lease, LeaseHeld, LeaseLost
 
+from .helpers import rows, wait_until
 from .test_object_storage import BUCKET, s3  # noqa: F401  (the bucket's fixture)
+from .test_ops import CHAT, REWARD_FILE
+from .test_ops import _get as get
+from .test_ops import _post as post
 
 
 class Clock:
@@ -175,6 +191,199 @@ def test_a_bucket_lease_takes_turns_across_machines(s3, tmp_path):  # noqa: F811
     assert first.read() == (None, {"last": {"by": "two"}})
 
 
+# -- the triggers ----------------------------------------------------------------------------
+
+
+def counter(n: int, asked: list | None = None):
+    def count(since):
+        if asked is not None:
+            asked.append(since)
+        return n
+
+    return count
+
+
+def test_a_time_trigger_is_due_minutes_after_the_last_cycle_began():
+    every = Triggers(every_minutes=30)
+    assert due(every, None, 0, counter(0)).reason == "no cycle yet"
+    last = {"started": 1_000_000.0}
+    waiting = due(every, last, 1_000_000 + 29 * 60, counter(0))
+    assert waiting.reason is None and "30 min after the last" in waiting.waiting
+    assert due(every, last, 1_000_000 + 30 * 60, counter(0)).reason == (
+        "30 min since the last cycle began"
+    )
+
+
+def test_a_group_trigger_counts_groups_finished_since_the_last_cycle_began():
+    every = Triggers(every_groups=8)
+    asked: list = []
+    last = {"started": 5.0}
+    waiting = due(every, last, 10, counter(3, asked))
+    assert waiting.reason is None and waiting.waiting == "after 5 more finished group(s) (3 of 8)"
+    assert asked == [5.0]  # counted from when the last cycle began
+    assert due(every, last, 10, counter(8)).reason == (
+        "8 new finished group(s) since the last cycle began (>= 8)"
+    )
+    assert "since ever" in due(every, None, 10, counter(9)).reason
+
+
+def test_either_trigger_fires_and_a_command_fires_at_once():
+    both = Triggers(every_groups=8, every_minutes=30)
+    last = {"started": 0.0}
+    assert due(both, last, 60, counter(8)).reason.startswith("8 new")
+    assert due(both, last, 1800, counter(0)).reason.startswith("30 min")
+    assert due(both, last, 60, counter(0)).waiting.startswith("at ")
+    never = Triggers()
+    assert due(never, last, 60, counter(100)).reason is None  # no trigger: only commands
+    assert due(never, last, 60, counter(0), asked=True).reason == "asked (overnight learn --now)"
+
+
+@pytest.mark.parametrize("bad", [{"every_groups": 0}, {"every_minutes": 0}, {"every_minutes": -1}])
+def test_bad_triggers_are_refused(bad):
+    with pytest.raises(ConfigError):
+        Triggers(**bad)
+
+
+# -- the supervisor --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nights(monkeypatch):
+    """The night under the lease stood in for: each records when it ran, for which policy,
+    and under which trigger; it takes `seconds`."""
+    ran: list[dict] = []
+    lock = threading.Lock()
+
+    def trained_night(night, policy, say, warn, cycle):
+        start = time.monotonic()
+        time.sleep(nights.seconds)
+        with lock:
+            ran.append({"policy": policy.policy, "start": start, "end": time.monotonic(),
+                        "trigger": night.trigger, "cycle": dict(cycle)})  # fmt: skip
+        return SimpleNamespace(run_id=f"run-{len(ran)}", plan=SimpleNamespace(groups=["g"]),
+                               promoted_as=f"{policy.policy}-v{len(ran)}", gate=None)  # fmt: skip
+
+    nights = SimpleNamespace(ran=ran, seconds=0.2)
+    monkeypatch.setattr(night_run, "trained_night", trained_night)
+    return nights
+
+
+def supervisor(data, policies=("a", "b"), **kwargs) -> Supervisor:
+    night = NightOptions(data, holder="overnight learn")
+    kwargs.setdefault("triggers", Triggers(every_minutes=0.001))  # always due
+    kwargs.setdefault("counter", lambda policy: counter(0))
+    kwargs.setdefault("say", lambda line: None)
+    return Supervisor(night, [PolicyNight(p, TrainConfig()) for p in policies], **kwargs)
+
+
+def test_two_supervisors_on_one_data_directory_run_one_cycle_at_a_time_per_policy(tmp_path, nights):
+    said: list[str] = []
+    one = supervisor(tmp_path, poll_seconds=0.05, max_cycles=4, say=said.append)
+    two = supervisor(tmp_path, poll_seconds=0.05, max_cycles=4, say=said.append)
+    threads = [threading.Thread(target=s.run) for s in (one, two)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert one.cycles_run == two.cycles_run == 4
+    for policy in ("a", "b"):
+        runs = sorted((r for r in nights.ran if r["policy"] == policy), key=lambda r: r["start"])
+        assert len(runs) >= 2
+        for before, after in zip(runs, runs[1:], strict=False):
+            assert before["end"] <= after["start"], f"two cycles of {policy} overlapped"
+    # The two did contend: one saw the other's cycle running (or was refused its lease)
+    # and said whose it was.
+    held = ("a cycle runs: overnight learn (pid", "is held by overnight learn (pid")
+    assert any(h in line for line in said for h in held), said
+    # Each cycle left its record in the lease: who, why, its run and how it ended.
+    last = last_cycle(NightOptions(tmp_path), "a")
+    assert last["by"] == "overnight learn" and last["trigger"].endswith(
+        "since the last cycle began"
+    )
+    assert last["run_id"].startswith("run-") and last["outcome"].startswith("trained 1 group(s)")
+    assert last["ended"] >= last["started"]
+
+
+def test_the_cycle_gets_its_trigger_and_the_lease_is_held_meanwhile(tmp_path, nights, monkeypatch):
+    seen = []
+
+    def look(night, policy, say, warn, cycle):
+        holder, _ = cycle_lease(NightOptions(tmp_path), policy.policy).read()
+        seen.append((holder.what, night.trigger, cycle["by"]))
+        return SimpleNamespace(run_id="r", plan=SimpleNamespace(groups=[]), promoted_as=None,
+                               gate=None)  # fmt: skip
+
+    monkeypatch.setattr(night_run, "trained_night", look)
+    clock = Clock()
+    s = supervisor(tmp_path, ["a"], triggers=Triggers(every_groups=2), clock=clock,
+                   counter=lambda policy: counter(2))  # fmt: skip
+    assert s.round(s.policies[0])
+    assert seen == [("overnight learn", "2 new finished group(s) since ever (>= 2)",
+                     "overnight learn")]  # fmt: skip
+    assert last_cycle(NightOptions(tmp_path), "a")["outcome"] == "nothing to train on"
+    assert cycle_lease(NightOptions(tmp_path), "a").read()[0] is None  # given back
+
+
+def test_progress_says_when_the_next_cycle_is_due_and_why(tmp_path, nights):
+    said: list[str] = []
+    clock = Clock()
+    s = supervisor(tmp_path, ["a"], triggers=Triggers(every_groups=4, every_minutes=10),
+                   clock=clock, say=said.append, counter=lambda policy: counter(1))  # fmt: skip
+    assert s.round(s.policies[0])  # no cycle yet: due at once
+    assert said[0] == "policy a: cycle: no cycle yet"
+    clock.now = last_cycle(NightOptions(tmp_path), "a")["started"] + 60
+    assert not s.round(s.policies[0])
+    assert not s.round(s.policies[0])  # the same wait is said once
+    waits = [line for line in said if "next cycle" in line]
+    assert len(waits) == 1 and "min after the last" in waits[0]
+    assert "after 3 more finished group(s) (1 of 4)" in waits[0]
+
+
+def test_pause_resume_and_now(tmp_path, nights):
+    said: list[str] = []
+    s = supervisor(tmp_path, ["a", "b"], triggers=Triggers(every_minutes=60), say=said.append)
+    control = Control(tmp_path)
+    control.pause("a")
+    assert not s.round(s.policies[0]) and said[-1] == "policy a: paused (overnight learn --resume)"
+    assert s.round(s.policies[1])  # b has its own schedule
+    assert not s.round(s.policies[1])  # ... and waits an hour now
+    control.resume("a")
+    assert s.round(s.policies[0])
+    control.ask_now("b")
+    assert s.round(s.policies[1])  # asked: at once
+    assert nights.ran[-1]["trigger"] == "asked (overnight learn --now)"
+    assert not s.round(s.policies[1])  # the ask was answered by that cycle
+    control.ask_now(None)  # every policy
+    assert s.round(s.policies[0]) and s.round(s.policies[1])
+    with pytest.raises(ConfigError):
+        control.pause("no/such")
+
+
+def test_stop_ends_a_running_supervisor_and_an_old_stop_does_not(tmp_path, nights):
+    Control(tmp_path).stop()  # asked before it started: not for it
+    time.sleep(0.01)
+    s = supervisor(tmp_path, ["a"], triggers=Triggers(every_minutes=60), poll_seconds=30)
+    thread = threading.Thread(target=s.run)
+    thread.start()
+    wait_until(lambda: s.cycles_run == 1, what="the first cycle")
+    assert thread.is_alive()  # waiting out its 30 s poll
+    Control(tmp_path).stop()
+    thread.join(5)  # commands are read every second
+    assert not thread.is_alive()
+
+
+def test_a_refused_cycle_is_said_and_not_counted(tmp_path, nights, monkeypatch):
+    said: list[str] = []
+    s = supervisor(tmp_path, ["a"], say=said.append)
+    cycle_lease(NightOptions(tmp_path, holder="overnight train"), "a").take()
+    # Taken between the supervisor's look (made to see it free) and its cycle: the night
+    # refuses, naming the holder.
+    monkeypatch.setattr(Lease, "read", lambda self: (None, {}))
+    assert not s.round(s.policies[0])
+    assert s.cycles_run == 0 and nights.ran == []
+    assert said[-1].startswith("policy a: not now: cycle-a is held by overnight train (pid")
+
+
 def test_overnight_train_is_refused_while_a_cycle_runs_and_names_it(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -184,3 +393,81 @@ def test_overnight_train_is_refused_while_a_cycle_runs_and_names_it(tmp_path):
     assert result.exit_code == 1
     assert "cycle-every-group is held by overnight learn (pid " in result.output
     assert f"pid {os.getpid()} on " in result.output
+
+
+def test_learn_commands_write_what_the_supervisors_read(tmp_path):
+    data = str(tmp_path)
+    for args in (["--now", "--policy", "a"], ["--pause"], ["--resume"], ["--stop"]):
+        result = CliRunner().invoke(main, ["learn", "--data", data, *args])
+        assert result.exit_code == 0, result.output
+    control = Control(tmp_path)
+    assert control.asked("a", None) and not control.asked("b", None)
+    assert not control.paused("a") and control.stop_asked(0)
+    both = CliRunner().invoke(main, ["learn", "--data", data, "--pause", "--stop"])
+    assert both.exit_code == 2 and "one command at a time" in both.output
+
+
+# -- the real thing: `overnight learn` running two cycles ----------------------------------
+
+
+def log_groups(proxy_url: str, names: list[str], size: int = 3) -> None:
+    """Groups through the proxy, each rollout finished (the reward file scores them)."""
+    for group in names:
+        for i in range(size):
+            ids = {"X-Rollout-Group": group, "X-Rollout-Id": f"{group}.{i}"}
+            post(proxy_url + "/v1/chat/completions", {**CHAT, "max_tokens": 4}, ids)
+            post(f"{proxy_url}/v1/rollouts/{group}.{i}/finish", {})
+
+
+@pytest.mark.slow
+def test_overnight_learn_runs_a_cycle_each_time_enough_groups_finish(tiny_model_dir, tmp_path):
+    """The real supervisor, the real night (the tiny model, a reward file, the proxy in
+    front of the fake vLLM): two groups finish, a cycle trains and promotes them; two more,
+    a second cycle; then it stops (--max-cycles). Each run is recorded as learn's cycle."""
+    from overnight.testing.processes import spawn_fake_upstream, spawn_serve
+
+    data, reward = tmp_path / "data", tmp_path / "reward.py"
+    reward.write_text(REWARD_FILE)
+    with spawn_fake_upstream() as fake, spawn_serve(data, "--upstream", fake.url) as proxy:
+        log_groups(proxy.url, ["a1", "a2"])
+        command = [sys.executable, "-m", "overnight.cli", "learn", "--data", str(data),
+                   "--proxy", proxy.url, "--base-model", str(tiny_model_dir), "--preset",
+                   "tiny-cpu", "--epochs", "1", "--groups-per-step", "2", "--settle", "0",
+                   "--reward", f"{reward}:score", "--gate", "off", "--keep-adapters", "0",
+                   "--every-groups", "2", "--poll", "0.5", "--max-cycles", "2"]  # fmt: skip
+        learn = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True)  # fmt: skip
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(learn.stdout), daemon=True)
+        reader.start()
+        try:
+            # The first cycle ran, and the supervisor waits for two more groups.
+            waits = "policy policy: next cycle after 2 more finished group(s) (0 of 2)"
+            wait_until(lambda: any(waits in line for line in lines), timeout=120,
+                       what="the first cycle, then the wait")  # fmt: skip
+            log_groups(proxy.url, ["b1", "b2"])
+            learn.wait(timeout=120)
+        finally:
+            learn.kill()
+        reader.join(10)
+        out = "".join(lines)
+        assert learn.returncode == 0, out
+        runs = trained(data)
+        assert [sorted(r["groups"]) for r in runs] == [["a1", "a2"], ["b1", "b2"]], out
+        for run in runs:
+            cycle = json.loads(run["metrics"])["cycle"]
+            assert cycle["by"] == "overnight learn"
+            assert cycle["trigger"].startswith("2 new finished group(s) since"), cycle
+        assert len(get(proxy.url + "/admin/adapters")["stack"]) == 2  # promoted twice
+    assert "cycle: 2 new finished group(s) since ever (>= 2)" in out
+    assert "learning: stopping, after 2 cycle(s)" in out
+    listing = CliRunner().invoke(main, ["runs", "--data", str(data)]).output
+    assert listing.count("a cycle of overnight learn: 2 new finished group(s)") == 2, listing
+    last = last_cycle(NightOptions(data), "policy")
+    assert last["run_id"] == runs[-1]["run_id"] and "promoted as policy-v2" in last["outcome"]
+
+
+def trained(data) -> list[dict]:
+    if not (data / "training_runs").exists() and not (data / "wal").exists():
+        return []
+    return rows(data, "SELECT * FROM training_runs WHERE status = 'trained' ORDER BY started_at")

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from overnight.config import ProxyConfig
+from overnight.config import SETTLE_SECONDS, ProxyConfig
 
 from .options import config_options
 
@@ -25,6 +25,12 @@ proxy_option = click.option(
 )  # fmt: skip
 admin_token_option = click.option(
     "--admin-token", envvar="OVERNIGHT_ADMIN_TOKEN", help="The proxy's admin token."
+)
+settle_option = click.option(
+    "--settle",
+    default=SETTLE_SECONDS,
+    show_default=True,
+    help="Seconds without a turn after which an unfinished rollout counts as finished.",
 )
 # One of the proxy's policies (proxy/alias/policies.py); unset: the default one.
 policy_option = click.option(

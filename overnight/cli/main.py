@@ -18,14 +18,23 @@ from typing import Any
 
 import click
 
-from overnight.config import SETTLE_SECONDS, JudgeConfig, ProxyConfig, TrainConfig, VLLMConfig
+from overnight.config import JudgeConfig, ProxyConfig, TrainConfig, VLLMConfig
 from overnight.errors import OvernightError
 
 from .adapters import ADAPTER_COMMANDS
-from .data import COMMANDS, admin_token_option, data_option, proxy_option, require_data_dir
+from .data import (
+    COMMANDS,
+    admin_token_option,
+    data_option,
+    proxy_option,
+    require_data_dir,
+    settle_option,
+)
 from .data import proxy_of as _proxy
 from .importing import import_command
+from .learn import learn
 from .options import build, config_options, load_config_file
+from .policy_runs import night_of, night_options
 from .serve import ServeConfig
 
 
@@ -75,15 +84,6 @@ def main() -> None:
       OPENAI_BASE_URL=http://localhost:8000/v1 python my_agent.py
       overnight ls
     """
-
-
-# Options several commands take (the proxy's: cli/data.py, which `prune` uses too).
-settle_option = click.option(
-    "--settle",
-    default=SETTLE_SECONDS,
-    show_default=True,
-    help="Seconds without a turn after which an unfinished rollout counts as finished.",
-)
 
 
 @main.command()
@@ -294,29 +294,7 @@ def _judge(
 
 
 @main.command()
-@data_option
-@proxy_option
-@admin_token_option
-@config_options(TrainConfig)
-@click.option("--max-groups", type=int, help="Train on at most this many groups.")
-@click.option("--since", type=click.DateTime(), help="Only groups started at or after this time.")
-@settle_option
-@click.option("--judge-model", help="Score unscored groups with this judge first.")
-@config_options(JudgeConfig, only=["base_url", "tool_call_parser", "tool_parser_tokenizer"])
-@click.option("--reward", help="Score unscored groups with this function first.")
-@click.option(
-    "--gate-reward",
-    help="Score the gate's held-out replies with this function (default: --reward), "
-    "without scoring any group with it.",
-)
-@click.option("--no-promote", is_flag=True, help="Save the adapter but keep serving the old one.")
-@click.option("--dry-run", is_flag=True, help="Show what would be trained, and stop.")
-@click.option(
-    "--preset",
-    type=click.Choice(["smollm2-cpu", "tiny-cpu"]),
-    help="Defaults for SmolLM2-135M or the tiny test model on a CPU (options given explicitly "
-    "still win; docs/grpo.md).",
-)
+@night_options
 @click.pass_context
 def train(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any) -> None:
     """Train the served LoRA adapter with GRPO on logged, scored groups, and promote it.
@@ -343,26 +321,9 @@ def _train(ctx: click.Context, data_dir: Path, reward: str | None, values: dict[
     """The night (overnight/night/run.py) for one policy (--policy) or each the proxy
     serves, each with its own options (cli/policy_runs.py). Without a proxy, every group
     as before policies; a dry run reads the policies offline."""
-    import datetime as dt
-
-    from overnight.night.policies import NightOptions
     from overnight.night.run import run_night
 
-    from .policy_runs import policy_nights
-
-    if values["preset"]:
-        from overnight.config import PRESETS
-
-        for name, value in PRESETS[values["preset"]].items():
-            if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
-                values[name] = value
-    dry_run, since = values["dry_run"], values["since"]
-    night = NightOptions(
-        data_dir, _proxy(data_dir, values["proxy_url"]), values["admin_token"],
-        promote=not values["no_promote"], dry_run=dry_run, settle_seconds=values["settle"],
-        since=since.replace(tzinfo=dt.UTC) if since else None, max_groups=values["max_groups"],
-    )  # fmt: skip
-    policies = policy_nights(ctx, night, values, reward)
+    night, policies = night_of(ctx, data_dir, reward, values)
     run_night(night, policies, say=click.echo, warn=lambda line: click.echo(line, err=True))
 
 
@@ -526,7 +487,7 @@ def prepare_model(name: str, out_dir: Path | None) -> None:
     click.echo(prepare_smollm2(out, say=lambda m: click.echo(m, err=True)))
 
 
-for _command in [*COMMANDS, *ADAPTER_COMMANDS, import_command]:
+for _command in [*COMMANDS, *ADAPTER_COMMANDS, import_command, learn]:
     main.add_command(_command)
 
 

@@ -18,13 +18,82 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from .options import POLICY_TABLES, policy_options
+from overnight.config import JudgeConfig, TrainConfig
+
+from .data import admin_token_option, data_option, proxy_option, settle_option
+from .options import POLICY_TABLES, config_options, policy_options
+
+# A night's options, declared once: `overnight train` takes them, and `overnight learn`
+# passes them to each cycle (cli/learn.py). Listed top first, as `--help` shows them.
+_NIGHT_OPTIONS = [
+    data_option,
+    proxy_option,
+    admin_token_option,
+    config_options(TrainConfig),
+    click.option("--max-groups", type=int, help="Train on at most this many groups."),
+    click.option(
+        "--since", type=click.DateTime(), help="Only groups started at or after this time."
+    ),
+    settle_option,
+    click.option("--judge-model", help="Score unscored groups with this judge first."),
+    config_options(JudgeConfig, only=["base_url", "tool_call_parser", "tool_parser_tokenizer"]),
+    click.option("--reward", help="Score unscored groups with this function first."),
+    click.option(
+        "--gate-reward",
+        help="Score the gate's held-out replies with this function (default: --reward), "
+        "without scoring any group with it.",
+    ),
+    click.option(
+        "--no-promote", is_flag=True, help="Save the adapter but keep serving the old one."
+    ),
+    click.option("--dry-run", is_flag=True, help="Show what would be trained, and stop."),
+    click.option(
+        "--preset",
+        type=click.Choice(["smollm2-cpu", "tiny-cpu"]),
+        help="Defaults for SmolLM2-135M or the tiny test model on a CPU (options given "
+        "explicitly still win; docs/grpo.md).",
+    ),
+]
+
+
+def night_options(command: Callable) -> Callable:
+    """A night's options on `command` (its callback gets `data_dir`, `reward` and the rest)."""
+    for option in reversed(_NIGHT_OPTIONS):  # click lists the last decorator applied first
+        command = option(command)
+    return command
+
+
+def night_of(ctx: click.Context, data_dir: Path, reward: str | None, values: dict[str, Any],
+             **shared: Any):  # fmt: skip
+    """A night's values from its options: what every policy shares (NightOptions, with
+    `shared`'s fields: `overnight learn`'s holder) and each policy's (`policy_nights`)."""
+    import datetime as dt
+
+    from overnight.night.policies import NightOptions
+
+    from .data import proxy_of
+
+    if values["preset"]:
+        from overnight.config import PRESETS
+
+        for name, value in PRESETS[values["preset"]].items():
+            if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
+                values[name] = value
+    since = values["since"]
+    night = NightOptions(
+        data_dir, proxy_of(data_dir, values["proxy_url"]), values["admin_token"],
+        promote=not values["no_promote"], dry_run=values["dry_run"],
+        settle_seconds=values["settle"], since=since.replace(tzinfo=dt.UTC) if since else None,
+        max_groups=values["max_groups"], **shared,
+    )  # fmt: skip
+    return night, policy_nights(ctx, night, values, reward)
 
 
 @dataclass(frozen=True)
@@ -130,8 +199,6 @@ def _alias_in(path: Path) -> str | None:
 def judge_config(values: dict[str, Any], *, own_max_tokens: bool = True):
     """The judge a policy's groups are scored with (None: no --judge-model). `overnight
     train`'s --max-tokens is the night's, not the judge's (`own_max_tokens` False)."""
-    from overnight.config import JudgeConfig
-
     from .options import build
 
     if not values.get("judge_model"):
@@ -143,7 +210,6 @@ def judge_config(values: dict[str, Any], *, own_max_tokens: bool = True):
 def policy_nights(ctx: click.Context, night, values: dict[str, Any], reward: str | None):
     """`overnight train`'s policies, typed (overnight/night/policies.py): `--policy`'s, else
     every policy the proxy serves (offline for a dry run), each with its table's options."""
-    from overnight.config import TrainConfig
     from overnight.night.policies import PolicyNight
 
     from .options import build
