@@ -27,7 +27,7 @@ from overnight.night.control import Control
 from overnight.night.cycles import cycle_lease, last_cycle
 from overnight.night.policies import NightOptions, PolicyNight
 from overnight.night.supervisor import Supervisor
-from overnight.night.triggers import Triggers, due
+from overnight.night.triggers import Triggers, due, finished_since
 from overnight.storage.lease import Lease, LeaseHeld, LeaseLost
 
 from .helpers import rows, wait_until
@@ -238,6 +238,40 @@ def test_either_trigger_fires_and_a_command_fires_at_once():
     assert due(never, last, 60, counter(0), asked=True).reason == "asked (overnight learn --now)"
 
 
+async def test_the_counter_counts_a_policys_groups_finished_since_a_time(make_proxy, tmp_path):
+    """The --every-groups counter reads the store as a night selects: groups whose every
+    rollout finished (or idled past --settle), the policy's own, each at the moment its
+    last rollout finished."""
+    from overnight.storage.read.policy_scope import PolicyScope
+
+    proxy = await make_proxy(policies=("other",))
+    chat = {"messages": [{"role": "user", "content": "Pick a number."}]}
+
+    async def group(name: str, model: str, finish: bool = True) -> None:
+        for i in range(2):
+            ids = {"X-Rollout-Group": name, "X-Rollout-Id": f"{name}.{i}"}
+            r = await proxy.post("/v1/chat/completions", json={**chat, "model": model},
+                                 headers=ids)  # fmt: skip
+            assert r.status == 200
+            if finish:
+                assert (await proxy.post(f"/v1/rollouts/{name}.{i}/finish")).status == 200
+
+    await group("early", "policy")
+    between = time.time()
+    time.sleep(0.01)
+    await group("late", "policy")
+    await group("theirs", "other")
+    await group("open", "policy", finish=False)  # not finished: idle for less than --settle
+    await proxy.close()
+    data = tmp_path / "data"
+    state = {"policies": ["policy", "other"], "default": "policy"}
+    mine = finished_since(data, PolicyScope.of("policy", state), settle_seconds=600)
+    assert mine(None) == 2 and mine(between) == 1 and mine(time.time()) == 0
+    assert finished_since(data, PolicyScope.of("other", state), 600)(None) == 1
+    assert finished_since(data, None, 600)(None) == 3  # every group, before policies
+    assert finished_since(data, None, 0)(None) == 4  # idle long enough at once: the open one
+
+
 @pytest.mark.parametrize("bad", [{"every_groups": 0}, {"every_minutes": 0}, {"every_minutes": -1}])
 def test_bad_triggers_are_refused(bad):
     with pytest.raises(ConfigError):
@@ -420,10 +454,14 @@ def log_groups(proxy_url: str, names: list[str], size: int = 3) -> None:
 
 
 @pytest.mark.slow
-def test_overnight_learn_runs_a_cycle_each_time_enough_groups_finish(tiny_model_dir, tmp_path):
+def test_overnight_learn_resumes_a_killed_cycle_then_runs_one_each_time_groups_finish(
+    tiny_model_dir, tmp_path
+):
     """The real supervisor, the real night (the tiny model, a reward file, the proxy in
-    front of the fake vLLM): two groups finish, a cycle trains and promotes them; two more,
-    a second cycle; then it stops (--max-cycles). Each run is recorded as learn's cycle."""
+    front of the fake vLLM). Two groups finish; the first cycle is killed (SIGKILL) after
+    its promotion, before its record. Started again: its lease is free at once, the first
+    cycle resumes that run (promoted once, recorded once); two more groups, a second cycle;
+    then it stops (--max-cycles). Each run is recorded as learn's cycle, with its trigger."""
     from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
     data, reward = tmp_path / "data", tmp_path / "reward.py"
@@ -435,13 +473,20 @@ def test_overnight_learn_runs_a_cycle_each_time_enough_groups_finish(tiny_model_
                    "tiny-cpu", "--epochs", "1", "--groups-per-step", "2", "--settle", "0",
                    "--reward", f"{reward}:score", "--gate", "off", "--keep-adapters", "0",
                    "--every-groups", "2", "--poll", "0.5", "--max-cycles", "2"]  # fmt: skip
-        learn = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True)  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "OVERNIGHT_KILL_AT"}
+        killed = subprocess.run(command, env={**env, "OVERNIGHT_KILL_AT": "promoting"},
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+        assert trained(data) == [] and len(get(proxy.url + "/admin/adapters")["stack"]) == 1
+        assert cycle_lease(NightOptions(data), "policy").read() == (None, {})  # free at once
+
+        learn = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(learn.stdout), daemon=True)
         reader.start()
         try:
-            # The first cycle ran, and the supervisor waits for two more groups.
+            # The resumed cycle ran, and the supervisor waits for two more groups.
             waits = "policy policy: next cycle after 2 more finished group(s) (0 of 2)"
             wait_until(lambda: any(waits in line for line in lines), timeout=120,
                        what="the first cycle, then the wait")  # fmt: skip
@@ -458,7 +503,10 @@ def test_overnight_learn_runs_a_cycle_each_time_enough_groups_finish(tiny_model_
             cycle = json.loads(run["metrics"])["cycle"]
             assert cycle["by"] == "overnight learn"
             assert cycle["trigger"].startswith("2 new finished group(s) since"), cycle
-        assert len(get(proxy.url + "/admin/adapters")["stack"]) == 2  # promoted twice
+        # The killed cycle's promotion stands, found served; the second promoted once more.
+        assert len(get(proxy.url + "/admin/adapters")["stack"]) == 2
+    assert "resuming an interrupted run on its 2 group(s)" in out
+    assert "the proxy already serves it as policy-v1" in out
     assert "cycle: 2 new finished group(s) since ever (>= 2)" in out
     assert "learning: stopping, after 2 cycle(s)" in out
     listing = CliRunner().invoke(main, ["runs", "--data", str(data)]).output
