@@ -439,6 +439,24 @@ def test_learn_commands_write_what_the_supervisors_read(tmp_path):
     assert not control.paused("a") and control.stop_asked(0)
     both = CliRunner().invoke(main, ["learn", "--data", data, "--pause", "--stop"])
     assert both.exit_code == 2 and "one command at a time" in both.output
+    dry = CliRunner().invoke(main, ["learn", "--data", data, "--dry-run", "--proxy", ""])
+    assert dry.exit_code == 2 and "overnight train --dry-run" in dry.output
+
+
+def test_status_says_each_policys_last_cycle_and_what_was_asked(tmp_path, nights):
+    s = supervisor(tmp_path, ["a"])
+    assert s.round(s.policies[0])
+    Control(tmp_path).pause("a")
+    result = CliRunner().invoke(
+        main, ["learn", "--data", str(tmp_path), "--status", "--policy", "a", "--proxy", ""]
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "policy a: idle"
+    assert lines[1].startswith("  last cycle: ") and lines[1].endswith(
+        ", overnight learn (no cycle yet): trained 1 group(s), promoted as a-v1"
+    )
+    assert lines[2:] == ["  paused (overnight learn --resume)"]
 
 
 # -- the real thing: `overnight learn` running two cycles ----------------------------------

@@ -17,7 +17,7 @@ from overnight.storage.lease import LEASE_SECONDS
 
 from .policy_runs import night_of, night_options
 
-_COMMANDS = ("now", "pause", "resume", "stop")
+_COMMANDS = ("now", "pause", "resume", "stop", "status")
 
 
 @click.command()
@@ -61,6 +61,12 @@ _COMMANDS = ("now", "pause", "resume", "stop")
 @click.option(
     "--stop", is_flag=True, help="Ask them to stop once their running cycle has finished, exit."
 )
+@click.option(
+    "--status",
+    is_flag=True,
+    help="Say each policy's cycle (running, or the last one: its trigger and outcome) and "
+    "what was asked, exit.",
+)
 @click.pass_context
 def learn(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any) -> None:
     """Train continuously: run each policy's night whenever a trigger fires.
@@ -74,7 +80,7 @@ def learn(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     Example:
       overnight learn --every-groups 32 --every-minutes 60 --preset smollm2-cpu
       overnight learn --now --policy support     (a cycle of support at once)
-      overnight learn --pause / --resume / --stop
+      overnight learn --pause / --resume / --stop / --status
     """
     from overnight.storage.read.reader import naming_damaged_files
 
@@ -84,9 +90,17 @@ def learn(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     asked = [name for name in _COMMANDS if values.pop(name)]
     if len(asked) > 1:
         raise click.UsageError(f"one command at a time, not --{' and --'.join(asked)}")
+    if asked == ["status"]:
+        _status(ctx, data_dir, values)
+        return
     if asked:
         _command(data_dir, asked[0], values["policy"])
         return
+    if values["dry_run"]:
+        raise click.UsageError(
+            "a dry run records no cycle, so its trigger would fire again at every look: "
+            "`overnight train --dry-run` says what a cycle would train"
+        )
     with naming_damaged_files(data_dir):
         _supervise(ctx, data_dir, reward, values)
 
@@ -131,6 +145,39 @@ def _command(data_dir: Path, command: str, policy: str | None) -> None:
     else:
         control.stop()
         click.echo("asked the supervisors to stop (each once its running cycle has finished)")
+
+
+def _status(ctx: click.Context, data_dir: Path, values: dict) -> None:
+    """Each policy's lease (overnight/night/cycles.py) and the commands waiting
+    (control.py), as every supervisor on `data_dir` reads them."""
+    from overnight.night.control import Control
+    from overnight.night.cycles import cycle_lease
+    from overnight.night.policies import NightOptions
+
+    from .data import proxy_of
+    from .policy_runs import policy_runs
+
+    proxy_url = proxy_of(data_dir, values["proxy_url"])
+    runs = policy_runs(ctx, data_dir, values, values["policy"], proxy_url,
+                       values["admin_token"], offline=True)  # fmt: skip
+    control, night = Control(data_dir), NightOptions(data_dir)
+    for run in runs:
+        holder, notes = cycle_lease(night, run.policy).read()
+        last = notes.get("last")
+        label = f"policy {run.policy}" if run.policy is not None else "every group"
+        click.echo(f"{label}: " + (f"a cycle runs: {holder.describe()}" if holder else "idle"))
+        if last:
+            click.echo(f"  last cycle: {_at(last.get('started'))} to {_at(last.get('ended'))}, "
+                       f"{last.get('by')} ({last.get('trigger') or 'by hand or cron'}): "
+                       f"{last.get('outcome') or 'interrupted'}")  # fmt: skip
+        if control.paused(run.policy):
+            click.echo("  paused (overnight learn --resume)")
+        if control.asked(run.policy, (last or {}).get("started")):
+            click.echo("  a cycle was asked for (overnight learn --now)")
+
+
+def _at(seconds: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds)) if seconds else "-"
 
 
 def _say(line: str) -> None:
