@@ -114,7 +114,8 @@ def feeds(summary: ImportSummary) -> list[str]:
         "  `overnight train --sft`: imported answers the signals or a judge rate well are "
         "imitated (the text, re-tokenised)",
         "  GRPO: never trained on as if sampled: imported: no token ids (off-policy); "
-        "--resample cannot sample siblings for them yet (it asks vLLM by token ids)",
+        "--resample samples the policy's own siblings for their prompts (rendered with the "
+        "base model's chat template) and trains those",
         "  the gate: imported first turns in its window may be held-out prompts",
     ]
 
