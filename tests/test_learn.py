@@ -439,6 +439,9 @@ def test_learn_commands_write_what_the_supervisors_read(tmp_path):
     assert not control.paused("a") and control.stop_asked(0)
     both = CliRunner().invoke(main, ["learn", "--data", data, "--pause", "--stop"])
     assert both.exit_code == 2 and "one command at a time" in both.output
+    CliRunner().invoke(main, ["learn", "--data", data, "--pause"])
+    one = CliRunner().invoke(main, ["learn", "--data", data, "--resume", "--policy", "a"])
+    assert "policy a is still paused with every policy" in one.output and control.paused("a")
     dry = CliRunner().invoke(main, ["learn", "--data", data, "--dry-run", "--proxy", ""])
     assert dry.exit_code == 2 and "overnight train --dry-run" in dry.output
 

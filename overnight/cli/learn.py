@@ -142,6 +142,9 @@ def _command(data_dir: Path, command: str, policy: str | None) -> None:
     elif command == "resume":
         lifted = control.resume(policy)
         click.echo(f"resumed {whom}" if lifted else f"nothing was paused for {whom}")
+        if control.paused(policy):  # a pause of every policy holds it still
+            click.echo(f"{whom} is still paused with every policy: `overnight learn --resume` "
+                       "without --policy lifts that")  # fmt: skip
     else:
         control.stop()
         click.echo("asked the supervisors to stop (each once its running cycle has finished)")
