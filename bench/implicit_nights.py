@@ -17,7 +17,11 @@ implicit night's share of the posted one's. Results: BENCHMARKS.md.
 --hindsight runs the hindsight trial instead (implicit_trial.run_hindsight_trial): users
 who correct a wrong answer with the right sum ("No, it's 7."), a night on the implicit
 rewards beside an `overnight train --hindsight` night on the same day, the held-out share
-answered right of the base model and both adapters, and each adapter's forgetting.
+answered right of the base model and both adapters, and each adapter's forgetting; and
+a third night, `--hindsight --hindsight-mode distill` (the served answers and 4 resampled
+siblings of each corrected turn, each token's advantage the teacher's logprob with the
+hint minus the student's without, GRPO's loss). `--arms hindsight,distill` leaves the
+implicit night out (the slowest: about 15 minutes here).
 Run it under `flock /tmp/overnight-heavy.lock` where other heavy jobs share the machine.
 """
 
@@ -35,6 +39,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="per held-out sum, per model")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--hindsight", action="store_true", help="the hindsight trial")
+    parser.add_argument(
+        "--arms", default="implicit,hindsight,distill",
+        help="--hindsight: the nights beside the base model, of implicit, hindsight (the "
+        "revisions imitated) and distill (--hindsight-mode distill, with resampled siblings)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     from smollm2_vllm import CACHE, clock, prepared_model, smollm2_vllm
@@ -49,7 +58,8 @@ def main() -> None:
         smollm2_vllm(model, Path(work), say) as url,
     ):
         if args.hindsight:  # the base model's reference answers cached in .cache/
-            run_hindsight_trial(url, model, Path(work), size, say, CACHE)
+            arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+            run_hindsight_trial(url, model, Path(work), size, say, CACHE, arms)
         else:
             run_trial(url, model, Path(work), size, say=say)
 

@@ -25,7 +25,10 @@ the gate, the promotion and the record are the same.
 
 With --hindsight the plan is choose/hindsight.py's: the answers users corrected, each
 asked again of vLLM with the user's next message as a hint, the revision trained without
-it by the same cross-entropy (an --sft night in every other step).
+it by the same cross-entropy (an --sft night in every other step). With --hindsight-mode
+distill the plan is choose/hindsight_distill.py's: the served answers (and resampled
+siblings) of those turns, each token's advantage the teacher's logprob with the hint minus
+the student's without (grpo/distill.py), trained by GRPO's loss.
 
 Under torchrun every process runs this; process 0 decides what to train on and does
 everything with side effects (files, the run record, the promotion). Progress goes to
@@ -48,6 +51,7 @@ from overnight.telemetry import traced
 from overnight.view.report import write_report
 
 from .choose.hindsight import plan_hindsight, teacher_at
+from .choose.hindsight_distill import plan_distill
 from .choose.images import VisionReader, vision_reader
 from .choose.inputs import Selection
 from .choose.lone_turns import add_lone_turns
@@ -260,6 +264,11 @@ class Night:
             self.data_dir, settle_seconds, since, max_groups, only, self.tokenizer,
             self.defaults, self.scope, self.vision,
         )  # fmt: skip
+        if config.hindsight and config.hindsight_mode == "distill":
+            # the student's own answers, weighed by the teacher (choose/hindsight_distill.py)
+            return plan_distill(
+                selection.but(tokenizer=_sft_tokenizer(self.tokenizer, self.base_model)), config
+            )
         if config.hindsight:  # corrected turns, as revised with the hint (choose/hindsight.py)
             tokenizer = _sft_tokenizer(self.tokenizer, self.base_model)
             teacher = teacher_at(config, self.proxy_url, self.token, self.state)
@@ -287,7 +296,8 @@ class Night:
         # for the gaming check alone (the plan stays as it would without it).
         prompts, gated = held_out_prompts(
             self.data_dir, plan, self.config.gate_prompts,
-            self.resumed is None and not self.config.sft and not alone, scope=self.scope,
+            self.resumed is None and not (self.config.sft or self.config.hindsight) and not alone,
+            scope=self.scope,
             images=self.vision is not None and self.vision.renders,
         )  # fmt: skip
         given = [g for g in plan.groups if g not in set(gated.groups)]

@@ -27,6 +27,7 @@ REPORT_TO = ("auto", "wandb", "none")  # where a night reports (trainer/run/wand
 SFT_SELECTIONS = ("auto", "best", "min-reward", "all")
 # Turns with nothing to compare with (trainer/choose/lone_turns.py): pooled or left out.
 LONE_TURNS = ("auto", "pool", "skip")
+HINDSIGHT_MODES = ("revise", "distill")  # how --hindsight distils its teacher
 
 
 # Every source a reward row can name (storage/schema.py `rewards.source`).
@@ -464,6 +465,16 @@ class TrainConfig:
             "revision trained without the hint by --sft's cross-entropy (docs/grpo.md)."
         },
     )
+    hindsight_mode: str = field(
+        default="revise",
+        metadata={
+            "help": "--hindsight: revise (the teacher's revision, trained by --sft's "
+            "cross-entropy) or distill (on-policy: the served answer and its --resample "
+            "siblings as they were sampled, each token's advantage the teacher's logprob "
+            "with the hint minus the student's without, trained by GRPO's loss).",
+            "choices": HINDSIGHT_MODES,
+        },
+    )
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.reward_sources if s not in REWARD_SOURCES]
@@ -517,7 +528,13 @@ class TrainConfig:
             )
         if self.sft_selection == "min-reward" and self.sft_min_reward is None:
             raise ConfigError("--sft-selection min-reward needs --sft-min-reward")
-        if self.hindsight:  # a --hindsight night imitates its teacher's revisions
+        wrong = self.hindsight_mode not in HINDSIGHT_MODES
+        if wrong or self.hindsight_mode == "distill" and (self.sft or not self.hindsight):
+            raise ConfigError(
+                f"hindsight_mode must be revise or distill (got {self.hindsight_mode!r}); "
+                "--hindsight-mode distill is a --hindsight night's, by GRPO's loss (not --sft)"
+            )
+        if self.hindsight and self.hindsight_mode == "revise":  # imitates the revisions
             object.__setattr__(self, "sft", True)
         if self.sft and self.kl_coef > 0:
             raise ConfigError("--kl-coef is GRPO's: an --sft night's loss is the cross-entropy")

@@ -25,7 +25,11 @@ trains on the implicit rewards as above, another with `overnight train --hindsig
 corrected answers revised by the base model shown the correction, imitated without it:
 trainer/choose/hindsight.py); the held-out sums compare base, implicit and hindsight with
 the same seeds, and each adapter's forgetting on the bundled reference set is measured
-as a gated night measures it (trainer/gate/forgetting.py).
+as a gated night measures it (trainer/gate/forgetting.py). A third night, `distill`, runs
+`--hindsight --hindsight-mode distill --resample 4` on the same day: the served answers and
+four resampled siblings of each corrected turn, each token's advantage the teacher's
+logprob with the hint minus the student's without (trainer/grpo/distill.py). `arms` picks
+the nights (HINDSIGHT_ARMS).
 """
 
 from __future__ import annotations
@@ -272,14 +276,13 @@ class HindsightResult:
 
     def lines(self) -> list[str]:
         h = self.held_out
-        gain = {arm: h[arm] - h["base"] for arm in ("implicit", "hindsight")}
+        arms = [arm for arm in h if arm != "base"]
         return [
             f"day: {self.answers} answers, {self.corrected} wrong ones reacted to (corrected "
             "with the sum, or regenerated)",
             *(f"night on {arm}: {line}" for arm, lines in self.trained.items() for line in lines),
-            f"held-out share answered right: base {h['base']:.3f}, implicit "
-            f"{h['implicit']:.3f} ({gain['implicit']:+.3f}), hindsight {h['hindsight']:.3f} "
-            f"({gain['hindsight']:+.3f})",
+            f"held-out share answered right: base {h['base']:.3f}, "
+            + ", ".join(f"{arm} {h[arm]:.3f} ({h[arm] - h['base']:+.3f})" for arm in arms),
             "forgetting (nats/token vs the base model, budget "
             f"{self.budget:g}): "
             + ", ".join(f"{arm} {v:+.3f}" for arm, v in self.forgetting.items()),
@@ -288,7 +291,24 @@ class HindsightResult:
 
 
 # What a night's output says of its plan, kept for the result.
-_PLAN_LINES = ("lone turns", "hindsight teacher", "sft (hindsight)", "skipped", "sequence(s)")
+_PLAN_LINES = ("lone turns", "hindsight", "sft (hindsight)", "skipped", "sequence(s)", "resampled")
+# The hindsight trial's nights, beside the base model: the implicit rewards; --hindsight's
+# revisions imitated; --hindsight-mode distill on the served answers and SIBLINGS
+# resampled siblings of each (`overnight train --resample`, no judge: they need no reward).
+HINDSIGHT_ARMS = ("implicit", "hindsight", "distill")
+SIBLINGS = 4
+
+
+def arm_options(arm: str, upstream: str) -> list[str]:
+    """`overnight train`'s options for one arm of the hindsight trial."""
+    if arm == "implicit":
+        return ["--lone-turns", "pool", "--reward-source", "implicit"]
+    hindsight = ["--hindsight", "--resample-upstream", upstream, "--sft-held-out", "0"]
+    if arm == "hindsight":
+        return hindsight
+    if arm == "distill":
+        return [*hindsight, "--hindsight-mode", "distill", "--resample", str(SIBLINGS)]
+    raise ValueError(f"no arm {arm!r}: one of {', '.join(HINDSIGHT_ARMS)}")
 
 
 def run_hindsight_trial(
@@ -298,12 +318,13 @@ def run_hindsight_trial(
     size: TrialSize,
     say=print,
     references: Path | None = None,
+    arms: tuple[str, ...] = HINDSIGHT_ARMS,
 ) -> HindsightResult:
     """A day of users who correct with the right sum; a night on its implicit rewards and
     a --hindsight night on the same day; the held-out share answered right of the base
     model and both adapters, and their forgetting (see the module's docstring).
     `references`: where the base model's reference answers are cached (default: in
-    `work`, generated every run)."""
+    `work`, generated every run). `arms`: the nights, of HINDSIGHT_ARMS."""
     import time
     from dataclasses import replace
 
@@ -316,16 +337,11 @@ def run_hindsight_trial(
     result.answers = len(conversation.truth)
     result.corrected = sum(1 for r in conversation.reacted if conversation.truth[r] == 0.0)
     result.seconds["day"] = time.monotonic() - began
-    arms = {arm: work / arm for arm in ("implicit", "hindsight")}
     adapters = {}
-    for arm, path in arms.items():
+    for arm, path in {arm: work / arm for arm in arms}.items():
         shutil.copytree(day, path, ignore=shutil.ignore_patterns("logs"))
         run_overnight("signals", "--data", str(path), "--rewards", "--quiet", "0h")
-        options = (
-            ["--lone-turns", "pool", "--reward-source", "implicit"]
-            if arm == "implicit"
-            else ["--hindsight", "--resample-upstream", upstream, "--sft-held-out", "0"]
-        )
+        options = arm_options(arm, upstream)
         say(f"night on {arm}: overnight train {' '.join(options)} {' '.join(size.train)}")
         began = time.monotonic()
         out = run_overnight(
@@ -335,11 +351,11 @@ def run_hindsight_trial(
         result.seconds[f"{arm} night"] = time.monotonic() - began
         result.trained[arm] = [
             x.strip() for x in out.splitlines() if any(k in x for k in _PLAN_LINES)
-        ][:6]
+        ][:8]
         for line in result.trained[arm]:
             say(f"  {line}")
         adapters[arm] = trained_adapter(path)
-    say("held out: sampling the base model and both nights' adapters")
+    say("held out: sampling the base model and each night's adapter")
     began = time.monotonic()
     result.held_out = held_out_means(upstream, adapters, size)
     result.seconds["held-out sampling"] = time.monotonic() - began

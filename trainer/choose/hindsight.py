@@ -262,32 +262,8 @@ def corrected_turns(con, since: dt.datetime | None, only: set[str] | None) -> li
 def plan_hindsight(selection: Selection, config: TrainConfig, teacher: Teacher, say=print) -> Plan:
     """The corrected turns a --hindsight night trains on, each with the teacher's revised
     answer as its sample (see the module's docstring); why the others wait or are left."""
-    tokenizer, only, scope = selection.tokenizer, selection.only, selection.scope
-    if tokenizer is None:
-        raise ValueError("a --hindsight night renders conversations: it needs a tokenizer")
-    con = open_db(selection.data_dir)
-    try:
-        done = trained_groups(con)
-        wanted = None if only is None else {g.removeprefix(PREFIX) for g in only}
-        turns = corrected_turns(con, selection.since, wanted)
-        if scope is not None:
-            own = scope.groups(con, sorted({t.group_id for t in turns}))
-            turns = [t for t in turns if t.group_id in own]
-    finally:
-        con.close()
-    plan = Plan(considered=[hindsight_id(t.record_id) for t in turns])
-    chosen: list[Corrected] = []
-    for t in turns:
-        if only is None and hindsight_id(t.record_id) in done:
-            continue  # trained by an earlier night: never again
-        if t.why is None and only is None and held_out(t.group_id, config.sft_held_out):
-            t.why = HELD_OUT
-        if t.why is None and len(chosen) >= (selection.max_groups or len(turns) + 1):
-            continue  # past --max-groups: a later night's
-        if t.why is not None:
-            plan.skipped[t.why] += 1
-            continue
-        chosen.append(t)
+    tokenizer = selection.tokenizer
+    plan, turns, chosen = choose_corrected(selection, config)
     served = teacher.models() if chosen else None
     for t in chosen:
         if served is not None and t.model not in served:
@@ -331,6 +307,41 @@ def plan_hindsight(selection: Selection, config: TrainConfig, teacher: Teacher, 
     plan.damaged = damaged_files(selection.data_dir)
     say(teacher.line())
     return plan
+
+
+def choose_corrected(
+    selection: Selection, config: TrainConfig
+) -> tuple[Plan, list[Corrected], list[Corrected]]:
+    """(a plan with the corrected turns looked at and why some are left, every corrected
+    turn, those a night takes): never one an earlier hindsight night trained, nor one
+    held out for the gate (--sft-held-out), at most --max-groups; a resumed run's own."""
+    only, scope = selection.only, selection.scope
+    if selection.tokenizer is None:
+        raise ValueError("a --hindsight night renders conversations: it needs a tokenizer")
+    con = open_db(selection.data_dir)
+    try:
+        done = trained_groups(con)
+        wanted = None if only is None else {g.removeprefix(PREFIX) for g in only}
+        turns = corrected_turns(con, selection.since, wanted)
+        if scope is not None:
+            own = scope.groups(con, sorted({t.group_id for t in turns}))
+            turns = [t for t in turns if t.group_id in own]
+    finally:
+        con.close()
+    plan = Plan(considered=[hindsight_id(t.record_id) for t in turns])
+    chosen: list[Corrected] = []
+    for t in turns:
+        if only is None and hindsight_id(t.record_id) in done:
+            continue  # trained by an earlier night: never again
+        if t.why is None and only is None and held_out(t.group_id, config.sft_held_out):
+            t.why = HELD_OUT
+        if t.why is None and len(chosen) >= (selection.max_groups or len(turns) + 1):
+            continue  # past --max-groups: a later night's
+        if t.why is not None:
+            plan.skipped[t.why] += 1
+            continue
+        chosen.append(t)
+    return plan, turns, chosen
 
 
 def _revise(teacher: Teacher, t: Corrected) -> None:

@@ -109,6 +109,10 @@ class Plan:
     # The groups earlier nights trained, read once a night (plan_run) for the steps that
     # add to the plan (turn_groups.py, lone_turns.py); None: a plan not made by plan_run.
     trained_before: set[str] | None = None
+    # A --hindsight distill night's (hindsight_distill.py): each sample's teacher sample
+    # (by rollout id: the hint in its context, the same completion), and its figures.
+    teachers: dict[str, Sample] = field(default_factory=dict)
+    hindsight: dict | None = None
 
     @property
     def loaded(self) -> dict:
@@ -127,6 +131,11 @@ class Plan:
                 f"{sft['rollouts']} rollout(s); {len(sft['held_out'])} group(s) held out for "
                 f"the gate, {sft['duplicates']} duplicate sequence(s) left out"
             )
+        if self.hindsight is not None:
+            h = self.hindsight
+            out.append(f"  hindsight ({h['mode']}): {h['turns']} of {h['corrected_turns']} "
+                       f"corrected turn(s) taken: the served answers and {h['siblings']} "
+                       "resampled sibling(s), each token weighed by the teacher")  # fmt: skip
         if self.looked_since is not None:
             at = dt.datetime.fromtimestamp(self.looked_since / 1e6, dt.UTC)
             out.append(

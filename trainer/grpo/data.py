@@ -78,10 +78,20 @@ class Sample:
     staleness: int | None = None
     # Every image of the sequence (its last turn's prompt shows them all); None: none.
     vision: VisionInputs | None = None
+    # Per token, an advantage of its own (0.0 at context tokens): a --hindsight distill
+    # night's teacher-minus-student logprobs (grpo/distill.py). Empty: `advantage` on
+    # every trained token, as GRPO's sequence-level advantage.
+    token_advantages: tuple[float, ...] = ()
 
     @property
     def trained_tokens(self) -> int:
         return sum(self.trained)
+
+    def trained_advantages(self) -> list[float]:
+        """The advantage of each trained token, in order."""
+        if not self.token_advantages:
+            return [self.advantage] * self.trained_tokens
+        return [a for a, t in zip(self.token_advantages, self.trained, strict=True) if t]
 
     @classmethod
     def from_turns(cls, rollout_id: str, group_id: str, turns: list[Turn]) -> Sample:

@@ -95,7 +95,8 @@ def micro_batch_loss(
     loss, stats = policy_loss(
         logp,
         batch["behaviour_logprobs"],
-        torch.tensor([s.advantage for s in samples], device=device)[seq],
+        # pack() orders trained tokens by sample, then position: each sample's in order.
+        torch.tensor([a for s in samples for a in s.trained_advantages()], device=device),
         torch.tensor(weights, device=device)[seq],
         torch.ones_like(logp, dtype=torch.bool),  # pack() keeps trained tokens only
         loss_config,

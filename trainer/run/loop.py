@@ -20,6 +20,7 @@ from overnight.errors import OvernightError
 from overnight.progress import time_left
 from overnight.telemetry import traced
 from overnight.trainer.choose.plan import Plan
+from overnight.trainer.grpo.distill import teacher_advantages
 from overnight.trainer.grpo.parallel import Parallel
 from overnight.trainer.grpo.step import Gap, behaviour_pass, fresh_adapter, optimizer_step
 
@@ -63,6 +64,12 @@ def run_training(
         config, base_model, start_adapter, checkpoint, parallel, say, need.checkpointing
     )
     samples, gaps = _before_any_update(model, plan, config, state)
+    taught = None
+    if plan.teachers:  # a --hindsight distill night: each token's advantage (grpo/distill.py)
+        samples, taught = teacher_advantages(
+            model, samples, plan.teachers, config.micro_batch_tokens, config.logit_chunk_tokens
+        )
+        say(taught.line())
     # Groups with something to train (an --sft night's duplicates are recorded, not trained).
     with_samples = {s.group_id for s in samples}
     schedule = step_schedule([g for g in plan.groups if g in with_samples], config)
@@ -87,6 +94,7 @@ def run_training(
         "max_logprob_gap": on_policy_gap(gaps),
         "logprob_gaps": gaps,
         "seconds": time.perf_counter() - recorder.started,
+        "teacher_pass": taught.as_dict() if taught is not None else None,
     }
 
 

@@ -83,6 +83,9 @@ def record_run(
                     # What it optimised; an --sft night's selection (sft_plan.py).
                     "objective": "sft" if config.sft else "grpo",
                     "sft": plan.sft,
+                    # A --hindsight distill night's: what it took, what its teacher found.
+                    "hindsight": plan.hindsight,
+                    "teacher_pass": metrics.get("teacher_pass"),
                     "cycle": cycle,  # `overnight train` or `overnight learn`, and its trigger
                 }
             ),
