@@ -174,9 +174,14 @@ def measure(client, model: str, task: str, args) -> dict:
     }
 
 
+CONSTANT_AT_MOST = 0.4
+
+
 def headroom(row: dict, low: float, high: float) -> bool:
-    """In range, with spread, and room above what one fixed answer scores."""
-    room = row["constant"] + 0.15 <= 1.0  # a rise of 0.15 not reachable by a constant
+    """In range, with spread, and one fixed answer scoring at most CONSTANT_AT_MOST: where
+    it scores more (ransom_note's "False", 0.56), a night that learned that answer alone
+    would pass for learning the task."""
+    room = row["constant"] <= CONSTANT_AT_MOST
     return low <= row["sampled"] <= high and row["spread"] >= 0.25 and room
 
 
@@ -235,6 +240,8 @@ def main() -> None:
         print(f"{row['task']:24} {row['sampled']:8.3f} {row['greedy']:7.3f} "
               f"{row['spread']:7.2f} {row['holds']:6.2f} {row['constant']:8.2f}  {verdict}")  # fmt: skip
     if args.json:
+        for row in rows:
+            row["headroom"] = headroom(row, args.low, args.high)
         args.json.write_text(json.dumps(rows, indent=1, default=str))
 
 
