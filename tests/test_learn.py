@@ -24,7 +24,7 @@ from overnight.config import TrainConfig
 from overnight.errors import ConfigError, OvernightError
 from overnight.night import run as night_run
 from overnight.night.control import Control
-from overnight.night.cycles import cycle_lease, last_cycle
+from overnight.night.cycles import cycle_lease, last_cycle, to_serving
 from overnight.night.policies import NightOptions, PolicyNight
 from overnight.night.supervisor import Supervisor
 from overnight.night.triggers import Triggers, due, finished_since
@@ -270,6 +270,11 @@ async def test_the_counter_counts_a_policys_groups_finished_since_a_time(make_pr
     assert finished_since(data, PolicyScope.of("other", state), 600)(None) == 1
     assert finished_since(data, None, 600)(None) == 3  # every group, before policies
     assert finished_since(data, None, 0)(None) == 4  # idle long enough at once: the open one
+    # The loop's latency: from each group's finish to when its adapter served.
+    served = time.time() + 60
+    delay = to_serving(data, ["early", "late", "unknown"], served)
+    assert delay["groups"] == 2 and 60 <= delay["median"] <= delay["max"] < 90, delay
+    assert to_serving(data, [], served) is None
 
 
 @pytest.mark.parametrize("bad", [{"every_groups": 0}, {"every_minutes": 0}, {"every_minutes": -1}])
@@ -534,6 +539,11 @@ def test_overnight_learn_resumes_a_killed_cycle_then_runs_one_each_time_groups_f
     assert listing.count("a cycle of overnight learn: 2 new finished group(s)") == 2, listing
     last = last_cycle(NightOptions(data), "policy")
     assert last["run_id"] == runs[-1]["run_id"] and "promoted as policy-v2" in last["outcome"]
+    # The loop's latency: from the groups' finish to the adapter trained on them serving.
+    delay = last["to_serving"]
+    assert delay["groups"] == 2 and 0 < delay["median"] <= delay["max"] < 120, delay
+    assert "min after its groups finished (median of 2;" in last["outcome"]
+    assert "cycle done: trained 2 group(s), promoted as policy-v2" in out
 
 
 def trained(data) -> list[dict]:

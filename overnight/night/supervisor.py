@@ -65,8 +65,8 @@ class Supervisor:
     def run(self) -> int:
         """Rounds until stopped (`overnight learn --stop`, Ctrl-C) or `max_cycles` ran;
         the number of cycles run."""
-        names = ", ".join(str(p.policy) for p in self.policies)
-        self.say(f"learning: policy {names}; a cycle {self.triggers.describe()}; "
+        names = ", ".join(_label(p) for p in self.policies)
+        self.say(f"learning: {names}; a cycle {self.triggers.describe()}; "
                  f"looking every {self.poll_seconds:g} s")  # fmt: skip
         while not self._stopping():
             for policy in self.policies:
@@ -109,8 +109,9 @@ class Supervisor:
             return False
         except Exception as e:  # the next cycle resumes or rolls back its run
             self.warn(f"{label}: the cycle failed: {type(e).__name__}: {e}")
-        else:
-            self.say(f"{label}: cycle done: {outcome(result)}")
+        else:  # as the lease recorded it: with the loop's latency, when it promoted
+            last = cycle_lease(self.night, policy.policy).read()[1].get("last") or {}
+            self.say(f"{label}: cycle done: {last.get('outcome') or outcome(result)}")
         self.cycles_run += 1
         return True
 
