@@ -183,6 +183,20 @@ def turn_candidates(
     return out
 
 
+def scored_by(con, function: RewardFunction) -> set[str]:
+    """Groups in which every rollout has a reward from `function` (its `module:function`
+    name, as recorded): a night that scores with it does not ask it again. Every finished
+    group is a candidate each night, trained or not, so without this each night would
+    score the whole history again (a rollout added since makes its group a candidate)."""
+    rows = con.execute(
+        "SELECT r.group_id FROM rollouts r LEFT JOIN (SELECT DISTINCT rollout_id FROM rewards "
+        "WHERE source = 'function' AND json_extract_string(metrics, '$.function') = ?) f "
+        "USING (rollout_id) GROUP BY r.group_id HAVING bool_and(f.rollout_id IS NOT NULL)",
+        [function.name],
+    ).fetchall()
+    return {g for (g,) in rows}
+
+
 def posted_complete(con) -> set[str]:
     """Groups in which every rollout has a reward the agent posted."""
     rows = con.execute(
@@ -226,10 +240,12 @@ async def run_judge(
         if config is not None and not rejudge:
             memory = remembered(con, config, rubric_hash(rubric), key_of(config))
         posted = posted_complete(con) if use_posted else set()
+        scored = scored_by(con, reward) if reward is not None and not rejudge else set()
         sizes = rollout_counts(con)
         wanted: list[str] = []
         for group_id in candidates:
-            why = _skip(group_id, memory, posted, sizes, config, reward, groups is not None)
+            why = _skip(group_id, memory, posted, scored, sizes, config, reward,
+                        groups is not None)  # fmt: skip
             if why:
                 summary.skipped[why] += 1
             else:
@@ -284,12 +300,15 @@ def _skip(
     group_id: str,
     memory: Memory,
     posted: set[str],
+    scored: set[str],
     sizes: dict[str, int],
     config: JudgeConfig | None,
     reward: RewardFunction | None,
     named: bool,
 ) -> str | None:
     """Why a group is not scored this run, decided before its turns are read; or None.
+    A group the reward function scored already (`scored`) is not scored again unless the
+    judge still has to judge it (its rewards are combined with the function's).
     A group of one has nothing to train and no rank, so it is left alone, unless it was
     named (`--group`) for a reward function alone, whose score is absolute: a held-out
     question asked once, scored to be measured. (Scoring every single call so would
@@ -302,6 +321,10 @@ def _skip(
         return "already judged by this judge, rubric and settings"
     if judge_only and group_id in memory.no_signal:
         return "fewer than two distinct trajectories (found before): no relative signal"
+    judged = config is None or group_id in memory.judged_groups or group_id in memory.no_signal
+    if group_id in scored and judged:
+        return "already scored by this reward function" + ("" if config is None else
+                                                            " and judged")  # fmt: skip
     if sizes.get(group_id, 0) < 2 and not function_only:
         return "one rollout: no relative signal"
     return None

@@ -238,6 +238,39 @@ async def test_reward_function_alone_and_combined(judge, tmp_path):
     ]
 
 
+CALLED: list[str] = []
+
+
+def counted_reward(rollout: dict) -> float:
+    CALLED.append(rollout["rollout_id"])
+    return capital_reward(rollout)
+
+
+async def test_a_reward_function_is_not_asked_again_for_groups_it_scored(tmp_path):
+    """Every finished group is a candidate each night, trained or not: the function's
+    rewards already recorded for a group are not asked for again (a night's judge and
+    reward calls grow with the day's groups, not with the history). A new function,
+    --rejudge, or a rollout the group gained since are scored."""
+    write_groups(tmp_path, {"france": ["Paris", "Lyon"], "peru": ["Lima", "Cusco"]})
+    fn = RewardFunction(f"{__name__}:counted_reward")
+    CALLED.clear()
+    first = await run_judge(tmp_path, None, fn, progress=False)
+    assert first.scored_by_function == 2 and len(CALLED) == 4
+    write_groups(tmp_path, {"chile": ["Santiago", "Lima"]})  # the next day's group
+    again = await run_judge(tmp_path, None, fn, progress=False)
+    assert again.scored_by_function == 1 and len(CALLED) == 6, again.lines()
+    assert again.skipped == {"already scored by this reward function": 2}
+    write_groups(tmp_path, {"peru": ["Arequipa", "Lima", "Cusco"]})  # peru.r2 joined peru
+    grown = await run_judge(tmp_path, None, fn, progress=False)
+    assert grown.scored_by_function == 1 and CALLED[-3:] == ["peru.r0", "peru.r1", "peru.r2"]
+    other = RewardFunction(f"{__name__}:capital_reward")  # another scorer: its own rewards
+    assert (await run_judge(tmp_path, None, other, progress=False)).scored_by_function == 3
+    forced = await run_judge(tmp_path, None, fn, rejudge=True, progress=False)
+    assert forced.scored_by_function == 3
+    rewards = rows(tmp_path, "SELECT rollout_id FROM rewards WHERE source = 'function'")
+    assert len(rewards) == 4 + 2 + 3 + 7 + 7
+
+
 async def test_a_reward_function_scores_a_group_of_one_named_for_it(judge, tmp_path):
     """A score from a function is absolute: a question asked once and named (`--group`: a
     held-out one, say) gets its reward; unnamed, a group of one is left alone (nothing to

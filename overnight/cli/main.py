@@ -145,7 +145,7 @@ def serve(**values: Any) -> None:
 @click.option(
     "--rejudge",
     is_flag=True,
-    help="Judge again groups this judge, rubric and settings scored, and resend prompts that failed for good.",
+    help="Judge again groups this judge, rubric and settings scored, resend prompts that failed for good, and score again with --reward what it scored.",
 )
 @click.option(
     "--ignore-posted", is_flag=True, help="Judge groups whose rewards the agent posted, too."
