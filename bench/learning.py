@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ DEFAULT_TASKS = ["syllogism"]
 # for every data folder on this model: generated once (minutes on two cores), then copied
 # into each task's fresh data folder, as a later night on one folder reads its own.
 REFERENCES = ROOT / ".cache" / "bench" / "learning" / "references"
-PEERS = ("trl",)  # --peer: the same nights by another trainer (a later item of issue 49)
+PEERS = ("trl",)  # --peer: the same budget of sampled completions by another trainer
 
 
 @dataclass
@@ -82,6 +82,9 @@ class Row:
     forgetting: float | None = None  # the candidate's nats/token vs the base model
     gate_line: str = "-"
     seconds: float = 0.0  # the day, the night and the evaluation
+    side: str = "overnight"  # who trained: overnight, or the peer (trl)
+    completions: int = 0  # completions sampled for training so far
+    wall: float = 0.0  # seconds spent learning so far: sampling and training, no held-out runs
 
 
 # -- the gate's line ---------------------------------------------------------------------
@@ -115,15 +118,73 @@ HEADER = (f"{'task':20} {'night':>5} {'sampled':>8} {'greedy':>7} {'traffic':>8}
 
 
 def table(rows: list[Row]) -> str:
-    """The rows as a text table: one line per task and night."""
+    """Our rows as a text table: one line per task and night."""
     lines = [HEADER]
     for r in rows:
+        if r.side != "overnight":
+            continue
         lines.append(
             f"{r.task:20} {r.night:5d} {r.sampled:8.3f} {r.greedy:7.3f} "
             f"{_num(r.train_reward):>8} {r.verdict:>9} {_num(r.gate_diff, '+.3f'):>9} "
             f"{_num(r.forgetting, '+.3f'):>10}  {r.served}"
         )
     return "\n".join(lines)
+
+
+SIDE_BY_SIDE = ["task", "night", "completions", "sampled ours", "sampled TRL", "greedy ours",
+                "greedy TRL", "wall s ours", "wall s TRL"]  # fmt: skip
+
+
+def pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
+    """(ours, the peer's) for each task and night both have."""
+    peer = {(r.task, r.night): r for r in rows if r.side != "overnight"}
+    return [(r, peer[r.task, r.night]) for r in rows
+            if r.side == "overnight" and (r.task, r.night) in peer]  # fmt: skip
+
+
+def side_by_side_cells(ours: Row, theirs: Row) -> list[str]:
+    completions = str(ours.completions) if ours.completions == theirs.completions else (
+        f"{ours.completions}/{theirs.completions}")  # fmt: skip
+    return [ours.task, str(ours.night), completions, f"{ours.sampled:.3f}",
+            f"{theirs.sampled:.3f}", f"{ours.greedy:.3f}", f"{theirs.greedy:.3f}",
+            f"{ours.wall:.0f}", f"{theirs.wall:.0f}"]  # fmt: skip
+
+
+def side_by_side(rows: list[Row]) -> str:
+    """Ours and the peer's held-out scores and wall time at the same completions sampled."""
+    widths = [20, 5, 11, 12, 11, 11, 10, 11, 10]
+    lines = [" ".join(h.rjust(w) if i else h.ljust(w)
+                      for i, (h, w) in enumerate(zip(SIDE_BY_SIDE, widths, strict=True)))]  # fmt: skip
+    for ours, theirs in pairs(rows):
+        cells = side_by_side_cells(ours, theirs)
+        lines.append(" ".join(c.rjust(w) if i else c.ljust(w)
+                              for i, (c, w) in enumerate(zip(cells, widths, strict=True))))  # fmt: skip
+    return "\n".join(lines)
+
+
+def peer_charts(task: str, rows: list[Row]) -> list[str]:
+    """Held-out score and wall time against completions sampled, both sides."""
+    from overnight.view.charts import line_chart
+
+    ours = [r for r in rows if r.task == task and r.side == "overnight"]
+    theirs = [r for r in rows if r.task == task and r.side != "overnight"]
+    if not theirs:
+        return []
+    scores = {
+        "ours, sampled": [(r.completions, r.sampled) for r in ours],
+        "ours, greedy": [(r.completions, r.greedy) for r in ours],
+        "TRL, sampled": [(r.completions, r.sampled) for r in theirs],
+        "TRL, greedy": [(r.completions, r.greedy) for r in theirs],
+    }
+    wall = {"ours": [(r.completions, r.wall) for r in ours],
+            "TRL": [(r.completions, r.wall) for r in theirs]}  # fmt: skip
+    parts = [line_chart(f"{task}: held-out score, ours and TRL's", scores, "completions sampled"),
+             line_chart(f"{task}: seconds spent learning", wall, "completions sampled"),
+             "<table><tr>" + "".join(f"<th>{h}</th>" for h in SIDE_BY_SIDE) + "</tr>"]  # fmt: skip
+    for pair in pairs(ours + theirs):
+        cells = side_by_side_cells(*pair)
+        parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    return [*parts, "</table>"]
 
 
 def page(rows: list[Row], command: str, settings: dict) -> str:
@@ -140,7 +201,7 @@ def page(rows: list[Row], command: str, settings: dict) -> str:
         f"<p>{html.escape(json.dumps(settings))}</p>",
     ]
     for task in dict.fromkeys(r.task for r in rows):
-        mine = [r for r in rows if r.task == task]
+        mine = [r for r in rows if r.task == task and r.side == "overnight"]
         series = {
             "held-out, sampled": [(r.night, r.sampled) for r in mine],
             "held-out, greedy": [(r.night, r.greedy) for r in mine],
@@ -161,6 +222,7 @@ def page(rows: list[Row], command: str, settings: dict) -> str:
         gates = [f"night {r.night}: {r.gate_line}" for r in mine if r.night]
         if gates:
             parts.append(f"<pre>{html.escape(chr(10).join(gates))}</pre>")
+        parts += peer_charts(task, rows)
     return "\n".join(parts)
 
 
@@ -216,7 +278,7 @@ def served_by(data: Path, tag: str) -> str:
     return (rows[0]["served"] if rows else None) or "-"
 
 
-def evaluate(env: dict, task: str, out: Path, night: int, args) -> Row:
+def evaluate(env: dict, task: str, out: Path, night: int | str, args) -> Row:
     """The held-out score now: greedy once, then sampled --held-out-samples times."""
     tag = f"n{night}{uuid.uuid4().hex[:4]}"
     common = ["--held-out", "--seed", str(args.held_out_seed), "--size", str(args.held_out)]
@@ -225,12 +287,12 @@ def evaluate(env: dict, task: str, out: Path, night: int, args) -> Row:
     sampled = run_agent(env, task, out / f"heldout-sampled-{night}.json", *common,
                         "--temperature", str(args.temperature),
                         "--group-size", str(args.held_out_samples), "--run", tag)  # fmt: skip
-    return Row(task, night, sampled["mean_score"], greedy["mean_score"],
+    return Row(task, 0, sampled["mean_score"], greedy["mean_score"],
                served=served_by(out / "data", tag))  # fmt: skip
 
 
-def night(env: dict, task: str, out: Path, url: str, d: int, args, say) -> tuple[float, str]:
-    """Day d's traffic, then night d; the day's mean reward and the gate's line."""
+def night(env: dict, task: str, out: Path, url: str, d: int, args, say) -> tuple[dict, str]:
+    """Day d's traffic, then night d; the agent's summary of the day and the gate's line."""
     day = run_agent(env, task, out / f"day-{d}.json", "--seed", str(args.day_seed + d),
                     "--size", str(args.size), "--group-size", str(args.group_size),
                     "--temperature", str(args.temperature), "--run", f"d{d}")  # fmt: skip
@@ -248,7 +310,7 @@ def night(env: dict, task: str, out: Path, url: str, d: int, args, say) -> tuple
     )  # fmt: skip
     (out / f"night-{d}.log").write_text(output)
     gate = next((line for line in output.splitlines() if line.startswith("gate (")), "-")
-    return day["mean_score"], gate
+    return day, gate
 
 
 def share_references(source: Path, target: Path) -> None:
@@ -270,6 +332,8 @@ def run_task(task: str, model_dir: str, out: Path, args, progress: Progress) -> 
     from overnight.testing.processes import serve_local_model
 
     out.mkdir(parents=True, exist_ok=True)
+    # The peer first, alone on the machine: its wall time is its own (vLLM not yet started).
+    peer = train_peer(task, model_dir, out, args, progress) if args.peer else None
     index = out / "index.json"
     index.write_text(json.dumps(index_specs(task, args), indent=1))
     share_references(REFERENCES, out / "data" / "references")
@@ -285,20 +349,68 @@ def run_task(task: str, model_dir: str, out: Path, args, progress: Progress) -> 
         rows[-1].seconds = time.monotonic() - t0
         progress.step(f"{task} untrained: held-out sampled {rows[-1].sampled:.3f}, "
                       f"greedy {rows[-1].greedy:.3f}")  # fmt: skip
+        completions, wall = 0, 0.0
         for d in range(1, args.nights + 1):
             t0 = time.monotonic()
-            reward, gate = night(env, task, out, server.url, d, args,
-                                 lambda line: print(line, flush=True))  # fmt: skip
+            day, gate = night(env, task, out, server.url, d, args,
+                              lambda line: print(line, flush=True))  # fmt: skip
+            completions, wall = completions + day["attempts"], wall + time.monotonic() - t0
             row = evaluate(env, task, out, d, args)
-            row.train_reward, row.gate_line = reward, gate
+            row.night, row.train_reward, row.gate_line = d, day["mean_score"], gate
             row.verdict, row.gate_diff, row.forgetting = parse_gate(gate)
-            row.seconds = time.monotonic() - t0
+            row.seconds, row.completions, row.wall = time.monotonic() - t0, completions, wall
             rows.append(row)
             progress.step(f"{task} night {d}: {row.verdict}; held-out sampled {row.sampled:.3f}"
                           f", greedy {row.greedy:.3f}, served by {row.served}")  # fmt: skip
+        if peer is not None:
+            try:
+                rows += measure_peer(env, task, out, args, rows[0], peer, progress)
+            except RuntimeError as e:  # ours are kept
+                print(f"{task}: measuring TRL's adapters failed: {e}", flush=True)
     finally:
         server.stop()
         share_references(out / "data" / "references", REFERENCES)
+    return rows
+
+
+def train_peer(task: str, model_dir: str, out: Path, args, progress: Progress) -> dict | None:
+    """TRL's side of the task (bench/learning_trl.py, a child process); None if it failed
+    (said, and ours goes on)."""
+    from bench.learning_trl import run_peer, spec_for
+
+    # The difficulty as the agent reads its --difficulty (JSON: tuples become lists).
+    difficulty = json.loads(json.dumps(CANDIDATES[task]))
+    spec = spec_for(task, difficulty, model_dir, out / "trl", args)
+    print(f"{task}: TRL's GRPOTrainer, {spec['budget']}", flush=True)
+    try:
+        result = run_peer(spec, lambda line: print(f"{task} {line}", flush=True))
+    except RuntimeError as e:
+        print(f"{task}: TRL's side failed; ours goes on. {e}", flush=True)
+        return None
+    progress.step(f"{task} TRL: {result['completions']} completions sampled and trained in "
+                  f"{result['seconds']:.0f} s")  # fmt: skip
+    return result
+
+
+def measure_peer(env: dict, task: str, out: Path, args, base: Row, peer: dict,
+                 progress: Progress) -> list[Row]:  # fmt: skip
+    """The held-out score of each of TRL's adapters, as ours: promoted on the same proxy
+    (`overnight promote`), then the agent's --held-out runs. Its untrained row is ours (the
+    same base model, the same questions)."""
+    from overnight.testing.processes import run_overnight
+
+    rows = [replace(base, side="trl", seconds=0.0)]
+    for n in peer["nights"]:
+        t0 = time.monotonic()
+        run_overnight("promote", n["adapter"], "--data", str(out / "data"),
+                      "--reason", f"TRL GRPOTrainer, night {n['night']}'s worth")  # fmt: skip
+        row = evaluate(env, task, out, f"trl{n['night']}", args)
+        row.night, row.side, row.train_reward = n["night"], "trl", n["train_reward"]
+        row.completions, row.wall = n["completions"], n["seconds"]
+        row.seconds = time.monotonic() - t0
+        rows.append(row)
+        progress.step(f"{task} TRL night {n['night']}: held-out sampled {row.sampled:.3f}, "
+                      f"greedy {row.greedy:.3f}, served by {row.served}")  # fmt: skip
     return rows
 
 
@@ -321,16 +433,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-arg", action="append", default=[],
                         help="one more `overnight train` argument (repeatable)")  # fmt: skip
     parser.add_argument("--peer", choices=PEERS,
-                        help="the same nights by another trainer: not yet (issue 49, later)")  # fmt: skip
+                        help="also TRL's online GRPOTrainer on the same prompts and budget "
+                        "(bench/learning_trl.py), its adapters measured as ours")  # fmt: skip
     parser.add_argument("--model-dir", help="a prepared SmolLM2 (default: prepared now)")
     parser.add_argument("--out", type=Path, help="default .cache/bench/learning/<UTC time>/")
     args = parser.parse_args(argv)
     unknown = [t for t in args.tasks if t not in CANDIDATES]
     if unknown:
         parser.error(f"no difficulty for {unknown}: add them to bench/task_headroom.CANDIDATES")
-    if args.peer:
-        parser.error(f"--peer {args.peer}: not yet (a later item of issue 49); "
-                     "this run measures overnight's own nights only")  # fmt: skip
     return args
 
 
@@ -348,7 +458,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     from overnight.models.smollm2 import prepare_smollm2
 
     model_dir = args.model_dir or prepare_smollm2(ROOT / ".cache" / "smollm2-135m-instruct")
-    progress = Progress(len(args.tasks) * (args.nights + 1))
+    # Per task: the untrained score and each night, and with a peer its training and nights.
+    progress = Progress(len(args.tasks) * (args.nights + 1) * (2 if args.peer else 1))
     command = "python bench/learning.py " + " ".join(argv if argv is not None else sys.argv[1:])
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "model_dir")}
     rows: list[Row] = []
@@ -359,6 +470,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             indent=1))  # fmt: skip
         (out / "report.html").write_text(page(rows, command, settings))
     print("\n" + table(rows))
+    if any(r.side != "overnight" for r in rows):
+        print("\nside by side, at the same completions sampled:\n" + side_by_side(rows))
     for r in rows:
         if r.night:
             print(f"{r.task} night {r.night} {r.gate_line}")

@@ -65,8 +65,9 @@ def test_the_index_names_the_held_out_questions_and_each_day_s():
     args = parse_args(["--tasks", "syllogism", "--nights", "2", "--held-out", "8"])
     specs = index_specs("syllogism", args)
     assert [(s["seed"], s["size"]) for s in specs] == [(1_000_003, 8), (101, 16), (102, 16)]
+    assert parse_args(["--peer", "trl"]).peer == "trl"
     with pytest.raises(SystemExit):
-        parse_args(["--peer", "trl"])  # a later item: it says "not yet"
+        parse_args(["--peer", "other"])
 
 
 def test_the_reward_function_finds_the_question_and_scores_it_as_the_agent_does(tmp_path):
@@ -148,3 +149,81 @@ def test_questions_that_depend_on_string_hashing_are_found_under_the_bench_s_has
 
     assert found("0") == 4
     assert found("1") < 4  # another hash seed: other questions
+
+
+# -- the peer: TRL's GRPOTrainer on the same prompts and budget (bench/learning_trl.py) ----
+
+
+def test_the_peer_s_budget_ends_each_night_where_ours_does():
+    from bench.learning_trl import Budget, preset_budget
+
+    budget = preset_budget(parse_args(["--nights", "3", "--size", "16", "--group-size", "4"]))
+    assert (budget.groups_per_step, budget.epochs) == (4, 2)  # the smollm2-cpu preset's
+    assert budget.batch == 16 and budget.completions_per_night == 64
+    assert budget.steps_per_night == 8 and budget.max_steps == 24
+    # each generation is trained on for two steps: after step 1 one batch was sampled
+    assert [budget.completions_after(s) for s in (1, 2, 3, 8, 16, 24)] == [16, 16, 32, 64,
+                                                                           128, 192]  # fmt: skip
+    with pytest.raises(ValueError, match="whole number of steps"):
+        Budget(nights=1, size=10, group_size=4, groups_per_step=4, epochs=2)
+
+
+def test_the_peer_asks_our_days_questions_in_our_order_with_our_settings(tmp_path):
+    from bench.learning_trl import question_order, spec_for
+
+    assert question_order(2, 3, 100) == [(1, 101, 0), (1, 101, 1), (1, 101, 2),
+                                         (2, 102, 0), (2, 102, 1), (2, 102, 2)]  # fmt: skip
+    args = parse_args(["--tasks", "syllogism", "--nights", "2", "--size", "8",
+                       "--group-size", "4", "--temperature", "0.8"])  # fmt: skip
+    spec = spec_for("syllogism", {}, "model", tmp_path, args)
+    days = [s["seed"] for s in index_specs("syllogism", args)[1:]]  # the index's day seeds
+    assert sorted({seed for _, seed, _ in spec["order"]}) == days and len(spec["order"]) == 16
+    grpo = spec["grpo"]
+    assert grpo["shuffle_dataset"] is False  # the dataset's order is the days'
+    assert (grpo["num_generations"], grpo["temperature"], grpo["max_completion_length"]) == (
+        4, 0.8, 64)  # fmt: skip
+    assert (grpo["top_p"], grpo["top_k"], grpo["beta"], grpo["loss_type"]) == (1.0, 0, 0.0, "dapo")
+    assert (grpo["per_device_train_batch_size"], grpo["num_iterations"], grpo["max_steps"]) == (
+        16, 2, 8)  # fmt: skip
+    assert (grpo["learning_rate"], grpo["lr_scheduler_type"]) == (1e-3, "constant")
+    assert spec["lora"] == {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
+    assert spec["shots"] == 2
+
+
+def test_the_peer_s_prompts_are_the_agent_s_messages_and_its_reward_the_agent_s_score():
+    pytest.importorskip("reasoning_gym")
+    from bench.learning_trl import prompt_rows, question_order, task_reward
+    from examples.reasoning_gym_agent import task_messages, worked_examples
+
+    spec = {"task": "syllogism", "difficulty": {}, "size": 3, "shots": 2,
+            "order": question_order(2, 3, 100)}  # fmt: skip
+    days, rows = prompt_rows(spec)
+    examples = worked_examples("syllogism", {}, 2)
+    assert [(r["seed"], r["index"]) for r in rows] == [(s, i) for _, s, i in spec["order"]]
+    assert rows[4]["prompt"] == task_messages(days[102][1]["question"], examples)
+    scores: list[float] = []
+    reward = task_reward(days, scores)
+    right = str(days[101][2]["answer"])
+    wrong = "No" if right == "Yes" else "Yes"
+    completions = [[{"role": "assistant", "content": f"  {right}\n"}],
+                   [{"role": "assistant", "content": wrong}]]  # fmt: skip
+    got = reward(completions, seed=[101, 101], index=[2, 2], trainer_state=None)
+    assert got == [1.0, days[101].score_answer(wrong, days[101][2])] and scores == got
+
+
+def test_both_curves_side_by_side_in_the_table_and_on_the_page():
+    from dataclasses import replace
+
+    from bench.learning import side_by_side
+
+    ours = [replace(ROWS[0], completions=0), replace(ROWS[1], completions=64, wall=300.0)]
+    trl = [replace(ours[0], side="trl"),
+           Row("syllogism", 1, 0.3, 0.25, side="trl", completions=64, wall=900.0)]  # fmt: skip
+    lines = side_by_side(ours + trl).splitlines()
+    assert lines[0].split()[:3] == ["task", "night", "completions"]
+    assert lines[2].split() == ["syllogism", "1", "64", "0.330", "0.300", "0.380", "0.250",
+                                "300", "900"]  # fmt: skip
+    assert len(table(ours + trl).splitlines()) == 3  # ours only
+    html = page(ours + trl, "python bench/learning.py --peer trl", {"nights": 1})
+    assert html.count("<svg") == 3 and "TRL, sampled" in html and "seconds spent learning" in html
