@@ -18,9 +18,9 @@ with a reward function, and steps. What it is given is what our side's agent and
                terms (overnight/testing/trl_mapping.py: dapo, clip 0.2/0.28, delta 3, beta 0)
 
 The budget: each of our nights samples --size x --group-size completions; TRL trains for as
-many, `max_steps` = nights x (size / groups a step) x epochs. TRL generates anew every
-`num_iterations` steps (its default `steps_per_generation` 1): the policy it samples from
-moves within a night's worth, where ours samples a whole day from the served adapter. After
+many, `max_steps` = nights x (size / groups a step) x epochs. TRL generates a step's groups
+anew every `num_iterations` optimizer steps: the policy it samples from moves within a
+night's worth, where ours samples a whole day from the served adapter. After
 each night's worth a callback saves the adapter and notes the wall time; bench/learning.py
 then measures each saved adapter's held-out score through the same path as ours (promoted
 on the same `overnight serve`, the agent's --held-out run).
@@ -64,7 +64,7 @@ class Budget:
 
     @property
     def batch(self) -> int:
-        """Completions a step (TRL's per_device_train_batch_size)."""
+        """Completions a step: the groups TRL generates at once."""
         return self.groups_per_step * self.group_size
 
     @property
@@ -118,9 +118,13 @@ def spec_for(task: str, difficulty: dict, model_dir: str, out: Path, args) -> di
         top_p=1.0,
         top_k=0,
         num_generations=budget.group_size,
-        per_device_train_batch_size=budget.batch,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        # A step of `groups_per_step` groups, one group a forward pass (as our micro-batches
+        # bound the memory: 16 completions at once were killed for memory on a shared
+        # 24 GiB machine, 4.7 GB resident); TRL generates a step's groups at once and
+        # normalises the loss over them all, so the step is the same as one batch of 16
+        per_device_train_batch_size=budget.group_size,
+        gradient_accumulation_steps=budget.groups_per_step,
+        steps_per_generation=budget.groups_per_step,
         num_iterations=budget.epochs,
         max_steps=budget.max_steps,
         learning_rate=config.learning_rate,

@@ -183,8 +183,10 @@ def test_the_peer_asks_our_days_questions_in_our_order_with_our_settings(tmp_pat
     assert (grpo["num_generations"], grpo["temperature"], grpo["max_completion_length"]) == (
         4, 0.8, 64)  # fmt: skip
     assert (grpo["top_p"], grpo["top_k"], grpo["beta"], grpo["loss_type"]) == (1.0, 0, 0.0, "dapo")
-    assert (grpo["per_device_train_batch_size"], grpo["num_iterations"], grpo["max_steps"]) == (
-        16, 2, 8)  # fmt: skip
+    # a step: 4 groups of 4, one group a forward pass, generated together, used twice
+    assert (grpo["per_device_train_batch_size"], grpo["gradient_accumulation_steps"],
+            grpo["steps_per_generation"], grpo["num_iterations"], grpo["max_steps"]) == (
+        4, 4, 4, 2, 8)  # fmt: skip
     assert (grpo["learning_rate"], grpo["lr_scheduler_type"]) == (1e-3, "constant")
     assert spec["lora"] == {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
