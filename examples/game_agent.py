@@ -19,7 +19,14 @@ ThreeCardMonte-v0. Not offline: Wordle, Hangman, WordLadder and WordSearch load 
 model; Klondike and UltimateTexasHoldem do not import on Python 3.11 (syntax errors in
 0.7.4). The game is made without TextArena's observation wrappers (its `-raw` id, where
 there is one), so each turn's message is only what the game said since the last move;
-its action wrapper still puts a bare move in brackets.
+its action wrapper still puts a bare move in brackets. `--setting KEY=VALUE` (repeatable)
+passes TextArena's own constructor arguments, to make a game easier (`--setting max_number=10`).
+For the games listed in MOVES the system prompt ends with the form of a move and an example
+("Reply with your move only: one number in square brackets, e.g. [7].") and a worked first
+turn comes before the game (another board's opening, answered with that example move), and
+each later message of the game ends with that line again; `--no-move-hint` leaves all three
+out. Each game's result counts the moves the game refused (`invalid_moves`,
+`first_valid`).
 
     pip install -e ".[tasks]"
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python examples/game_agent.py \\
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import uuid
@@ -43,12 +51,62 @@ SYSTEM = (
     "written in square brackets as the game asks, e.g. [5]."
 )
 
+# The form of one move, game by game: the 135M model otherwise answers in sentences or
+# echoes the rules (the reasoning-gym agent's worked examples fixed the same fault there).
+# A game not listed gets SYSTEM alone; `--no-move-hint` turns the line off.
+MOVES = {
+    "GuessTheNumber": "one number in square brackets, e.g. [{number}]",
+    "ThreeCardMonte": "one cup number in square brackets, e.g. [1]",
+    "FrozenLake": "one direction in square brackets, e.g. [down]",
+    "Blackjack": "[hit] or [stand]",
+    "Secretary": "[accept] or [continue]",
+    "TowerOfHanoi": "the source and the target tower in square brackets, e.g. [A C]",
+    "Mastermind": "the digits of your guess in square brackets, e.g. [{code}]",
+    "LightsOut": "a row and a column in square brackets, e.g. [0 1]",
+    "Minesweeper": "a row and a column in square brackets, e.g. [2 3]",
+    "Bandit": "one button in square brackets, e.g. [{button}]",
+}
+
+
+EXAMPLE_SEED = 2_000_003  # the worked example's board: the same for every --seed
+
+
+def move_form(env_id: str, settings: dict) -> tuple[str, str] | None:
+    """The form of a move in words and the example move in it, for a game listed in MOVES."""
+    form = MOVES.get(env_id.split("-")[0])
+    if form is None:
+        return None
+    code = " ".join(str(i + 1) for i in range(int(settings.get("code_length", 4))))
+    button = (settings.get("buttons") or ["red"])[0]
+    number = min(7, int(settings.get("max_number", 20)))  # within the game's range
+    form = form.format(code=code, button=button, number=number)
+    return form, form[form.index("[") : form.index("]") + 1]
+
+
+def system_prompt(env_id: str, settings: dict, hint: bool = True) -> str:
+    """SYSTEM, and where the game is listed a line showing the form of a move."""
+    form = move_form(env_id, settings)
+    if not hint or form is None:
+        return SYSTEM
+    return f"{SYSTEM} Reply with your move only: {form[0]}."
+
+
+def worked_example(env_id: str, settings: dict) -> list[dict]:
+    """A first turn played before the game: the opening of another board of the same game
+    and the example move as the reply (the 135M model copies a reply's form more readily
+    than it follows an instruction). Empty for a game not listed in MOVES."""
+    form = move_form(env_id, settings)
+    if form is None:
+        return []
+    opening = Game(env_id, EXAMPLE_SEED, settings).observe()
+    return [{"role": "user", "content": opening}, {"role": "assistant", "content": form[1]}]
+
 
 class Game:
     """A TextArena game with a random stream of its own: TextArena draws from Python's
     global `random` (seeded by `reset`), and games played side by side would share it."""
 
-    def __init__(self, env_id: str, seed: int) -> None:
+    def __init__(self, env_id: str, seed: int, settings: dict | None = None) -> None:
         import textarena  # the `tasks` extra: pip install -e ".[tasks]"
         from textarena.envs.registration import ENV_REGISTRY
         from textarena.wrappers import ActionFormattingWrapper
@@ -57,11 +115,12 @@ class Game:
         raw = f"{env_id}-raw"
         with self.own_random():
             if raw in ENV_REGISTRY:  # the game's own messages, no history folded in
-                self.env = ActionFormattingWrapper(textarena.make(env_id=raw))
+                self.env = ActionFormattingWrapper(textarena.make(env_id=raw, **settings or {}))
             else:
-                self.env = textarena.make(env_id=env_id)
+                self.env = textarena.make(env_id=env_id, **settings or {})
             self.env.reset(num_players=1, seed=seed)
         self.shown = ""  # what a wrapped game's observation already showed
+        self.invalid: list[bool] = []  # per move: did the game refuse it
 
     @contextlib.contextmanager
     def own_random(self):
@@ -89,6 +148,11 @@ class Game:
     def step(self, move: str) -> bool:
         with self.own_random():
             done, _ = self.env.step(move)
+        # A refused move leaves an error count (reset by the next valid one), or ends the
+        # game as an invalid move once the allowance is spent.
+        state = getattr(self.env, "state", None)
+        info = (getattr(state, "game_info", None) or {}).get(0, {})
+        self.invalid.append(getattr(state, "error_count", 0) > 0 or bool(info.get("invalid_move")))
         return done
 
     def close(self) -> tuple[float, str]:
@@ -112,8 +176,8 @@ class Rewards:
         if not self.enabled:
             return
         body = {"reward": reward, "metrics": metrics}
-        for path, json in [(f"/rollouts/{rollout}/reward", body), (f"/rollouts/{rollout}/finish", None)]:  # fmt: skip
-            r = await self.http.post(path, json=json)
+        for path, payload in [(f"/rollouts/{rollout}/reward", body), (f"/rollouts/{rollout}/finish", None)]:  # fmt: skip
+            r = await self.http.post(path, json=payload)
             if r.status_code in (404, 405):  # OpenAI, a plain vLLM: no such routes
                 print(f"the server has no {path.split('/')[-1]} route: rewards not posted")
                 self.enabled = False
@@ -125,8 +189,15 @@ async def play(client: openai.AsyncOpenAI, args: argparse.Namespace, seed: int, 
     """One game, one rollout: the conversation grows turn by turn."""
     rollout = f"{group}.{uuid.uuid4().hex[:8]}"
     headers = {"X-Rollout-Group": group, "X-Rollout-Id": rollout}
-    game = Game(args.env, seed)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": game.observe()}]
+    settings = dict(args.setting)
+    game = Game(args.env, seed, settings)
+    hint = not args.no_move_hint
+    form = move_form(args.env, settings) if hint else None
+    # After each answer of the game, the form again: later moves drift into prose without it.
+    remind = f"\n\nReply with your move only: {form[0]}." if form else ""
+    messages = [{"role": "system", "content": system_prompt(args.env, settings, hint)},
+                *(worked_example(args.env, settings) if hint else []),
+                {"role": "user", "content": game.observe()}]  # fmt: skip
     done, turns = False, 0
     while not done and turns < args.max_turns:
         reply = await client.chat.completions.create(
@@ -141,15 +212,29 @@ async def play(client: openai.AsyncOpenAI, args: argparse.Namespace, seed: int, 
         turns += 1
         done = game.step(move)
         if not done:
-            messages.append({"role": "user", "content": game.observe() or "Your move."})
+            messages.append({"role": "user", "content": (game.observe() or "Your move.") + remind})
     reward, reason = game.close() if done else (0.0, f"stopped after {turns} turns")
     return {"rollout_id": rollout, "group": group, "seed": seed, "turns": turns,
-            "finished": done, "reward": reward, "reason": reason}  # fmt: skip
+            "finished": done, "reward": reward, "reason": reason,
+            "invalid_moves": sum(game.invalid), "first_valid": bool(game.invalid) and not game.invalid[0]}  # fmt: skip
+
+
+def setting(text: str) -> tuple[str, object]:
+    """KEY=VALUE, the value read as JSON where it is (10, true, ["red","blue"]), else text."""
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="GuessTheNumber-v0", help="a TextArena game id")
+    parser.add_argument("--setting", action="append", default=[], type=setting, metavar="KEY=VALUE",
+                        help="a TextArena setting of the game, e.g. max_number=10 (repeatable)")  # fmt: skip
+    parser.add_argument("--no-move-hint", action="store_true",
+                        help="no line showing the form of a move")  # fmt: skip
     parser.add_argument("--games", type=int, default=4, help="seeds (groups)")
     parser.add_argument("--group-size", type=int, default=4, help="games per seed")
     parser.add_argument("--max-turns", type=int, default=30, help="moves per game at most")

@@ -83,6 +83,8 @@ def guessing_player():
     games: Counter = Counter()
 
     def answer(messages: list[dict]) -> str:
+        if messages[0]["content"] != game_agent.SYSTEM:  # the worked first turn: not this game
+            messages = [messages[0], *messages[3:]]
         moves = [m["content"] for m in messages if m["role"] == "assistant"]
         if not moves:
             games[messages[1]["content"]] += 1
@@ -274,3 +276,36 @@ async def test_offline_games_play_to_their_end(aiohttp_server, monkeypatch):
         args = ["--env", env, "--games", "1", "--group-size", "1", "--no-rewards"]
         (result,) = await game_agent.run(game_agent.parse_args(args))
         assert result["finished"] and result["turns"] >= 1, (env, result)
+
+
+async def test_a_game_shows_the_form_of_a_move_takes_settings_and_counts_refused_moves(
+    upstream, monkeypatch
+):
+    """The system prompt ends with the game's move form and an example ([7] for
+    GuessTheNumber, [5] in a range up to 5), and a worked first turn (another board's
+    opening, answered with it) comes before the game, and each later message of the game
+    ends with the form again; `--setting` reaches TextArena's constructor (the range said in
+    the game's first message); a reply the game refuses (a sentence) is counted, the first
+    move included. `--no-move-hint` sends none of them."""
+    seen: list[list[dict]] = []
+
+    def answer(messages: list[dict]) -> str:
+        seen.append(messages)
+        return "I think the number is 3." if len(messages) <= 4 else "[3]"
+
+    fake = await upstream(answer)
+    monkeypatch.setenv("OPENAI_BASE_URL", str(fake.make_url("/v1")))
+    args = ["--games", "1", "--group-size", "1", "--no-rewards", "--setting", "max_number=5",
+            "--setting", "max_turns=3"]  # fmt: skip
+    (result,) = await game_agent.run(game_agent.parse_args(args))
+    system, example, move, first = (m["content"] for m in seen[0])
+    assert system.endswith("Reply with your move only: one number in square brackets, e.g. [5].")
+    assert [m["role"] for m in seen[0]] == ["system", "user", "assistant", "user"]
+    assert "Guess The Number" in example and move == "[5]"  # in the range set
+    assert "between 1 and 5" in first and "within 3 turns" in first, first
+    assert result["first_valid"] is False and result["invalid_moves"] >= 1, result
+    later = seen[1][-1]["content"]  # the game's answer to the refused move, and the form again
+    assert "invalid move" in later and later.endswith("e.g. [5]."), later
+    await game_agent.run(game_agent.parse_args([*args, "--no-move-hint"]))
+    assert seen[-1][0]["content"] == game_agent.SYSTEM and seen[-1][1]["role"] == "user"
+    assert len(seen[-1]) % 2 == 0  # system, then the game's turns only: no worked example
