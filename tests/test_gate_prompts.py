@@ -109,3 +109,30 @@ def test_a_resumed_run_gives_the_gate_nothing_of_its_plan(tmp_path):
     plan = plan_night(data, TrainConfig())
     prompts, gated = held_out_prompts(data, plan, 8, take_from_plan=False)
     assert prompts == [] and gated.groups == plan.groups
+
+
+def test_a_rollout_that_starts_with_worked_examples_is_a_first_turn(tmp_path):
+    """An agent that shows the model worked examples as earlier turns (few-shot: the
+    reasoning-gym agent's two) sends turn 2 first: the proxy counts the assistant turns a
+    request carries. Its rollout's first logged turn is the gate's prompt all the same;
+    a rollout's later turns are not (the gate asks its conversations from their start)."""
+    data = tmp_path / "data"
+    example = [{"role": "user", "content": "2 + 2 ="}, {"role": "assistant", "content": "4"}]
+    rows = []
+    for i in range(9):
+        asked = [*example, *example, {"role": "user", "content": f"{i} + 1 ="}]
+        request = {"model": "policy", "messages": asked, "max_tokens": 8}
+        rows.append(completion_row(f"shot{i}", f"shot{i}", turn_index=2, request=request,
+                                   response=chat_response(str(i + 1)), sent_by="eval"))  # fmt: skip
+        if i == 0:  # the same rollout goes on: its turn 3 is no first turn
+            later = {**request, "messages": [*asked, {"role": "assistant", "content": "1"},
+                                             {"role": "user", "content": "and 5 + 1?"}]}  # fmt: skip
+            rows.append(completion_row("shot0", "shot0", record_id="shot0-later", turn_index=3,
+                                       request=later, response=chat_response("6"),
+                                       sent_by="eval"))  # fmt: skip
+    append(data, "completions", rows)
+    plan = plan_night(data, TrainConfig())
+    prompts, _ = held_out_prompts(data, plan, 16)
+    assert sorted(p.group_id for p in prompts) == sorted(f"shot{i}" for i in range(9))
+    assert all(p.messages[-1]["content"] != "and 5 + 1?" for p in prompts)
+    assert all(p.messages[:4] == [*example, *example] for p in prompts)

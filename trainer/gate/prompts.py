@@ -46,6 +46,11 @@ from overnight.trainer.choose.turn_groups import (
 # traffic, or asked to measure it.
 GATE_SENDERS = "('client', 'eval', 'gate')"
 MAX_NEW_TOKENS = 512  # a reply's cap when its logged request set none
+# A rollout's first logged turn: turn 0 for most agents, but the proxy counts the assistant
+# turns a request carries (proxy/capture/records.py), and an agent that shows the model
+# worked examples as earlier turns (few-shot, examples/reasoning_gym_agent.py) or resumes a
+# conversation held elsewhere starts its rollout at turn 2 or 7.
+FIRST_TURN = "turn_index = min(turn_index) OVER (PARTITION BY rollout_id)"
 # Why a plan group is not trained tonight when the gate takes its conversation.
 GIVEN_TO_THE_GATE = (
     "held out as one of the gate's prompts tonight: waits for a later night "
@@ -183,12 +188,13 @@ def _give(plan: Plan, given: list[str]) -> Plan:
 def _first_turns(con, limit: int, scope: PolicyScope | None = None) -> list[tuple[str, str, str]]:
     """(record, group, request) of recent first turns (of `scope`'s policy), newest first:
     the agents' and the held-out measurement's (sent by `eval` or `gate`: what the gate is
-    for, as the demo asks them), never a judge's or a classifier's prompts through the proxy."""
+    for, as the demo asks them), never a judge's or a classifier's prompts through the proxy.
+    A first turn is its rollout's first logged one (FIRST_TURN), not turn 0."""
     condition, params = scope.requested() if scope is not None else ("TRUE", [])
     return con.execute(
         "SELECT record_id, group_id, request FROM completions "
-        f"WHERE turn_index = 0 AND logged AND error IS NULL AND request IS NOT NULL AND {condition} "
-        f"AND sent_by IN {GATE_SENDERS} "
+        f"WHERE logged AND error IS NULL AND request IS NOT NULL AND {condition} "
+        f"AND sent_by IN {GATE_SENDERS} QUALIFY {FIRST_TURN} "
         "ORDER BY started_at DESC, record_id LIMIT ?",
         [*params, limit],
     ).fetchall()
@@ -215,8 +221,8 @@ def _plan_conversations(con, groups: list[str], images: bool) -> dict[str, dict[
     con.register("_gate_served", pa.table({"group_id": pa.array(served, pa.string())}))
     con.register("_gate_turns", pa.table({"group_id": pa.array(turns, pa.string())}))
     rows = con.execute(
-        "SELECT group_id, request FROM completions WHERE turn_index = 0 AND request IS NOT NULL "
-        "AND group_id IN (SELECT group_id FROM _gate_served) "
+        "(SELECT group_id, request FROM completions WHERE request IS NOT NULL "
+        f"AND group_id IN (SELECT group_id FROM _gate_served) QUALIFY {FIRST_TURN}) "
         "UNION ALL SELECT group_id, request FROM turn_completions WHERE origin = 'served' "
         "AND request IS NOT NULL AND group_id IN (SELECT group_id FROM _gate_turns)"
     ).fetchall()
