@@ -24,11 +24,12 @@ from overnight.config import TrainConfig
 from overnight.errors import ConfigError, OvernightError
 from overnight.night import run as night_run
 from overnight.night.control import Control
-from overnight.night.cycles import cycle_lease, last_cycle, to_serving
+from overnight.night.cycles import cycle_lease, last_cycle
 from overnight.night.policies import NightOptions, PolicyNight
 from overnight.night.supervisor import Supervisor
 from overnight.night.triggers import Triggers, due, finished_since
 from overnight.storage.lease import Lease, LeaseHeld, LeaseLost
+from overnight.trainer.run.record import to_serving
 
 from .helpers import rows, wait_until
 from .test_object_storage import BUCKET, s3  # noqa: F401  (the bucket's fixture)
@@ -300,7 +301,8 @@ def nights(monkeypatch):
             ran.append({"policy": policy.policy, "start": start, "end": time.monotonic(),
                         "trigger": night.trigger, "cycle": dict(cycle)})  # fmt: skip
         return SimpleNamespace(run_id=f"run-{len(ran)}", plan=SimpleNamespace(groups=["g"]),
-                               promoted_as=f"{policy.policy}-v{len(ran)}", gate=None)  # fmt: skip
+                               promoted_as=f"{policy.policy}-v{len(ran)}", gate=None,
+                               metrics={})  # fmt: skip
 
     nights = SimpleNamespace(ran=ran, seconds=0.2)
     monkeypatch.setattr(night_run, "trained_night", trained_night)

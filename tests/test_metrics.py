@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import os
 import signal
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -291,6 +292,79 @@ async def test_the_newest_measured_forgetting_is_each_policys_gauge(make_proxy, 
         "candidate": 0.4,
         "budget": 0.1,
     }
+
+
+def _cycles(data_dir, *cycles: tuple) -> None:
+    """Rows of `training_runs` as cycles record them: (status, started, seconds it took,
+    promoted, the gate's verdict, its groups' waits to serving, vLLM's sleep); and a run
+    from before cycles (no `cycle` in its metrics), which counts as a night only."""
+    writer = LogWriter(WriterConfig(data_dir, compact_in_process=True))
+    writer.start()
+    rows = [(status, start, took, promoted, {"gate": gate} if gate else {}, waits, asleep, True)
+            for status, start, took, promoted, gate, waits, asleep in cycles]  # fmt: skip
+    rows.append(("trained", "2026-11-01T03:00:00+00:00", 60, True, {}, [5.0], 9.0, False))
+    for i, (status, start, took, promoted, gate, waits, asleep, cycle) in enumerate(rows):
+        at = int(dt.datetime.fromisoformat(start).timestamp() * 1e6)
+        delay = {"median": 0, "max": 0, "groups": len(waits), "waits": waits} if waits else None
+        metrics = {**gate, "maintenance": {"seconds": asleep} if asleep else None}
+        if cycle:
+            metrics["cycle"] = {"by": "overnight learn", "trigger": "t", "to_serving": delay}
+        writer.append("training_runs", {
+            "run_id": f"run-{i}", "schema_version": SCHEMA_VERSION, "started_at": at,
+            "ended_at": at + took * 1_000_000, "status": status, "groups": [],
+            "promoted_as": f"policy-v{i}" if promoted else None, "metrics": json.dumps(metrics),
+        })  # fmt: skip
+    writer.close()
+
+
+def _ago(minutes: float) -> str:
+    return dt.datetime.fromtimestamp(time.time() - minutes * 60, dt.UTC).isoformat()
+
+
+async def test_cycles_come_from_their_records_in_the_data_directory(make_proxy, tmp_path):
+    """`overnight learn` has no port of its own: the proxy says each policy's cycles from
+    their records at a scrape, as it says the nights (so a supervisor's restart loses
+    nothing, and cron's nights under the lease count too); `overnight runs`, the report and
+    /ui's runs page say the last day's in a line."""
+    from click.testing import CliRunner
+
+    from overnight.cli.main import main
+
+    data = tmp_path / "data"
+    refused = {"promote": False, "reason": "no better"}
+    _cycles(
+        data,
+        ("trained", _ago(240), 100, True, {"promote": True}, [30.0, 200.0], 40.0),
+        ("trained", _ago(180), 90, False, refused, [], 35.0),
+        ("failed", _ago(120), 20, False, None, [], 0),
+        ("trained", _ago(60), 120, True, {"promote": True}, [500.0], 25.0),
+    )
+    proxy = await make_proxy(data_dir=data)
+    m = await scrape(proxy)
+    outcomes = {dict(ls)["outcome"]: v for (n, ls), v in m.items()
+                if n == "overnight_policy_cycles_total"}  # fmt: skip
+    assert outcomes == {"promoted": 2, "refused": 1, "failed": 1, "not_promoted": 0}
+    assert all(dict(ls)["policy"] == "policy" for (n, ls) in m if n.startswith("overnight_pol"))
+    name = "overnight_policy_cycle_to_serving_seconds"
+    assert value(m, f"{name}_count") == 3 and value(m, f"{name}_sum") == 730.0
+    assert value(m, f"{name}_bucket", le="60.0") == 1  # 30 s
+    assert value(m, f"{name}_bucket", le="300.0") == 2  # 200 s
+    assert value(m, f"{name}_bucket", le="600.0") == 3  # 500 s
+    assert value(m, "overnight_policy_cycle_asleep_seconds_total") == 100.0
+    last = dt.datetime.fromisoformat(_ago(60)).timestamp() + 120
+    assert abs(value(m, "overnight_policy_last_cycle_end_timestamp_seconds") - last) < 5
+    assert value(m, "overnight_policy_last_cycle_duration_seconds") == 120
+    assert value(m, "overnight_training_runs", status="trained") == 4  # the old night too
+    # The last day's, in a line: 4 cycles over the 4 hours since the first began.
+    line = ("cycles in the last 24 h: 4 (1 per hour): 2 promoted, 1 refused by the gate, "
+            "1 failed; serving a median 3.3 min after its groups finished (3 groups)")  # fmt: skip
+    listing = CliRunner().invoke(main, ["runs", "--data", str(data)])
+    assert listing.exit_code == 0 and listing.output.rstrip().endswith(line), listing.output
+    page = await (await proxy.get("/ui/runs")).text()
+    assert f'<p id="cycles">{line}</p>' in page
+    from overnight.view.report import write_report
+
+    assert f'<p id="cycles">{line}</p>' in write_report(data).read_text()
 
 
 # -- a real `overnight serve --workers 2` --------------------------------------------------

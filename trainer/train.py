@@ -75,7 +75,7 @@ from .live.canary import start as start_canary
 from .live.watch import watch as watch_served
 from .run.checkpoint import RunDir, kill_point, this_run, unfinished_run
 from .run.loop import TrainError, run_training, step_schedule
-from .run.record import RunResult, record_run
+from .run.record import RunResult, record_run, to_serving
 from .run.wandb_run import Report
 from .serving.colocation import should_colocate
 from .serving.colocation import window as maintenance_window
@@ -427,6 +427,10 @@ class Night:
         # The served answers' shape, the day before the night against the day before that
         # (gate/gaming.py): watched in the report and /ui, not gated.
         result.metrics["answers"] = live_answers(self.data_dir, self.started, self.config.policy)
+        if self.cycle is not None and result.promoted_as:  # the loop's latency, recorded
+            delay = to_serving(self.data_dir, result.plan.groups, time.time())
+            self.cycle = {**self.cycle, "to_serving": delay}
+            result.metrics["to_serving"] = delay
         record_run(self.data_dir, result, self.config, self.base_model, self.start_adapter,
                    self.started, None, self.cycle)  # fmt: skip
         kill_point("recorded")

@@ -17,6 +17,7 @@ from overnight.view.answers import COLUMNS as ANSWER_COLUMNS
 from overnight.view.answers import HEADERS as ANSWER_HEADERS
 from overnight.view.answers import answer_rows
 from overnight.view.charts import training_charts
+from overnight.view.cycles import cycle_line
 from overnight.view.display import RUN_POLICY, stale_gap
 
 
@@ -90,6 +91,7 @@ def write_report(data_dir: Path, policy: str | None = None) -> Path:
         # (..., gap, stale gap, gate): the stale gap from the run's gaps by age.
         runs = [(*r[:-2], stale_gap(r[-2]), json.loads(r[-1]) if r[-1] else None) for r in runs]
         charts = training_charts(con, policy)
+        cycles = cycle_line(con, policy)
         answers = answer_rows(
             con.execute(
                 f"SELECT run_id, {ANSWER_COLUMNS} FROM training_runs {where} "
@@ -132,7 +134,7 @@ def write_report(data_dir: Path, policy: str | None = None) -> Path:
 table{{border-collapse:collapse}}td,th{{border:1px solid #ddd;padding:4px 8px;text-align:right}}
 .warn{{color:#b00}}</style></head>
 <body><h1>overnight: training runs{title}</h1>{"".join(charts)}
-<h2>Runs</h2><table><tr><th>run</th><th>policy</th><th>started</th><th>status</th><th>groups</th><th>rollouts</th>
+<h2>Runs</h2>{f'<p id="cycles">{html.escape(cycles)}</p>' if cycles else ""}<table><tr><th>run</th><th>policy</th><th>started</th><th>status</th><th>groups</th><th>rollouts</th>
 <th>steps</th><th>reward mean</th><th>promoted as</th><th>logprob gap</th><th>stale gap</th><th>gate</th></tr>{rows}</table>
 {warning}{_gate_section(runs)}{_answers_section(answers)}
 </body></html>"""

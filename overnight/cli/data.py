@@ -243,10 +243,14 @@ def runs(data_dir: Path, limit: int, policy: str | None) -> None:
       overnight runs --policy support
     """
     from overnight.view import display
+    from overnight.view.cycles import cycle_line
 
     with read_db(data_dir) as con:
         events = display.adapter_events(data_dir, policy)
         click.echo(display.list_runs(con, limit, events, policy=policy))
+        cycles = cycle_line(con, policy)  # how often the loop turned, and how it ended
+        if cycles:
+            click.echo(cycles)
 
 
 @click.command()

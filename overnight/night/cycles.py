@@ -11,8 +11,8 @@ the night says who holds it.
 What a cycle leaves in the lease's notes, `last`: when it began and ended, who ran it
 (`overnight train`, `overnight learn`), why (its trigger), its run and how it ended, and,
 when it promoted, how long after its groups finished their adapter served (`to_serving`:
-the loop's latency, data to policy). The supervisor's triggers count from it
-(triggers.py), on every machine alike.
+the loop's latency, data to policy, as its run's record keeps it: trainer/run/record.py).
+The supervisor's triggers count from it (triggers.py), on every machine alike.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import statistics
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from overnight.storage.lease import Lease
 
@@ -84,29 +82,6 @@ def outcome(result) -> str:
     if gate is not None and not gate.promote:
         return f"trained {len(result.plan.groups)} group(s), the gate refused: {gate.reason}"
     return f"trained {len(result.plan.groups)} group(s), not promoted"
-
-
-def to_serving(data_dir: Path, groups: list[str], served_at: float) -> dict | None:
-    """Seconds from each trained group's finish (its last rollout's `finish`, else its last
-    turn) to `served_at`, when the adapter trained on it began serving: {"median", "max",
-    "groups"}; None without groups."""
-    from overnight.storage import open_db
-
-    if not groups:
-        return None
-    con = open_db(data_dir)
-    try:
-        rows = con.execute(
-            "SELECT epoch_us(max(coalesce(finished_at, ended_at))) FROM rollouts "
-            "WHERE group_id IN (SELECT unnest(?)) GROUP BY group_id",
-            [groups],
-        ).fetchall()
-    finally:
-        con.close()
-    waits = [max(0.0, served_at - us / 1e6) for (us,) in rows if us is not None]
-    if not waits:
-        return None
-    return {"median": statistics.median(waits), "max": max(waits), "groups": len(waits)}
 
 
 def promoted_line(delay: dict | None) -> str:

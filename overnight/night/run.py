@@ -17,12 +17,11 @@ trainer after its watch (which may roll back) and again after training, for the 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from overnight.errors import OvernightError
 
-from .cycles import one_cycle, outcome, promoted_line, to_serving
+from .cycles import one_cycle, outcome, promoted_line
 from .policies import NightOptions, PolicyNight
 from .scoring import read_signals_once, score
 
@@ -63,9 +62,10 @@ def policy_night(night: NightOptions, policy: PolicyNight, say: Say, warn: Say):
         result = trained_night(night, policy, say, warn, cycle)
         if cycle and result is not None:  # a dry run holds no lease, leaves no record
             cycle.update(run_id=result.run_id, outcome=outcome(result))
-            if result.promoted_as:  # the loop's latency: data finished to its adapter serving
-                delay = to_serving(night.data_dir, result.plan.groups, time.time())
-                cycle.update(to_serving=delay, outcome=cycle["outcome"] + promoted_line(delay))
+            if result.promoted_as:  # the loop's latency, as its run recorded it
+                delay = result.metrics.get("to_serving")
+                summary = {k: v for k, v in (delay or {}).items() if k != "waits"} or None
+                cycle.update(to_serving=summary, outcome=cycle["outcome"] + promoted_line(delay))
     return result
 
 

@@ -2,7 +2,9 @@
 adapter (and canary), and how the last nights ended, in the data directory, by policy.
 
 Collected at scrape time by the worker that answers (nothing per worker to sum), from
-the policies' registries and from the Parquet segments of `training_runs` (storage/read/runs.py).
+the policies' registries and from the Parquet segments of `training_runs` (storage/read/runs.py):
+the nights, and the cycles of `overnight learn` (whose supervisor has no port of its own:
+its cycles' records are the numbers, whichever process or machine ran them).
 Labels are bounded: one series per configured policy and role or status.
 """
 
@@ -10,14 +12,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 
 from overnight.proxy.alias.policies import Policies
-from overnight.storage.read.runs import RunsCache, RunsSummary
+from overnight.storage.read.runs import CYCLE_OUTCOMES, Cycles, RunsCache, RunsSummary
 
 # The training runs are read again at most this often (a scrape comes every 15 s or so;
 # a night ends once a day).
 RUNS_SECONDS = 30.0
+# The loop's latency, a group's finish to its adapter serving (seconds): from a cycle every
+# few minutes (issue 51 aims under 10) to a nightly cron's day.
+TO_SERVING_BUCKETS = (60, 120, 300, 600, 1200, 1800, 3600, 7200, 21600, 43200, 86400, 172800)
 
 
 class Shared:
@@ -111,6 +122,7 @@ class Shared:
             labels=["policy", "of"],
         )
         default = self.adapters.default
+        cycles: dict[str, list[Cycles]] = {}
         for policy in self.adapters.names:
             nights = [summary.by_policy.get(policy)]
             if policy == default:
@@ -133,4 +145,53 @@ class Shared:
             for of, value in (measured[1] if measured else {}).items():
                 if value is not None:
                     forgetting.add_metric([policy, of], value)
+            cycles[policy] = [n.cycles for n in nights]
         yield from (counts, ended, trained, forgetting)
+        yield from _cycles(cycles)
+
+
+def _cycles(by_policy: dict[str, list[Cycles]]) -> Iterable[Metric]:
+    """Each policy's cycles (runs under its cycle lease: `overnight learn`'s and cron's),
+    from their records (storage/read/runs.py); docs/operations.md has the queries."""
+    run = CounterMetricFamily(
+        "overnight_policy_cycles",
+        "Cycles of each policy that recorded a run, by outcome: promoted, refused (by the "
+        "gate), failed, not_promoted (trained; no promotion asked, or a canary). "
+        "rate()*3600: cycles per hour.",
+        labels=["policy", "outcome"],
+    )
+    latency = HistogramMetricFamily(
+        "overnight_policy_cycle_to_serving_seconds",
+        "The loop's latency: for each group a promoted cycle trained, the seconds from its "
+        "finish (its last rollout's finish or last turn) to the adapter trained on it serving.",
+        labels=["policy"],
+    )
+    asleep = CounterMetricFamily(
+        "overnight_policy_cycle_asleep_seconds",
+        "Seconds vLLM slept so that cycles could train and gate on its GPU (colocated).",
+        labels=["policy"],
+    )
+    ended = GaugeMetricFamily(
+        "overnight_policy_last_cycle_end_timestamp_seconds",
+        "When each policy's newest cycle ended (Unix time).",
+        labels=["policy"],
+    )
+    took = GaugeMetricFamily(
+        "overnight_policy_last_cycle_duration_seconds",
+        "How long each policy's newest cycle took, from its run's start to its record.",
+        labels=["policy"],
+    )
+    for policy, parts in by_policy.items():
+        if not any(c.outcomes for c in parts):
+            continue
+        for outcome in CYCLE_OUTCOMES:
+            run.add_metric([policy, outcome], sum(c.outcomes.get(outcome, 0) for c in parts))
+        waits = [w for c in parts for w in c.waits]
+        buckets = [(floatToGoString(b), sum(w <= b for w in waits)) for b in TO_SERVING_BUCKETS]
+        latency.add_metric([policy], [*buckets, ("+Inf", len(waits))], sum(waits))
+        asleep.add_metric([policy], sum(c.asleep for c in parts))
+        last = max((c.last for c in parts if c.last), default=None)
+        if last is not None:
+            ended.add_metric([policy], last[0])
+            took.add_metric([policy], last[1])
+    yield from (run, latency, asleep, ended, took)

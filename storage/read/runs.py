@@ -12,6 +12,14 @@ Each run is also counted for its policy (the `policy` in its config JSON; a run 
 before policies has none: the proxy counts it for its default policy), so that the
 metrics say how each policy's last nights ended, and how far the newest night that
 measured it found the served adapter and its candidate from the base model (forgetting).
+
+A run held its policy's cycle lease when its record says so (`metrics.cycle`: every night
+since `overnight learn`, cron's too): those are cycles, counted by outcome (promoted,
+refused by the gate, failed, trained without a promotion), with the loop's latency of the
+promoted ones (each group's wait from its finish to its adapter serving), the minutes vLLM
+slept for them where colocated, and when the last one ended and how long it took. Read
+from the records, they survive any supervisor's restart and count cron's nights alike; a
+cycle killed before its record counts once the next cycle records its resumed run.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from overnight.storage.manifest import list_segments
 
 log = logging.getLogger("overnight.storage")
 
-COLUMNS = ("status", "ended_at", "promoted_as", "config", "metrics")
+COLUMNS = ("status", "started_at", "ended_at", "promoted_as", "config", "metrics")
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,44 @@ class LastRun:
     status: str  # trained | failed
     ended_at: float  # Unix seconds
     promoted: bool
+
+
+CYCLE_OUTCOMES = ("promoted", "refused", "failed", "not_promoted")
+
+
+@dataclass
+class Cycles:
+    """A policy's cycles (runs recorded under its cycle lease), as /metrics says them."""
+
+    outcomes: dict[str, int] = field(default_factory=dict)  # cycles by CYCLE_OUTCOMES
+    waits: list[float] = field(default_factory=list)  # groups' finish to serving, seconds
+    asleep: float = 0.0  # seconds vLLM slept for them (colocated)
+    last: tuple[float, float] | None = None  # the newest: (ended, seconds it took)
+
+    def add(self, row: dict, metrics: dict, at: float | None) -> None:
+        outcome = _outcome(row, metrics)
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        delay = metrics["cycle"].get("to_serving")
+        if isinstance(delay, dict) and isinstance(delay.get("waits"), list):
+            self.waits += [float(w) for w in delay["waits"] if isinstance(w, int | float)]
+        asleep = (metrics.get("maintenance") or {}).get("seconds")
+        if isinstance(asleep, int | float):
+            self.asleep += asleep
+        started = row.get("started_at")
+        newest = at is not None and (self.last is None or at > self.last[0])
+        if newest and isinstance(started, dt.datetime):
+            self.last = (at, max(0.0, at - started.timestamp()))
+
+
+def _outcome(row: dict, metrics: dict) -> str:
+    if row.get("status") == "failed":
+        return "failed"
+    if row.get("promoted_as") is not None:
+        return "promoted"
+    gate = metrics.get("gate")
+    if isinstance(gate, dict) and gate.get("promote") is False:
+        return "refused"
+    return "not_promoted"
 
 
 @dataclass
@@ -50,6 +96,7 @@ class Nights:
     # The newest run's forgetting, where measured (trainer/gate/forgetting.py): when it
     # ended, and its figures (served, candidate, budget; nats per token from the base).
     forgetting: tuple[float, dict] | None = None
+    cycles: Cycles = field(default_factory=Cycles)  # those that ran as cycles
 
     def add(self, status: str, at: float | None, promoted: bool, forgetting=None) -> None:
         self.counts[status] = self.counts.get(status, 0) + 1
@@ -90,10 +137,12 @@ def latest_runs(data_dir: str | Path, previous: RunsSummary | None = None) -> Ru
             ended = row.get("ended_at")
             at = ended.timestamp() if isinstance(ended, dt.datetime) else None
             promoted = row.get("promoted_as") is not None
-            forgetting = _forgetting_of(row.get("metrics"))
+            metrics = _json_object(row.get("metrics"))
             every.add(status, at, promoted)
             nights = by_policy.setdefault(_policy_of(row.get("config")), Nights())
-            nights.add(status, at, promoted, forgetting)
+            nights.add(status, at, promoted, _forgetting_of(metrics))
+            if isinstance(metrics.get("cycle"), dict):
+                nights.cycles.add(row, metrics, at)
     return RunsSummary(listing, every.counts, every.last, every.last_trained_at, by_policy)
 
 
@@ -106,13 +155,19 @@ def _policy_of(config: str | None) -> str | None:
     return policy if isinstance(policy, str) else None
 
 
-def _forgetting_of(metrics: str | None) -> dict | None:
-    """A run's forgetting figures (its metrics' gate.forgetting), None where unmeasured."""
+def _json_object(text: str | None) -> dict:
+    """A run's metrics JSON ({} when absent or unreadable)."""
     try:
-        gate = json.loads(metrics).get("gate") if metrics else None
-        measured = gate.get("forgetting") if isinstance(gate, dict) else None
-    except (ValueError, AttributeError):
-        return None
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _forgetting_of(metrics: dict) -> dict | None:
+    """A run's forgetting figures (its metrics' gate.forgetting), None where unmeasured."""
+    gate = metrics.get("gate")
+    measured = gate.get("forgetting") if isinstance(gate, dict) else None
     if not isinstance(measured, dict):
         return None
     return {k: measured.get(k) for k in ("served", "candidate", "budget")}

@@ -8,6 +8,7 @@ so a run killed in between is found recorded by the next night and never trained
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -92,3 +93,28 @@ def record_run(
         },
     )
     writer.close()
+
+
+def to_serving(data_dir: Path, groups: list[str], served_at: float) -> dict | None:
+    """Seconds from each trained group's finish (its last rollout's `finish`, else its last
+    turn) to `served_at`, when the adapter trained on it began serving: the loop's latency,
+    data to policy. {"median", "max", "groups", "waits": each group's, to a tenth of a
+    second (the histogram of /metrics: storage/read/runs.py)}; None without groups."""
+    from overnight.storage import open_db
+
+    if not groups:
+        return None
+    con = open_db(data_dir)
+    try:
+        rows = con.execute(
+            "SELECT epoch_us(max(coalesce(finished_at, ended_at))) FROM rollouts "
+            "WHERE group_id IN (SELECT unnest(?)) GROUP BY group_id",
+            [groups],
+        ).fetchall()
+    finally:
+        con.close()
+    waits = sorted(max(0.0, served_at - us / 1e6) for (us,) in rows if us is not None)
+    if not waits:
+        return None
+    return {"median": statistics.median(waits), "max": waits[-1], "groups": len(waits),
+            "waits": [round(w, 1) for w in waits]}  # fmt: skip

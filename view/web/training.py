@@ -20,6 +20,7 @@ from overnight.view.answers import COLUMNS as ANSWER_COLUMNS
 from overnight.view.answers import HEADERS as ANSWER_HEADERS
 from overnight.view.answers import answer_rows
 from overnight.view.charts import training_charts
+from overnight.view.cycles import cycle_line
 from overnight.view.display import RUN_POLICY
 
 from .data import ADAPTER_STATE, query
@@ -126,9 +127,9 @@ async def runs_page(request: web.Request) -> web.Response:
             f"SELECT run_id, {ANSWER_COLUMNS} FROM training_runs {where}ORDER BY started_at DESC",
             args,
         ).fetchall()
-        return runs, training_charts(con, policy), answer_rows(answers)
+        return runs, training_charts(con, policy), answer_rows(answers), cycle_line(con, policy)
 
-    runs, charts, answers = await query(request, render)
+    runs, charts, answers, cycles = await query(request, render)
     table = html_table(
         [
             "run",
@@ -173,4 +174,6 @@ async def runs_page(request: web.Request) -> web.Response:
         else ""
     )
     links = policy_links("runs", chosen.names, policy, every=True)
-    return html_page(request, "Training runs", links + "".join(charts) + table + shapes, policy)
+    cycles = f'<p id="cycles">{esc(cycles)}</p>' if cycles else ""  # overnight learn's loop
+    page = links + "".join(charts) + cycles + table + shapes
+    return html_page(request, "Training runs", page, policy)
