@@ -481,19 +481,28 @@ def log_groups(proxy_url: str, names: list[str], size: int = 3) -> None:
             post(f"{proxy_url}/v1/rollouts/{group}.{i}/finish", {})
 
 
+# Where the chain kills the first cycle, one phase per start, in the order a cycle meets them.
+PHASES = ("judging", "step-1", "gated", "promoting", "recorded")
+
+
 @pytest.mark.slow
-def test_overnight_learn_resumes_a_killed_cycle_then_runs_one_each_time_groups_finish(
+def test_overnight_learn_killed_in_each_phase_of_a_cycle_resumes_then_runs_one_each_time_groups_finish(
     tiny_model_dir, tmp_path
 ):
     """The real supervisor, the real night (the tiny model, a reward file, the proxy in
-    front of the fake vLLM). Two groups finish; the first cycle is killed (SIGKILL) after
-    its promotion, before its record. Started again: its lease is free at once, the first
-    cycle resumes that run (promoted once, recorded once); two more groups, a second cycle;
-    then it stops (--max-cycles). Each run is recorded as learn's cycle, with its trigger."""
+    front of the fake vLLM). Two groups finish; the first cycle is killed (SIGKILL) in each
+    phase in turn, one per start: scoring (the reward function, at its first call for the
+    second group), a training step (computed, not checkpointed), the gate (its verdict
+    given), promotion (served, not recorded), the record (recorded, not marked finished).
+    Each start finds the
+    lease free at once (its process is gone) and resumes the run. Then two more groups, a
+    second cycle; it stops (--max-cycles). After the chain: each group trained once, each
+    adapter promoted once, each run recorded once with its cycle and trigger, the lease free."""
     from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
     data, reward = tmp_path / "data", tmp_path / "reward.py"
-    reward.write_text(REWARD_FILE)
+    # Killed while scoring: at the first call for the second group, the first one scored.
+    reward.write_text(REWARD_FILE.replace("len(CALLS) == 5", "rollout['group_id'] == 'a2'"))
     with spawn_fake_upstream() as fake, spawn_serve(data, "--upstream", fake.url) as proxy:
         log_groups(proxy.url, ["a1", "a2"])
         command = [sys.executable, "-m", "overnight.cli", "learn", "--data", str(data),
@@ -502,11 +511,19 @@ def test_overnight_learn_resumes_a_killed_cycle_then_runs_one_each_time_groups_f
                    "--reward", f"{reward}:score", "--gate", "off", "--keep-adapters", "0",
                    "--every-groups", "2", "--poll", "0.5", "--max-cycles", "2"]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "OVERNIGHT_KILL_AT"}
-        killed = subprocess.run(command, env={**env, "OVERNIGHT_KILL_AT": "promoting"},
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
-        assert trained(data) == [] and len(get(proxy.url + "/admin/adapters")["stack"]) == 1
-        assert cycle_lease(NightOptions(data), "policy").read() == (None, {})  # free at once
+        chain = ""
+        for phase in PHASES:
+            killed = subprocess.run(command, env={**env, "OVERNIGHT_KILL_AT": phase},
+                                    capture_output=True, text=True, timeout=120)  # fmt: skip
+            said = killed.stdout + killed.stderr
+            assert killed.returncode == -signal.SIGKILL, f"{phase}: {said}"
+            chain += said
+            served = len(get(proxy.url + "/admin/adapters")["stack"])
+            assert served == (1 if phase in ("promoting", "recorded") else 0), phase
+            assert len(trained(data)) == (1 if phase == "recorded" else 0), phase
+            assert cycle_lease(NightOptions(data), "policy").read() == (None, {}), phase
+        assert chain.count("resuming an interrupted run on its 2 group(s)") == 3, chain
+        assert "the proxy already serves it as policy-v1" in chain
 
         learn = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -514,7 +531,8 @@ def test_overnight_learn_resumes_a_killed_cycle_then_runs_one_each_time_groups_f
         reader = threading.Thread(target=lambda: lines.extend(learn.stdout), daemon=True)
         reader.start()
         try:
-            # The resumed cycle ran, and the supervisor waits for two more groups.
+            # The recorded run only marked finished, nothing new to train; then the
+            # supervisor waits for two more groups.
             waits = "policy policy: next cycle after 2 more finished group(s) (0 of 2)"
             wait_until(lambda: any(waits in line for line in lines), timeout=120,
                        what="the first cycle, then the wait")  # fmt: skip
@@ -531,14 +549,17 @@ def test_overnight_learn_resumes_a_killed_cycle_then_runs_one_each_time_groups_f
             cycle = json.loads(run["metrics"])["cycle"]
             assert cycle["by"] == "overnight learn"
             assert cycle["trigger"].startswith("2 new finished group(s) since"), cycle
-        # The killed cycle's promotion stands, found served; the second promoted once more.
+        # Each adapter promoted once: the killed cycle's promotion stands, found served.
         assert len(get(proxy.url + "/admin/adapters")["stack"]) == 2
-    assert "resuming an interrupted run on its 2 group(s)" in out
-    assert "the proxy already serves it as policy-v1" in out
-    assert "cycle: 2 new finished group(s) since ever (>= 2)" in out
+    assert sorted(p.name for p in (data / "adapters").iterdir()) == [r["run_id"] for r in runs]
+    assert all((d / "finished").exists() for d in (data / "runs").iterdir())
+    assert len(list((data / "runs").iterdir())) == 2  # one run per cycle that trained
+    assert "nothing to train on" in out  # the first cycle's groups were trained: not again
+    assert "scored 2 group(s) with the reward function" in out  # b1, b2 only
     assert "learning: stopping, after 2 cycle(s)" in out
     listing = CliRunner().invoke(main, ["runs", "--data", str(data)]).output
     assert listing.count("a cycle of overnight learn: 2 new finished group(s)") == 2, listing
+    assert cycle_lease(NightOptions(data), "policy").read()[0] is None
     last = last_cycle(NightOptions(data), "policy")
     assert last["run_id"] == runs[-1]["run_id"] and "promoted as policy-v2" in last["outcome"]
     # The loop's latency: from the groups' finish to the adapter trained on them serving.
@@ -546,6 +567,8 @@ def test_overnight_learn_resumes_a_killed_cycle_then_runs_one_each_time_groups_f
     assert delay["groups"] == 2 and 0 < delay["median"] <= delay["max"] < 120, delay
     assert "min after its groups finished (median of 2;" in last["outcome"]
     assert "cycle done: trained 2 group(s), promoted as policy-v2" in out
+    waits = json.loads(runs[-1]["metrics"])["cycle"]["to_serving"]["waits"]
+    assert len(waits) == 2 and max(waits) == round(delay["max"], 1)
 
 
 def trained(data) -> list[dict]:

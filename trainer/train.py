@@ -359,6 +359,7 @@ class Night:
                 # bucket: uploaded, and named as every proxy reads it
                 self.shared = shared_adapter(self.data_dir, self.adapter_dir, config.policy)
                 result.gate = self.gate(scorer, gate.prompts, result)
+                kill_point("gated")  # the verdict given, nothing promoted
         if window is not None:
             result.metrics["maintenance"] = window.as_dict()
             kill_point("awake")

@@ -12,8 +12,9 @@ saving leaves no half adapter where a promotion (or a rollback) could read it.
 
 `kill_point(stage)` marks where the tests kill a real `overnight train` (SIGKILL, when
 the environment variable OVERNIGHT_KILL_AT names the stage): between "step-N" and its
-checkpoint, "saving" (adapter written, not renamed), "promoting" (the proxy serves it,
-the run not recorded), "recorded" (recorded, not marked finished).
+checkpoint, "saving" (adapter written, not renamed), "gated" (the gate's verdict given,
+nothing promoted), "promoting" (the proxy serves it, the run not recorded), "recorded"
+(recorded, not marked finished).
 """
 
 from __future__ import annotations
