@@ -23,9 +23,9 @@ its action wrapper still puts a bare move in brackets. `--setting KEY=VALUE` (re
 passes TextArena's own constructor arguments, to make a game easier (`--setting max_number=10`).
 For the games listed in MOVES the system prompt ends with the form of a move and an example
 ("Reply with your move only: one number in square brackets, e.g. [7].") and a worked first
-turn comes before the game (another board's opening, answered with that example move), and
-each later message of the game ends with that line again; `--no-move-hint` leaves all three
-out. Each game's result counts the moves the game refused (`invalid_moves`,
+turn comes before the game (another board's opening, answered with that example move);
+`--no-move-hint` leaves both out. (The line repeated after each message of the game was tried
+and dropped: no gain measured, BENCHMARKS.md.) Each game's result counts the moves the game refused (`invalid_moves`,
 `first_valid`).
 
     pip install -e ".[tasks]"
@@ -192,9 +192,6 @@ async def play(client: openai.AsyncOpenAI, args: argparse.Namespace, seed: int, 
     settings = dict(args.setting)
     game = Game(args.env, seed, settings)
     hint = not args.no_move_hint
-    form = move_form(args.env, settings) if hint else None
-    # After each answer of the game, the form again: later moves drift into prose without it.
-    remind = f"\n\nReply with your move only: {form[0]}." if form else ""
     messages = [{"role": "system", "content": system_prompt(args.env, settings, hint)},
                 *(worked_example(args.env, settings) if hint else []),
                 {"role": "user", "content": game.observe()}]  # fmt: skip
@@ -212,7 +209,7 @@ async def play(client: openai.AsyncOpenAI, args: argparse.Namespace, seed: int, 
         turns += 1
         done = game.step(move)
         if not done:
-            messages.append({"role": "user", "content": (game.observe() or "Your move.") + remind})
+            messages.append({"role": "user", "content": game.observe() or "Your move."})
     reward, reason = game.close() if done else (0.0, f"stopped after {turns} turns")
     return {"rollout_id": rollout, "group": group, "seed": seed, "turns": turns,
             "finished": done, "reward": reward, "reason": reason,

@@ -283,10 +283,9 @@ async def test_a_game_shows_the_form_of_a_move_takes_settings_and_counts_refused
 ):
     """The system prompt ends with the game's move form and an example ([7] for
     GuessTheNumber, [5] in a range up to 5), and a worked first turn (another board's
-    opening, answered with it) comes before the game, and each later message of the game
-    ends with the form again; `--setting` reaches TextArena's constructor (the range said in
-    the game's first message); a reply the game refuses (a sentence) is counted, the first
-    move included. `--no-move-hint` sends none of them."""
+    opening, answered with it) comes before the game; `--setting` reaches TextArena's
+    constructor (the range said in the game's first message); a reply the game refuses (a
+    sentence) is counted, the first move included. `--no-move-hint` sends neither."""
     seen: list[list[dict]] = []
 
     def answer(messages: list[dict]) -> str:
@@ -304,8 +303,6 @@ async def test_a_game_shows_the_form_of_a_move_takes_settings_and_counts_refused
     assert "Guess The Number" in example and move == "[5]"  # in the range set
     assert "between 1 and 5" in first and "within 3 turns" in first, first
     assert result["first_valid"] is False and result["invalid_moves"] >= 1, result
-    later = seen[1][-1]["content"]  # the game's answer to the refused move, and the form again
-    assert "invalid move" in later and later.endswith("e.g. [5]."), later
     await game_agent.run(game_agent.parse_args([*args, "--no-move-hint"]))
     assert seen[-1][0]["content"] == game_agent.SYSTEM and seen[-1][1]["role"] == "user"
     assert len(seen[-1]) % 2 == 0  # system, then the game's turns only: no worked example
