@@ -25,6 +25,7 @@ from overnight.trainer.choose.inputs import Selection
 from overnight.trainer.grpo import distill
 from overnight.trainer.grpo.data import Sample
 from overnight.trainer.grpo.loss import LossConfig, policy_loss, token_weights
+from overnight.trainer.grpo.step import sample_logprobs
 
 from .helpers import chat_response, completion_row
 
@@ -172,8 +173,8 @@ def test_the_teachers_logprobs_are_taken_with_the_hint_and_the_students_without(
     assert hinted.trained == [False] * 6 + [True, True]
     out, found = distill.teacher_advantages(policy, [student], {"r": hinted}, 512, 64)
     (taught,) = out
-    mine = distill._logprobs(policy, [student], 512, 64)[0]
-    theirs = distill._logprobs(policy, [hinted], 512, 64)[0]
+    mine = sample_logprobs(policy, [student], 512, 64)[0]
+    theirs = sample_logprobs(policy, [hinted], 512, 64)[0]
     expected = [t - m for m, t in zip(mine, theirs, strict=True)]
     assert taught.trained_advantages() == pytest.approx(expected, abs=1e-6)
     assert taught.token_advantages[:3] == (0.0, 0.0, 0.0) and any(abs(a) > 1e-4 for a in expected)
@@ -188,7 +189,7 @@ def test_a_token_the_teacher_likes_more_gets_a_positive_advantage(monkeypatch):
     student = Sample("r", "g", [1, 2, 3, 4], [False, False, True, True], [0.0, 0.0, -2, -1], 1)
     other = Sample("s", "g", [1, 2], [False, True], [0.0, -1.0], 1, advantage=0.5)
     logprobs = {4: [[-2.0, -1.0]], 5: [[-0.5, -3.0]]}  # student, then teacher (longer)
-    monkeypatch.setattr(distill, "_logprobs", lambda m, s, b, c: logprobs[len(s[0].tokens)])
+    monkeypatch.setattr(distill, "sample_logprobs", lambda m, s, b, c: logprobs[len(s[0].tokens)])
     teacher = distill.teacher_sample(student, [1, 9, 9])
     (taught, untaught), found = distill.teacher_advantages(
         None, [student, other], {"r": teacher}, 512, 64

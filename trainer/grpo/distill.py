@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .data import Sample
+from .step import sample_logprobs
 
 
 @dataclass
@@ -64,8 +65,8 @@ def teacher_advantages(
     found = TeacherPass(without_teacher=len(samples) - len(taught))
     if not taught:
         return samples, found
-    student = _logprobs(model, taught, budget, chunk)
-    teacher = _logprobs(model, [teachers[s.rollout_id] for s in taught], budget, chunk)
+    student = sample_logprobs(model, taught, budget, chunk)
+    teacher = sample_logprobs(model, [teachers[s.rollout_id] for s in taught], budget, chunk)
     out: dict[int, Sample] = {}
     every: list[float] = []
     for s, mine, theirs in zip(taught, student, teacher, strict=True):
@@ -101,27 +102,6 @@ def teacher_sample(student: Sample, teacher_prompt: list[int]) -> Sample:
         sampling=sampling,
         vision=None,
     )
-
-
-def _logprobs(model, samples: list[Sample], budget: int, chunk: int) -> list[list[float]]:
-    """Each sample's trained tokens' logprobs under `model`, no gradient."""
-    import torch
-
-    from .policy import batch_images, pack, trained_logprobs
-    from .step import micro_batches
-
-    device = next(model.parameters()).device
-    out: list[list[float]] = []
-    for batch_samples in micro_batches(samples, budget):
-        batch = {k: v.to(device) for k, v in pack(batch_samples).items()}
-        images = batch_images(batch_samples, batch)
-        with torch.no_grad():
-            logp = trained_logprobs(model, batch, chunk, images).float().tolist()
-        for s in batch_samples:
-            n = s.trained_tokens
-            out.append(logp[:n])
-            logp = logp[n:]
-    return out
 
 
 def _spread(sample: Sample, trained: list[float]) -> tuple[float, ...]:

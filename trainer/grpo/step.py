@@ -210,30 +210,44 @@ def behaviour_pass(
     exact one gets its `Gap` (None for the others). The figures are what the report
     calls the logprob gap: on records the starting adapter sampled itself it measures
     serving against training (dtype, logprobs mode); on older ones, drift."""
+    passed, gaps = [], []
+    for s, mine in zip(samples, sample_logprobs(model, samples, budget, chunk), strict=True):
+        positions = [j for j, t in enumerate(s.trained) if t]
+        if not s.exact:
+            behaviour = list(s.behaviour_logprobs)
+            for j, value in zip(positions, mine, strict=True):
+                behaviour[j] = value
+            passed.append(replace(s, behaviour_logprobs=behaviour))
+            gaps.append(None)
+            continue
+        logged = [s.behaviour_logprobs[j] for j in positions]
+        passed.append(s)
+        gaps.append(_gap([p - q for p, q in zip(mine, logged, strict=True)]))
+    return passed, gaps
+
+
+def sample_logprobs(
+    model, samples: list[Sample], budget: int, chunk: int = TrainConfig.logit_chunk_tokens
+) -> list[list[float]]:
+    """Each sample's trained tokens' logprobs under `model`, in order, no gradient: one
+    forward pass a micro-batch (the behaviour pass's, and hindsight distillation's teacher
+    and student passes: distill.py)."""
     import torch
 
     from .policy import batch_images, pack, trained_logprobs
 
     device = next(model.parameters()).device
-    out: dict[int, tuple[Sample, Gap | None]] = {}
-    for batch_samples in micro_batches(samples, budget):
+    out: list[list[float]] = []
+    for batch_samples in micro_batches(samples, budget):  # consecutive: the order kept
         batch = {k: v.to(device) for k, v in pack(batch_samples).items()}
         images = batch_images(batch_samples, batch)
         with torch.no_grad():
             logp = trained_logprobs(model, batch, chunk, images).float().tolist()
         for s in batch_samples:
-            positions = [j for j, t in enumerate(s.trained) if t]
-            mine, logp = logp[: len(positions)], logp[len(positions) :]
-            if not s.exact:
-                behaviour = list(s.behaviour_logprobs)
-                for j, value in zip(positions, mine, strict=True):
-                    behaviour[j] = value
-                out[id(s)] = (replace(s, behaviour_logprobs=behaviour), None)
-                continue
-            logged = [s.behaviour_logprobs[j] for j in positions]
-            deltas = [p - q for p, q in zip(mine, logged, strict=True)]
-            out[id(s)] = (s, _gap(deltas))
-    return [out[id(s)][0] for s in samples], [out[id(s)][1] for s in samples]
+            n = s.trained_tokens
+            out.append(logp[:n])
+            logp = logp[n:]
+    return out
 
 
 def _gap(deltas: list[float]) -> Gap:
