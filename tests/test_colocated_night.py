@@ -71,27 +71,36 @@ def fake_process():
         yield fake
 
 
-@pytest.mark.parametrize("stage", ["judging", "asleep", "step-1", "awake", "promoting"])
-def test_a_colocated_night_killed_at_any_stage_leaves_vllm_awake_and_one_promotion(
-    stage, fake_process, tiny_model_dir, tmp_path
+# Where the chain kills the night, one stage per start, in the order a night meets them.
+STAGES = ("judging", "asleep", "step-1", "awake", "promoting")
+
+
+def test_a_colocated_night_killed_at_each_stage_in_turn_leaves_vllm_awake_and_one_promotion(
+    fake_process, tiny_model_dir, tmp_path
 ):
+    """One night killed at each stage in turn, one per start, each start resuming what the
+    one before left; after every kill the proxy wakes vLLM when the lease runs out, and
+    traffic is answered (503 with Retry-After while asleep). Then a start that finishes."""
     data = tmp_path / "data"
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD_FILE)
     # A short hold: a request during the window is answered 503 rather than held long.
     with spawn_serve(data, "--upstream", fake_process.url, "--maintenance-hold", "1") as proxy:
         _log_groups(proxy.url)
-        killed = train(data, proxy.url, tiny_model_dir, reward, stage)
-        assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
-        if stage in ("asleep", "step-1"):
-            assert asleep(fake_process.url), "killed asleep"
-            status, body, retry = chat(proxy.url)
-            assert status == 503 and body["error"]["code"] == "maintenance" and retry, body
-        deadline = time.monotonic() + LEASE + 10
-        while asleep(fake_process.url) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not asleep(fake_process.url), "the proxy woke vLLM when the lease ran out"
-        assert chat(proxy.url)[0] == 200
+        for stage in STAGES:
+            killed = train(data, proxy.url, tiny_model_dir, reward, stage)
+            assert killed.returncode == -signal.SIGKILL, stage + killed.stdout + killed.stderr
+            if stage in ("asleep", "step-1"):
+                assert asleep(fake_process.url), f"killed asleep ({stage})"
+                status, body, retry = chat(proxy.url)
+                assert status == 503 and body["error"]["code"] == "maintenance" and retry, body
+            deadline = time.monotonic() + LEASE + 10
+            while asleep(fake_process.url) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not asleep(fake_process.url), f"the proxy woke vLLM after {stage}'s lease"
+            assert chat(proxy.url)[0] == 200, stage
+            served = len(_get(proxy.url + "/admin/adapters")["stack"])
+            assert served == (1 if stage == "promoting" else 0), stage
         again = train(data, proxy.url, tiny_model_dir, reward, None)
         assert again.returncode == 0, again.stdout + again.stderr
         assert "maintenance: vLLM awake after" in again.stdout, again.stdout

@@ -165,25 +165,37 @@ def fake_process():
         yield fake
 
 
+# Where the chain kills the night, one stage per start, in the order a night meets them.
+STAGES = ("judging", "step-2", "saving", "promoting", "recorded")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["judging", "step-2", "saving", "promoting", "recorded"])
-def test_the_nightly_batch_killed_at_each_stage_finishes_on_rerun(
-    stage, fake_process, tiny_model_dir, tmp_path
+def test_the_nightly_batch_killed_at_each_stage_in_turn_finishes_on_rerun(
+    fake_process, tiny_model_dir, tmp_path
 ):
+    """One night killed (SIGKILL) at each stage in turn, one per start, each start resuming
+    what the one before left: scoring (some groups scored), a step computed and not
+    checkpointed, the adapter being saved, served and not recorded, recorded and not marked
+    finished. Then a start that is not killed: one run recorded, one promotion, one adapter."""
     data = tmp_path / "data"
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD_FILE)
+    adapters = data / "adapters"
     with spawn_serve(data, "--upstream", fake_process.url) as proxy:
         _log_groups(proxy.url)
-        killed = _train(data, proxy.url, tiny_model_dir, reward, stage)
-        assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
-        adapters = data / "adapters"
-        complete = [p for p in adapters.glob("*") if p.is_dir() and "." not in p.name]
-        state = _get(proxy.url + "/admin/adapters")
-        if stage in ("judging", "step-2", "saving"):
-            assert complete == [] and state["current"] is None  # nothing half-written served
-        if stage == "saving":
-            assert [p.name.endswith(".partial") for p in adapters.iterdir()] == [True]
+        for stage in STAGES:
+            killed = _train(data, proxy.url, tiny_model_dir, reward, stage)
+            assert killed.returncode == -signal.SIGKILL, stage + killed.stdout + killed.stderr
+            complete = [p for p in adapters.glob("*") if p.is_dir() and "." not in p.name]
+            state = _get(proxy.url + "/admin/adapters")
+            if stage in ("judging", "step-2", "saving"):
+                assert complete == [] and state["current"] is None, stage  # nothing half-written
+            else:
+                assert len(state["stack"]) == 1, stage  # served once, whoever promoted it
+            if stage == "saving":
+                assert [p.name.endswith(".partial") for p in adapters.iterdir()] == [True]
+            recorded = rows(data, "SELECT * FROM training_runs WHERE status = 'trained'")
+            assert len(recorded) == (1 if stage == "recorded" else 0), stage
         again = _train(data, proxy.url, tiny_model_dir, reward, None)
         assert again.returncode == 0, again.stdout + again.stderr
         trained = rows(data, "SELECT * FROM training_runs WHERE status = 'trained'")
@@ -191,7 +203,7 @@ def test_the_nightly_batch_killed_at_each_stage_finishes_on_rerun(
         (run,) = trained
         assert sorted(run["groups"]) == ["g0", "g1", "g2", "g3"] and run["steps"] == 2
         state = _get(proxy.url + "/admin/adapters")
-        assert len(state["stack"]) == 1  # promoted once, even when killed after promoting
+        assert len(state["stack"]) == 1  # promoted once, though killed after promoting
         assert state["current"]["path"] == str((adapters / run["run_id"]).resolve())
         assert (adapters / run["run_id"] / "adapter_model.safetensors").exists()
         assert sorted(p.name for p in adapters.iterdir()) == [run["run_id"]]
