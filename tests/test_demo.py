@@ -113,7 +113,7 @@ def test_the_demo_on_the_real_model_learns_what_it_is_asked(smollm2_server, tmp_
     env = dict(os.environ, OVERNIGHT_TRAIN_REFERENCE=str(refs))
     out = demo(smollm2_server, data, DAYS, "--model", "smollm2", env=env)
     rewards, held_out, served, promoted = story(out, DAYS - 1)
-    print(f"smollm2 demo: rewards by day {rewards}, held-out {held_out}, promoted {promoted}")
+    print(out[out.rfind("day  mean reward") :])  # the table, with each day's and night's time
     assert served[0] == "smollm2"
     agents_first(data)
     pooled = [(agent + other) / 2 for agent, other in zip(rewards, held_out, strict=True)]

@@ -42,7 +42,9 @@ def test_every_reaction_to_the_tiny_models_answers_is_read_from_the_traffic(vllm
 def test_a_night_on_implicit_rewards_learns_what_a_night_on_the_true_reward_learns(
     smollm2_server, smollm2_dir, tmp_path
 ):
-    result = run_trial(smollm2_server.url, smollm2_dir, tmp_path, TrialSize(16, samples=8))
+    # 16 held-out sums x 4 samples: the 64 of the measurements below (at 8 each the held-out
+    # pass alone took 95 s of the test's 245 on a quiet machine).
+    result = run_trial(smollm2_server.url, smollm2_dir, tmp_path, TrialSize(16, samples=4))
     print("\n".join(result.lines()))
     # The users' reactions are read right: measured AUC 0.977 to 1.000 on 8 to 48
     # conversations (a next sum much like the last reads as a re-ask; users who left say
@@ -54,5 +56,6 @@ def test_a_night_on_implicit_rewards_learns_what_a_night_on_the_true_reward_lear
     gains = result.gains
     assert gains["posted"] > 0, result.lines()  # the night on the true reward learns
     # ... and the implicit one a share of it: measured 0.78 and 1.31 (16 conversations,
-    # seeds 7 and 11, 64 held-out samples), 0.92 (48, seed 7, 128 samples).
+    # seeds 7 and 11, 64 held-out samples), 0.92 (48, seed 7, 128 samples), 0.96 (16,
+    # seed 7, 128 samples: +0.422 against +0.438).
     assert gains["implicit"] >= 0.4 * gains["posted"], result.lines()
