@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -469,6 +472,25 @@ def test_status_says_each_policys_last_cycle_and_what_was_asked(tmp_path, nights
     assert lines[2:] == ["  paused (overnight learn --resume)"]
 
 
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ("--data elsewhere", "--data is serve's to give"),
+        ("--proxy=http://other:8000", "--proxy is serve's to give"),
+        ("--stop", "--stop is a command to a running learner"),
+        ("--every-groups many", "'many' is not a valid integer"),
+        ("--no-such-option", "No such option '--no-such-option'"),
+        ("'unclosed", "No closing quotation"),
+    ],
+)
+def test_serve_refuses_learn_options_that_could_not_work_before_anything_starts(options, said):
+    from overnight.cli.learner import learn_arguments
+
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        learn_arguments(options)
+    assert learn_arguments("--every-groups 32 --preset smollm2-cpu")[:2] == ["--every-groups", "32"]
+
+
 # -- the real thing: `overnight learn` running two cycles ----------------------------------
 
 
@@ -481,13 +503,22 @@ def log_groups(proxy_url: str, names: list[str], size: int = 3) -> None:
             post(f"{proxy_url}/v1/rollouts/{group}.{i}/finish", {})
 
 
+@pytest.fixture
+def fake_vllm():
+    """The fake vLLM in its own process, for both proxies of the chain below."""
+    from overnight.testing.processes import spawn_fake_upstream
+
+    with spawn_fake_upstream() as fake:
+        yield fake
+
+
 # Where the chain kills the first cycle, one phase per start, in the order a cycle meets them.
 PHASES = ("judging", "step-1", "gated", "promoting", "recorded")
 
 
 @pytest.mark.slow
 def test_overnight_learn_killed_in_each_phase_of_a_cycle_resumes_then_runs_one_each_time_groups_finish(
-    tiny_model_dir, tmp_path
+    fake_vllm, tiny_model_dir, tmp_path
 ):
     """The real supervisor, the real night (the tiny model, a reward file, the proxy in
     front of the fake vLLM). Two groups finish; the first cycle is killed (SIGKILL) in each
@@ -495,15 +526,17 @@ def test_overnight_learn_killed_in_each_phase_of_a_cycle_resumes_then_runs_one_e
     second group), a training step (computed, not checkpointed), the gate (its verdict
     given), promotion (served, not recorded), the record (recorded, not marked finished).
     Each start finds the
-    lease free at once (its process is gone) and resumes the run. Then two more groups, a
-    second cycle; it stops (--max-cycles). After the chain: each group trained once, each
-    adapter promoted once, each run recorded once with its cycle and trigger, the lease free."""
-    from overnight.testing.processes import spawn_fake_upstream, spawn_serve
+    lease free at once (its process is gone) and resumes the run. Then one box that serves
+    and learns (`overnight serve --learn`): its learner finds the run recorded, waits, runs
+    a second cycle when two more groups finish, and is stopped first by serve's SIGTERM.
+    After the chain: each group trained once, each adapter promoted once, each run recorded
+    once with its cycle and trigger, the lease free."""
+    from overnight.testing.processes import spawn_serve
 
-    data, reward = tmp_path / "data", tmp_path / "reward.py"
+    data, reward, fake = tmp_path / "data", tmp_path / "reward.py", fake_vllm
     # Killed while scoring: at the first call for the second group, the first one scored.
     reward.write_text(REWARD_FILE.replace("len(CALLS) == 5", "rollout['group_id'] == 'a2'"))
-    with spawn_fake_upstream() as fake, spawn_serve(data, "--upstream", fake.url) as proxy:
+    with spawn_serve(data, "--upstream", fake.url) as proxy:
         log_groups(proxy.url, ["a1", "a2"])
         command = [sys.executable, "-m", "overnight.cli", "learn", "--data", str(data),
                    "--proxy", proxy.url, "--base-model", str(tiny_model_dir), "--preset",
@@ -525,38 +558,39 @@ def test_overnight_learn_killed_in_each_phase_of_a_cycle_resumes_then_runs_one_e
         assert chain.count("resuming an interrupted run on its 2 group(s)") == 3, chain
         assert "the proxy already serves it as policy-v1" in chain
 
-        learn = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(learn.stdout), daemon=True)
-        reader.start()
-        try:
-            # The recorded run only marked finished, nothing new to train; then the
-            # supervisor waits for two more groups.
-            waits = "policy policy: next cycle after 2 more finished group(s) (0 of 2)"
-            wait_until(lambda: any(waits in line for line in lines), timeout=120,
-                       what="the first cycle, then the wait")  # fmt: skip
-            log_groups(proxy.url, ["b1", "b2"])
-            learn.wait(timeout=120)
-        finally:
-            learn.kill()
-        reader.join(10)
-        out = "".join(lines)
-        assert learn.returncode == 0, out
-        runs = trained(data)
-        assert [sorted(r["groups"]) for r in runs] == [["a1", "a2"], ["b1", "b2"]], out
-        for run in runs:
-            cycle = json.loads(run["metrics"])["cycle"]
-            assert cycle["by"] == "overnight learn"
-            assert cycle["trigger"].startswith("2 new finished group(s) since"), cycle
+    # The rest through one box that serves and learns: `overnight serve --learn`, the
+    # learner its child (cli/learner.py), with the same options less its own.
+    learn_options = shlex.join(command[command.index("--base-model") : -2])  # no --max-cycles
+    with spawn_serve(data, "--upstream", fake.url, "--learn", learn_options, env=env,
+                     log_level="INFO") as box:  # fmt: skip
+        # The recorded run only marked finished, nothing new to train; then the learner
+        # waits for two more groups.
+        waits = "policy policy: next cycle after 2 more finished group(s) (0 of 2)"
+        wait_until(lambda: waits in box.log_tail(20_000), timeout=120,
+                   what="the first cycle, then the wait")  # fmt: skip
+        log_groups(box.url, ["b1", "b2"])
+        wait_until(lambda: "cycle done: trained 2 group(s)" in box.log_tail(20_000),
+                   timeout=120, what="the second cycle")  # fmt: skip
         # Each adapter promoted once: the killed cycle's promotion stands, found served.
-        assert len(get(proxy.url + "/admin/adapters")["stack"]) == 2
+        assert len(get(box.url + "/admin/adapters")["stack"]) == 2
+        said = re.search(r"learning beside the proxy \(pid (\d+)\)", box.log_tail(40_000))
+        assert said, box.log_tail()
+        learner = int(said[1])
+        assert box.stop() == 0, box.log_tail()
+    out = box.log_tail(40_000)
+    assert "stopping the learner" in out and "learning: interrupted" in out, out
+    assert not pid_alive(learner), "the learner outlived its serve"
+    runs = trained(data)
+    assert [sorted(r["groups"]) for r in runs] == [["a1", "a2"], ["b1", "b2"]], out
+    for run in runs:
+        cycle = json.loads(run["metrics"])["cycle"]
+        assert cycle["by"] == "overnight learn"
+        assert cycle["trigger"].startswith("2 new finished group(s) since"), cycle
     assert sorted(p.name for p in (data / "adapters").iterdir()) == [r["run_id"] for r in runs]
     assert all((d / "finished").exists() for d in (data / "runs").iterdir())
     assert len(list((data / "runs").iterdir())) == 2  # one run per cycle that trained
     assert "nothing to train on" in out  # the first cycle's groups were trained: not again
     assert "scored 2 group(s) with the reward function" in out  # b1, b2 only
-    assert "learning: stopping, after 2 cycle(s)" in out
     listing = CliRunner().invoke(main, ["runs", "--data", str(data)]).output
     assert listing.count("a cycle of overnight learn: 2 new finished group(s)") == 2, listing
     assert cycle_lease(NightOptions(data), "policy").read()[0] is None
@@ -569,6 +603,14 @@ def test_overnight_learn_killed_in_each_phase_of_a_cycle_resumes_then_runs_one_e
     assert "cycle done: trained 2 group(s), promoted as policy-v2" in out
     waits = json.loads(runs[-1]["metrics"])["cycle"]["to_serving"]["waits"]
     assert len(waits) == 2 and max(waits) == round(delay["max"], 1)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def trained(data) -> list[dict]:

@@ -134,7 +134,7 @@ def serve(**values: Any) -> None:
         for upstream in proxy.upstreams:
             ok, line = check_logprobs_mode(upstream, proxy.upstream_api_key)
             logging.getLogger("overnight").log(logging.INFO if ok else logging.WARNING, line)
-    serve_forever(proxy, vllm, listen.host, listen.port, workers=listen.workers)
+    serve_forever(proxy, vllm, listen.host, listen.port, workers=listen.workers, learn=listen.learn)
 
 
 @main.command()

@@ -59,6 +59,16 @@ class ServeConfig:
         },
     )
 
+    # One box that serves and learns (cli/learner.py): `overnight learn` beside the proxy.
+    learn: str | None = field(
+        default=None,
+        metadata={
+            "help": "Also run `overnight learn` with these options (one quoted string, e.g. "
+            "--learn '--every-groups 32 --preset smollm2-cpu') on --data, promoting through "
+            "this proxy; stopped before the proxy stops."
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ConfigError("workers must be at least 1")
@@ -70,20 +80,28 @@ def serve_forever(
     host: str,
     port: int,
     workers: int = 1,
+    learn: str | None = None,
 ) -> None:
     """Serve `proxy` on host:port until interrupted, in `workers` processes.
 
     With `vllm`, start it first and stop it last; `proxy.upstream` is then its URL, so
-    give `vllm` its port beforehand (`launcher.free_port`).
+    give `vllm` its port beforehand (`launcher.free_port`). With `learn` (`overnight
+    learn`'s options), a learner beside the proxy (cli/learner.py), stopped first.
     """
     from overnight.proxy.address import proxy_url, remove_address, write_address
     from overnight.proxy.launch.launcher import VLLMProcess
     from overnight.proxy.routes.key_buckets import make_file as make_buckets
     from overnight.telemetry import check_environment as check_tracing
 
+    from .learner import Learner
+
     if vllm is not None and (vllm.port == 0 or proxy.upstream != vllm.url):
         raise ConfigError(f"with vLLM at {vllm.url}, the proxy's upstream must be its URL")
     check_tracing()  # OTEL_* that cannot work stop here, before vLLM or any worker starts
+    # Bad --learn options stop here too; the learner starts once the proxy answers.
+    learner = (
+        Learner(learn, proxy.data_dir, proxy_url(host, port), proxy.admin_token) if learn else None
+    )
     if vllm is not None and proxy.shadow_samples:
         vllm = with_priority_scheduling(vllm)
     if vllm is not None:  # what `overnight train --colocate auto` asks /admin/adapters
@@ -108,15 +126,19 @@ def serve_forever(
             f", {workers} workers" if workers > 1 else "",
         )
         metrics_dir = _metrics_dir() if proxy.metrics and (workers > 1 or _given_dir()) else None
+        if learner:
+            learner.start()
+        on_stop = learner.stop if learner else None
         if workers == 1:
-            _run(proxy, host, port, advertise_address=True)
+            _run(proxy, host, port, advertise_address=True, on_stop=on_stop)
         else:
             # DATA/proxy.json names this process: the one `overnight train` finds alive.
             write_address(proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
             buckets = make_buckets(proxy)  # the keys' rates, held across the workers
             try:
                 # Each worker holds requests for a maintenance window on its own: refused.
-                _supervise(replace(proxy, workers=workers), host, port, workers, metrics_dir)
+                _supervise(replace(proxy, workers=workers), host, port, workers, metrics_dir,
+                           on_stop)  # fmt: skip
             finally:
                 remove_address(proxy.data_dir)
                 if buckets is not None:
@@ -126,6 +148,8 @@ def serve_forever(
     except KeyboardInterrupt:
         log.info("interrupted")
     finally:
+        if learner:  # already stopped with the proxy, unless vLLM's start was interrupted
+            learner.stop()
         for process in processes:
             log.info("stopping vLLM on %s", process.url)
             process.stop()
@@ -160,8 +184,11 @@ def with_replicas(
     return replace(proxy, upstream=urls[0], upstreams=urls), replicas
 
 
-def _run(proxy: ProxyConfig, host: str, port: int, advertise_address: bool) -> None:
-    """One proxy process: the app on the port until SIGINT/SIGTERM, then its cleanup."""
+def _run(proxy: ProxyConfig, host: str, port: int, advertise_address: bool, on_stop=None) -> None:
+    """One proxy process: the app on the port until SIGINT/SIGTERM, then its cleanup;
+    `on_stop` (blocking: in a thread) as its shutdown begins, before its log is compacted."""
+    import asyncio
+
     from aiohttp import web
 
     from overnight.proxy import create_app
@@ -170,6 +197,12 @@ def _run(proxy: ProxyConfig, host: str, port: int, advertise_address: bool) -> N
     app = create_app(proxy)
     if advertise_address:  # DATA/proxy.json: where `overnight train` and `rollback` find us
         advertise(app, proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
+    if on_stop is not None:
+
+        async def stopping(_app: web.Application) -> None:
+            await asyncio.to_thread(on_stop)
+
+        app.on_shutdown.append(stopping)
     # run_app turns SIGINT and SIGTERM into a graceful exit that runs the cleanup.
     web.run_app(
         app,
@@ -224,9 +257,15 @@ def _mark_dead(metrics_dir: Path | None, pid: int | None) -> None:
 
 
 def _supervise(
-    proxy: ProxyConfig, host: str, port: int, n: int, metrics_dir: Path | None = None
+    proxy: ProxyConfig,
+    host: str,
+    port: int,
+    n: int,
+    metrics_dir: Path | None = None,
+    on_stop=None,
 ) -> None:
-    """Start n workers, restart any that dies, stop them all on SIGINT/SIGTERM."""
+    """Start n workers, restart any that dies, stop them all on SIGINT/SIGTERM (after
+    `on_stop`, while they still serve)."""
     context = multiprocessing.get_context("spawn")  # no copy of this process's loop or locks
     level = logging.getLogger().getEffectiveLevel()
 
@@ -251,6 +290,8 @@ def _supervise(
                     time.sleep(1.0)  # a worker that cannot start must not spin
                     workers[i] = start(i)
     finally:
+        if on_stop is not None:
+            on_stop()
         for worker in workers:
             if worker.is_alive():
                 os.kill(worker.pid, signal.SIGTERM)
