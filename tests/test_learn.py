@@ -491,6 +491,66 @@ def test_serve_refuses_learn_options_that_could_not_work_before_anything_starts(
     assert learn_arguments("--every-groups 32 --preset smollm2-cpu")[:2] == ["--every-groups", "32"]
 
 
+@pytest.fixture
+def health_url():
+    """A server whose /health answers 200: the proxy a learner waits for."""
+    import http.server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_learner_killed_by_a_signal_not_serves_is_started_again_one_that_exits_is_not(
+    health_url, tmp_path, monkeypatch
+):
+    """serve's learner (cli/learner.py) with a stand-in command: the first start dies of
+    SIGKILL (as the OOM killer kills), the second runs until serve stops it with SIGTERM;
+    a learner that exits of itself is left exited."""
+    from overnight.cli import learner as module
+
+    monkeypatch.setattr(module, "RESTART_S", 0.1)
+    starts = tmp_path / "starts"
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from pathlib import Path
+        starts = Path({str(starts)!r})
+        n = len(starts.read_text()) if starts.exists() else 0
+        starts.write_text("x" * (n + 1))
+        if n == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60 if os.environ.get("OVERNIGHT_ADMIN_TOKEN") == "t0ken" else 0)
+    """)
+    monkeypatch.setattr(module.Learner, "command", lambda self: [sys.executable, "-c", script])
+    learner = module.Learner("--every-groups 2", tmp_path, health_url, admin_token="t0ken")
+    learner.start()
+    wait_until(lambda: starts.exists() and starts.read_text() == "xx", timeout=30,
+               what="the learner started again")  # fmt: skip
+    time.sleep(0.5)
+    assert learner.process.poll() is None  # the second one runs, with the token
+    learner.stop()
+    assert learner.process.returncode == -signal.SIGTERM
+    assert starts.read_text() == "xx" and not learner._thread.is_alive()  # not again
+
+    starts.unlink()
+    exits = module.Learner("--every-groups 2", tmp_path, health_url)  # no token: exits 0
+    starts.write_text("x")  # not the first start: it does not kill itself
+    exits.start()
+    wait_until(lambda: exits.process is not None and exits.process.poll() == 0, timeout=30,
+               what="the learner exiting")  # fmt: skip
+    exits._thread.join(5)
+    assert starts.read_text() == "xx" and not exits._thread.is_alive()
+
+
 # -- the real thing: `overnight learn` running two cycles ----------------------------------
 
 
