@@ -266,6 +266,9 @@ async def test_the_counter_counts_a_policys_groups_finished_since_a_time(make_pr
     await group("late", "policy")
     await group("theirs", "other")
     await group("open", "policy", finish=False)  # not finished: idle for less than --settle
+    time.sleep(1.0)
+    posted = time.time()  # a reward the agent posts for "early" after "late" finished
+    assert (await proxy.post("/v1/rollouts/early.1/reward", json={"reward": 1.0})).status == 200
     await proxy.close()
     data = tmp_path / "data"
     state = {"policies": ["policy", "other"], "default": "policy"}
@@ -274,10 +277,13 @@ async def test_the_counter_counts_a_policys_groups_finished_since_a_time(make_pr
     assert finished_since(data, PolicyScope.of("other", state), 600)(None) == 1
     assert finished_since(data, None, 600)(None) == 3  # every group, before policies
     assert finished_since(data, None, 0)(None) == 4  # idle long enough at once: the open one
-    # The loop's latency: from each group's finish to when its adapter served.
+    # The loop's latency: from each group's data being in (its finish, or the agent's
+    # last reward for it if later) to when its adapter served.
     served = time.time() + 60
     delay = to_serving(data, ["early", "late", "unknown"], served)
     assert delay["groups"] == 2 and 60 <= delay["median"] <= delay["max"] < 90, delay
+    late_finished, early_rewarded = served - delay["max"], served - min(delay["waits"])
+    assert abs(early_rewarded - posted) < 0.5 and late_finished < posted - 0.9, delay
     assert to_serving(data, [], served) is None
 
 
@@ -659,7 +665,7 @@ def test_overnight_learn_killed_in_each_phase_of_a_cycle_resumes_then_runs_one_e
     # The loop's latency: from the groups' finish to the adapter trained on them serving.
     delay = last["to_serving"]
     assert delay["groups"] == 2 and 0 < delay["median"] <= delay["max"] < 120, delay
-    assert "min after its groups finished (median of 2;" in last["outcome"]
+    assert "min after its data was in (median of 2;" in last["outcome"]
     assert "cycle done: trained 2 group(s), promoted as policy-v2" in out
     waits = json.loads(runs[-1]["metrics"])["cycle"]["to_serving"]["waits"]
     assert len(waits) == 2 and max(waits) == round(delay["max"], 1)

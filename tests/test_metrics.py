@@ -357,7 +357,7 @@ async def test_cycles_come_from_their_records_in_the_data_directory(make_proxy, 
     assert value(m, "overnight_training_runs", status="trained") == 4  # the old night too
     # The last day's, in a line: 4 cycles over the 4 hours since the first began.
     line = ("cycles in the last 24 h: 4 (1 per hour): 2 promoted, 1 refused by the gate, "
-            "1 failed; serving a median 3.3 min after its groups finished (3 groups)")  # fmt: skip
+            "1 failed; serving a median 3.3 min after their data was in (3 groups)")  # fmt: skip
     listing = CliRunner().invoke(main, ["runs", "--data", str(data)])
     assert listing.exit_code == 0 and listing.output.rstrip().endswith(line), listing.output
     page = await (await proxy.get("/ui/runs")).text()

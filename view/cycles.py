@@ -19,7 +19,7 @@ WINDOW_HOURS = 24.0
 
 def cycle_line(con, policy: str | None = None, now: float | None = None) -> str | None:
     """`cycles in the last 24 h: 6 (0.5 per hour): 4 promoted, 1 refused by the gate, 1
-    failed; serving a median 4.2 min after its groups finished (8 groups)`; None without any.
+    failed; serving a median 4.2 min after their data was in (8 groups)`; None without any.
     The rate is over the window, or since the first of them began when that is later."""
     now = time.time() if now is None else now
     where, args = (f"AND {RUN_POLICY} = ?", [policy]) if policy is not None else ("", [])
@@ -51,6 +51,6 @@ def cycle_line(con, policy: str | None = None, now: float | None = None) -> str 
     line = (f"cycles in the last {WINDOW_HOURS:g} h: {len(rows)} ({len(rows) / hours:.2g} per "
             f"hour): {said}")  # fmt: skip
     if waits:
-        line += (f"; serving a median {statistics.median(waits) / 60:.1f} min after its "
-                 f"groups finished ({len(waits)} groups)")  # fmt: skip
+        line += (f"; serving a median {statistics.median(waits) / 60:.1f} min after their "
+                 f"data was in ({len(waits)} groups)")  # fmt: skip
     return line

@@ -10,7 +10,7 @@ the night says who holds it.
 
 What a cycle leaves in the lease's notes, `last`: when it began and ended, who ran it
 (`overnight train`, `overnight learn`), why (its trigger), its run and how it ended, and,
-when it promoted, how long after its groups finished their adapter served (`to_serving`:
+when it promoted, how long after its groups' data was in their adapter served (`to_serving`:
 the loop's latency, data to policy, as its run's record keeps it: trainer/run/record.py).
 The supervisor's triggers count from it (triggers.py), on every machine alike.
 """
@@ -87,5 +87,5 @@ def outcome(result) -> str:
 def promoted_line(delay: dict | None) -> str:
     if not delay:
         return ""
-    return (f", serving {delay['median'] / 60:.1f} min after its groups finished (median of "
+    return (f", serving {delay['median'] / 60:.1f} min after its data was in (median of "
             f"{delay['groups']}; at most {delay['max'] / 60:.1f})")  # fmt: skip

@@ -163,7 +163,8 @@ def _cycles(by_policy: dict[str, list[Cycles]]) -> Iterable[Metric]:
     latency = HistogramMetricFamily(
         "overnight_policy_cycle_to_serving_seconds",
         "The loop's latency: for each group a promoted cycle trained, the seconds from its "
-        "finish (its last rollout's finish or last turn) to the adapter trained on it serving.",
+        "data being in (its finish, or the agent's last reward for it if later) to the "
+        "adapter trained on it serving.",
         labels=["policy"],
     )
     asleep = CounterMetricFamily(

@@ -96,9 +96,11 @@ def record_run(
 
 
 def to_serving(data_dir: Path, groups: list[str], served_at: float) -> dict | None:
-    """Seconds from each trained group's finish (its last rollout's `finish`, else its last
-    turn) to `served_at`, when the adapter trained on it began serving: the loop's latency,
-    data to policy. {"median", "max", "groups", "waits": each group's, to a tenth of a
+    """Seconds from each trained group's data being in to `served_at`, when the adapter
+    trained on it began serving: the loop's latency, data to policy. A group's data is in
+    at its finish (its last rollout's `finish`, else its last turn) or at the last reward
+    the agent posted for it, whichever came later (a judged or scored group is scored by
+    the cycle itself). {"median", "max", "groups", "waits": each group's, to a tenth of a
     second (the histogram of /metrics: storage/read/runs.py)}; None without groups."""
     from overnight.storage import open_db
 
@@ -107,8 +109,13 @@ def to_serving(data_dir: Path, groups: list[str], served_at: float) -> dict | No
     con = open_db(data_dir)
     try:
         rows = con.execute(
-            "SELECT epoch_us(max(coalesce(finished_at, ended_at))) FROM rollouts "
-            "WHERE group_id IN (SELECT unnest(?)) GROUP BY group_id",
+            "WITH trained AS (SELECT group_id, rollout_id, coalesce(finished_at, ended_at) "
+            "AS done FROM rollouts WHERE group_id IN (SELECT unnest(?))), "
+            "posted AS (SELECT rollout_id, max(created_at) AS posted_at FROM rewards "
+            "WHERE source = 'agent' AND rollout_id IN (SELECT rollout_id FROM trained) "
+            "GROUP BY rollout_id) "
+            "SELECT epoch_us(max(greatest(done, coalesce(posted_at, done)))) "
+            "FROM trained LEFT JOIN posted USING (rollout_id) GROUP BY group_id",
             [groups],
         ).fetchall()
     finally:
