@@ -429,7 +429,7 @@ class Night:
         # (gate/gaming.py): watched in the report and /ui, not gated.
         result.metrics["answers"] = live_answers(self.data_dir, self.started, self.config.policy)
         if self.cycle is not None and result.promoted_as:  # the loop's latency, recorded
-            delay = to_serving(self.data_dir, result.plan.groups, time.time())
+            delay = to_serving(self.data_dir, result.plan.groups, time.time(), self.started)
             self.cycle = {**self.cycle, "to_serving": delay}
             result.metrics["to_serving"] = delay
         record_run(self.data_dir, result, self.config, self.base_model, self.start_adapter,

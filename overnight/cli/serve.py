@@ -197,12 +197,19 @@ def _run(proxy: ProxyConfig, host: str, port: int, advertise_address: bool, on_s
     app = create_app(proxy)
     if advertise_address:  # DATA/proxy.json: where `overnight train` and `rollback` find us
         advertise(app, proxy.data_dir, proxy_url(host, port), proxy.admin_token is not None)
+    loop = _fast_loop() or asyncio.new_event_loop()
     if on_stop is not None:
+        # `on_stop` while the proxy still serves (aiohttp's own handlers close the listening
+        # socket before its on_shutdown): then the graceful exit, as run_app's would be.
+        def stop_then_exit() -> None:
+            async def stop() -> None:
+                await asyncio.to_thread(on_stop)
+                loop.call_soon(_raise_graceful_exit)  # out of the loop: the cleanup follows
 
-        async def stopping(_app: web.Application) -> None:
-            await asyncio.to_thread(on_stop)
+            loop.create_task(stop())
 
-        app.on_shutdown.append(stopping)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop_then_exit)
     # run_app turns SIGINT and SIGTERM into a graceful exit that runs the cleanup.
     web.run_app(
         app,
@@ -212,7 +219,8 @@ def _run(proxy: ProxyConfig, host: str, port: int, advertise_address: bool, on_s
         print=None,
         shutdown_timeout=30.0,
         reuse_port=not advertise_address,
-        loop=_fast_loop(),
+        loop=loop,
+        handle_signals=on_stop is None,
     )
 
 
@@ -309,6 +317,12 @@ def _supervise(
 
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _raise_graceful_exit() -> None:
+    from aiohttp import web
+
+    raise web.GracefulExit  # a SystemExit: a loop callback's ends run_app, as its own do
 
 
 def _fast_loop():

@@ -95,12 +95,15 @@ def record_run(
     writer.close()
 
 
-def to_serving(data_dir: Path, groups: list[str], served_at: float) -> dict | None:
+def to_serving(
+    data_dir: Path, groups: list[str], served_at: float, run_began_us: int | None = None
+) -> dict | None:
     """Seconds from each trained group's data being in to `served_at`, when the adapter
     trained on it began serving: the loop's latency, data to policy. A group's data is in
     at its finish (its last rollout's `finish`, else its last turn) or at the last reward
-    the agent posted for it, whichever came later (a judged or scored group is scored by
-    the cycle itself). {"median", "max", "groups", "waits": each group's, to a tenth of a
+    the agent posted for it, whichever came later, counting only rewards posted before the
+    run began at `run_began_us` (its data; a judged or scored group is scored by the cycle
+    itself). {"median", "max", "groups", "waits": each group's, to a tenth of a
     second (the histogram of /metrics: storage/read/runs.py)}; None without groups."""
     from overnight.storage import open_db
 
@@ -113,10 +116,10 @@ def to_serving(data_dir: Path, groups: list[str], served_at: float) -> dict | No
             "AS done FROM rollouts WHERE group_id IN (SELECT unnest(?))), "
             "posted AS (SELECT rollout_id, max(created_at) AS posted_at FROM rewards "
             "WHERE source = 'agent' AND rollout_id IN (SELECT rollout_id FROM trained) "
-            "GROUP BY rollout_id) "
+            "AND epoch_us(created_at) <= ? GROUP BY rollout_id) "
             "SELECT epoch_us(max(greatest(done, coalesce(posted_at, done)))) "
             "FROM trained LEFT JOIN posted USING (rollout_id) GROUP BY group_id",
-            [groups],
+            [groups, run_began_us if run_began_us is not None else 2**62],
         ).fetchall()
     finally:
         con.close()
