@@ -42,6 +42,7 @@ import openai
 SYSTEM = "Reply with the final answer only."
 HELD_OUT_SEED = 1_000_003  # added to --seed in --held-out mode: other questions
 EXAMPLES_SEED = 2_000_003  # the worked examples' questions: the same for every --seed
+HELD_OUT_DRAWS = 1_000  # held-out sampling seeds: question * HELD_OUT_DRAWS + attempt
 
 
 def difficulty(values: list[str]) -> dict:
@@ -117,6 +118,7 @@ async def attempt(
     group: str,
     marked: dict[str, str],
     examples: list[dict],
+    seed: int | None = None,
 ) -> dict:
     rollout = f"{group}.{uuid.uuid4().hex[:8]}"
     reply = await client.chat.completions.create(
@@ -124,6 +126,7 @@ async def attempt(
         messages=task_messages(task["question"], examples),
         max_tokens=args.max_tokens,
         temperature=args.temperature,
+        seed=seed,
         extra_headers={"X-Rollout-Group": group, "X-Rollout-Id": rollout, **marked},
     )
     answer = (reply.choices[0].message.content or "").strip()
@@ -178,10 +181,14 @@ async def run(args: argparse.Namespace) -> dict:
         async def one(i: int, k: int) -> dict:
             # held out: each attempt a group of its own; else one group per question
             group = f"{prefix}-{args.task}-{args.run}-{i}" + (f"-{k}" if args.held_out else "")
+            # Held out: each question's k-th answer drawn with the same seed whatever
+            # model answers, so that two models' scores differ by what they learnt more
+            # than by their draws (common random numbers); the days' answers are unseeded.
+            seed = i * HELD_OUT_DRAWS + k if args.held_out else None
             async with limit:
                 result = await attempt(
                     client, rewards, args, dataset[i], dataset.score_answer, group, marked,
-                    examples,
+                    examples, seed,
                 )  # fmt: skip
             return {**result, "question": i}
 
