@@ -126,7 +126,7 @@ async def attempt(
         messages=task_messages(task["question"], examples),
         max_tokens=args.max_tokens,
         temperature=args.temperature,
-        seed=seed,
+        seed=openai.NOT_GIVEN if seed is None else seed,
         extra_headers={"X-Rollout-Group": group, "X-Rollout-Id": rollout, **marked},
     )
     answer = (reply.choices[0].message.content or "").strip()

@@ -140,6 +140,7 @@ async def test_reasoning_gym_groups_are_scored_by_the_datasets_own_score(
         i = int(t["group_id"].rsplit("-", 1)[1])
         given = json.loads(t["response"])["choices"][0]["message"]["content"]
         sent = json.loads(t["request"])["messages"]
+        assert "seed" not in json.loads(t["request"])  # a day's answers: unseeded, diverse
         assert sent[-1]["content"] == dataset[i]["question"]
         # Two worked examples (the default --shots) of another seed, answered, before it.
         assert [m["role"] for m in sent] == ["system", "user", "assistant", "user", "assistant",
@@ -173,12 +174,16 @@ async def test_reasoning_gym_held_out_is_marked_eval_and_posts_no_reward(
 
     data = tmp_path / "data"
     await wait_for_rows(data, 4, table="finishes")
-    turns = rows(data, "SELECT group_id, sent_by FROM completions ORDER BY group_id")
+    turns = rows(data, "SELECT group_id, sent_by, request FROM completions ORDER BY group_id")
     assert [t["group_id"] for t in turns] == [
         f"heldout-basic_arithmetic-h-{i}-{k}" for i in range(2) for k in range(2)
     ]
     assert {t["sent_by"] for t in turns} == {"eval"}
     assert rows(data, "SELECT * FROM rewards") == []
+    # Each question's k-th answer drawn with its own seed, the same for any model that
+    # answers (common random numbers between the held-out scores of two models).
+    seeds = [json.loads(t["request"]).get("seed") for t in turns]
+    assert seeds == [i * reasoning_gym_agent.HELD_OUT_DRAWS + k for i in range(2) for k in range(2)]
 
 
 async def test_the_agents_run_against_a_server_without_reward_routes(upstream, monkeypatch, capsys):
