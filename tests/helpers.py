@@ -49,6 +49,14 @@ async def await_until(
         await asyncio.sleep(0.02)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def rows(data_dir: Path, query: str, params: list | None = None) -> list[dict]:
     con = open_db(data_dir)
     try:

@@ -16,7 +16,6 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +33,7 @@ from overnight.night.triggers import Triggers, due, finished_since
 from overnight.storage.lease import Lease, LeaseHeld, LeaseLost
 from overnight.trainer.run.record import to_serving
 
-from .helpers import rows, wait_until
+from .helpers import pid_alive, rows, wait_until
 from .test_object_storage import BUCKET, s3  # noqa: F401  (the bucket's fixture)
 from .test_ops import CHAT, REWARD_FILE
 from .test_ops import _get as get
@@ -679,14 +678,6 @@ def test_overnight_learn_killed_in_each_phase_of_a_cycle_resumes_then_runs_one_e
     assert "cycle done: trained 2 group(s), promoted as policy-v2" in out
     waits = json.loads(runs[-1]["metrics"])["cycle"]["to_serving"]["waits"]
     assert len(waits) == 2 and max(waits) == round(delay["max"], 1)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, exited and not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def trained(data) -> list[dict]:

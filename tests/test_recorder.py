@@ -33,7 +33,7 @@ from overnight.proxy.capture.records import RecordFacts
 from overnight.storage.write.segments import log_files
 from overnight.testing.processes import spawn_fake_upstream, spawn_serve
 
-from .helpers import await_until, rows, wait_for_rows, wait_until, without_ids
+from .helpers import await_until, pid_alive, rows, wait_for_rows, wait_until, without_ids
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
@@ -325,16 +325,6 @@ def _recorder_pid(url: str) -> int:
         return json.loads(r.read())["recorder"]["pid"]
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie of the dead serving process's is gone too (its parent is init's now).
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ", 1)[1].startswith("Z")
-
-
 @contextlib.contextmanager
 def _serve_answering_six(tmp_path, prefix: str):
     """`overnight serve --recorder process`, six completions answered: (serve, recorder pid)."""
@@ -360,7 +350,7 @@ def test_serve_killed_with_sigkill_its_recorder_writes_what_it_had(tmp_path):
         time.sleep(0.05)  # the last batch handed over (every 5 ms)
         os.kill(serve.pid, signal.SIGKILL)
         serve.process.wait()
-        wait_until(lambda: _gone(child), 30, "the recorder finished and exited")
+        wait_until(lambda: not pid_alive(child), 30, "the recorder finished and exited")
     assert _rollouts(tmp_path) == [f"k{i}" for i in range(6)]
 
 
@@ -372,6 +362,6 @@ def test_ctrl_c_to_the_process_group_loses_no_record(tmp_path):
         os.kill(serve.pid, signal.SIGINT)
         os.kill(child, signal.SIGINT)
         assert serve.process.wait(timeout=60) == 0
-        assert _gone(child)
+        assert not pid_alive(child)
     assert log_files(tmp_path) == []  # sealed and compacted on the way out
     assert _rollouts(tmp_path) == [f"c{i}" for i in range(6)]

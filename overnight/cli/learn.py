@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from overnight.errors import ConfigError
 from overnight.storage.lease import LEASE_SECONDS
 
 from .policy_runs import night_of, night_options
@@ -96,13 +97,27 @@ def learn(ctx: click.Context, data_dir: Path, reward: str | None, **values: Any)
     if asked:
         _command(data_dir, asked[0], values["policy"])
         return
-    if values["dry_run"]:
-        raise click.UsageError(
-            "a dry run records no cycle, so its trigger would fire again at every look: "
-            "`overnight train --dry-run` says what a cycle would train"
-        )
+    check_learning(values)
     with naming_damaged_files(data_dir):
         _supervise(ctx, data_dir, reward, values)
+
+
+def check_learning(values: dict) -> None:
+    """What learn refuses once its options parse, said before it supervises anything; and
+    by `overnight serve --learn` (learner.py) before vLLM starts."""
+    from overnight.night.triggers import Triggers
+
+    if values["dry_run"]:
+        raise click.UsageError(
+            "--dry-run records no cycle, so its trigger would fire again at every look: "
+            "`overnight train --dry-run` says what a cycle would train"
+        )
+    if values["max_cycles"] is not None and values["max_cycles"] < 1:
+        raise click.UsageError("--max-cycles must be at least 1")
+    try:
+        Triggers(values["every_groups"], values["every_minutes"])
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _supervise(ctx: click.Context, data_dir: Path, reward: str | None, values: dict) -> None:
@@ -111,8 +126,6 @@ def _supervise(ctx: click.Context, data_dir: Path, reward: str | None, values: d
 
     triggers = Triggers(values.pop("every_groups"), values.pop("every_minutes"))
     poll, max_cycles = values.pop("poll"), values.pop("max_cycles")
-    if max_cycles is not None and max_cycles < 1:
-        raise click.BadParameter("at least 1", param_hint="--max-cycles")
     lease = values.pop("cycle_lease")
     night, policies = night_of(ctx, data_dir, reward, values, holder="overnight learn",
                                lease_seconds=lease)  # fmt: skip

@@ -59,7 +59,7 @@ def learn_arguments(options: str) -> list[str]:
     commands to a running learner, refused."""
     import click
 
-    from .learn import learn
+    from .learn import check_learning, learn
 
     try:
         args = shlex.split(options)
@@ -74,23 +74,11 @@ def learn_arguments(options: str) -> list[str]:
                           f"`overnight learn {asked[0]} --data DATA` beside this serve")  # fmt: skip
     try:
         ctx = learn.make_context("learn", [*args, "--data", ".", "--proxy", "http://127.0.0.1:1"])
+        check_learning(ctx.params)
     except click.exceptions.Exit:  # --help
         raise ConfigError("--learn: give `overnight learn`'s options, not --help") from None
     except click.ClickException as e:
         raise ConfigError(f"--learn: {e.format_message()}") from None
-    # What learn itself refuses once it runs (cli/learn.py), refused here before it does.
-    from overnight.night.triggers import Triggers
-
-    values = ctx.params
-    if values["dry_run"]:
-        raise ConfigError("--learn: --dry-run records no cycle (`overnight train --dry-run` "
-                          "says what a cycle would train)")  # fmt: skip
-    if values["max_cycles"] is not None and values["max_cycles"] < 1:
-        raise ConfigError("--learn: --max-cycles must be at least 1")
-    try:
-        Triggers(values["every_groups"], values["every_minutes"])
-    except ConfigError as e:
-        raise ConfigError(f"--learn: {e}") from None
     return args
 
 

@@ -111,15 +111,16 @@ def to_serving(
         return None
     con = open_db(data_dir)
     try:
+        before_run = "" if run_began_us is None else "AND epoch_us(created_at) <= ? "
         rows = con.execute(
             "WITH trained AS (SELECT group_id, rollout_id, coalesce(finished_at, ended_at) "
             "AS done FROM rollouts WHERE group_id IN (SELECT unnest(?))), "
             "posted AS (SELECT rollout_id, max(created_at) AS posted_at FROM rewards "
             "WHERE source = 'agent' AND rollout_id IN (SELECT rollout_id FROM trained) "
-            "AND epoch_us(created_at) <= ? GROUP BY rollout_id) "
+            f"{before_run}GROUP BY rollout_id) "
             "SELECT epoch_us(max(greatest(done, coalesce(posted_at, done)))) "
             "FROM trained LEFT JOIN posted USING (rollout_id) GROUP BY group_id",
-            [groups, run_began_us if run_began_us is not None else 2**62],
+            [groups] if run_began_us is None else [groups, run_began_us],
         ).fetchall()
     finally:
         con.close()
