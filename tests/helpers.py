@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TypeVar
 
@@ -47,6 +50,43 @@ async def await_until(
             return value
         assert time.monotonic() < deadline, f"{what}: not reached in {timeout:g} s"
         await asyncio.sleep(0.02)
+
+
+@contextlib.contextmanager
+def json_server(answer: Callable[[str, str, dict | None], tuple[int, dict]]) -> Iterator[str]:
+    """A threaded HTTP server on a free port, its URL yielded: each GET and POST answered
+    with `answer(method, path, json body or None)` -> (status, JSON). For code under test
+    that calls out from a plain thread (urllib, a subprocess), where an aiohttp test
+    server would need the test's event loop to run."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, method: str) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            status, reply = answer(method, self.path, body)
+            data = json.dumps(reply).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's names)
+            self._answer("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._answer("POST")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def pid_alive(pid: int) -> bool:

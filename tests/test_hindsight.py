@@ -26,7 +26,7 @@ from overnight.trainer.choose.hindsight import (
 )
 from overnight.trainer.choose.inputs import Selection
 
-from .helpers import chat_response, completion_row
+from .helpers import chat_response, completion_row, json_server
 
 SYSTEM = {"role": "system", "content": "Reply with the number only."}
 
@@ -229,10 +229,6 @@ def test_overnight_train_hindsight_plans_through_a_teacher_over_http(tmp_path, t
     """The option through the CLI and the night's plan step (trainer/train.py): a dry run
     asks the teacher at --resample-upstream over HTTP (a scripted vLLM here) and shows
     the hindsight plan; without a way to find vLLM it says what to give."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from click.testing import CliRunner
 
     from overnight.cli.main import main
@@ -240,32 +236,15 @@ def test_overnight_train_hindsight_plans_through_a_teacher_over_http(tmp_path, t
     day(tmp_path)
     asked = []
 
-    class VLLM(BaseHTTPRequestHandler):
-        def _answer(self, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def vllm(method: str, path: str, body: dict | None) -> tuple[int, dict]:
+        if method == "GET":
+            return 200, {"data": [{"id": "policy-a"}]}
+        asked.append(body)
+        sums = {"3 plus 4": "7", "6 plus 3": "9"}
+        text = next(a for q, a in sums.items() if q in body["messages"][-1]["content"])
+        return 200, {**chat_response(text), "usage": {"prompt_tokens": 5}}
 
-        def do_GET(self) -> None:
-            self._answer({"data": [{"id": "policy-a"}]})
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            asked.append(body)
-            sums = {"3 plus 4": "7", "6 plus 3": "9"}
-            text = next(a for q, a in sums.items() if q in body["messages"][-1]["content"])
-            self._answer({**chat_response(text), "usage": {"prompt_tokens": 5}})
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), VLLM)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_port}"
+    with json_server(vllm) as url:
         args = ["train", "--data", str(tmp_path), "--base-model", str(tiny_model_dir),
                 "--proxy", "", "--settle", "0", "--hindsight", "--sft-held-out", "0",
                 "--dry-run"]  # fmt: skip
@@ -275,8 +254,6 @@ def test_overnight_train_hindsight_plans_through_a_teacher_over_http(tmp_path, t
         assert "2 group(s), 2 sequence(s)" in done.output
         assert "sft (hindsight): imitating 2 of 2 rollout(s)" in done.output
         assert len(asked) == 2
-    finally:
-        server.shutdown()
     lost = CliRunner().invoke(main, args)
     assert (
         lost.exit_code != 0

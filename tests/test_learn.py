@@ -33,7 +33,7 @@ from overnight.night.triggers import Triggers, due, finished_since
 from overnight.storage.lease import Lease, LeaseHeld, LeaseLost
 from overnight.trainer.run.record import to_serving
 
-from .helpers import pid_alive, rows, wait_until
+from .helpers import json_server, pid_alive, rows, wait_until
 from .test_object_storage import BUCKET, s3  # noqa: F401  (the bucket's fixture)
 from .test_ops import CHAT, REWARD_FILE
 from .test_ops import _get as get
@@ -506,20 +506,8 @@ def test_serve_refuses_learn_options_that_could_not_work_before_anything_starts(
 @pytest.fixture
 def health_url():
     """A server whose /health answers 200: the proxy a learner waits for."""
-    import http.server
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with json_server(lambda _, path, __: (200 if path == "/health" else 404, {})) as url:
+        yield url
 
 
 def test_a_learner_killed_by_a_signal_not_serves_is_started_again_one_that_exits_is_not(

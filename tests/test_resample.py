@@ -38,6 +38,7 @@ from overnight.trainer.choose.turn_groups import add_turn_groups, trained_turn_s
 from .helpers import (
     chat_response,
     completion_row,
+    json_server,
     rows,
     served_turn_and_its_sibling,
     wait_for_rows,
@@ -617,9 +618,6 @@ def test_an_adapter_samples_in_its_base_models_context_and_an_unreached_vllm_is_
     """vLLM 0.32 lists `max_model_len` on the base model's card only; without it a chat
     turn sent with no limit would get 16-token siblings. A call that does not reach vLLM
     leaves no error row, so the turn is asked again."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
     from overnight.trainer.choose.resample import _sample, served_models
 
     cards = [
@@ -627,29 +625,12 @@ def test_an_adapter_samples_in_its_base_models_context_and_an_unreached_vllm_is_
         {"id": "policy-v2", "object": "model", "parent": "tiny"},  # as vLLM lists an adapter
     ]
 
-    class Models(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (the http.server name)
-            body = json.dumps({"object": "list", "data": cards}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Models)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        models = served_models(f"http://127.0.0.1:{server.server_port}", None)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with json_server(lambda *_: (200, {"object": "list", "data": cards})) as url:
+        models = served_models(url, None)
     assert models == {"tiny": 2048, "policy-v2": 2048}
     unset = served(model_served="policy-v2",
                    request={k: v for k, v in REQUEST.items() if k != "max_tokens"})  # fmt: skip
     body = completion_request(unset, 2, max_model_len=models["policy-v2"])
     assert body["max_tokens"] == 2048 - len(PROMPT)
-    down = f"http://127.0.0.1:{server.server_port}"  # shut down: refused
+    down = url  # shut down: refused
     assert _sample(down, None, unset, k=2, models=models, writer_id="w") is None

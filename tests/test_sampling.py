@@ -22,6 +22,8 @@ from overnight.trainer.grpo.sampling import (  # noqa: E402
     unreproduced,
 )
 
+from .helpers import json_server  # noqa: E402
+
 LOGITS = [2.0, 1.0, 0.0, -1.0]
 
 
@@ -182,37 +184,18 @@ def test_equals_vllms_own_top_k_top_p():
 def test_serve_upstream_checks_the_logprobs_mode(logprob, verdict, says):
     """`overnight serve --upstream` probes vLLM once: top_k 1 leaves one token, whose
     processed logprob is 0 exactly."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from overnight.proxy.launch.launcher import check_logprobs_mode
 
     asked = []
 
-    class Upstream(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self._send({"data": [{"id": "m"}]})
+    def upstream(method: str, path: str, body: dict | None) -> tuple[int, dict]:
+        if method == "GET":
+            return 200, {"data": [{"id": "m"}]}
+        asked.append(body)
+        return 200, {"choices": [{"logprobs": {"token_logprobs": [logprob]}}]}
 
-        def do_POST(self):
-            asked.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self._send({"choices": [{"logprobs": {"token_logprobs": [logprob]}}]})
-
-        def _send(self, body):
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        ok, line = check_logprobs_mode(f"http://127.0.0.1:{server.server_port}")
-    finally:
-        server.shutdown()
+    with json_server(upstream) as url:
+        ok, line = check_logprobs_mode(url)
     assert ok is verdict and says in line
     assert asked[0]["top_k"] == 1 and asked[0]["model"] == "m" and asked[0]["max_tokens"] == 1
     unreachable = check_logprobs_mode("http://127.0.0.1:9", timeout=1)
