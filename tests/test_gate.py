@@ -16,6 +16,7 @@ from overnight.config import TrainConfig
 from overnight.judge.scoring import pair_scorer
 from overnight.progress import Progress
 from overnight.storage import LogWriter, WriterConfig
+from overnight.trainer.gate.best import levels
 from overnight.trainer.gate.prompts import GatePrompt
 from overnight.trainer.gate.verdict import bootstrap_means, decide, paired_interval, run_gate
 from overnight.trainer.live.watch import check, watch
@@ -320,4 +321,11 @@ async def test_an_unchanged_adapter_passes_with_prompts_the_plan_gave_up(
     assert served["current"]["name"] == result.promoted_as
     (run,) = rows(data, "SELECT groups, metrics FROM training_runs")
     assert not set(given) & set(run["groups"]), "the held-out groups stay untrained"
-    assert json.loads(run["metrics"])["gate"]["forgetting"] == forgot
+    gate = json.loads(run["metrics"])["gate"]
+    assert gate["forgetting"] == forgot
+    # What it compared, as the proxy names them: the chain the best so far is placed on
+    # (gate/best.py). The served adapter was promoted by hand, so the chain starts there.
+    assert gate["served_adapter"] == str(lora_adapter) and gate["best"] is None
+    assert gate["candidate_adapter"] == str(result.adapter_path.resolve())
+    placed = levels(data, None, str(tiny_model_dir))
+    assert placed == {str(lora_adapter): 0.0, gate["candidate_adapter"]: verdict.diff_mean}

@@ -60,6 +60,7 @@ from .choose.resample import resample_turns
 from .choose.sft_plan import plan_sft
 from .choose.staleness import staleness_of, weigh_staleness
 from .choose.turn_groups import add_turn_groups, is_turn_group
+from .gate.best import Best, best_so_far, loadable_path
 from .gate.forgetting import judge as judge_forgetting
 from .gate.forgetting import load_references
 from .gate.forgetting import measure as measure_forgetting
@@ -377,8 +378,9 @@ class Night:
         served_path = local_adapter(self.data_dir, served)
         verdict = skipped(config, scorer) or run_gate(
             config, self.base_model, self.adapter_dir, served_path, prompts, scorer,
-            result.held_out, self.vision, say=say,
+            result.held_out, self.vision, say=say, best=self.best_so_far(served),
         )  # fmt: skip
+        verdict.candidate_adapter, verdict.served_adapter = self.shared, served
         if gaming_alone(config, scorer):  # no scorer: the answers' shapes still decide
             gaming = shapes_alone(config, self.base_model, self.adapter_dir, served_path,
                                   prompts, self.vision, say)  # fmt: skip
@@ -395,6 +397,19 @@ class Night:
             say(f"not promoted: the adapter stays in {self.adapter_dir}; the proxy keeps "
                 f"serving {served or 'the base model'}")  # fmt: skip
         return verdict
+
+    def best_so_far(self, served: str | None) -> Best | None:
+        """The adapter a not-worse candidate is also held to (gate/best.py), if one is
+        placed above the served one and --gate-best holds it."""
+        config = self.config
+        if not config.gate_best or config.gate != "not-worse":
+            return None
+        best = best_so_far(self.data_dir, config.policy, self.base_model, served,
+                           loadable_path(self.data_dir))  # fmt: skip
+        if best is not None:
+            self.say(f"gate: also holding the candidate to the best adapter so far, "
+                     f"{best.describe()}")  # fmt: skip
+        return best
 
     def served_now(self) -> dict:
         """The proxy's state again, after training: what the gate compares with and the

@@ -252,6 +252,16 @@ class TrainConfig:
             "--gate-margin-spread (the largest loss in mean reward it tolerates)."
         },
     )
+    # Forgiven losses add up over many nights; the best adapter so far bounds the slide
+    # (trainer/gate/best.py). Costs one more adapter's replies on the gate's prompts.
+    gate_best: bool = field(
+        default=True,
+        metadata={
+            "help": "With --gate not-worse, hold the candidate also to the policy's best "
+            "adapter so far (placed by the gate's chained verdicts), by the same test, so "
+            "losses each within the margin cannot add up night after night."
+        },
+    )
     # 32 pairs put the interval's half-width near 0.35 sd of the per-prompt difference.
     gate_prompts: int = field(
         default=32, metadata={"help": "Held-out prompts the gate samples both adapters on."}

@@ -35,6 +35,7 @@ from overnight.config import GATE_MODES, TrainConfig
 from overnight.progress import Progress, untold
 from overnight.storage.read.images import content_text, shows_images
 
+from .best import Best
 from .gaming import Gaming
 from .gaming import judge as judge_gaming
 from .gaming import measure as measure_gaming
@@ -144,6 +145,11 @@ class Verdict:
     examples: list[dict] = field(default_factory=list)
     forgetting: dict | None = None  # forgetting.py's figures, when measured
     gaming: dict | None = None  # gaming.py's shapes of the replies, when sampled
+    best: dict | None = None  # against the best adapter so far (best.py), when held to it
+    # What was compared, as the proxies name the adapters (None: the base model): the
+    # chain best.py places adapters along.
+    candidate_adapter: str | None = None
+    served_adapter: str | None = None
 
     def refuse(self, why: str) -> None:
         """Refused for `why` whatever the task gate decided (the reason keeps what it said):
@@ -175,14 +181,21 @@ def sample_both(
     vision=None,
     say=None,
     anchor: bool = False,
+    best: Best | None = None,
 ) -> dict[str, list[str | None]]:
     """Each prompt's reply from the candidate and from the served adapter (None: the base
     model), one base model in memory with both adapters on it; with `anchor`, the base
-    model's too (`base`) where an adapter is served: gaming's anchor across promotions."""
+    model's too (`base`) where an adapter is served: gaming's anchor across promotions;
+    with `best`, the best adapter so far's (`best`: best.py)."""
     adapters: dict[str, Path | str | None] = {"candidate": candidate, "served": served}
     if anchor and served is not None:
         adapters["base"] = None
-    return sample_each(base_model, adapters, prompts, config, vision, say)
+    if best is not None and not (best.path is None and "base" in adapters):
+        adapters["best"] = best.path
+    sides = sample_each(base_model, adapters, prompts, config, vision, say)
+    if best is not None and "best" not in sides:  # the base model, sampled once for both
+        sides["best"] = sides["base"]
+    return sides
 
 
 def sample_each(
@@ -374,9 +387,11 @@ def run_gate(
     held_out_from_plan: list[str] = (),  # type: ignore[assignment]
     vision=None,
     say=print,
+    best: Best | None = None,
 ) -> Verdict:
     """Sample, score and decide; the verdict says why in one line (`reason`). `say`: the
-    progress lines of sampling and scoring, now and then (overnight/progress.py)."""
+    progress lines of sampling and scoring, now and then (overnight/progress.py). `best`:
+    the best adapter so far, which a not-worse candidate must not be worse than either."""
     mode = config.gate
     assert mode in GATE_MODES and mode != "off"
     verdict = Verdict(mode, False, "", held_out_from_plan=list(held_out_from_plan))
@@ -387,8 +402,9 @@ def run_gate(
         )
         return verdict
     limits = config.gaming_limits  # the answers' shapes, gaming.py (None: not checked)
+    best = best if mode == "not-worse" else None  # `better` cannot slide: each step a gain
     sides = sample_both(base_model, candidate, served, prompts, config, vision, say,
-                        anchor=limits != (None, None))  # fmt: skip
+                        anchor=limits != (None, None), best=best)  # fmt: skip
     cand, served_replies = sides["candidate"], sides["served"]
     gaming = measure_gaming(sides, *limits)
     scoring = Progress(say, "gate: scored", len(prompts), "pairs of replies")
@@ -423,8 +439,43 @@ def run_gate(
     verdict.examples = [
         _example(prompts[i], cand[i], served_replies[i], pair) for i, pair in worst_first
     ]
+    if best is not None:
+        held_to_best(verdict, best, prompts, cand, sides["best"], scorer, config, say)
     judge_gaming(verdict, gaming)  # refused, whatever the reward, if it moved as gaming does
     return verdict
+
+
+def held_to_best(
+    verdict: Verdict, best: Best, prompts: list[GatePrompt], candidate: list, replies: list,
+    scorer: Scorer, config: TrainConfig, say=print,
+) -> None:  # fmt: skip
+    """The candidate against the best adapter so far on the same prompts, by the same
+    not-worse test (its margin from the best one's spread): refused if it fails (best.py).
+    Scored as its own pairs, so a judge ranks the two replies it compares, unlabelled."""
+    scoring = Progress(say, "gate, against the best so far: scored", len(prompts), "pairs")
+    scored = asyncio.run(
+        score_pairs(prompts, candidate, replies, scorer, config.seed + 1, scoring.advance)
+    )
+    scoring.finish()
+    kept = [pair for pair in scored if pair is not None]
+    if len(kept) < MIN_PROMPTS:
+        verdict.best = {"adapter": best.adapter, "above_served": best.above_served,
+                        "prompts": len(kept), "passes": None}  # fmt: skip
+        verdict.refuse(f"the scorer failed on {len(prompts) - len(kept)} of {len(prompts)} "
+                       f"prompts against the best adapter so far, {best.describe()}")  # fmt: skip
+        return
+    margin, basis = margin_for(config, [b for _, b in kept])
+    ok, numbers = decide([c - b for c, b in kept], "not-worse", margin, seed=config.seed)
+    verdict.best = {"adapter": best.adapter, "above_served": best.above_served,
+                    "prompts": len(kept), "best_mean": float(np.mean([b for _, b in kept])),
+                    "margin": margin, "margin_basis": basis, "passes": ok,
+                    **{k: numbers[k] for k in ("diff_mean", "low", "high")}}  # fmt: skip
+    said = (f"candidate - best so far = {numbers['diff_mean']:+.3g}, interval "
+            f"[{numbers['low']:+.3g}, {numbers['high']:+.3g}] against {best.describe()}")  # fmt: skip
+    if ok:
+        verdict.reason += f"; not worse than the best so far: {said}"
+    else:
+        verdict.refuse(f"worse than the best adapter so far: {said}, margin {margin:.3g}")
 
 
 def _why(numbers: dict, mode: str, verdict: Verdict) -> str:

@@ -1,0 +1,132 @@
+"""The best adapter so far (trainer/gate/best.py): placed from the gate's records on disk,
+and held against a candidate by run_gate on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from overnight.config import TrainConfig
+from overnight.storage import LogWriter, WriterConfig
+from overnight.trainer.gate.best import Best, best_so_far, levels
+from overnight.trainer.gate.prompts import GatePrompt
+from overnight.trainer.gate.verdict import run_gate, sample_each
+
+BASE = "/models/base"
+
+
+def record_nights(data_dir, nights: list[dict]) -> None:
+    """One `training_runs` row a night, in order: its verdict's figures as the gate
+    records them (`gate`), its policy, base model and status."""
+    writer = LogWriter(WriterConfig(data_dir, commit_interval=0.0))
+    writer.start()
+    now = time.time_ns() // 1000
+    for i, night in enumerate(nights):
+        gate = {"promote": True, **night.get("gate", {})}
+        writer.append("training_runs", {
+            "run_id": f"run{i}", "schema_version": 1, "started_at": now + i, "ended_at": now + i,
+            "status": night.get("status", "trained"), "base_model": night.get("base", BASE),
+            "metrics": json.dumps({"gate": gate, "policy": night.get("policy")}),
+        })  # fmt: skip
+    writer.close()
+
+
+def night(candidate, served, diff, **extra) -> dict:
+    return {"gate": {"candidate_adapter": candidate, "served_adapter": served, "diff_mean": diff,
+                     **extra.pop("gate", {})}, **extra}  # fmt: skip
+
+
+def test_the_gates_verdicts_chain_into_levels_and_the_best_above_the_served_is_found(tmp_path):
+    record_nights(tmp_path, [
+        night("v1", None, 0.25),  # from the base model
+        night("v2", "v1", -0.0625),  # forgiven
+        night("v3", "v2", -0.0625),  # forgiven again: the slide
+        night("x", "v3", 0.5, gate={"promote": False}),  # refused: not placed
+        night("y", "v3", 0.5, status="failed"),  # failed: not placed
+        night("other", None, 0.9, policy="support"),  # another policy's
+        night("elsewhere", None, 0.9, base="/models/other"),  # another base model's
+        {"gate": {"promote": True, "diff_mean": 0.9}},  # before verdicts named their sides
+    ])  # fmt: skip
+    placed = levels(tmp_path, None, BASE)
+    assert placed == {None: 0.0, "v1": 0.25, "v2": 0.1875, "v3": 0.125}
+    have = {"v1", "v2", "v3"}.__contains__
+    best = best_so_far(tmp_path, None, BASE, "v3", lambda a: f"/adapters/{a}" if have(a) else None)
+    assert best == Best("v1", "/adapters/v1", 0.125)
+    assert best.describe() == "v1 (+0.125 over the served)"
+    # v1's files pruned: the next best above the served one.
+    assert best_so_far(tmp_path, None, BASE, "v3", lambda a: None if a == "v1" else a) == Best(
+        "v2", "v2", 0.0625
+    )
+    # The best one served: nothing to hold to; nor for a served adapter no verdict placed.
+    assert best_so_far(tmp_path, None, BASE, "v1", lambda a: a) is None
+    assert best_so_far(tmp_path, None, BASE, "by-hand", lambda a: a) is None
+    assert levels(tmp_path, "support", BASE) == {None: 0.0, "other": 0.9}
+
+
+def test_an_adapter_below_the_base_model_is_held_to_the_base_and_a_new_chain_forgets(tmp_path):
+    record_nights(tmp_path, [night("v1", None, -0.1), night("v2", "v1", -0.1)])
+    best = best_so_far(tmp_path, None, BASE, "v2", lambda a: a)
+    assert best == Best(None, None, pytest.approx(0.2)) and "the base model" in best.describe()
+    # An adapter promoted by hand (not placed) served, then a night from it: a new chain,
+    # the base model and v1, v2 no longer comparable with it.
+    record_nights(tmp_path, [night("v3", "by-hand", 0.05)])
+    assert levels(tmp_path, None, BASE) == {"by-hand": 0.0, "v3": 0.05}
+    assert best_so_far(tmp_path, None, BASE, "v3", lambda a: a) is None
+    assert best_so_far(tmp_path, None, BASE, None, lambda a: a) is None  # the base: unplaced now
+
+
+def test_a_candidate_worse_than_the_best_so_far_is_refused_though_not_worse_than_served(
+    tiny_model_dir, lora_adapter
+):
+    """run_gate on the tiny model: served and candidate are the same adapter (no loss
+    against the served one); the best so far is the base model, and the scorer rewards
+    exactly its replies, so the candidate is measurably worse than it. The same adapter
+    as the best passes; a `better` gate is not held to it."""
+    pytest.importorskip("peft")
+    prompts = [GatePrompt(f"g{i}", [{"role": "user", "content": f"Question {i}?"}], [], 0.0,
+                          1.0, 4) for i in range(10)]  # fmt: skip
+    off = {"gaming_limit": "off", "gaming_length_limit": "off"}  # no base model sampled for it
+    config = TrainConfig(gate="not-worse", **off)
+    base = sample_each(str(tiny_model_dir), {"base": None}, prompts, config)["base"]
+    by_prompt = {p.messages[-1]["content"]: reply for p, reply in zip(prompts, base, strict=True)}
+    asked = []
+
+    async def scorer(messages, tools, replies):
+        asked.append(len(replies))
+        wanted = by_prompt[messages[-1]["content"]]
+        return [1.0 if r["content"] == wanted else 0.0 for r in replies]
+
+    lines: list[str] = []
+    base_best = Best(None, None, 0.3)
+    verdict = run_gate(config, str(tiny_model_dir), lora_adapter, str(lora_adapter), prompts,
+                       scorer, say=lines.append, best=base_best)  # fmt: skip
+    assert verdict.diff_mean == 0.0 and not verdict.promote, verdict.reason
+    held = verdict.best
+    assert held["adapter"] is None and held["prompts"] == 10 and held["passes"] is False
+    assert held["diff_mean"] == -1.0 and held["high"] < 0, held  # the base's replies win
+    assert verdict.reason.startswith("worse than the best adapter so far: candidate - best so "
+                                     "far = -1, interval [-1, -1] against the base model")  # fmt: skip
+    assert "the task gate passed: candidate - served = +0" in verdict.reason
+    assert len(asked) == 20, "ten pairs against the served, ten against the best"
+    sampled = [line for line in lines if line.startswith("gate: sampled")]
+    assert sampled[-1].startswith("gate: sampled 30 replies"), "three sides sampled"
+    assert lines[-1].startswith("gate, against the best so far: scored 10 pairs in "), lines
+
+    same = Best(str(lora_adapter), str(lora_adapter), 0.1)
+    passed = run_gate(config, str(tiny_model_dir), lora_adapter, str(lora_adapter), prompts,
+                      scorer, say=lines.append, best=same)  # fmt: skip
+    assert passed.promote and passed.best["passes"] and passed.best["diff_mean"] == 0.0
+    assert "; not worse than the best so far: candidate - best so far = +0" in passed.reason
+    better = run_gate(TrainConfig(gate="better", **off), str(tiny_model_dir),
+                      lora_adapter, str(lora_adapter), prompts, scorer, say=lines.append,
+                      best=base_best)  # fmt: skip
+    assert better.best is None and not better.promote  # refused as no gain, not for the best
+    # With the gaming check on, the base model is sampled for it already: used for both.
+    lines.clear()
+    gamed = run_gate(TrainConfig(gate="not-worse"), str(tiny_model_dir), lora_adapter,
+                     str(lora_adapter), prompts, scorer, say=lines.append, best=base_best)  # fmt: skip
+    assert gamed.best["diff_mean"] == -1.0 and not gamed.promote
+    sampled = [line for line in lines if line.startswith("gate: sampled")]
+    assert sampled[-1].startswith("gate: sampled 30 replies"), sampled

@@ -1,0 +1,106 @@
+"""The best adapter so far: what a `not-worse` candidate is held to besides the served one.
+
+A not-worse gate forgives a loss up to its margin, against the adapter served now. Night
+after night the forgiven losses add up: each small night a little worse than the one
+before, each within the margin, a policy slides back to where it began (non-inferiority
+trials call it bio-creep; measured here on reasoning-gym's number_format, four small
+nights: held-out 0.125 -> 0.375 after the first, then back to 0.188 through three nights
+promoted at -0.06, -0.06 and 0; BENCHMARKS.md). So the gate also samples the best adapter
+of the policy so far on the same prompts, and refuses a candidate measurably worse than
+it, or worse by more than the margin, as it does against the served one.
+
+Which adapter is best comes from the gate's own records. Each verdict keeps what it
+compared (`candidate_adapter`, `served_adapter`) and the mean difference on its prompts
+(`diff_mean`); chained in the order the nights ran, the passed ones place each promoted
+adapter at a level over the base model (the base: 0). The best is the highest level above
+the served adapter's. A served adapter the records do not place (promoted by hand, by a
+night with the gate off, or before these records) starts a new chain: what was measured
+before it is against something this chain cannot place, and is dropped. An adapter whose
+files are gone (pruned: --keep-adapters) is passed over for the next best.
+
+The levels are noisy sums (each step +-0.1 on 16-32 prompts); they only choose which
+adapter to sample. The test itself is the paired comparison on tonight's prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from overnight.storage import open_db
+
+_ABOVE = 1e-9  # a level the served one's by more than rounding
+
+
+@dataclass(frozen=True)
+class Best:
+    adapter: str | None  # as the proxies name it (None: the base model)
+    path: str | None  # where this machine loads it from (None: the base model)
+    above_served: float  # its level over the served adapter's, by the chained verdicts
+
+    def describe(self) -> str:
+        return f"{self.adapter or 'the base model'} ({self.above_served:+.3g} over the served)"
+
+
+def levels(data_dir: Path, policy: str | None, base_model: str) -> dict[str | None, float]:
+    """Each adapter the policy's passed verdicts place, at its level over the base model
+    (None: the base model, 0) along the newest chain (the module's docstring)."""
+    con = open_db(data_dir)
+    try:
+        rows = con.execute(
+            "SELECT metrics FROM training_runs WHERE status = 'trained' AND base_model = ? "
+            "AND json_extract(metrics, '$.gate.diff_mean') IS NOT NULL ORDER BY started_at",
+            [base_model],
+        ).fetchall()
+    finally:
+        con.close()
+    placed: dict[str | None, float] = {None: 0.0}
+    for (text,) in rows:
+        metrics = json.loads(text)
+        gate = metrics["gate"]
+        if metrics.get("policy") != policy or not gate.get("promote"):
+            continue
+        if "candidate_adapter" not in gate:
+            continue  # recorded before verdicts named what they compared
+        candidate, served = gate["candidate_adapter"], gate["served_adapter"]
+        if served not in placed:
+            placed = {served: 0.0}  # a new chain (the module's docstring)
+        placed[candidate] = placed[served] + float(gate["diff_mean"])
+    return placed
+
+
+def best_so_far(
+    data_dir: Path, policy: str | None, base_model: str, served: str | None, loadable
+) -> Best | None:
+    """The adapter placed highest above the served one whose files `loadable(adapter)`
+    finds (its local path, or None where it cannot be had); None when the served one is
+    the best placed, or is not placed at all."""
+    placed = levels(data_dir, policy, base_model)
+    if served not in placed:
+        return None
+    floor = placed[served] + _ABOVE
+    for adapter, level in sorted(placed.items(), key=lambda item: -item[1]):
+        if level <= floor:
+            return None
+        if adapter is None:
+            return Best(None, None, level - placed[served])
+        path = loadable(adapter)
+        if path is not None:
+            return Best(adapter, path, level - placed[served])
+    return None
+
+
+def loadable_path(data_dir: Path):
+    """`best_so_far`'s `loadable` for this machine: a local adapter whose directory is
+    still there, or a bucket upload fetched (None where either is gone)."""
+    from overnight.trainer.serving.proxy_client import local_adapter
+
+    def find(adapter: str) -> str | None:
+        try:
+            path = local_adapter(data_dir, adapter)
+        except OSError:  # an upload pruned from the bucket, or unreadable: the next best
+            return None
+        return path if path is not None and Path(path).is_dir() else None
+
+    return find
