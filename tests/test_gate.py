@@ -327,5 +327,5 @@ async def test_an_unchanged_adapter_passes_with_prompts_the_plan_gave_up(
     # (gate/best.py). The served adapter was promoted by hand, so the chain starts there.
     assert gate["served_adapter"] == str(lora_adapter) and gate["best"] is None
     assert gate["candidate_adapter"] == str(result.adapter_path.resolve())
-    placed = levels(data, None, str(tiny_model_dir))
+    placed = levels(data, lambda metrics: metrics.get("policy") is None, str(tiny_model_dir))
     assert placed == {str(lora_adapter): 0.0, gate["candidate_adapter"]: verdict.diff_mean}

@@ -10,7 +10,7 @@ import pytest
 
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.gate.best import Best, best_so_far, levels
+from overnight.trainer.gate.best import Best, best_so_far, levels, loadable_path, standing
 from overnight.trainer.gate.prompts import GatePrompt
 from overnight.trainer.gate.verdict import run_gate, sample_each
 
@@ -38,6 +38,10 @@ def night(candidate, served, diff, **extra) -> dict:
                      **extra.pop("gate", {})}, **extra}  # fmt: skip
 
 
+def default_policy(metrics: dict) -> bool:
+    return metrics.get("policy") is None
+
+
 def test_the_gates_verdicts_chain_into_levels_and_the_best_above_the_served_is_found(tmp_path):
     record_nights(tmp_path, [
         night("v1", None, 0.25),  # from the base model
@@ -45,36 +49,60 @@ def test_the_gates_verdicts_chain_into_levels_and_the_best_above_the_served_is_f
         night("v3", "v2", -0.0625),  # forgiven again: the slide
         night("x", "v3", 0.5, gate={"promote": False}),  # refused: not placed
         night("y", "v3", 0.5, status="failed"),  # failed: not placed
+        night("z", "v3", float("nan")),  # no number: not placed
         night("other", None, 0.9, policy="support"),  # another policy's
         night("elsewhere", None, 0.9, base="/models/other"),  # another base model's
         {"gate": {"promote": True, "diff_mean": 0.9}},  # before verdicts named their sides
     ])  # fmt: skip
-    placed = levels(tmp_path, None, BASE)
+    placed = levels(tmp_path, default_policy, BASE)
     assert placed == {None: 0.0, "v1": 0.25, "v2": 0.1875, "v3": 0.125}
-    have = {"v1", "v2", "v3"}.__contains__
-    best = best_so_far(tmp_path, None, BASE, "v3", lambda a: f"/adapters/{a}" if have(a) else None)
+    on_stack = {"v1", "v2", "v3"}
+    best = best_so_far(placed, "v3", on_stack, lambda a: f"/adapters/{a}")
     assert best == Best("v1", "/adapters/v1", 0.125)
     assert best.describe() == "v1 (+0.125 over the served)"
-    # v1's files pruned: the next best above the served one.
-    assert best_so_far(tmp_path, None, BASE, "v3", lambda a: None if a == "v1" else a) == Best(
+    # v1's files pruned, or v1 rolled back (off the stack): the next best above the served.
+    assert best_so_far(placed, "v3", on_stack, lambda a: None if a == "v1" else a) == Best(
         "v2", "v2", 0.0625
     )
+    assert best_so_far(placed, "v3", {"v2", "v3"}, lambda a: a) == Best("v2", "v2", 0.0625)
     # The best one served: nothing to hold to; nor for a served adapter no verdict placed.
-    assert best_so_far(tmp_path, None, BASE, "v1", lambda a: a) is None
-    assert best_so_far(tmp_path, None, BASE, "by-hand", lambda a: a) is None
-    assert levels(tmp_path, "support", BASE) == {None: 0.0, "other": 0.9}
+    assert best_so_far(placed, "v1", on_stack, lambda a: a) is None
+    assert best_so_far(placed, "by-hand", on_stack, lambda a: a) is None
+    assert levels(tmp_path, lambda m: m.get("policy") == "support", BASE) == {
+        None: 0.0, "other": 0.9
+    }  # fmt: skip
 
 
 def test_an_adapter_below_the_base_model_is_held_to_the_base_and_a_new_chain_forgets(tmp_path):
     record_nights(tmp_path, [night("v1", None, -0.1), night("v2", "v1", -0.1)])
-    best = best_so_far(tmp_path, None, BASE, "v2", lambda a: a)
+    best = best_so_far(levels(tmp_path, default_policy, BASE), "v2", set(), lambda a: a)
     assert best == Best(None, None, pytest.approx(0.2)) and "the base model" in best.describe()
     # An adapter promoted by hand (not placed) served, then a night from it: a new chain,
     # the base model and v1, v2 no longer comparable with it.
     record_nights(tmp_path, [night("v3", "by-hand", 0.05)])
-    assert levels(tmp_path, None, BASE) == {"by-hand": 0.0, "v3": 0.05}
-    assert best_so_far(tmp_path, None, BASE, "v3", lambda a: a) is None
-    assert best_so_far(tmp_path, None, BASE, None, lambda a: a) is None  # the base: unplaced now
+    placed = levels(tmp_path, default_policy, BASE)
+    assert placed == {"by-hand": 0.0, "v3": 0.05}
+    assert best_so_far(placed, "v3", {"by-hand", "v3"}, lambda a: a) is None
+    assert best_so_far(placed, None, {"by-hand", "v3"}, lambda a: a) is None  # base: unplaced
+
+
+def test_the_stack_and_the_files_say_which_adapters_can_be_the_best(tmp_path):
+    """Only adapters on the alias's promotion stack (served, not rolled back), and only
+    those whose directory still holds its config, can be sampled as the best."""
+    state = {
+        "adapters": [{"name": "policy-v1", "path": "/a/v1"},
+                     {"name": "policy-v2", "path": "/a/v2", "source": "s3://b/adapters/k2"},
+                     {"name": "policy-v3", "path": "/a/v3"}],  # v3: rolled back, or a canary
+        "stack": ["policy-v1", "policy-v2", "gone-from-history"],
+    }  # fmt: skip
+    assert standing(state) == {"/a/v1", "/a/v2", "s3://b/adapters/k2"}
+    assert standing({}) == set()
+    whole, emptied = tmp_path / "whole", tmp_path / "emptied"
+    whole.mkdir(), emptied.mkdir()
+    (whole / "adapter_config.json").write_text("{}")
+    find = loadable_path(tmp_path)
+    assert find(str(whole)) == str(whole)
+    assert find(str(emptied)) is None and find(str(tmp_path / "missing")) is None
 
 
 def test_a_candidate_worse_than_the_best_so_far_is_refused_though_not_worse_than_served(
@@ -123,6 +151,8 @@ def test_a_candidate_worse_than_the_best_so_far_is_refused_though_not_worse_than
                       lora_adapter, str(lora_adapter), prompts, scorer, say=lines.append,
                       best=base_best)  # fmt: skip
     assert better.best is None and not better.promote  # refused as no gain, not for the best
+    sampled = [line for line in lines if line.startswith("gate: sampled")]
+    assert sampled[-1].startswith("gate: sampled 20 replies"), "two sides: no best sampled"
     # With the gaming check on, the base model is sampled for it already: used for both.
     lines.clear()
     gamed = run_gate(TrainConfig(gate="not-worse"), str(tiny_model_dir), lora_adapter,

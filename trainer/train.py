@@ -45,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import duckdb
+
 from overnight.config import LOGPROB_GAP_WARNING, SETTLE_SECONDS, TrainConfig
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.telemetry import traced
@@ -60,7 +62,7 @@ from .choose.resample import resample_turns
 from .choose.sft_plan import plan_sft
 from .choose.staleness import staleness_of, weigh_staleness
 from .choose.turn_groups import add_turn_groups, is_turn_group
-from .gate.best import Best, best_so_far, loadable_path
+from .gate.best import Best, best_so_far, levels, loadable_path, standing
 from .gate.forgetting import judge as judge_forgetting
 from .gate.forgetting import load_references
 from .gate.forgetting import measure as measure_forgetting
@@ -68,7 +70,15 @@ from .gate.forgetting import resolve as resolve_references
 from .gate.gaming import judge as judge_gaming
 from .gate.gaming import live as live_answers
 from .gate.prompts import held_out_prompts
-from .gate.verdict import Scorer, Verdict, gaming_alone, run_gate, shapes_alone, skipped
+from .gate.verdict import (
+    MIN_PROMPTS,
+    Scorer,
+    Verdict,
+    gaming_alone,
+    run_gate,
+    shapes_alone,
+    skipped,
+)
 from .grpo.parallel import Parallel
 from .grpo.sampling import server_defaults
 from .grpo.step import fresh_adapter, micro_batch_loss
@@ -378,7 +388,7 @@ class Night:
         served_path = local_adapter(self.data_dir, served)
         verdict = skipped(config, scorer) or run_gate(
             config, self.base_model, self.adapter_dir, served_path, prompts, scorer,
-            result.held_out, self.vision, say=say, best=self.best_so_far(served),
+            result.held_out, self.vision, say=say, best=self.best_so_far(served, prompts),
         )  # fmt: skip
         verdict.candidate_adapter, verdict.served_adapter = self.shared, served
         if gaming_alone(config, scorer):  # no scorer: the answers' shapes still decide
@@ -398,14 +408,22 @@ class Night:
                 f"serving {served or 'the base model'}")  # fmt: skip
         return verdict
 
-    def best_so_far(self, served: str | None) -> Best | None:
+    def best_so_far(self, served: str | None, prompts: list) -> Best | None:
         """The adapter a not-worse candidate is also held to (gate/best.py), if one is
-        placed above the served one and --gate-best holds it."""
+        placed above the served one and --gate-best holds it. A failure to find it is
+        said and costs the night nothing but the floor."""
         config = self.config
-        if not config.gate_best or config.gate != "not-worse":
+        if not config.gate_best or config.gate != "not-worse" or len(prompts) < MIN_PROMPTS:
             return None
-        best = best_so_far(self.data_dir, config.policy, self.base_model, served,
-                           loadable_path(self.data_dir))  # fmt: skip
+        owns = self.scope.owns if self.scope else (lambda m: m.get("policy") is None)
+        try:
+            placed = levels(self.data_dir, owns, self.base_model)
+            best = best_so_far(placed, served, standing(self.state),
+                               loadable_path(self.data_dir))  # fmt: skip
+        except (duckdb.Error, OSError, ValueError, TypeError) as e:  # unreadable records
+            self.say(f"warning: gate: the best adapter so far not found ({e}); "
+                     "holding the candidate to the served one only")  # fmt: skip
+            return None
         if best is not None:
             self.say(f"gate: also holding the candidate to the best adapter so far, "
                      f"{best.describe()}")  # fmt: skip

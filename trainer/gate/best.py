@@ -13,10 +13,15 @@ Which adapter is best comes from the gate's own records. Each verdict keeps what
 compared (`candidate_adapter`, `served_adapter`) and the mean difference on its prompts
 (`diff_mean`); chained in the order the nights ran, the passed ones place each promoted
 adapter at a level over the base model (the base: 0). The best is the highest level above
-the served adapter's. A served adapter the records do not place (promoted by hand, by a
-night with the gate off, or before these records) starts a new chain: what was measured
-before it is against something this chain cannot place, and is dropped. An adapter whose
-files are gone (pruned: --keep-adapters) is passed over for the next best.
+the served adapter's among the adapters the alias still stands on: its promotion stack
+(served, and not rolled back by the watch or by hand; a canary that was dropped never
+joined it), and the base model. A served adapter the records do not place (promoted by
+hand, by a night with the gate off, by a resumed run whose promotion came before its
+interruption, or before these records) starts a new chain: what was measured before it
+is against something this chain cannot place, and is dropped. An adapter whose files are
+gone is passed over for the next best: --keep-adapters (5) prunes the stack below its
+newest promotions, so after that many promotions past the best the floor moves down to
+the best still kept (a gap: retention does not know the best).
 
 The levels are noisy sums (each step +-0.1 on 16-32 prompts); they only choose which
 adapter to sample. The test itself is the paired comparison on tonight's prompts.
@@ -25,6 +30,8 @@ adapter to sample. The test itself is the paired comparison on tonight's prompts
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,14 +50,18 @@ class Best:
         return f"{self.adapter or 'the base model'} ({self.above_served:+.3g} over the served)"
 
 
-def levels(data_dir: Path, policy: str | None, base_model: str) -> dict[str | None, float]:
-    """Each adapter the policy's passed verdicts place, at its level over the base model
-    (None: the base model, 0) along the newest chain (the module's docstring)."""
+def levels(
+    data_dir: Path, owns: Callable[[dict], bool], base_model: str
+) -> dict[str | None, float]:
+    """Each adapter the passed verdicts of the policy's nights (`owns(metrics)`) place, at
+    its level over the base model (None: the base model, 0), along the newest chain (the
+    module's docstring). A row whose metrics cannot be read places nothing."""
     con = open_db(data_dir)
     try:
         rows = con.execute(
             "SELECT metrics FROM training_runs WHERE status = 'trained' AND base_model = ? "
-            "AND json_extract(metrics, '$.gate.diff_mean') IS NOT NULL ORDER BY started_at",
+            "AND json_valid(metrics) AND json_extract(metrics, '$.gate.diff_mean') IS NOT NULL "
+            "ORDER BY started_at",
             [base_model],
         ).fetchall()
     finally:
@@ -58,42 +69,57 @@ def levels(data_dir: Path, policy: str | None, base_model: str) -> dict[str | No
     placed: dict[str | None, float] = {None: 0.0}
     for (text,) in rows:
         metrics = json.loads(text)
-        gate = metrics["gate"]
-        if metrics.get("policy") != policy or not gate.get("promote"):
+        gate = metrics.get("gate")
+        if not isinstance(gate, dict) or not owns(metrics) or gate.get("promote") is not True:
             continue
-        if "candidate_adapter" not in gate:
+        if "candidate_adapter" not in gate or "served_adapter" not in gate:
             continue  # recorded before verdicts named what they compared
-        candidate, served = gate["candidate_adapter"], gate["served_adapter"]
+        candidate, served, diff = (
+            gate["candidate_adapter"],
+            gate["served_adapter"],
+            gate["diff_mean"],
+        )
+        if not isinstance(diff, int | float) or not math.isfinite(diff):
+            continue
         if served not in placed:
             placed = {served: 0.0}  # a new chain (the module's docstring)
-        placed[candidate] = placed[served] + float(gate["diff_mean"])
+        placed[candidate] = placed[served] + float(diff)
     return placed
 
 
 def best_so_far(
-    data_dir: Path, policy: str | None, base_model: str, served: str | None, loadable
+    placed: dict[str | None, float], served: str | None, standing: set[str], loadable
 ) -> Best | None:
-    """The adapter placed highest above the served one whose files `loadable(adapter)`
-    finds (its local path, or None where it cannot be had); None when the served one is
-    the best placed, or is not placed at all."""
-    placed = levels(data_dir, policy, base_model)
+    """The adapter `placed` highest above the served one, among the base model and the
+    adapters the alias stands on (`standing`: its promotion stack's paths and uploads),
+    whose files `loadable(adapter)` finds (its local path, or None where it cannot be
+    had); None when the served one is the best placed, or is not placed at all."""
     if served not in placed:
         return None
     floor = placed[served] + _ABOVE
-    for adapter, level in sorted(placed.items(), key=lambda item: -item[1]):
+    ranked = sorted(placed.items(), key=lambda item: -item[1])
+    for adapter, level in ranked:
         if level <= floor:
             return None
         if adapter is None:
             return Best(None, None, level - placed[served])
-        path = loadable(adapter)
+        path = loadable(adapter) if adapter in standing else None
         if path is not None:
             return Best(adapter, path, level - placed[served])
     return None
 
 
+def standing(state: dict) -> set[str]:
+    """The paths and uploads of the adapters on the alias's promotion stack, as the
+    proxy's `/admin/adapters` answer (`state`) lists them."""
+    by_name = {a["name"]: a for a in state.get("adapters") or []}
+    stack = [by_name[name] for name in state.get("stack") or [] if name in by_name]
+    return {str(a[key]) for a in stack for key in ("path", "source") if a.get(key)}
+
+
 def loadable_path(data_dir: Path):
-    """`best_so_far`'s `loadable` for this machine: a local adapter whose directory is
-    still there, or a bucket upload fetched (None where either is gone)."""
+    """`best_so_far`'s `loadable` for this machine: a local adapter whose directory still
+    holds its config, or a bucket upload fetched (None where either is gone)."""
     from overnight.trainer.serving.proxy_client import local_adapter
 
     def find(adapter: str) -> str | None:
@@ -101,6 +127,7 @@ def loadable_path(data_dir: Path):
             path = local_adapter(data_dir, adapter)
         except OSError:  # an upload pruned from the bucket, or unreadable: the next best
             return None
-        return path if path is not None and Path(path).is_dir() else None
+        whole = path is not None and (Path(path) / "adapter_config.json").is_file()
+        return path if whole else None
 
     return find

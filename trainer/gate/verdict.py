@@ -439,7 +439,7 @@ def run_gate(
     verdict.examples = [
         _example(prompts[i], cand[i], served_replies[i], pair) for i, pair in worst_first
     ]
-    if best is not None:
+    if best is not None and verdict.promote:  # a refused one needs no second opinion
         held_to_best(verdict, best, prompts, cand, sides["best"], scorer, config, say)
     judge_gaming(verdict, gaming)  # refused, whatever the reward, if it moved as gaming does
     return verdict
