@@ -205,3 +205,35 @@ async def test_each_policy_keeps_its_newest_nights_adapter(
     assert sorted(dry["deleted"]) == [str(n) for n in nights if n != nights[1]]
     assert f"{nights[1]}: the newest night's of policy research" in dry["kept"]
     assert f"{unnamed}: the newest night's of policy policy" in dry["kept"]
+
+
+async def test_the_gates_best_so_far_is_kept_however_many_promotions_came_after(
+    aiohttp_server, aiohttp_client, tmp_path
+):
+    """The not-worse gate holds each candidate to the policy's best adapter so far
+    (storage/read/best_adapter.py): retention keeps it beyond --keep-adapters, so the
+    floor never moves down because the best was pruned."""
+    from .test_gate_best import night, record_nights
+
+    fake = await aiohttp_server(create_fake_upstream())
+    data = tmp_path / "data"
+    config = ProxyConfig(upstream=str(fake.make_url("")), data_dir=data, commit_interval=0.0,
+                         drain_timeout=30.0, state_poll_interval=0.05)  # fmt: skip
+    proxy = await aiohttp_client(create_app(config))
+    # Where each night writes its adapter (made just before it is promoted, as a night).
+    paths = [data / "adapters" / f"20261200-{n:02d}0000-run{n:02d}" for n in range(10)]
+    names = [str(p.resolve()) for p in paths]
+    # The gate's records: the second night's adapter the best (+0.3 over the base model),
+    # each night after it forgiven a small loss.
+    record_nights(data, [night(names[0], None, 0.1), night(names[1], names[0], 0.2)]
+                  + [night(names[n], names[n - 1], -0.01) for n in range(2, 10)])  # fmt: skip
+    for n, path in enumerate(paths):
+        assert night_adapter(data, n) == path
+        r = await proxy.post("/admin/adapters/promote", json={"path": str(path)})
+        assert r.status == 200, await r.text()
+        await drained(proxy)
+        await prune(proxy)
+    left = sorted(p.name for p in (data / "adapters").iterdir())
+    assert left == sorted([paths[1].name] + [p.name for p in paths[-4:]])
+    dry = await prune(proxy, dry_run=True)
+    assert f"{names[1]}: the gate's best so far of policy policy" in dry["kept"], dry["kept"]

@@ -16,7 +16,7 @@ from overnight.config import TrainConfig
 from overnight.judge.scoring import pair_scorer
 from overnight.progress import Progress
 from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.gate.best import levels
+from overnight.storage.read.best_adapter import levels
 from overnight.trainer.gate.prompts import GatePrompt
 from overnight.trainer.gate.verdict import bootstrap_means, decide, paired_interval, run_gate
 from overnight.trainer.live.watch import check, watch
@@ -324,7 +324,8 @@ async def test_an_unchanged_adapter_passes_with_prompts_the_plan_gave_up(
     gate = json.loads(run["metrics"])["gate"]
     assert gate["forgetting"] == forgot
     # What it compared, as the proxy names them: the chain the best so far is placed on
-    # (gate/best.py). The served adapter was promoted by hand, so the chain starts there.
+    # (storage/read/best_adapter.py). The served adapter was promoted by hand, so the
+    # chain starts there.
     assert gate["served_adapter"] == str(lora_adapter) and gate["best"] is None
     assert gate["candidate_adapter"] == str(result.adapter_path.resolve())
     placed = levels(data, lambda metrics: metrics.get("policy") is None, str(tiny_model_dir))

@@ -1,4 +1,4 @@
-"""The best adapter so far (trainer/gate/best.py): placed from the gate's records on disk,
+"""The best adapter so far (trainer/gate/storage/read/best_adapter.py): placed from the gate's records on disk,
 and held against a candidate by run_gate on the tiny model."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from overnight.config import TrainConfig
 from overnight.storage import LogWriter, WriterConfig
-from overnight.trainer.gate.best import Best, best_so_far, levels, loadable_path, standing
+from overnight.storage.read.best_adapter import Best, best_so_far, levels, loadable_path, standing
 from overnight.trainer.gate.prompts import GatePrompt
 from overnight.trainer.gate.verdict import run_gate, sample_each
 

@@ -48,6 +48,7 @@ from pathlib import Path
 import duckdb
 
 from overnight.config import LOGPROB_GAP_WARNING, SETTLE_SECONDS, TrainConfig
+from overnight.storage.read.best_adapter import Best, best_so_far, levels, loadable_path, standing
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.telemetry import traced
 from overnight.view.report import write_report
@@ -62,7 +63,6 @@ from .choose.resample import resample_turns
 from .choose.sft_plan import plan_sft
 from .choose.staleness import staleness_of, weigh_staleness
 from .choose.turn_groups import add_turn_groups, is_turn_group
-from .gate.best import Best, best_so_far, levels, loadable_path, standing
 from .gate.forgetting import judge as judge_forgetting
 from .gate.forgetting import load_references
 from .gate.forgetting import measure as measure_forgetting
@@ -409,8 +409,8 @@ class Night:
         return verdict
 
     def best_so_far(self, served: str | None, prompts: list) -> Best | None:
-        """The adapter a not-worse candidate is also held to (gate/best.py), if one is
-        placed above the served one and --gate-best holds it. A failure to find it is
+        """The adapter a not-worse candidate is also held to (storage/read/best_adapter.py),
+        if one is placed above the served one and --gate-best holds it. A failure to find it is
         said and costs the night nothing but the floor."""
         config = self.config
         if not config.gate_best or config.gate != "not-worse" or len(prompts) < MIN_PROMPTS:

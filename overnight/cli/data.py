@@ -260,7 +260,8 @@ def runs(data_dir: Path, limit: int, policy: str | None) -> None:
     "--adapters",
     is_flag=True,
     help="Delete the adapters no longer needed too: all but the served one, a canary, the "
-    "previous --keep-adapters of the promotion stack, and any a replica has loaded.",
+    "previous --keep-adapters of the promotion stack, the gate's best so far, and any a "
+    "replica has loaded.",
 )
 @click.option(
     "--keep-adapters", default=5, show_default=True, type=click.IntRange(min=0),

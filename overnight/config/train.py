@@ -253,7 +253,7 @@ class TrainConfig:
         },
     )
     # Forgiven losses add up over many nights; the best adapter so far bounds the slide
-    # (trainer/gate/best.py). Costs one more adapter's replies on the gate's prompts.
+    # (storage/read/best_adapter.py). Costs one more adapter's replies on the gate's prompts.
     gate_best: bool = field(
         default=True,
         metadata={
@@ -371,7 +371,8 @@ class TrainConfig:
         default=5,
         metadata={
             "help": "After each night, delete adapters beyond the served one, a canary, "
-            "and the previous N of the promotion stack (0: keep every adapter)."
+            "the gate's best so far and the previous N of the promotion stack (0: keep "
+            "every adapter)."
         },
     )
     # Off by default: a night looks only at groups that changed since the last run's

@@ -6,6 +6,8 @@ bucket also uploaded (`adapters/<key>`) and copied into adapter-cache/. Kept:
 
   the adapter the alias serves and the canary;
   the previous `keep` of the promotion stack: what a rollback serves again;
+  each policy's best adapter so far, as the gate's records place it (what a not-worse
+  gate holds each candidate to: storage/read/best_adapter.py), however old;
   every adapter a replica has loaded, or that serves requests still in flight;
   each policy's newest night's adapter directory (a refused candidate, to look at; a
   night's policy is its run's, DATA/runs/<run>/run.json, none named: the default
@@ -26,8 +28,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import duckdb
+
 from overnight.storage.bucket import adapter_sync
 from overnight.storage.location import SegmentStore, segment_store
+from overnight.storage.read.best_adapter import kept_best
 
 log = logging.getLogger("overnight.proxy")
 
@@ -90,9 +95,13 @@ def plan(
     """What `delete` would delete (nothing is touched). `states`: every policy's promotion
     state, the default policy's first (adapters are the data directory's: one policy's
     prune keeps the others'); `default`: its name (None: as its state names it)."""
+    default = default or (states[0] if states else {}).get("alias")
     why: dict[str, str] = {}
     for state in states:
         why = {**kept_adapters(state, keep, loaded), **why}
+        best = _best_so_far(data_dir, state, default)
+        if best is not None:
+            why.setdefault(best, f"the gate's best so far of policy {state.get('alias')}")
     out = Pruned(keep)
     nights = sorted((data_dir / ADAPTERS_DIR).glob("*"), key=lambda p: p.name)
     nights = [p for p in nights if p.is_dir() and not p.name.startswith(".")]
@@ -101,7 +110,6 @@ def plan(
         for p in (data_dir / RUNS_DIR).glob("*")
         if p.is_dir() and not (p / "finished").exists()
     }
-    default = default or (states[0] if states else {}).get("alias")
     newest = _newest_by_policy(data_dir, nights, default)
     for night in nights:
         reason = why.get(str(night.resolve())) or why.get(str(night))
@@ -130,6 +138,17 @@ def night_run(data_dir: Path, run: str) -> dict | None:
         saved = json.loads((Path(data_dir) / RUNS_DIR / run / "run.json").read_text())
         return saved if isinstance(saved, dict) else None
     return None
+
+
+def _best_so_far(data_dir: Path, state: dict, default: str | None) -> str | None:
+    """The policy's best adapter so far (storage/read/best_adapter.py): a not-worse gate
+    holds each candidate to it, so it stays however many promotions came after it. Records
+    that cannot be read keep nothing more (logged)."""
+    try:
+        return kept_best(data_dir, state, default)
+    except (duckdb.Error, OSError, ValueError, TypeError, KeyError) as e:
+        log.warning("retention: the gate's best adapter so far not found (%s)", e)
+        return None
 
 
 def _newest_by_policy(data_dir: Path, nights: list[Path], default: str | None) -> dict:

@@ -33,9 +33,9 @@ import numpy as np
 
 from overnight.config import GATE_MODES, TrainConfig
 from overnight.progress import Progress, untold
+from overnight.storage.read.best_adapter import Best
 from overnight.storage.read.images import content_text, shows_images
 
-from .best import Best
 from .gaming import Gaming
 from .gaming import judge as judge_gaming
 from .gaming import measure as measure_gaming
@@ -145,9 +145,9 @@ class Verdict:
     examples: list[dict] = field(default_factory=list)
     forgetting: dict | None = None  # forgetting.py's figures, when measured
     gaming: dict | None = None  # gaming.py's shapes of the replies, when sampled
-    best: dict | None = None  # against the best adapter so far (best.py), when held to it
+    best: dict | None = None  # against the best adapter so far, when held to it
     # What was compared, as the proxies name the adapters (None: the base model): the
-    # chain best.py places adapters along.
+    # chain storage/read/best_adapter.py places adapters along.
     candidate_adapter: str | None = None
     served_adapter: str | None = None
 
@@ -186,7 +186,7 @@ def sample_both(
     """Each prompt's reply from the candidate and from the served adapter (None: the base
     model), one base model in memory with both adapters on it; with `anchor`, the base
     model's too (`base`) where an adapter is served: gaming's anchor across promotions;
-    with `best`, the best adapter so far's (`best`: best.py)."""
+    with `best`, the best adapter so far's (`best`: storage/read/best_adapter.py)."""
     adapters: dict[str, Path | str | None] = {"candidate": candidate, "served": served}
     if anchor and served is not None:
         adapters["base"] = None
@@ -450,7 +450,8 @@ def held_to_best(
     scorer: Scorer, config: TrainConfig, say=print,
 ) -> None:  # fmt: skip
     """The candidate against the best adapter so far on the same prompts, by the same
-    not-worse test (its margin from the best one's spread): refused if it fails (best.py).
+    not-worse test (its margin from the best one's spread): refused if it fails
+    (storage/read/best_adapter.py).
     Scored as its own pairs, so a judge ranks the two replies it compares, unlabelled."""
     scoring = Progress(say, "gate, against the best so far: scored", len(prompts), "pairs")
     scored = asyncio.run(

@@ -1,4 +1,6 @@
-"""The best adapter so far: what a `not-worse` candidate is held to besides the served one.
+"""A policy's best adapter so far, as the gate's records place it: what a `not-worse`
+candidate is held to besides the served one (trainer/gate/verdict.py), and what
+retention keeps (proxy/alias/retention.py).
 
 A not-worse gate forgives a loss up to its margin, against the adapter served now. Night
 after night the forgiven losses add up: each small night a little worse than the one
@@ -18,10 +20,9 @@ the served adapter's among the adapters the alias still stands on: its promotion
 joined it), and the base model. A served adapter the records do not place (promoted by
 hand, by a night with the gate off, by a resumed run whose promotion came before its
 interruption, or before these records) starts a new chain: what was measured before it
-is against something this chain cannot place, and is dropped. An adapter whose files are
-gone is passed over for the next best: --keep-adapters (5) prunes the stack below its
-newest promotions, so after that many promotions past the best the floor moves down to
-the best still kept (a gap: retention does not know the best).
+is against something this chain cannot place, and is dropped. Retention keeps each
+policy's best on disk whatever --keep-adapters says; one whose files are gone all the
+same (deleted by hand) is passed over for the next best.
 
 The levels are noisy sums (each step +-0.1 on 16-32 prompts); they only choose which
 adapter to sample. The test itself is the paired comparison on tonight's prompts.
@@ -51,17 +52,18 @@ class Best:
 
 
 def levels(
-    data_dir: Path, owns: Callable[[dict], bool], base_model: str
+    data_dir: Path, owns: Callable[[dict], bool], base_model: str | None = None
 ) -> dict[str | None, float]:
     """Each adapter the passed verdicts of the policy's nights (`owns(metrics)`) place, at
     its level over the base model (None: the base model, 0), along the newest chain (the
-    module's docstring). A row whose metrics cannot be read places nothing."""
+    module's docstring); with `base_model`, only its nights'. A row whose metrics cannot
+    be read places nothing."""
     con = open_db(data_dir)
     try:
         rows = con.execute(
-            "SELECT metrics FROM training_runs WHERE status = 'trained' AND base_model = ? "
-            "AND json_valid(metrics) AND json_extract(metrics, '$.gate.diff_mean') IS NOT NULL "
-            "ORDER BY started_at",
+            "SELECT metrics FROM training_runs WHERE status = 'trained' "
+            "AND coalesce(base_model = ?, true) AND json_valid(metrics) "
+            "AND json_extract(metrics, '$.gate.diff_mean') IS NOT NULL ORDER BY started_at",
             [base_model],
         ).fetchall()
     finally:
@@ -120,14 +122,34 @@ def standing(state: dict) -> set[str]:
 def loadable_path(data_dir: Path):
     """`best_so_far`'s `loadable` for this machine: a local adapter whose directory still
     holds its config, or a bucket upload fetched (None where either is gone)."""
-    from overnight.trainer.serving.proxy_client import local_adapter
+    from overnight.storage import data_url, segment_store
+    from overnight.storage.bucket import adapter_sync
 
     def find(adapter: str) -> str | None:
         try:
-            path = local_adapter(data_dir, adapter)
+            path = adapter if data_url(adapter) is None else str(
+                adapter_sync.fetch(segment_store(data_dir), adapter)
+            )  # fmt: skip
         except OSError:  # an upload pruned from the bucket, or unreadable: the next best
             return None
-        whole = path is not None and (Path(path) / "adapter_config.json").is_file()
-        return path if whole else None
+        return path if (Path(path) / "adapter_config.json").is_file() else None
 
     return find
+
+
+def kept_best(data_dir: Path, state: dict, default: str | None) -> str | None:
+    """The best adapter so far of the policy whose promotion state is `state` (its
+    `alias`; `default`: the default policy's name, whose nights may name no policy), for
+    retention to keep; None when the served one is its best, or nothing is placed."""
+    policy = state.get("alias")
+
+    def owns(metrics: dict) -> bool:
+        return metrics.get("policy") == policy or (
+            metrics.get("policy") is None and policy == default
+        )
+
+    by_name = {a["name"]: a for a in state.get("adapters") or []}
+    top = by_name.get((state.get("stack") or [None])[-1])
+    served = top["path"] if top else None  # as the night's verdict names it (served_adapter)
+    best = best_so_far(levels(data_dir, owns), served, standing(state), lambda a: a)
+    return best.adapter if best is not None else None
