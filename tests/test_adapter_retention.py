@@ -1,7 +1,7 @@
 """Adapter retention: ten nights of adapters, `--keep-adapters 3`, on local disk and on a
 bucket (moto's S3 server). Kept: what the alias serves, the canary, the three previous
-of the promotion stack (rollback targets), and anything a replica still serves requests
-with; everything else is deleted, locally, in the bucket and in adapter-cache/. The
+of the promotion stack (rollback targets), the gate's best so far, and anything a
+replica still serves requests with; everything else is deleted, locally, in the bucket and in adapter-cache/. The
 proxy runs in-process in front of the fake vLLM."""
 
 from __future__ import annotations
@@ -19,14 +19,19 @@ from overnight.storage import attach
 from overnight.storage.bucket.adapter_sync import CACHE
 from overnight.testing.fake_upstream import create_fake_upstream
 
+from .test_gate_best import record_nights, verdict_row
 from .test_object_storage import BUCKET, objects, s3  # noqa: F401 (the fixture)
 
 CHAT = {"model": "policy", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 
 
+def night_dir(data: Path, night: int) -> Path:
+    return data / "adapters" / f"2026120{night // 10}-{night % 10:02d}0000-run{night:02d}"
+
+
 def night_adapter(data: Path, night: int) -> Path:
     """What a night writes: DATA/adapters/<run>/, a peft-shaped directory."""
-    path = data / "adapters" / f"2026120{night // 10}-{night % 10:02d}0000-run{night:02d}"
+    path = night_dir(data, night)
     path.mkdir(parents=True)
     (path / "adapter_config.json").write_text(json.dumps({"r": 8}))
     (path / "adapter_model.safetensors").write_bytes(bytes([night]) * 4096)
@@ -74,9 +79,16 @@ async def test_ten_nights_on_local_disk_keep_what_serving_and_rollback_need(
     config = ProxyConfig(upstream=str(fake.make_url("")), data_dir=data, commit_interval=0.0,
                          drain_timeout=30.0, state_poll_interval=0.05)  # fmt: skip
     proxy = await aiohttp_client(create_app(config))
+    # The gate's records (storage/read/best_adapter.py): the second night's adapter the
+    # policy's best (+0.3 over the base model), each night after it forgiven a small loss.
+    names = [str(night_dir(data, n).resolve()) for n in range(10)]
+    record_nights(data, [verdict_row(names[0], None, 0.1), verdict_row(names[1], names[0], 0.2)]
+                  + [verdict_row(names[n], names[n - 1], -0.01) for n in range(2, 10)])  # fmt: skip
     paths = await ten_nights(proxy, data)
     left = sorted(p.name for p in (data / "adapters").iterdir())
-    assert left == [p.name for p in paths[-4:]], "the served one and the three before it"
+    # The served one and the three before it, and the best so far: a not-worse gate holds
+    # each candidate to it, so it stays however many promotions came after it.
+    assert left == [paths[1].name] + [p.name for p in paths[-4:]]
     # A refused candidate (never promoted) and a canary.
     refused = night_adapter(data, 10)
     canary = night_adapter(data, 11)
@@ -85,6 +97,7 @@ async def test_ten_nights_on_local_disk_keep_what_serving_and_rollback_need(
     dry = await prune(proxy, dry_run=True)
     assert dry["deleted"] == [str(refused)] and not dry["done"] and refused.exists()
     assert any(k.startswith(f"{canary}: canary") for k in dry["kept"])
+    assert f"{names[1]}: the gate's best so far of policy policy" in dry["kept"], dry["kept"]
     assert any(k.startswith(f"{paths[-1]}: served") for k in dry["kept"])
     # The newest night's own directory is kept for a look, so only the refused one goes
     # once a newer night exists; here the canary is the newest: the refused one goes.
@@ -205,35 +218,3 @@ async def test_each_policy_keeps_its_newest_nights_adapter(
     assert sorted(dry["deleted"]) == [str(n) for n in nights if n != nights[1]]
     assert f"{nights[1]}: the newest night's of policy research" in dry["kept"]
     assert f"{unnamed}: the newest night's of policy policy" in dry["kept"]
-
-
-async def test_the_gates_best_so_far_is_kept_however_many_promotions_came_after(
-    aiohttp_server, aiohttp_client, tmp_path
-):
-    """The not-worse gate holds each candidate to the policy's best adapter so far
-    (storage/read/best_adapter.py): retention keeps it beyond --keep-adapters, so the
-    floor never moves down because the best was pruned."""
-    from .test_gate_best import night, record_nights
-
-    fake = await aiohttp_server(create_fake_upstream())
-    data = tmp_path / "data"
-    config = ProxyConfig(upstream=str(fake.make_url("")), data_dir=data, commit_interval=0.0,
-                         drain_timeout=30.0, state_poll_interval=0.05)  # fmt: skip
-    proxy = await aiohttp_client(create_app(config))
-    # Where each night writes its adapter (made just before it is promoted, as a night).
-    paths = [data / "adapters" / f"20261200-{n:02d}0000-run{n:02d}" for n in range(10)]
-    names = [str(p.resolve()) for p in paths]
-    # The gate's records: the second night's adapter the best (+0.3 over the base model),
-    # each night after it forgiven a small loss.
-    record_nights(data, [night(names[0], None, 0.1), night(names[1], names[0], 0.2)]
-                  + [night(names[n], names[n - 1], -0.01) for n in range(2, 10)])  # fmt: skip
-    for n, path in enumerate(paths):
-        assert night_adapter(data, n) == path
-        r = await proxy.post("/admin/adapters/promote", json={"path": str(path)})
-        assert r.status == 200, await r.text()
-        await drained(proxy)
-        await prune(proxy)
-    left = sorted(p.name for p in (data / "adapters").iterdir())
-    assert left == sorted([paths[1].name] + [p.name for p in paths[-4:]])
-    dry = await prune(proxy, dry_run=True)
-    assert f"{names[1]}: the gate's best so far of policy policy" in dry["kept"], dry["kept"]
