@@ -103,9 +103,14 @@ def one_process(tmp_path_factory, tiny_model_dir) -> dict:
 def test_two_processes_train_the_same_adapter_as_one(
     tmp_path, tiny_model_dir, one_process, launcher
 ):
+    """Two processes with gradient checkpointing on train the adapter one process trains
+    without it: the processes' gradients summed, and the recomputed activations the
+    stored ones (one process alone, off against on: test_trainer_scale.py; two processes
+    without it: the FSDP resume below and W&B's torchrun run, test_wandb.py)."""
     write(tmp_path, GROUPS)
     two = subprocess.run(
-        train_command(tmp_path, tiny_model_dir, TWO_PROCESSES[launcher]),
+        train_command(tmp_path, tiny_model_dir, TWO_PROCESSES[launcher])
+        + ["--gradient-checkpointing", "on"],
         capture_output=True,
         text=True,
     )
@@ -113,7 +118,8 @@ def test_two_processes_train_the_same_adapter_as_one(
     assert two.stdout.count("step 4/4") == 1  # only process 0 reports
     mode = "FSDP" if launcher == "accelerate-fsdp" else "data parallel"
     assert f"2 processes, {mode} on cpu" in two.stdout
-    assert_same_adapter(one_process, trained_adapter(tmp_path), launcher)
+    assert "gradient checkpointing on" in two.stdout
+    assert_same_adapter(one_process, trained_adapter(tmp_path), f"{launcher} checkpointed")
 
 
 def test_fsdp_run_killed_midway_resumes_to_the_same_adapter(tmp_path, tiny_model_dir, one_process):

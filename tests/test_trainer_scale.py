@@ -411,29 +411,3 @@ def test_a_run_with_checkpointing_says_so_and_trains_the_same_adapter(tmp_path, 
     assert "gradient checkpointing off" in outputs["off"]
     assert "shared prompts once per row under an explicit mask" in outputs["on"]
     assert_same_adapter(adapters["off"], adapters["on"], "checkpointed")
-
-
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate-fsdp"])
-def test_checkpointing_under_two_processes_trains_the_same_adapter(
-    tmp_path, tiny_model_dir, launcher
-):
-    from .test_train_ddp import (
-        GROUPS,
-        TWO_PROCESSES,
-        assert_same_adapter,
-        train_command,
-        trained_adapter,
-        write,
-    )
-
-    one, two = tmp_path / "one", tmp_path / "two"
-    write(one, GROUPS)
-    subprocess.run(train_command(one, tiny_model_dir), check=True, capture_output=True)
-    write(two, GROUPS)
-    command = train_command(two, tiny_model_dir, TWO_PROCESSES[launcher])
-    run = subprocess.run(
-        command + ["--gradient-checkpointing", "on"], capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "gradient checkpointing on" in run.stdout
-    assert_same_adapter(trained_adapter(one), trained_adapter(two), f"{launcher} checkpointed")
