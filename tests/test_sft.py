@@ -523,28 +523,40 @@ async def test_the_gate_compares_the_sft_candidate_with_the_served_model_on_held
     assert metrics["objective"] == "sft" and metrics["gate"]["verdict"] == "promoted"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate-fsdp"])
-def test_two_processes_train_the_same_sft_adapter_as_one(tmp_path, tiny_model_dir, launcher):
-    """Under torchrun (gloo, data parallel) and FSDP (accelerate launch --use_fsdp) an
-    --sft night's step is the one-process step: the same micro-batches shared out, the
-    gradients summed."""
+def _sft_adapter(data, model_dir, launch=()) -> tuple[dict, str]:
+    """An --sft night on six teacher conversations under `launch` (one process without):
+    its adapter's tensors and what it printed."""
     import subprocess
 
     from safetensors.torch import load_file
 
-    from .test_train_ddp import TWO_PROCESSES, assert_same_adapter, train_command
+    from .test_train_ddp import train_command
 
-    adapters = []
-    for name, launch in (("one", ()), ("two", TWO_PROCESSES[launcher])):
-        write_teacher_traffic(tmp_path / name, conversations=6)
-        command = [*train_command(tmp_path / name, tiny_model_dir, launch), "--sft",
-                   "--sft-held-out", "0"]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        (run,) = rows(tmp_path / name, "SELECT adapter_path, steps, metrics FROM training_runs")
-        assert run["steps"] == 8 and json.loads(run["metrics"])["objective"] == "sft"
-        adapters.append(load_file(f"{run['adapter_path']}/adapter_model.safetensors"))
+    write_teacher_traffic(data, conversations=6)
+    command = [*train_command(data, model_dir, launch), "--sft", "--sft-held-out", "0"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = rows(data, "SELECT adapter_path, steps, metrics FROM training_runs")
+    assert run["steps"] == 8 and json.loads(run["metrics"])["objective"] == "sft"
+    return load_file(f"{run['adapter_path']}/adapter_model.safetensors"), done.stdout
+
+
+@pytest.fixture(scope="module")
+def one_process_sft(tmp_path_factory, tiny_model_dir) -> dict:
+    return _sft_adapter(tmp_path_factory.mktemp("one-sft"), tiny_model_dir)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate-fsdp"])
+def test_two_processes_train_the_same_sft_adapter_as_one(
+    tmp_path, tiny_model_dir, one_process_sft, launcher
+):
+    """Under torchrun (gloo, data parallel) and FSDP (accelerate launch --use_fsdp) an
+    --sft night's step is the one-process step: the same micro-batches shared out, the
+    gradients summed."""
+    from .test_train_ddp import TWO_PROCESSES, assert_same_adapter
+
+    two, said = _sft_adapter(tmp_path, tiny_model_dir, TWO_PROCESSES[launcher])
     mode = "FSDP" if launcher == "accelerate-fsdp" else "data parallel"
-    assert f"2 processes, {mode} on cpu" in done.stdout
-    assert_same_adapter(*adapters, f"sft, {launcher}")
+    assert f"2 processes, {mode} on cpu" in said
+    assert_same_adapter(one_process_sft, two, f"sft, {launcher}")
