@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # examples/
 from examples.rewards import bare_sum  # noqa: E402
 from examples.sum_agent import ASKED, HELD_OUT, SYSTEM  # noqa: E402
 from overnight.config import TrainConfig  # noqa: E402
-from overnight.config.train import SMOLLM2_CPU_PRESET  # noqa: E402
+from overnight.config.presets import SMOLLM2_CPU_PRESET  # noqa: E402
 
 MODEL = ROOT.parent / "main" / ".cache" / "smollm2-135m-instruct"
 GROUP = 4  # attempts per question, as the demo's agent

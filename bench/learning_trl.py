@@ -82,7 +82,7 @@ class Budget:
 
 
 def preset_budget(args) -> Budget:
-    from overnight.config.train import PRESETS
+    from overnight.config.presets import PRESETS
 
     preset = PRESETS[PRESET]
     return Budget(args.nights, args.size, args.group_size, preset["groups_per_step"],
@@ -104,7 +104,8 @@ def agent_defaults():
 
 def spec_for(task: str, difficulty: dict, model_dir: str, out: Path, args) -> dict:
     """What the child needs, as JSON: the task, the questions, the budget, the settings."""
-    from overnight.config.train import PRESETS, TrainConfig
+    from overnight.config.presets import PRESETS
+    from overnight.config.train import TrainConfig
     from overnight.testing.trl_mapping import grpo_config_options
     from overnight.trainer.grpo.loss import LossConfig
 

@@ -45,10 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import duckdb
-
 from overnight.config import LOGPROB_GAP_WARNING, SETTLE_SECONDS, TrainConfig
-from overnight.storage.read.best_adapter import Best, best_so_far, levels, loadable_path, standing
 from overnight.storage.read.policy_scope import PolicyScope
 from overnight.telemetry import traced
 from overnight.view.report import write_report
@@ -63,6 +60,7 @@ from .choose.resample import resample_turns
 from .choose.sft_plan import plan_sft
 from .choose.staleness import staleness_of, weigh_staleness
 from .choose.turn_groups import add_turn_groups, is_turn_group
+from .gate.floor import tonights_floor
 from .gate.forgetting import judge as judge_forgetting
 from .gate.forgetting import load_references
 from .gate.forgetting import measure as measure_forgetting
@@ -71,7 +69,6 @@ from .gate.gaming import judge as judge_gaming
 from .gate.gaming import live as live_answers
 from .gate.prompts import held_out_prompts
 from .gate.verdict import (
-    MIN_PROMPTS,
     Scorer,
     Verdict,
     gaming_alone,
@@ -388,7 +385,9 @@ class Night:
         served_path = local_adapter(self.data_dir, served)
         verdict = skipped(config, scorer) or run_gate(
             config, self.base_model, self.adapter_dir, served_path, prompts, scorer,
-            result.held_out, self.vision, say=say, best=self.best_so_far(served, prompts),
+            result.held_out, self.vision, say=say,
+            best=tonights_floor(config, self.data_dir, self.scope, self.base_model, self.state,
+                                served, prompts, say),
         )  # fmt: skip
         verdict.candidate_adapter, verdict.served_adapter = self.shared, served
         if gaming_alone(config, scorer):  # no scorer: the answers' shapes still decide
@@ -407,27 +406,6 @@ class Night:
             say(f"not promoted: the adapter stays in {self.adapter_dir}; the proxy keeps "
                 f"serving {served or 'the base model'}")  # fmt: skip
         return verdict
-
-    def best_so_far(self, served: str | None, prompts: list) -> Best | None:
-        """The adapter a not-worse candidate is also held to (storage/read/best_adapter.py),
-        if one is placed above the served one and --gate-best holds it. A failure to find it is
-        said and costs the night nothing but the floor."""
-        config = self.config
-        if not config.gate_best or config.gate != "not-worse" or len(prompts) < MIN_PROMPTS:
-            return None
-        owns = self.scope.owns if self.scope else (lambda m: m.get("policy") is None)
-        try:
-            placed = levels(self.data_dir, owns, self.base_model)
-            best = best_so_far(placed, served, standing(self.state),
-                               loadable_path(self.data_dir))  # fmt: skip
-        except (duckdb.Error, OSError, ValueError, TypeError) as e:  # unreadable records
-            self.say(f"warning: gate: the best adapter so far not found ({e}); "
-                     "holding the candidate to the served one only")  # fmt: skip
-            return None
-        if best is not None:
-            self.say(f"gate: also holding the candidate to the best adapter so far, "
-                     f"{best.describe()}")  # fmt: skip
-        return best
 
     def served_now(self) -> dict:
         """The proxy's state again, after training: what the gate compares with and the

@@ -12,8 +12,8 @@ What lives where (import every name from here, `from overnight.config import ...
     proxy.py   ProxyConfig (`overnight serve`: the proxy)
     vllm.py    VLLMConfig (`overnight serve --model`: the vLLM it starts)
     judge.py   JudgeConfig (`overnight judge`)
-    train.py   TrainConfig, GATE_MODES, PRESETS (tiny-cpu, smollm2-cpu), LOGPROB_GAP_WARNING
-               (`overnight train`)
+    train.py   TrainConfig, GATE_MODES, LOGPROB_GAP_WARNING (`overnight train`)
+    presets.py PRESETS (tiny-cpu, smollm2-cpu): `overnight train --preset`
     keys.py    the --keys-file: scoped client keys, per-policy admin tokens
     upstream_kind.py  vLLM or a hosted API (openai, anthropic; auto by host)
     handover.py  HostedBeside: --hosted-upstream, a hosted API beside vLLM (the handover)
@@ -27,15 +27,9 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .common import DEFAULT_DATA_DIR, DEFAULT_TOOL_CALL_PARSER, SETTLE_SECONDS
 from .judge import JudgeConfig
+from .presets import PRESETS, TINY_CPU_PRESET
 from .proxy import ProxyConfig
-from .train import (
-    COLOCATE_MODES,
-    GATE_MODES,
-    LOGPROB_GAP_WARNING,
-    PRESETS,
-    TINY_CPU_PRESET,
-    TrainConfig,
-)
+from .train import COLOCATE_MODES, GATE_MODES, LOGPROB_GAP_WARNING, TrainConfig
 from .vllm import VLLMConfig
 
 __all__ = [
