@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overnight.storage import open_db
+from overnight.storage.read.policy_scope import PolicyScope
 
 _ABOVE = 1e-9  # a level the served one's by more than rounding
 
@@ -142,12 +143,7 @@ def kept_best(data_dir: Path, state: dict, default: str | None) -> str | None:
     `alias`; `default`: the default policy's name, whose nights may name no policy), for
     retention to keep; None when the served one is its best, or nothing is placed."""
     policy = state.get("alias")
-
-    def owns(metrics: dict) -> bool:
-        return metrics.get("policy") == policy or (
-            metrics.get("policy") is None and policy == default
-        )
-
+    owns = PolicyScope(policy, default=policy == default).owns  # a night naming none: default's
     by_name = {a["name"]: a for a in state.get("adapters") or []}
     top = by_name.get((state.get("stack") or [None])[-1])
     served = top["path"] if top else None  # as the night's verdict names it (served_adapter)
