@@ -8,6 +8,15 @@ lowest first: `forward` (the hop to vLLM), `replicas` (the adapters on each repl
 Never imports torch or litellm: the process that serves traffic stays small.
 """
 
-from .app import create_app
-
 __all__ = ["create_app"]
+
+
+def __getattr__(name: str):
+    # Imported when asked for, not with the package: `launch` is read by processes that
+    # serve no traffic (vLLM's own, loading vllm_cpu_lora as a plugin) and need none of
+    # the app's imports (aiohttp, DuckDB, pyarrow: 0.8 s a process).
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

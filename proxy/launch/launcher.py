@@ -23,7 +23,13 @@ import urllib.request
 from overnight.config import VLLMConfig
 from overnight.errors import OvernightError
 
-from .vllm_cpu import KV_CACHE_ENV, kv_cache_env, vllm_runs_on_cpu, whole_prefill_args
+from .vllm_cpu import (
+    CPU_LORA_ENV,
+    KV_CACHE_ENV,
+    kv_cache_env,
+    vllm_runs_on_cpu,
+    whole_prefill_args,
+)
 
 log = logging.getLogger("overnight")
 
@@ -276,6 +282,8 @@ class VLLMProcess:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         # On a CPU: a KV cache sized from the model, not a share of a busy NUMA node.
         env.update(kv_cache_env(self.config.model, self.config.extra_args))
+        if vllm_runs_on_cpu():  # its LoRA ops right and fast (vllm_cpu_lora.py)
+            env.setdefault(CPU_LORA_ENV, "1")
         if KV_CACHE_ENV in env and KV_CACHE_ENV not in os.environ:
             log.info(
                 "vLLM on CPU: KV cache %s GiB (from the model; set %s to change it)",

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+# Set for a vLLM our launcher starts on a CPU: its LoRA ops replaced (vllm_cpu_lora.py).
+CPU_LORA_ENV = "OVERNIGHT_VLLM_CPU_LORA"
 # One GiB holds the tiny model's whole cache many times over, and vLLM wants a whole
 # number of GiB; below that a real model cannot hold even one long sequence.
 FLOOR_GIB = 1
