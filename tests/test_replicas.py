@@ -110,6 +110,32 @@ def test_the_same_rollout_picks_the_same_replica_in_every_process():
     assert moved and all(chosen[k] == urls[0] for k in moved)  # only the lost replica's move
 
 
+async def test_a_health_answer_older_than_a_failure_does_not_put_the_replica_back():
+    """A check under way when a request fails on the replica answered before the failure:
+    the replica stays out until a check that began after it (seen under load: the killed
+    replica's last answer arrived with the other's, later than its failure)."""
+    from overnight.proxy.replicas.health import check_replicas
+
+    balancer = Balancer(["http://10.0.0.1:8000", "http://10.0.0.2:8000"], 1, 1)
+    slow, other = balancer.replicas
+    answered = asyncio.Event()
+
+    class Lora:  # what each replica lists; the first answers, then waits for the second
+        async def served_models(self, replica):
+            if replica is other:
+                await answered.wait()
+            return [{"id": "base"}]
+
+    check = asyncio.create_task(check_replicas(Lora(), balancer.replicas))
+    await asyncio.sleep(0)  # both asked; `slow` has answered
+    balancer.mark_down(slow, ConnectionResetError("killed"))
+    answered.set()
+    await check
+    assert not slow.healthy and other.healthy
+    await check_replicas(Lora(), balancer.replicas)  # a check begun after the failure
+    assert slow.healthy
+
+
 async def test_a_replica_killed_under_load(make_proxy, tmp_path):
     """Requests not yet answered move to the other replica; streams cut mid-way are
     recorded as partial."""

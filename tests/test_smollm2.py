@@ -153,6 +153,12 @@ def test_the_template_renders_each_turn_as_vllm_saw_it(logged, smollm2_dir):
             # `train --sft` skips such a reply: render.py's `_turn`)
             assert record["finish_reason"] == "length"
             wanted, text_ids = [*sampled, end_of_turn], sampled
+            as_sampled = tokenizer.decode(text_ids)
+            if as_sampled.endswith("\ufffd"):  # cut inside a character's bytes: vLLM holds
+                # the part back from the text, so no render from the text can give it back
+                assert as_sampled.startswith(reply["content"])
+                assert tokenizer.decode(turn.completion_ids) == reply["content"] + "<|im_end|>"
+                continue
         assert tokenizer.decode(turn.completion_ids) == tokenizer.decode(wanted)
         if tokenizer.encode(tokenizer.decode(text_ids), add_special_tokens=False) == text_ids:
             assert turn.completion_ids == wanted  # sampled as the tokenizer splits it

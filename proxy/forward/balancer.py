@@ -32,7 +32,8 @@ log = logging.getLogger("overnight.proxy")
 class Replica:
     """One vLLM server: its connection pool and what the proxy knows of it."""
 
-    __slots__ = ("url", "pool", "outstanding", "healthy", "synced", "asleep", "served", "_salt")
+    __slots__ = ("url", "pool", "outstanding", "healthy", "synced", "asleep", "served",
+                 "failures", "_salt")  # fmt: skip
 
     def __init__(self, url: str, connect_timeout: float, keepalive_timeout: float):
         self.url = url
@@ -42,6 +43,9 @@ class Replica:
         self.synced = True  # it serves the promoted adapter (or none is promoted)
         self.asleep = False  # put to sleep for a colocated night (vllm_sleep.py)
         self.served: set[str] = set()  # model names it listed at its last check
+        # Requests that failed on it (mark_down): a health check under way when one
+        # failed answered before it, so it is no evidence that the replica is back.
+        self.failures = 0
         self._salt = url.encode() + b"\0"
 
     @property
@@ -149,6 +153,7 @@ class Balancer:
             "replica %s failed (%s): out until it answers a health check", replica.url, error
         )
         replica.healthy = False
+        replica.failures += 1
         self.refresh()
         if self.on_down is not None:
             self.on_down(replica)

@@ -16,14 +16,17 @@ log = logging.getLogger("overnight.proxy")
 async def check_replicas(lora: LoraClient, replicas: list[Replica]) -> list[list[dict]]:
     """Ask every replica what it serves; mark it healthy or not and note what it serves.
     Returns the model cards of those that answered."""
+    failures = [r.failures for r in replicas]
     answers = await asyncio.gather(*(lora.served_models(r) for r in replicas))
     cards = []
-    for replica, served in zip(replicas, answers, strict=True):
+    for replica, served, failed_before in zip(replicas, answers, failures, strict=True):
         if served is None:
             if replica.healthy:
                 log.warning("replica %s is out: it did not answer", replica.url)
             replica.healthy = False
             continue
+        if replica.failures != failed_before:  # a request failed while it answered: the
+            continue  # answer is older than the failure; the next check decides
         if not replica.healthy:
             log.info("replica %s answers again", replica.url)
         replica.healthy = True
