@@ -30,6 +30,7 @@ from overnight.trainer.run.record import RunResult, record_run
 from overnight.view.report import write_report
 
 from .helpers import rows
+from .vllm_fixtures import random_lora
 
 pytest.importorskip("peft")
 
@@ -143,19 +144,27 @@ def test_forgetting_is_zero_for_an_unchanged_model_and_positive_for_a_moved_one(
     # wrote (generation is never asked again), keyed by the model.
     cached = data / "references" / f"{forgetting.model_identity(str(tiny_model_dir))}.json"
     assert len(json.loads(cached.read_text())) == 4
-    # The base model's figures too: computed once, never again.
-    assert len(json.loads(cached.with_suffix(".loglik.json").read_text())) == 4
+    # Each model's figures too, the base model's and each adapter's by its weights: the
+    # base (4) and the two adapters (4 each) scored once, never again.
+    assert len(json.loads(cached.with_suffix(".loglik.json").read_text())) == 12
     monkeypatch.setattr(forgetting, "generate_replies", _no_generation)
     real_loglik = forgetting.loglik
-    monkeypatch.setattr(
-        forgetting, "loglik", lambda model, *a: _adapter_only(model, real_loglik, *a)
-    )
+    monkeypatch.setattr(forgetting, "loglik", _no_scoring)
     again = measure(config, data, str(tiny_model_dir), lora_adapter, str(fresh_adapter))
     assert again.candidate == moved.candidate
-    # Served and candidate swapped: the figures follow the adapters.
+    # Served and candidate swapped (last night's candidate promoted): the figures follow
+    # the adapters, read back by their weights, whatever each is called tonight.
     swapped = measure(config, data, str(tiny_model_dir), fresh_adapter, str(lora_adapter))
     assert swapped.served == pytest.approx(moved.candidate, abs=1e-6)
     assert swapped.candidate == pytest.approx(0.0, abs=1e-6)
+    # A new candidate is scored, alone: the served adapter's figures are last night's.
+    monkeypatch.setattr(
+        forgetting, "loglik", lambda model, *a: _adapter_only(model, real_loglik, *a)
+    )
+    other = random_lora(tiny_model_dir, 2, tmp_path / "other")
+    tonight = measure(config, data, str(tiny_model_dir), other, str(lora_adapter))
+    assert tonight.served == pytest.approx(moved.candidate, abs=1e-6)
+    assert tonight.candidate > 0.01 and tonight.candidate != pytest.approx(moved.candidate)
 
 
 def test_the_forgetting_pass_says_its_progress(tiny_model_dir, fresh_adapter, lora_adapter,
@@ -178,8 +187,11 @@ def test_the_forgetting_pass_says_its_progress(tiny_model_dir, fresh_adapter, lo
     assert all("s left" in line for line in lines[1:-1]), lines
     assert lines[-1].startswith("forgetting: scored 12 reference answers in "), lines
     lines.clear()  # the base model's answers and figures cached, the base model served
-    measure(config, data, str(tiny_model_dir), lora_adapter, None, say=lines.append)
-    assert len(lines) == 1 and lines[0].startswith("forgetting: scored 4 reference answers in ")
+    measure(config, data, str(tiny_model_dir), fresh_adapter, None, say=lines.append)
+    assert lines == [
+        "forgetting: the 4 reference answers' figures read from the cache (every model "
+        "scored them before)"
+    ]
 
 
 def _adapter_only(model, real, *args):
@@ -188,6 +200,10 @@ def _adapter_only(model, real, *args):
 
     assert disabled and not any(disabled), "the base model was scored again"
     return real(model, *args)
+
+
+def _no_scoring(*_args, **_kwargs):
+    raise AssertionError("a model's figures were computed again")
 
 
 def _no_generation(*_args, **_kwargs):

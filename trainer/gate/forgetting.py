@@ -4,9 +4,11 @@
   operator's --reference JSONL) -> each prompt's reference answer (the operator's, or the
   base model's own greedy answer, generated once per base model and cached in
   DATA/references/) -> the mean per-token log-likelihood of each answer given its prompt,
-  teacher-forced, under the base model (once, cached there too), the served adapter and
-  the candidate (one forward pass each, no sampling) -> forgetting = base - adapter, in nats per token, averaged over
-  the set -> the gate refuses a candidate over --forgetting-budget (docs/grpo.md).
+  teacher-forced, under the base model, the served adapter and the candidate (one forward
+  pass each, no sampling; each model's figures cached there by its weights, so a served
+  adapter measured the night it was the candidate is not scored again) -> forgetting =
+  base - adapter, in nats per token, averaged over the set -> the gate refuses a
+  candidate over --forgetting-budget (docs/grpo.md).
 
 The gate (verdict.py) compares the candidate with the served adapter on tonight's traffic;
 this compares both with the base model on everything else, so that the drift of nights
@@ -15,6 +17,7 @@ stacked on one another stays in view across promotions.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -263,29 +266,69 @@ def base_answers(
     return [r.answer if r.answer is not None else cache[r.key] for r in refs]
 
 
-def base_logliks(data_dir: Path, base_model: str, model, encoded, pad: int, device: str,
-                 progress: Progress | None = None):  # fmt: skip
-    """The base model's figure per reference (loglik, adapters disabled): the same every
-    night for the same model, tokens and dtype, so computed once and cached beside the
-    answers (DATA/references/{model}.loglik.json): a night scores two models, not three.
-    `progress`: told of the references scored here (expected first: none when cached)."""
-    path = Path(data_dir) / "references" / f"{model_identity(base_model)}.loglik.json"
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    dtype = next(model.parameters()).dtype
-    keys = [
-        hashlib.sha256(f"{dtype}:{device}:{begins}:{ids}".encode()).hexdigest()[:24]
-        for ids, begins in encoded
-    ]
-    missing = [i for i, key in enumerate(keys) if key not in cache]
-    if missing:
-        if progress is not None:
-            progress.expect(len(missing))
-        advance = progress.advance if progress is not None else untold
-        with model.disable_adapter():
-            values = loglik(model, [encoded[i] for i in missing], pad, device, advance)
-        cache.update({keys[i]: float(v) for i, v in zip(missing, values, strict=True)})
-        _save(path, cache)
-    return np.asarray([cache[key] for key in keys])
+class Figures:
+    """Each reference's figure (loglik) under each model on `model` (an adapter's name, or
+    None: the base model, adapters disabled), read from DATA/references/{model}.loglik.json
+    where that model scored the same tokens in the same dtype before, and added to it
+    where not. The base model's figures are the same every night; an adapter's are keyed
+    by its weights (adapter_identity), so the served adapter, scored the night it was the
+    candidate, is read back: a night scores one model, not three."""
+
+    def __init__(self, data_dir: Path, base_model: str, model, encoded, device: str) -> None:
+        self.path = Path(data_dir) / "references" / f"{model_identity(base_model)}.loglik.json"
+        self.cache = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.model, self.encoded, self.device = model, encoded, device
+        self.dtype = next(model.parameters()).dtype
+        self._keys: dict[str | None, list[str]] = {}
+
+    def keys(self, adapter: str | None) -> list[str]:
+        if adapter not in self._keys:
+            weights = "" if adapter is None else adapter_identity(self.model, adapter)
+            self._keys[adapter] = [
+                hashlib.sha256(
+                    f"{weights}{self.dtype}:{self.device}:{begins}:{ids}".encode()
+                ).hexdigest()[:24]
+                for ids, begins in self.encoded
+            ]
+        return self._keys[adapter]
+
+    def missing(self, adapter: str | None) -> int:
+        return sum(key not in self.cache for key in self.keys(adapter))
+
+    def of(self, adapter: str | None, pad: int, advance: Callable[[int], None] = untold):
+        """`adapter`'s figures, those not cached scored now (`advance`: told how many)."""
+        keys = self.keys(adapter)
+        missing = [i for i, key in enumerate(keys) if key not in self.cache]
+        if missing:
+            with _scoring(self.model, adapter):
+                values = loglik(self.model, [self.encoded[i] for i in missing], pad,
+                                self.device, advance)  # fmt: skip
+            self.cache.update({keys[i]: float(v) for i, v in zip(missing, values, strict=True)})
+            _save(self.path, self.cache)
+        return np.asarray([self.cache[key] for key in keys])
+
+
+def adapter_identity(model, adapter: str) -> str:
+    """What names the adapter `adapter` on `model` (a peft model): a digest of its LoRA
+    weights as loaded (their names without the adapter's, shapes and values), so that the
+    same adapter is the same whatever it is called or wherever its files are."""
+    import torch
+
+    digest = hashlib.sha256()
+    marker = f".{adapter}."
+    for name, tensor in sorted(model.state_dict().items()):
+        if marker in name:
+            digest.update(f"{name.replace(marker, '.')}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.detach().to(torch.float32).cpu().numpy().tobytes())
+    return digest.hexdigest()[:20] + ":"
+
+
+def _scoring(model, adapter: str | None):
+    """A context in which `model` answers as `adapter` (None: the base model)."""
+    if adapter is None:
+        return model.disable_adapter()
+    model.set_adapter(adapter)
+    return contextlib.nullcontext()
 
 
 def _save(path: Path, cache: dict) -> None:
@@ -388,18 +431,20 @@ def measure(
     answers = base_answers(data_dir, base_model, model, tokenizer, refs, device, say)
     encoded = encode(tokenizer, refs, answers)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # Each adapter's pass, and the base model's where it is not cached (base_logliks).
-    scoring = Progress(say, "forgetting: scored", len(refs) * (1 + (served is not None)),
+    # Each model's pass where its figures are not cached (Figures): the base model's once,
+    # the served adapter's the night it was the candidate.
+    figures = Figures(data_dir, base_model, model, encoded, device)
+    models = [None, "candidate", *(["served"] if served is not None else [])]
+    scoring = Progress(say, "forgetting: scored", sum(map(figures.missing, models)),
                        "reference answers")  # fmt: skip
-    base = base_logliks(data_dir, base_model, model, encoded, pad, device, scoring)
-    model.set_adapter("candidate")
-    drift = {"candidate": base - loglik(model, encoded, pad, device, scoring.advance)}
-    if served is not None:
-        model.set_adapter("served")
-        drift["served"] = base - loglik(model, encoded, pad, device, scoring.advance)
+    base, *scored = (figures.of(m, pad, scoring.advance) for m in models)
+    drift = {"candidate": base - scored[0]}
+    drift["served"] = base - scored[1] if served is not None else np.zeros_like(base)
+    if scoring.total:
+        scoring.finish()
     else:
-        drift["served"] = np.zeros_like(base)
-    scoring.finish()
+        say(f"forgetting: the {len(refs)} reference answers' figures read from the cache "
+            "(every model scored them before)")  # fmt: skip
     result = Forgetting(
         len(refs), config.forgetting_budget, float(base.mean()),
         float(drift["served"].mean()), float(drift["candidate"].mean()),
