@@ -4,7 +4,11 @@
         --size 16 --group-size 4 --held-out 16
 
 SmolLM2-135M-Instruct (prepared from its pip package) learns each task through the product's
-own path, one `overnight serve --model` per task on a fresh data folder (vLLM's CPU backend):
+own path, one `overnight serve --model` per task on a fresh data folder (vLLM's CPU backend).
+A task is a reasoning-gym task (bench/task_headroom.CANDIDATES) or a TextArena game
+(bench/game_headroom.CANDIDATES: examples/game_agent.py plays --size boards, each game one
+multi-turn rollout rewarded with its outcome; a move has no verifier of its own, so a
+game's nights are gated on forgetting alone):
 
   before:  the held-out score of the model served as `policy` (the base model)
   day d:   examples/reasoning_gym_agent.py, unchanged, as a user runs it (a subprocess with
@@ -52,10 +56,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.game_headroom import CANDIDATES as GAMES  # noqa: E402
 from bench.task_headroom import CANDIDATES  # noqa: E402
 from examples.reasoning_gym_agent import HELD_OUT_SEED  # noqa: E402
 
 AGENT = ROOT / "examples" / "reasoning_gym_agent.py"
+GAME_AGENT = ROOT / "examples" / "game_agent.py"
+# A game's moves: at most this many a game (bench/game_headroom.py's, its games' turn limits
+# within it), each up to the agent's 64 tokens.
+GAME_MOVES = 10
 REWARD = f"{ROOT / 'examples' / 'reasoning_gym_rewards.py'}:score_answer"
 # Chosen with bench/task_headroom.py (BENCHMARKS.md): untrained sampled scores in range.
 DEFAULT_TASKS = ["syllogism"]
@@ -246,11 +255,20 @@ def difficulty_args(task: str) -> list[str]:
 
 
 def run_agent(env: dict, task: str, summary: Path, *args: str) -> dict:
-    """examples/reasoning_gym_agent.py as a user runs it; its --summary-json."""
-    options = difficulty_args(task)
-    command = [sys.executable, str(AGENT), "--task", task, "--model", "policy",
-               "--summary-json", str(summary), *args]  # fmt: skip
-    command += ["--difficulty", *options] if options else []
+    """The task's agent as a user runs it (examples/reasoning_gym_agent.py, or for a game
+    examples/game_agent.py with its settings, a board where a question is: --size boards);
+    its --summary-json."""
+    if task in GAMES:
+        settings = [f"--setting={k}={json.dumps(v)}" for k, v in GAMES[task].items()]
+        args = tuple("--games" if a == "--size" else a for a in args)
+        command = [sys.executable, str(GAME_AGENT), "--env", task, "--model", "policy",
+                   "--max-turns", str(GAME_MOVES), "--summary-json", str(summary), *settings,
+                   *args]  # fmt: skip
+    else:
+        options = difficulty_args(task)
+        command = [sys.executable, str(AGENT), "--task", task, "--model", "policy",
+                   "--summary-json", str(summary), *args]  # fmt: skip
+        command += ["--difficulty", *options] if options else []
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(summary.read_text())
 
@@ -303,10 +321,13 @@ def night(env: dict, task: str, out: Path, url: str, d: int, args, say) -> tuple
         if line.startswith(("step ", "gate (", "nothing to train", "memory:")):
             say(f"{task} night {d}: {line[:300]}")
 
+    # A game's move has no verifier of its own (its reward is the whole game's): its nights
+    # are gated on forgetting alone ("not gated: no scorer", then the reference set).
+    gate = [] if task in GAMES else ["--gate-reward", REWARD, "--gate-prompts", str(args.held_out)]
     output = run_overnight(
         "train", "--data", str(out / "data"), "--proxy", url, "--preset", "smollm2-cpu",
-        "--settle", "0", "--no-watch", "--reward-source", "agent", "--gate-reward", REWARD,
-        "--gate-prompts", str(args.held_out), *args.train_arg, show=progress,
+        "--settle", "0", "--no-watch", "--reward-source", "agent", *gate, *args.train_arg,
+        show=progress,
     )  # fmt: skip
     (out / f"night-{d}.log").write_text(output)
     gate = next((line for line in output.splitlines() if line.startswith("gate (")), "-")
@@ -334,13 +355,14 @@ def run_task(task: str, model_dir: str, out: Path, args, progress: Progress) -> 
     out.mkdir(parents=True, exist_ok=True)
     # The peer first, alone on the machine: its wall time is its own (vLLM not yet started).
     peer = train_peer(task, model_dir, out, args, progress) if args.peer else None
-    index = out / "index.json"
-    index.write_text(json.dumps(index_specs(task, args), indent=1))
+    if task not in GAMES:  # the gate's verifier finds each question through it
+        index = out / "index.json"
+        index.write_text(json.dumps(index_specs(task, args), indent=1))
+        os.environ["REASONING_GYM_INDEX"] = str(index)  # the gate's, in `overnight train`
     share_references(REFERENCES, out / "data" / "references")
     print(f"{task}: starting vLLM (CPU) and the proxy on {out / 'data'}", flush=True)
     server = serve_local_model(out / "data", model_dir, "smollm2", "--max-lora-rank", "8",
                                f"--vllm-arg=--max-model-len={args.max_model_len}")  # fmt: skip
-    os.environ["REASONING_GYM_INDEX"] = str(index)  # the gate's, in `overnight train`
     env = dict(os.environ, OPENAI_BASE_URL=f"{server.url}/v1", OPENAI_API_KEY="unused")
     rows: list[Row] = []
     try:
@@ -417,7 +439,8 @@ def measure_peer(env: dict, task: str, out: Path, args, base: Row, peer: dict,
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="*", default=DEFAULT_TASKS,
-                        help="reasoning-gym tasks with a difficulty in task_headroom.CANDIDATES")  # fmt: skip
+                        help="reasoning-gym tasks with a difficulty in task_headroom.CANDIDATES, "
+                        "TextArena games with settings in game_headroom.CANDIDATES")  # fmt: skip
     parser.add_argument("--nights", type=int, default=2)
     parser.add_argument("--size", type=int, default=16, help="questions a day (groups)")
     parser.add_argument("--group-size", type=int, default=4, help="attempts per question")
@@ -438,9 +461,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", help="a prepared SmolLM2 (default: prepared now)")
     parser.add_argument("--out", type=Path, help="default .cache/bench/learning/<UTC time>/")
     args = parser.parse_args(argv)
-    unknown = [t for t in args.tasks if t not in CANDIDATES]
+    unknown = [t for t in args.tasks if t not in CANDIDATES and t not in GAMES]
     if unknown:
-        parser.error(f"no difficulty for {unknown}: add them to bench/task_headroom.CANDIDATES")
+        parser.error(f"no difficulty for {unknown}: add them to bench/task_headroom.CANDIDATES "
+                     "(a reasoning-gym task) or bench/game_headroom.CANDIDATES (a game)")  # fmt: skip
+    if args.peer and any(t in GAMES for t in args.tasks):
+        parser.error("--peer: TRL's side asks single questions; a game is many turns")
     return args
 
 

@@ -28,6 +28,14 @@ turn comes before the game (another board's opening, answered with that example 
 and dropped: no gain measured, BENCHMARKS.md.) Each game's result counts the moves the game refused (`invalid_moves`,
 `first_valid`).
 
+`--held-out` is a measurement, not traffic to train on, as reasoning_gym_agent.py's: the
+boards come from another seed (`--seed` + HELD_OUT_SEED), each game is a group of its own
+(`heldout-...`), no reward is posted (the rollout is only finished), the
+requests carry `X-Rollout-Origin: eval`, and each turn of a seed's k-th game is drawn with
+the same seed whatever model plays it (two models' games differ by what they learnt more
+than by their draws). The mean outcome is printed, and with `--summary-json PATH` written
+as JSON, for bench code (bench/learning.py).
+
     pip install -e ".[tasks]"
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python examples/game_agent.py \\
         --env GuessTheNumber-v0 --games 4 --group-size 4
@@ -166,17 +174,31 @@ class Game:
         return float(reward), reason
 
 
+HELD_OUT_SEED = 1_000_003  # added to --seed in --held-out mode: other boards
+HELD_OUT_DRAWS = 1_000  # held-out sampling seeds: (board * HELD_OUT_DRAWS + game) * 100 + turn
+
+
+def eval_headers() -> dict[str, str]:
+    """The mark of a measurement (docs/wire.md, X-Rollout-Origin), honoured from the
+    operator only: with the admin token, or from loopback where none is set."""
+    token = os.environ.get("OVERNIGHT_ADMIN_TOKEN")
+    mark = {"X-Rollout-Origin": "eval"}
+    return {**mark, "X-Rollout-Origin-Token": token} if token else mark
+
+
 class Rewards:
     """The proxy's reward and finish routes; a server without them is asked once."""
 
     def __init__(self, http: httpx.AsyncClient, enabled: bool) -> None:
         self.http, self.enabled = http, enabled
 
-    async def post(self, rollout: str, reward: float, metrics: dict) -> None:
+    async def post(self, rollout: str, reward: float | None, metrics: dict) -> None:
+        """The reward (None: none, a measurement's), then the finish."""
         if not self.enabled:
             return
-        body = {"reward": reward, "metrics": metrics}
-        for path, payload in [(f"/rollouts/{rollout}/reward", body), (f"/rollouts/{rollout}/finish", None)]:  # fmt: skip
+        calls = [(f"/rollouts/{rollout}/reward", {"reward": reward, "metrics": metrics})]
+        calls = (calls if reward is not None else []) + [(f"/rollouts/{rollout}/finish", None)]
+        for path, payload in calls:
             r = await self.http.post(path, json=payload)
             if r.status_code in (404, 405):  # OpenAI, a plain vLLM: no such routes
                 print(f"the server has no {path.split('/')[-1]} route: rewards not posted")
@@ -185,10 +207,13 @@ class Rewards:
             r.raise_for_status()
 
 
-async def play(client: openai.AsyncOpenAI, args: argparse.Namespace, seed: int, group: str) -> dict:
-    """One game, one rollout: the conversation grows turn by turn."""
+async def play(client: openai.AsyncOpenAI, args: argparse.Namespace, seed: int, group: str,
+               draws: int | None = None) -> dict:  # fmt: skip
+    """One game, one rollout: the conversation grows turn by turn. `draws`: each turn's
+    sampling seed is draws * 100 + the turn (None: unseeded, as the days' games are)."""
     rollout = f"{group}.{uuid.uuid4().hex[:8]}"
     headers = {"X-Rollout-Group": group, "X-Rollout-Id": rollout}
+    headers |= eval_headers() if args.held_out else {}
     settings = dict(args.setting)
     game = Game(args.env, seed, settings)
     hint = not args.no_move_hint
@@ -203,6 +228,7 @@ async def play(client: openai.AsyncOpenAI, args: argparse.Namespace, seed: int, 
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             extra_headers=headers,
+            **({"seed": draws * 100 + turns} if draws is not None else {}),
         )
         move = reply.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": move})
@@ -243,6 +269,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run", default=uuid.uuid4().hex[:6], help="tag in the group ids")
     parser.add_argument("--no-rewards", action="store_true",
                         help="post no rewards or finishes (plain servers)")  # fmt: skip
+    parser.add_argument("--held-out", action="store_true",
+                        help="measure on held-out boards: marked eval, no rewards")  # fmt: skip
+    parser.add_argument("--summary-json", help="also write the summary here, as JSON")
     return parser.parse_args(argv)
 
 
@@ -256,21 +285,43 @@ async def run(args: argparse.Namespace) -> list[dict]:
     ) as http:
         rewards = Rewards(http, enabled=not args.no_rewards)
 
-        async def one(i: int) -> dict:
+        async def one(i: int, k: int) -> dict:
+            # held out: other boards, each game a group of its own, its draws seeded
+            seed = args.seed + i + (HELD_OUT_SEED if args.held_out else 0)
+            group = (f"heldout-{args.env}-{args.run}-{i}-{k}" if args.held_out
+                     else f"game-{args.env}-{args.run}-{i}")  # fmt: skip
+            draws = i * HELD_OUT_DRAWS + k if args.held_out else None
             async with limit:
-                result = await play(client, args, args.seed + i, f"game-{args.env}-{args.run}-{i}")
-            metrics = {k: result[k] for k in ("turns", "finished", "reason", "seed")}
-            await rewards.post(result["rollout_id"], result["reward"], {"env": args.env, **metrics})
+                result = await play(client, args, seed, group, draws)
+            metrics = {key: result[key] for key in ("turns", "finished", "reason", "seed")}
+            reward = None if args.held_out else result["reward"]  # a measurement: none
+            await rewards.post(result["rollout_id"], reward, {"env": args.env, **metrics})
             return result
 
         results = await asyncio.gather(
-            *[one(i) for i in range(args.games) for _ in range(args.group_size)]
+            *[one(i, k) for i in range(args.games) for k in range(args.group_size)]
         )
     for r in results:
         print(f"{r['rollout_id']}: {r['turns']} turn(s), reward {r['reward']:.2f} ({r['reason']})")
-    mean = sum(r["reward"] for r in results) / max(len(results), 1)
-    print(f"{len(results)} games in {args.games} groups of {args.env}, mean reward {mean:.3f}")
+    summarise(args, results)
     return results
+
+
+def summarise(args: argparse.Namespace, results: list[dict]) -> dict:
+    """The mean outcome, printed, and written to --summary-json where given."""
+    n = max(len(results), 1)
+    mean = sum(r["reward"] for r in results) / n
+    kind = "held-out" if args.held_out else "training"
+    print(f"{len(results)} games in {args.games} groups of {args.env} ({kind}), "
+          f"mean reward {mean:.3f}")  # fmt: skip
+    summary = {"env": args.env, "held_out": args.held_out, "attempts": len(results),
+               "boards": args.games, "mean_score": mean,
+               "first_valid": sum(r["first_valid"] for r in results) / n,
+               "finished": sum(r["finished"] for r in results) / n}  # fmt: skip
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

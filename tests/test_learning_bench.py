@@ -229,3 +229,37 @@ def test_both_curves_side_by_side_in_the_table_and_on_the_page():
     assert len(table(ours + trl).splitlines()) == 3  # ours only
     html = page(ours + trl, "python bench/learning.py --peer trl", {"nights": 1})
     assert html.count("<svg") == 3 and "TRL, sampled" in html and "seconds spent learning" in html
+
+
+def test_a_game_is_a_task_its_agent_plays_boards_with_the_games_settings(tmp_path, monkeypatch):
+    """A TextArena game in --tasks: examples/game_agent.py plays it with its settings, the
+    bench's --size as boards; no TRL side for a game (its turns are many)."""
+    import bench.learning as learning
+
+    args = parse_args(["--tasks", "GuessTheNumber-v0", "syllogism"])
+    assert args.tasks == ["GuessTheNumber-v0", "syllogism"]
+    with pytest.raises(SystemExit):
+        parse_args(["--tasks", "GuessTheNumber-v0", "--peer", "trl"])
+    with pytest.raises(SystemExit):
+        parse_args(["--tasks", "NoSuchGame-v0"])
+    commands = []
+
+    def run(command, **_):
+        commands.append(command)
+        summary = Path(command[command.index("--summary-json") + 1])
+        summary.write_text(json.dumps({"mean_score": 0.5, "attempts": 8}))
+
+    monkeypatch.setattr(learning.subprocess, "run", run)
+    got = learning.run_agent({}, "GuessTheNumber-v0", tmp_path / "s.json", "--held-out",
+                             "--seed", "0", "--size", "4", "--group-size", "2")  # fmt: skip
+    assert got == {"mean_score": 0.5, "attempts": 8}
+    (command,) = commands
+    assert command[1] == str(learning.GAME_AGENT) and command[2:4] == ["--env", "GuessTheNumber-v0"]
+    assert "--size" not in command and command[command.index("--games") + 1] == "4"
+    settings = [c for c in command if c.startswith("--setting=")]
+    assert settings == [
+        "--setting=min_number=1",
+        "--setting=max_number=10",
+        "--setting=max_turns=4",
+    ]
+    assert "--held-out" in command and "--difficulty" not in command

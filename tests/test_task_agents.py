@@ -254,6 +254,47 @@ async def test_a_game_is_one_multi_turn_rollout_rewarded_with_its_outcome(
         assert group[-1] == 1.0 and group[0] < 1.0, results
 
 
+async def test_held_out_games_are_marked_eval_seeded_and_post_no_reward(
+    upstream, make_proxy, tmp_path, monkeypatch
+):
+    """`--held-out`: other boards, each game a group of its own, every turn marked eval and
+    drawn from the game's own seeds (the same for any model that plays it), no reward; the
+    summary's mean is the games' outcomes (bench/learning.py reads it)."""
+    fake = await upstream(guessing_player())
+    proxy = await make_proxy(upstream=str(fake.make_url("")))
+    monkeypatch.setenv("OPENAI_BASE_URL", str(proxy.make_url("/v1")))
+    monkeypatch.delenv("OVERNIGHT_ADMIN_TOKEN", raising=False)  # loopback: the mark counts
+    out = tmp_path / "summary.json"
+    args = ["--env", "GuessTheNumber-v0", "--games", "2", "--group-size", "2", "--seed", "3",
+            "--run", "h", "--max-turns", "12", "--held-out", "--summary-json", str(out)]  # fmt: skip
+    results = await game_agent.run(game_agent.parse_args(args))
+    summary = json.loads(out.read_text())
+    assert summary["held_out"] is True and summary["attempts"] == 4
+    assert summary["mean_score"] == pytest.approx(sum(r["reward"] for r in results) / 4)
+    assert 0 < summary["mean_score"] < 1  # the bisecting games won, the repeating ones lost
+    assert {r["seed"] for r in results} == {3 + game_agent.HELD_OUT_SEED + i for i in range(2)}
+
+    data = tmp_path / "data"
+    await wait_for_rows(data, 4, table="finishes")
+    turns = rows(data, "SELECT group_id, rollout_id, turn_index, sent_by, request "
+                       "FROM completions ORDER BY group_id, turn_index")  # fmt: skip
+    assert sorted({t["group_id"] for t in turns}) == [
+        f"heldout-GuessTheNumber-v0-h-{i}-{k}" for i in range(2) for k in range(2)
+    ]
+    assert {t["sent_by"] for t in turns} == {"eval"}
+    assert rows(data, "SELECT * FROM rewards") == []
+    games = defaultdict(list)
+    for t in turns:
+        games[t["group_id"]].append(json.loads(t["request"])["seed"])
+    for (
+        group,
+        seeds,
+    ) in games.items():  # board i's k-th game, its n-th move: (i * DRAWS + k) * 100 + n
+        i, k = map(int, group.split("-")[-2:])
+        draws = i * game_agent.HELD_OUT_DRAWS + k
+        assert seeds == [draws * 100 + n for n in range(len(seeds))], (group, seeds)
+
+
 async def test_recorded_games_are_planned_for_a_night(
     upstream, make_proxy, tmp_path, monkeypatch, tiny_model_dir
 ):
