@@ -152,18 +152,20 @@ def noise(a: float, b: float, n: int) -> float:
 def agreement(data: Path, truth: dict[str, float], floor: float) -> dict:
     """The implicit rewards against what the script knows: AUC, and the answers at or
     above `floor` (what the night imitates), right and wrong."""
+    from overnight.storage import query_rows
     from overnight.testing.implicit_trial import auc
-    from overnight.testing.processes import sql_rows
 
     query = (
         "SELECT json_extract_string(c.notes, '$.imported.id') AS source, r.reward "
         "FROM rewards r JOIN completions c ON c.rollout_id = r.rollout_id "
         "WHERE r.source = 'implicit'"
     )
-    rated = {row["source"]: row["reward"] for row in sql_rows(data, query)}
+    rated = {row["source"]: row["reward"] for row in query_rows(data, query)}
     known = {s: v for s, v in rated.items() if s in truth}
     kept = [s for s, v in known.items() if v >= floor]
-    kinds = sql_rows(data, "SELECT kind, count(*) AS n FROM signals GROUP BY kind ORDER BY n DESC")
+    kinds = query_rows(
+        data, "SELECT kind, count(*) AS n FROM signals GROUP BY kind ORDER BY n DESC"
+    )
     return {
         "rated": len(known),
         "auc": auc([(v, truth[s]) for s, v in known.items()]),

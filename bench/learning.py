@@ -289,9 +289,9 @@ class Progress:
 
 def served_by(data: Path, tag: str) -> str:
     """What answered the held-out groups tagged `tag`."""
-    from overnight.testing.processes import sql_rows
+    from overnight.storage import query_rows
 
-    rows = sql_rows(data, "SELECT string_agg(DISTINCT models_served, ',') AS served "
+    rows = query_rows(data, "SELECT string_agg(DISTINCT models_served, ',') AS served "
                           f"FROM rollouts WHERE group_id LIKE 'heldout-%-{tag}-%'")  # fmt: skip
     return (rows[0]["served"] if rows else None) or "-"
 

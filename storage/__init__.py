@@ -7,7 +7,7 @@ ground they share, `overnight.errors`, for `StoreUnavailable`).
 from .files import fsync_path
 from .ids import new_id, now_us
 from .location import attach, data_url, segment_store
-from .read.reader import finished_groups, open_db
+from .read.reader import finished_groups, open_db, query_rows
 from .schema import SCHEMA_VERSION, SchemaVersionError, fit_row
 from .write.commits import StoreUnavailable
 from .write.compactor import recover
@@ -28,6 +28,7 @@ __all__ = [
     "new_id",
     "now_us",
     "open_db",
+    "query_rows",
     "recover",
     "segment_store",
 ]

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import pytest
 
-from overnight.storage import SCHEMA_VERSION, open_db
+from overnight.storage import SCHEMA_VERSION, query_rows
 
 T = TypeVar("T")
 
@@ -97,14 +97,7 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def rows(data_dir: Path, query: str, params: list | None = None) -> list[dict]:
-    con = open_db(data_dir)
-    try:
-        result = con.execute(query, params or [])
-        names = [d[0] for d in result.description]
-        return [dict(zip(names, r, strict=True)) for r in result.fetchall()]
-    finally:
-        con.close()
+rows = query_rows  # `query` over a data folder's views: its rows as dicts
 
 
 async def wait_for_rows(

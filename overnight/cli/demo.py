@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overnight.examples.number_agent import QUESTIONS
-from overnight.testing.processes import run_overnight, sql_rows
+from overnight.storage import query_rows
+from overnight.testing.processes import run_overnight
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ class _Night:
     def score(self, day: int) -> tuple[list[str], list[str]]:
         """Score the day's agent and held-out groups with the story's reward function."""
         story = self.story
-        rows = sql_rows(
+        rows = query_rows(
             self.data,
             "SELECT group_id, group_id LIKE '" + story.held_out + "' AS held FROM groups "
             f"WHERE (group_id LIKE '{story.trained}' OR group_id LIKE '{story.held_out}') "
@@ -278,10 +279,11 @@ class _Night:
         """The mean reward of `groups`' rollouts, and what served them."""
         if not groups:
             return float("nan"), "-"
-        (row,) = sql_rows(
+        (row,) = query_rows(
             self.data,
             "SELECT avg(reward) AS reward, string_agg(DISTINCT models_served, ',') AS served "
-            f"FROM rollouts WHERE group_id IN ({', '.join(repr(g) for g in groups)})",
+            "FROM rollouts WHERE list_contains(?, group_id)",  # ids as data, never as SQL
+            [groups],
         )
         return row["reward"], row["served"]
 
@@ -315,7 +317,7 @@ def _tiny_held_out(base: str, tag: str) -> None:
 def _summary(data: str, results: list[Day]) -> None:
     """The table test_demo reads, each night's gate verdict, and the count of failed
     requests (the groups themselves are one `overnight ls` away)."""
-    (failures,) = sql_rows(
+    (failures,) = query_rows(
         data,
         "SELECT count(*) AS n FROM completions WHERE error IS NOT NULL OR http_status <> 200",
     )

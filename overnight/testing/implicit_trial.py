@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overnight.examples.sum_agent import ASKED, HELD_OUT, SYSTEM
+from overnight.storage import query_rows
 
-from .processes import run_overnight, sql_rows
+from .processes import run_overnight
 from .scripted_user import Conversation, converse_all, true_reward
 
 
@@ -234,7 +235,7 @@ def auc(scored: list[tuple[float, float]]) -> float | None:
 
 def _implicit_rewards(data: Path) -> dict[str, float]:
     query = "SELECT rollout_id, reward FROM rewards WHERE source = 'implicit'"
-    return {row["rollout_id"]: row["reward"] for row in sql_rows(data, query)}
+    return {row["rollout_id"]: row["reward"] for row in query_rows(data, query)}
 
 
 def _post(data: Path, truth: dict[str, float]) -> None:
@@ -258,7 +259,7 @@ def _post(data: Path, truth: dict[str, float]) -> None:
 def trained_adapter(data: Path) -> Path:
     """The adapter of the newest night that trained in `data`."""
     query = "SELECT run_id FROM training_runs WHERE status = 'trained' ORDER BY started_at DESC"
-    out = sql_rows(data, query)
+    out = query_rows(data, query)
     if not out:
         raise RuntimeError(f"no night trained in {data}")
     return data / "adapters" / out[0]["run_id"]

@@ -9,7 +9,6 @@ that starts it: a free port, output to a log file, a deadline for becoming healt
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -224,9 +223,3 @@ def run_overnight(*args: str, show: Callable[[str], None] | None = None) -> str:
     if process.returncode != 0:
         raise RuntimeError(f"overnight {args[0]} failed:\n{out[-2000:]}{stderr[-2000:]}")
     return out
-
-
-def sql_rows(data: str | Path, query: str) -> list[dict]:
-    """`overnight sql QUERY` over DATA, as a child: its rows."""
-    out = run_overnight("sql", query, "--data", str(data), "--format", "json")
-    return [json.loads(line) for line in out.splitlines() if line.strip()]

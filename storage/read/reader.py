@@ -272,6 +272,18 @@ def open_db(
     return con
 
 
+def query_rows(data_dir: str | Path, query: str, params: list | None = None) -> list[dict]:
+    """`query` over `data_dir`'s views (`open_db`, as `overnight sql` reads them): its rows,
+    each a dict of column to value."""
+    con = open_db(data_dir)
+    try:
+        result = con.execute(query, params or [])
+        names = [d[0] for d in result.description]
+        return [dict(zip(names, row, strict=True)) for row in result.fetchall()]
+    finally:
+        con.close()
+
+
 # The folder's `date=` is not a column: `day_of` is the rows' own day.
 NO_HIVE = "hive_partitioning = false"
 
