@@ -49,10 +49,16 @@ import contextlib
 import json
 import os
 import random
+import sys
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example's
+# The held-out marks and seeds, and the reward and finish routes, as the reasoning-gym agent's.
+from reasoning_gym_agent import HELD_OUT_DRAWS, HELD_OUT_SEED, Rewards, eval_headers  # noqa: E402
 
 SYSTEM = (
     "You are playing a text game. Read the game's messages and make one move per turn, "
@@ -172,39 +178,6 @@ class Game:
         if isinstance(reward, bool) or not isinstance(reward, int | float):
             return 0.0, reason or str(reward)
         return float(reward), reason
-
-
-HELD_OUT_SEED = 1_000_003  # added to --seed in --held-out mode: other boards
-HELD_OUT_DRAWS = 1_000  # held-out sampling seeds: (board * HELD_OUT_DRAWS + game) * 100 + turn
-
-
-def eval_headers() -> dict[str, str]:
-    """The mark of a measurement (docs/wire.md, X-Rollout-Origin), honoured from the
-    operator only: with the admin token, or from loopback where none is set."""
-    token = os.environ.get("OVERNIGHT_ADMIN_TOKEN")
-    mark = {"X-Rollout-Origin": "eval"}
-    return {**mark, "X-Rollout-Origin-Token": token} if token else mark
-
-
-class Rewards:
-    """The proxy's reward and finish routes; a server without them is asked once."""
-
-    def __init__(self, http: httpx.AsyncClient, enabled: bool) -> None:
-        self.http, self.enabled = http, enabled
-
-    async def post(self, rollout: str, reward: float | None, metrics: dict) -> None:
-        """The reward (None: none, a measurement's), then the finish."""
-        if not self.enabled:
-            return
-        calls = [(f"/rollouts/{rollout}/reward", {"reward": reward, "metrics": metrics})]
-        calls = (calls if reward is not None else []) + [(f"/rollouts/{rollout}/finish", None)]
-        for path, payload in calls:
-            r = await self.http.post(path, json=payload)
-            if r.status_code in (404, 405):  # OpenAI, a plain vLLM: no such routes
-                print(f"the server has no {path.split('/')[-1]} route: rewards not posted")
-                self.enabled = False
-                return
-            r.raise_for_status()
 
 
 async def play(client: openai.AsyncOpenAI, args: argparse.Namespace, seed: int, group: str,
